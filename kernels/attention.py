@@ -1,0 +1,344 @@
+"""Paged attention: one contract, two implementations.
+
+The KV cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`
+(the layout vllm-flash-attn reads). A forward brings a flattened batch of new tokens: sequence `i`
+owns rows `query_start_loc[i]:query_start_loc[i + 1]` of the query, and its context (cached tokens
+plus the new ones, `seq_lens[i]` in all) lives in the blocks its row of `block_tables` names.
+New token `j` of a sequence sits at position `seq_lens[i] - query_len + j` and sees every context
+position up to and including its own (causal, aligned to the end of the context).
+
+`SdpaAttention` runs anywhere torch does; `FlashAttention` calls the paged flash-attn kernel on
+CUDA. Both take an `AttentionMetadata`, are prepared once per forward (`prepare`), then called
+once per layer (`forward`), and give the same answer (tests/unit/test_attention.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Sequences with more new tokens than this get their own SDPA call instead of being padded into
+# the shared decode/verify group (padding a prefill chunk's length onto every decode would waste
+# far more than a Python call costs).
+MAX_BATCHED_QUERY_LEN = 16
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where each sequence's new tokens sit in the flattened batch and in the paged cache."""
+
+    block_size: int
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative new-token counts
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including the new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token's K/V
+    query_lens_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.query_lens_host) != len(self.seq_lens_host):
+            raise ValueError("query_lens_host and seq_lens_host need one entry per sequence")
+        for q_len, s_len in zip(self.query_lens_host, self.seq_lens_host, strict=True):
+            if not 1 <= q_len <= s_len:
+                raise ValueError(f"each sequence needs 1 <= query_len <= seq_len: {q_len}, {s_len}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host)
+
+
+def write_kv(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Store the new tokens' keys and values in their cache slots."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+class AttentionBackend(ABC):
+    """Attention over a paged KV cache for a flattened batch of new tokens."""
+
+    name: str
+
+    @abstractmethod
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """Work shared by every layer of one forward (index tensors, masks)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        plan: Any,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attention output for every new token."""
+
+
+@dataclass(frozen=True, slots=True)
+class _SdpaGroup:
+    """Sequences answered by one SDPA call, padded to a common query and key length."""
+
+    num_seqs: int
+    max_query_len: int
+    kv_len: int  # keys per sequence after gathering its blocks
+    block_tables: torch.Tensor  # [num_seqs, num_blocks] blocks to gather per sequence
+    mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, kv_len] bool, True = attend
+    token_slice: slice  # output rows of a lone sequence (used when query_rows is None)
+    query_rows: torch.Tensor | None  # [num_seqs * max_query_len] flat query rows to gather
+    out_rows: torch.Tensor | None  # [num_group_tokens] padded rows that hold real tokens
+    token_rows: torch.Tensor | None  # [num_group_tokens] where those rows go in the output
+
+
+def causal_mask(
+    query_lens: list[int],
+    seq_lens: list[int],
+    max_query_len: int,
+    kv_len: int,
+    device: torch.device,
+) -> torch.Tensor:  # [num_seqs, 1, max_query_len, kv_len] bool
+    """Bottom-right aligned causal mask over padded queries and keys."""
+    q_len = torch.tensor(query_lens, device=device).view(-1, 1, 1)
+    s_len = torch.tensor(seq_lens, device=device).view(-1, 1, 1)
+    i = torch.arange(max_query_len, device=device).view(1, -1, 1)
+    j = torch.arange(kv_len, device=device).view(1, 1, -1)
+    visible = (j <= s_len - q_len + i) & (j < s_len)
+    # A padding query (i >= q_len) sees key 0 only, so its softmax stays finite; it is dropped.
+    visible = torch.where(i < q_len, visible, j == 0)
+    return visible.unsqueeze(1)
+
+
+class SdpaAttention(AttentionBackend):
+    """Paged attention with `torch.nn.functional.scaled_dot_product_attention`.
+
+    Short queries (decode, verification of a draft) share one padded SDPA call; each long query
+    (a prefill chunk) gets its own. Keys and values are gathered from the cache blocks first.
+    """
+
+    name = "sdpa"
+
+    def prepare(self, meta: AttentionMetadata) -> list[_SdpaGroup]:
+        starts = meta.query_start_loc.tolist()
+        lens = meta.query_lens_host
+        short = [i for i, q in enumerate(lens) if q <= MAX_BATCHED_QUERY_LEN]
+        groups = [
+            self._group(meta, starts, [i]) for i, q in enumerate(lens) if q > MAX_BATCHED_QUERY_LEN
+        ]
+        if short:
+            groups.append(self._group(meta, starts, short))
+        return groups
+
+    def _group(self, meta: AttentionMetadata, starts: list[int], seqs: list[int]) -> _SdpaGroup:
+        device = meta.block_tables.device
+        query_lens = [meta.query_lens_host[i] for i in seqs]
+        seq_lens = [meta.seq_lens_host[i] for i in seqs]
+        max_q, kv_len = max(query_lens), max(seq_lens)
+        num_blocks = -(-kv_len // meta.block_size)
+        rows = torch.tensor(seqs, device=device)
+        block_tables = meta.block_tables.index_select(0, rows)[:, :num_blocks]
+        lone = len(seqs) == 1
+        mask = (
+            None
+            if lone and max_q == 1
+            else causal_mask(query_lens, seq_lens, max_q, kv_len, device)
+        )
+        if lone:
+            span = slice(starts[seqs[0]], starts[seqs[0] + 1])
+            return _SdpaGroup(1, max_q, kv_len, block_tables, mask, span, None, None, None)
+        query_rows: list[int] = []
+        out_rows: list[int] = []
+        token_rows: list[int] = []
+        for n, (i, q_len) in enumerate(zip(seqs, query_lens, strict=True)):
+            query_rows += [starts[i] + min(j, q_len - 1) for j in range(max_q)]
+            out_rows += range(n * max_q, n * max_q + q_len)
+            token_rows += range(starts[i], starts[i] + q_len)
+
+        def index(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.long, device=device)
+
+        return _SdpaGroup(
+            len(seqs),
+            max_q,
+            kv_len,
+            block_tables,
+            mask,
+            slice(0, 0),
+            index(query_rows),
+            index(out_rows),
+            index(token_rows),
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: list[_SdpaGroup],
+        scale: float,
+    ) -> torch.Tensor:
+        if len(plan) == 1 and plan[0].query_rows is None:
+            return self._attend(query, key_cache, value_cache, plan[0], scale)
+        out = torch.empty_like(query)
+        for group in plan:
+            if group.query_rows is None:
+                out[group.token_slice] = self._attend(query, key_cache, value_cache, group, scale)
+            else:
+                assert group.out_rows is not None and group.token_rows is not None
+                padded = self._attend(query, key_cache, value_cache, group, scale)
+                out.index_copy_(0, group.token_rows, padded.index_select(0, group.out_rows))
+        return out
+
+    @staticmethod
+    def _attend(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        group: _SdpaGroup,
+        scale: float,
+    ) -> torch.Tensor:  # [num_seqs * max_query_len, num_heads, head_dim]
+        b, q_len, kv_len = group.num_seqs, group.max_query_len, group.kv_len
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        if group.query_rows is None:
+            q = query[group.token_slice]
+        else:
+            q = query.index_select(0, group.query_rows)
+        q = q.view(b, q_len, num_heads, head_dim).transpose(1, 2)
+        k = _gather(key_cache, group.block_tables, kv_len)
+        v = _gather(value_cache, group.block_tables, kv_len)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+        )  # [b, num_heads, q_len, head_dim]
+        return out.transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
+
+
+def _gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [b, n]
+    kv_len: int,
+) -> torch.Tensor:  # [b, num_kv_heads, kv_len, head_dim]
+    b, n = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    blocks = cache.index_select(0, block_tables.reshape(-1))
+    return blocks.view(b, n * block_size, num_kv_heads, head_dim)[:, :kv_len].transpose(1, 2)
+
+
+@dataclass(frozen=True, slots=True)
+class _FlashPlan:
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+def _load_flash_module() -> ModuleType | None:
+    for name in ("vllm_flash_attn", "flash_attn"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "flash_attn_varlen_func"):
+            return module
+    return None
+
+
+class FlashAttention(AttentionBackend):
+    """Paged attention with flash-attn's varlen kernel reading the cache through block tables.
+
+    CUDA only, fp16/bf16 only. Uses `vllm_flash_attn` when installed (vLLM images), else
+    upstream `flash_attn` (the `gpu` extra); both expose the same `flash_attn_varlen_func`.
+    """
+
+    name = "flash"
+
+    def __init__(self) -> None:
+        module = _load_flash_module()
+        if module is None:
+            raise RuntimeError("flash attention needs `vllm_flash_attn` or `flash_attn` installed")
+        self._varlen = module.flash_attn_varlen_func
+
+    def prepare(self, meta: AttentionMetadata) -> _FlashPlan:
+        cu_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
+        torch.cumsum(meta.seq_lens, 0, out=cu_k[1:])
+        return _FlashPlan(
+            cu_seqlens_q=meta.query_start_loc.to(torch.int32),
+            cu_seqlens_k=cu_k,
+            block_tables=meta.block_tables.to(torch.int32),
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: _FlashPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        # flash-attn aligns the causal mask to the bottom right when a query is shorter than its
+        # keys, which is exactly "each new token sees the context up to its own position".
+        out: torch.Tensor = self._varlen(
+            query,
+            key_cache,
+            value_cache,
+            cu_seqlens_q=plan.cu_seqlens_q,
+            cu_seqlens_k=plan.cu_seqlens_k,
+            max_seqlen_q=plan.max_query_len,
+            max_seqlen_k=plan.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=plan.block_tables,
+        )
+        return out
+
+
+def flash_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the flash backend can serve this device and dtype."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and _load_flash_module() is not None
+    )
+
+
+def select_attention_backend(
+    device: torch.device, dtype: torch.dtype, prefer: str | None = None
+) -> AttentionBackend:
+    """`prefer` is "sdpa", "flash" or None (flash where available, else SDPA)."""
+    if prefer not in (None, "sdpa", "flash"):
+        raise ValueError(f"unknown attention backend {prefer!r}; choose 'sdpa' or 'flash'")
+    if prefer == "sdpa":
+        return SdpaAttention()
+    if flash_attention_available(device, dtype):
+        return FlashAttention()
+    if prefer == "flash":
+        raise RuntimeError(
+            f"flash attention is not available for {device.type}/{dtype} "
+            "(it needs CUDA, fp16/bf16, and vllm_flash_attn or flash_attn installed)"
+        )
+    return SdpaAttention()

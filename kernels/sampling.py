@@ -1,0 +1,81 @@
+"""Sampling transforms: logits to the probabilities a token is drawn from.
+
+The same transform (temperature, then top-k, top-p, min-p, in that order as transformers applies
+them) is applied to target and draft distributions, so the rejection test compares like with like.
+A row with temperature 0 is greedy: its distribution is one-hot on the argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [num_rows, vocab]
+    temperature: torch.Tensor,  # [num_rows] fp32, 0 = greedy
+    top_k: torch.Tensor,  # [num_rows] int64, 0 = off
+    top_p: torch.Tensor,  # [num_rows] fp32, 1 = off
+    min_p: torch.Tensor,  # [num_rows] fp32, 0 = off
+) -> torch.Tensor:  # [num_rows, vocab] fp32, rows sum to 1
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    scaled = _mask_top_k(scaled, top_k)
+    probs = torch.softmax(scaled, dim=-1)
+    probs = _mask_top_p(probs, top_p)
+    probs = _mask_min_p(probs, min_p)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    if bool((k == vocab).all()):
+        return logits
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [num_rows, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    if bool((top_p >= 1).all()):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is
+    # still short of top_p. The most likely token always stays.
+    drop_sorted = mass_before >= top_p.unsqueeze(1)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return _renormalize(probs.masked_fill(drop, 0.0))
+
+
+def _mask_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    if bool((min_p <= 0).all()):
+        return probs
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+    return _renormalize(probs.masked_fill(probs < threshold, 0.0))
+
+
+def _renormalize(probs: torch.Tensor) -> torch.Tensor:
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [num_rows, vocab] fp32
+    generators: list[torch.Generator | None],
+) -> torch.Tensor:  # [num_rows] int64
+    """One draw per row, each row from its own generator (a request's seed), else the global RNG.
+
+    Greedy rows are one-hot, so the draw returns the argmax without consuming randomness that
+    matters to anyone else.
+    """
+    if len(generators) != probs.shape[0]:
+        raise ValueError("sample_from_probs needs one generator (or None) per row")
+    draws = [
+        torch.multinomial(row, 1, generator=gen) for row, gen in zip(probs, generators, strict=True)
+    ]
+    return torch.cat(draws) if draws else torch.empty(0, dtype=torch.long)

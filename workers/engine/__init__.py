@@ -1,0 +1,1 @@
+"""What a verifier runs: batch building, the model runner, the generation loop."""

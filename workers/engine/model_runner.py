@@ -1,0 +1,146 @@
+"""One forward pass over a batch of sequences, each bringing its own new tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from workers.kv_cache import PagedKVCache
+from workers.model.transformer import ModelOutput, TransformerLM
+
+
+@dataclass(frozen=True, slots=True)
+class SeqForward:
+    """One sequence's share of a forward: its new tokens and where they go in the cache."""
+
+    token_ids: Sequence[int]  # the new tokens: a prefill chunk, a decode token, or last + draft
+    num_computed_tokens: int  # tokens already cached = position of the first new token
+    block_ids: Sequence[int]  # the sequence's block table, covering every new token
+    num_logits: int = 1  # score the last `num_logits` new tokens
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a sequence in a forward needs at least one new token")
+        if not 0 <= self.num_logits <= len(self.token_ids):
+            raise ValueError(
+                f"num_logits must be in 0..{len(self.token_ids)}, got {self.num_logits}"
+            )
+        if self.num_computed_tokens < 0:
+            raise ValueError("num_computed_tokens must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_logits] int64
+    query_start_loc: tuple[int, ...]  # host copy, num_seqs + 1 entries
+    logits_start_loc: tuple[int, ...]  # where each sequence's logits rows start, num_seqs + 1
+
+
+def build_inputs(
+    seqs: Sequence[SeqForward], block_size: int, max_positions: int, device: torch.device
+) -> BatchInputs:
+    """Flatten per-sequence chunks into the tensors a forward takes."""
+    if not seqs:
+        raise ValueError("a forward needs at least one sequence")
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_indices: list[int] = []
+    query_start, logits_start = [0], [0]
+    for seq in seqs:
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids)
+        if end > max_positions:
+            raise ValueError(
+                f"sequence reaches position {end - 1}, past the context {max_positions}"
+            )
+        if -(-end // block_size) > len(seq.block_ids):
+            raise ValueError(
+                f"block table holds {len(seq.block_ids)} blocks, {end} tokens need more"
+            )
+        row = len(input_ids)
+        input_ids += seq.token_ids
+        positions += range(start, end)
+        slots += (
+            seq.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
+        logits_indices += range(row + len(seq.token_ids) - seq.num_logits, row + len(seq.token_ids))
+        query_start.append(len(input_ids))
+        logits_start.append(len(logits_indices))
+    max_blocks = max(len(s.block_ids) for s in seqs)
+    tables = [list(s.block_ids) + [0] * (max_blocks - len(s.block_ids)) for s in seqs]
+
+    def as_tensor(
+        values: Sequence[int] | Sequence[Sequence[int]], dtype: torch.dtype
+    ) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    meta = AttentionMetadata(
+        block_size=block_size,
+        query_start_loc=as_tensor(query_start, torch.int32),
+        seq_lens=as_tensor([s.num_computed_tokens + len(s.token_ids) for s in seqs], torch.int32),
+        block_tables=as_tensor(tables, torch.int32),
+        slot_mapping=as_tensor(slots, torch.int64),
+        query_lens_host=tuple(len(s.token_ids) for s in seqs),
+        seq_lens_host=tuple(s.num_computed_tokens + len(s.token_ids) for s in seqs),
+    )
+    return BatchInputs(
+        input_ids=as_tensor(input_ids, torch.int64),
+        positions=as_tensor(positions, torch.int64),
+        meta=meta,
+        logits_indices=as_tensor(logits_indices, torch.int64),
+        query_start_loc=tuple(query_start),
+        logits_start_loc=tuple(logits_start),
+    )
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    output: ModelOutput
+    inputs: BatchInputs
+
+    def logits_of(self, seq_index: int) -> torch.Tensor:  # [num_logits of that seq, vocab]
+        start, end = self.inputs.logits_start_loc[seq_index : seq_index + 2]
+        return self.output.logits[start:end]
+
+    def hidden_of(self, layer: int, seq_index: int) -> torch.Tensor:  # [new tokens, hidden]
+        start, end = self.inputs.query_start_loc[seq_index : seq_index + 2]
+        return self.output.hidden_states[layer][start:end]
+
+
+class ModelRunner:
+    """Owns a model and its paged KV cache; runs forwards over batches of `SeqForward`."""
+
+    def __init__(self, model: TransformerLM, kv_cache: PagedKVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        seqs: Sequence[SeqForward],
+        hidden_layers: Sequence[int] = (),
+        return_final_hidden: bool = False,
+    ) -> RunnerOutput:
+        inputs = build_inputs(
+            seqs, self.block_size, self.model.config.max_position_embeddings, self.model.device
+        )
+        output = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            inputs.meta,
+            self.kv_cache.layers,
+            inputs.logits_indices,
+            hidden_layers=hidden_layers,
+            return_final_hidden=return_final_hidden,
+        )
+        return RunnerOutput(output, inputs)

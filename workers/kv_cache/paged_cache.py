@@ -1,0 +1,67 @@
+"""The KV cache tensors: per layer, keys and values in fixed-size blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.model.config import ModelConfig
+
+
+class PagedKVCache:
+    """`[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`, one allocation."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.data = torch.zeros(
+            config.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self.layers = [(self.data[i, 0], self.data[i, 1]) for i in range(config.num_layers)]
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return config.num_layers * 2 * block_size * config.kv_size * itemsize
+
+    @classmethod
+    def for_memory(
+        cls,
+        config: ModelConfig,
+        memory_bytes: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> PagedKVCache:
+        """As many blocks as fit in `memory_bytes`."""
+        num_blocks = memory_bytes // cls.bytes_per_block(config, block_size, dtype)
+        if num_blocks < 1:
+            raise ValueError(f"{memory_bytes} bytes hold no KV block of size {block_size}")
+        return cls(config, int(num_blocks), block_size, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (src -> dst) in every layer; used for copy-on-write."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.data.device)
+        dst = torch.tensor([d for _, d in copies], device=self.data.device)
+        self.data[:, :, dst] = self.data[:, :, src]

@@ -1,0 +1,1 @@
+"""Model code shared by every pool: config, loaders (GGUF, safetensors), tokenizer, transformer."""

@@ -1,0 +1,163 @@
+"""Read a GGUF file: config, dequantized weights under Hugging Face names, tokenizer.
+
+llama.cpp's converter permutes the rows of llama Q and K weights so its interleaved rotary
+variant can run on them; we undo that so every model uses the rotate-half layout of
+kernels/rotary.py. Qwen2 files are written with the rotate-half ("neox") layout and need nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from workers.model.config import ModelConfig
+from workers.model.tokenizer import GGUFTokenizerSpec, Tokenizer
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face parameter name of a GGUF tensor."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    prefix, layer, rest = gguf_name.split(".", 2)
+    if prefix != "blk" or rest not in _LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (rows `[head, 2, half]` back to `[head, half, 2]`)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def read_config(reader: GGUFReader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        raise ValueError("GGUF rope scaling is not supported yet (plain rotary only)")
+    names = {t.name for t in reader.tensors}
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    eos = [
+        _field(reader, "tokenizer.ggml.eos_token_id"),
+        _field(reader, "tokenizer.ggml.eot_token_id"),
+    ]
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        name=str(_field(reader, "general.name", "")),
+    )
+
+
+def read_weights(
+    reader: GGUFReader, config: ModelConfig, progress: bool = False
+) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to fp32 (or kept as stored when already float), HF names."""
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
+        name = hf_name(tensor.name)
+        weight = _dequantize(tensor)
+        if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = unpermute_qk(weight, config.num_heads)
+        elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = unpermute_qk(weight, config.num_kv_heads)
+        weights[name] = weight
+    return weights
+
+
+def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
+    array = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(reversed([int(d) for d in tensor.shape]))  # GGUF lists dims innermost first
+    return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))  # a writable copy
+
+
+def read_tokenizer_spec(reader: GGUFReader) -> GGUFTokenizerSpec:
+    return GGUFTokenizerSpec(
+        model=str(_field(reader, "tokenizer.ggml.model")),
+        pre=str(_field(reader, "tokenizer.ggml.pre", "default")),
+        tokens=_field(reader, "tokenizer.ggml.tokens"),
+        token_types=_field(reader, "tokenizer.ggml.token_type", []),
+        merges=_field(reader, "tokenizer.ggml.merges", []),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        eot_token_id=_field(reader, "tokenizer.ggml.eot_token_id"),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def cache_root() -> Path:
+    """Where Outrider keeps derived files: $OUTRIDER_CACHE_DIR, else the XDG cache folder."""
+    if root := os.environ.get("OUTRIDER_CACHE_DIR"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "outrider"
+
+
+def load_gguf_tokenizer(path: Path, reader: GGUFReader) -> Tokenizer:
+    """The file's tokenizer, built once and then read from the cache (keyed by file identity)."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    cached = cache_root() / "tokenizers" / key[:24]
+    if (cached / "tokenizer.json").is_file():
+        return Tokenizer.from_directory(cached)
+    tokenizer = Tokenizer.from_gguf_spec(read_tokenizer_spec(reader))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=cached.parent))
+    tokenizer.save(staging)
+    try:
+        staging.rename(cached)  # atomic: a concurrent start sees all of it or none
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # another process won the race
+    return tokenizer

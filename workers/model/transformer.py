@@ -1,0 +1,219 @@
+"""Our forward pass of a llama-family model over a flattened batch and a paged KV cache.
+
+Every sequence in a batch brings any number of new tokens at its own positions (a prefill chunk,
+one decode token, or the last token plus k draft tokens); their keys and values go into the
+cache slots the caller chose, and attention reads each sequence's context through its block table
+(kernels/attention.py). Q/K/V and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.attention import AttentionBackend, AttentionMetadata, SdpaAttention, write_kv
+from kernels.rotary import apply_rotary, rope_cos_sin
+from workers.model.config import ModelConfig
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    logits: torch.Tensor  # [num_logits, vocab] fp32, rows in the order of logits_indices
+    hidden_states: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # layer -> [num_tokens, hidden]
+    final_hidden: torch.Tensor | None = None  # [num_tokens, hidden], after the final norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,  # [num_tokens, head_dim]
+        sin: torch.Tensor,  # [num_tokens, head_dim]
+        kv_cache: tuple[
+            torch.Tensor, torch.Tensor
+        ],  # 2 x [num_blocks, block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        plan: object,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        out = backend.forward(q, key_cache, value_cache, plan, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        plan: object,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend, plan)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TransformerLM(nn.Module):
+    """Llama/Qwen2 decoder over a paged KV cache; see the module docstring."""
+
+    def __init__(self, config: ModelConfig, attention: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.attention: AttentionBackend = attention or SdpaAttention()
+        with torch.device("meta"):  # weights arrive in load_hf_weights; skip random init
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = (
+                None
+                if config.tie_word_embeddings
+                else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            )
+        # Rotary tables stay fp32 whatever the model dtype (so not buffers: .to(dtype) would cast).
+        self._cos, self._sin = rope_cos_sin(
+            config.head_dim, config.max_position_embeddings, config.rope_theta
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Take weights under Hugging Face names, fusing q/k/v and gate/up."""
+        expected = _hf_names(self.config)
+        if self.config.tie_word_embeddings:  # some tied checkpoints still store a copy
+            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        missing = sorted(expected - weights.keys())
+        unexpected = sorted(weights.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        state: dict[str, torch.Tensor] = {
+            "embed_tokens.weight": weights["model.embed_tokens.weight"],
+            "norm.weight": weights["model.norm.weight"],
+        }
+        if self.lm_head is not None:
+            state["lm_head.weight"] = weights["lm_head.weight"]
+        for i in range(self.config.num_layers):
+            hf, ours = f"model.layers.{i}.", f"layers.{i}."
+            attn = hf + "self_attn."
+            state[ours + "input_layernorm.weight"] = weights[hf + "input_layernorm.weight"]
+            state[ours + "post_attention_layernorm.weight"] = weights[
+                hf + "post_attention_layernorm.weight"
+            ]
+            for kind in ("weight", "bias") if self.config.attention_bias else ("weight",):
+                state[ours + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+                    [weights[attn + f"{p}_proj.{kind}"] for p in "qkv"]
+                )
+            state[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
+            state[ours + "mlp.gate_up_proj.weight"] = torch.cat(
+                [weights[hf + "mlp.gate_proj.weight"], weights[hf + "mlp.up_proj.weight"]]
+            )
+            state[ours + "mlp.down_proj.weight"] = weights[hf + "mlp.down_proj.weight"]
+        self.load_state_dict(state, strict=True, assign=True)
+
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        meta: AttentionMetadata,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],  # one (key, value) per layer
+        logits_indices: torch.Tensor,  # [num_logits] int64 rows of the batch to score
+        hidden_layers: Sequence[int] = (),
+        return_final_hidden: bool = False,
+    ) -> ModelOutput:
+        plan = self.attention.prepare(meta)
+        cos, sin = self._rope(positions)
+        wanted = set(hidden_layers)
+        hidden: dict[int, torch.Tensor] = {}
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_caches[i], meta, self.attention, plan)
+            if i in wanted:
+                hidden[i] = h
+        h = self.norm(h)
+        logits = F.linear(h.index_select(0, logits_indices), self.lm_head_weight()).float()
+        return ModelOutput(logits, hidden, h if return_final_hidden else None)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos.device != positions.device:
+            self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
+        dtype = self.dtype
+        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+
+
+def _hf_names(config: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
+        names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+        if config.attention_bias:
+            names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
+    return names
