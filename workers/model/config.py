@@ -118,6 +118,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) or None,
+            "_name_or_path": self.name,
         }
         if self.architecture == "llama":
             cfg["attention_bias"] = self.attention_bias

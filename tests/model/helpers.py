@@ -1,0 +1,37 @@
+"""Driving our model directly over a paged cache, for tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
+from workers.model.transformer import TransformerLM
+
+
+def make_runner(
+    model: TransformerLM, num_blocks: int = 256, block_size: int = 16
+) -> tuple[ModelRunner, BlockAllocator]:
+    cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+    return ModelRunner(model, cache), BlockAllocator(num_blocks)
+
+
+def prefill(
+    runner: ModelRunner, table: BlockTable, tokens: Sequence[int], chunk: int = 1 << 30
+) -> torch.Tensor:
+    """Run `tokens` through the cache in chunks; logits of every token, in order."""
+    logits = []
+    for start in range(0, len(tokens), chunk):
+        part = list(tokens[start : start + chunk])
+        table.prepare_write(start, start + len(part))
+        out = runner.forward([SeqForward(part, start, table.block_ids, num_logits=len(part))])
+        logits.append(out.output.logits)
+    return torch.cat(logits)
+
+
+def all_logits(model: TransformerLM, tokens: Sequence[int]) -> torch.Tensor:
+    """Logits of every position of `tokens` from one prefill in a fresh cache."""
+    runner, alloc = make_runner(model, num_blocks=-(-len(tokens) // 16) + 1)
+    return prefill(runner, BlockTable(alloc, 16), tokens)

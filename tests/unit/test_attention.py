@@ -1,0 +1,191 @@
+"""Paged attention against a plain-torch reference over contiguous keys and values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.attention import (
+    MAX_BATCHED_QUERY_LEN,
+    AttentionMetadata,
+    FlashAttention,
+    SdpaAttention,
+    causal_mask,
+    flash_attention_available,
+    select_attention_backend,
+    write_kv,
+)
+from tests.factories import scattered_block_ids
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [q_len, H, D] against the whole context k, v [s_len, KVH, D]; causal, end-aligned."""
+    q_len, s_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    allowed = torch.arange(s_len)[None, :] <= (s_len - q_len + torch.arange(q_len))[:, None]
+    scores = scores.masked_fill(~allowed, -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).to(q.dtype)
+
+
+def build_case(
+    query_lens: list[int], seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 7
+    key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, contexts, queries, slots = [], [], [], []
+    for q_len, s_len in zip(query_lens, seq_lens, strict=True):
+        n = -(-s_len // block_size)
+        blocks, perm = perm[:n], perm[n:]
+        tables.append(blocks)
+        k = torch.randn(s_len, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        v = torch.randn(s_len, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        contexts.append((k, v))
+        seq_slots = torch.tensor(
+            [blocks[p // block_size] * block_size + p % block_size for p in range(s_len)]
+        )
+        write_kv(key_cache, value_cache, k, v, seq_slots)
+        queries.append(torch.randn(q_len, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype))
+        slots.append(seq_slots[s_len - q_len :])
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        block_size=block_size,
+        query_start_loc=torch.tensor(
+            [0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.cat(slots),
+        query_lens_host=tuple(query_lens),
+        seq_lens_host=tuple(seq_lens),
+    )
+    return torch.cat(queries), key_cache, value_cache, meta, contexts, torch.cat(slots)
+
+
+def expected_output(
+    query: torch.Tensor, meta: AttentionMetadata, contexts: list, scale: float
+) -> torch.Tensor:
+    starts = meta.query_start_loc.tolist()
+    parts = [
+        reference_attention(query[starts[i] : starts[i + 1]], k, v, scale)
+        for i, (k, v) in enumerate(contexts)
+    ]
+    return torch.cat(parts)
+
+
+CASES = [
+    ([1], [1], 4),  # first token of a sequence
+    ([1], [37], 16),  # plain decode
+    ([6], [40], 4),  # verification of 5 draft tokens
+    ([40], [40], 8),  # whole prompt prefill (long: its own SDPA call)
+    ([1, 5, 1, 3], [9, 33, 17, 3], 4),  # decodes and verifications padded together
+    ([1, 40, 5, 1, MAX_BATCHED_QUERY_LEN + 1], [50, 70, 12, 2, 30], 16),  # mixed with prefills
+]
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens", "block_size"), CASES)
+def test_sdpa_matches_reference(
+    query_lens: list[int], seq_lens: list[int], block_size: int
+) -> None:
+    query, key_cache, value_cache, meta, contexts, _ = build_case(
+        query_lens, seq_lens, block_size, torch.float32
+    )
+    backend = SdpaAttention()
+    scale = HEAD_DIM**-0.5
+    out = backend.forward(query, key_cache, value_cache, backend.prepare(meta), scale)
+    torch.testing.assert_close(
+        out, expected_output(query, meta, contexts, scale), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_sdpa_bfloat16_close_to_reference() -> None:
+    query, key_cache, value_cache, meta, contexts, _ = build_case(
+        [1, 5, 30], [20, 25, 30], 8, torch.bfloat16
+    )
+    backend = SdpaAttention()
+    out = backend.forward(query, key_cache, value_cache, backend.prepare(meta), 0.25)
+    torch.testing.assert_close(
+        out, expected_output(query, meta, contexts, 0.25), rtol=2e-2, atol=2e-2
+    )
+
+
+def test_write_kv_places_tokens_in_their_slots() -> None:
+    cache_k = torch.zeros(4, 2, 1, 1)
+    cache_v = torch.zeros(4, 2, 1, 1)
+    key = torch.tensor([1.0, 2.0, 3.0]).view(3, 1, 1)
+    write_kv(cache_k, cache_v, key, -key, torch.tensor([7, 0, 3]))
+    assert cache_k.flatten().tolist() == [2, 0, 0, 3, 0, 0, 0, 1]
+    assert cache_v.flatten().tolist() == [-2, 0, 0, -3, 0, 0, 0, -1]
+
+
+def test_causal_mask_is_end_aligned_and_pads_safely() -> None:
+    mask = causal_mask([2, 1], [4, 2], max_query_len=2, kv_len=4, device=torch.device("cpu"))
+    assert mask[0, 0].tolist() == [[True, True, True, False], [True, True, True, True]]
+    # Sequence 1: one real query seeing its 2 keys; the padding query sees key 0 only.
+    assert mask[1, 0].tolist() == [[True, True, False, False], [True, False, False, False]]
+
+
+def test_metadata_rejects_inconsistent_lengths() -> None:
+    with pytest.raises(ValueError, match="query_len <= seq_len"):
+        AttentionMetadata(
+            block_size=4,
+            query_start_loc=torch.tensor([0, 5]),
+            seq_lens=torch.tensor([3]),
+            block_tables=torch.zeros(1, 1, dtype=torch.int32),
+            slot_mapping=torch.zeros(5, dtype=torch.long),
+            query_lens_host=(5,),
+            seq_lens_host=(3,),
+        )
+
+
+def test_backend_selection_falls_back_to_sdpa_on_cpu() -> None:
+    assert isinstance(select_attention_backend(torch.device("cpu"), torch.bfloat16), SdpaAttention)
+    with pytest.raises(RuntimeError, match="not available"):
+        select_attention_backend(torch.device("cpu"), torch.float32, prefer="flash")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_attention_backend(torch.device("cpu"), torch.float32, prefer="xformers")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not flash_attention_available(torch.device("cuda"), torch.bfloat16),
+    reason="needs CUDA and vllm_flash_attn or flash_attn",
+)
+@pytest.mark.parametrize(("query_lens", "seq_lens", "block_size"), [c for c in CASES if c[2] == 16])
+def test_flash_matches_sdpa_on_cuda(
+    query_lens: list[int], seq_lens: list[int], block_size: int
+) -> None:
+    query, key_cache, value_cache, meta, contexts, _ = build_case(
+        query_lens, seq_lens, block_size, torch.bfloat16
+    )
+    cuda = torch.device("cuda")
+    meta_cuda = AttentionMetadata(
+        block_size=meta.block_size,
+        query_start_loc=meta.query_start_loc.to(cuda),
+        seq_lens=meta.seq_lens.to(cuda),
+        block_tables=meta.block_tables.to(cuda),
+        slot_mapping=meta.slot_mapping.to(cuda),
+        query_lens_host=meta.query_lens_host,
+        seq_lens_host=meta.seq_lens_host,
+    )
+    flash = FlashAttention()
+    args = (query.to(cuda), key_cache.to(cuda), value_cache.to(cuda))
+    out = flash.forward(*args, flash.prepare(meta_cuda), 0.25)
+    expected = expected_output(query, meta, contexts, 0.25)
+    torch.testing.assert_close(out.cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_scattered_block_ids_helper_gives_distinct_blocks() -> None:
+    ids = scattered_block_ids(33, 4, 20, seed=3)
+    assert len(ids) == 9 and len(set(ids)) == 9

@@ -1,0 +1,97 @@
+"""Block allocator (refcounts), block tables (copy-on-write, rollback), cache tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.factories import tiny_config
+from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
+
+
+def test_allocate_and_free_round_trip() -> None:
+    alloc = BlockAllocator(4)
+    blocks = alloc.allocate(3)
+    assert len(set(blocks)) == 3 and alloc.num_free_blocks == 1
+    assert all(alloc.refcount(b) == 1 for b in blocks)
+    alloc.free(blocks)
+    assert alloc.num_free_blocks == 4
+
+
+def test_allocation_is_all_or_nothing() -> None:
+    alloc = BlockAllocator(2)
+    with pytest.raises(NoFreeBlocksError):
+        alloc.allocate(3)
+    assert alloc.num_free_blocks == 2
+
+
+def test_shared_block_stays_until_last_holder_frees_it() -> None:
+    alloc = BlockAllocator(2)
+    (b,) = alloc.allocate(1)
+    alloc.share([b])
+    alloc.free([b])
+    assert alloc.num_free_blocks == 1 and alloc.refcount(b) == 1
+    alloc.free([b])
+    assert alloc.num_free_blocks == 2
+
+
+def test_double_free_and_sharing_a_free_block_are_errors() -> None:
+    alloc = BlockAllocator(2)
+    (b,) = alloc.allocate(1)
+    alloc.free([b])
+    with pytest.raises(ValueError, match="freed more often"):
+        alloc.free([b])
+    with pytest.raises(ValueError, match="is free"):
+        alloc.share([b])
+
+
+def test_block_table_grows_maps_slots_and_truncates() -> None:
+    alloc = BlockAllocator(8)
+    table = BlockTable(alloc, block_size=4)
+    assert table.prepare_write(0, 6) == []
+    assert len(table.block_ids) == 2
+    b0, b1 = table.block_ids
+    assert table.slots(3, 6) == [b0 * 4 + 3, b1 * 4, b1 * 4 + 1]
+    table.truncate(4)  # roll back to exactly one full block
+    assert table.block_ids == [b0] and alloc.num_free_blocks == 7
+    table.release()
+    assert alloc.num_free_blocks == 8
+
+
+def test_fork_shares_blocks_and_copy_on_write_privatizes_the_written_one() -> None:
+    alloc = BlockAllocator(8)
+    parent = BlockTable(alloc, block_size=4)
+    parent.prepare_write(0, 6)  # one full block, one half-full
+    child = parent.fork()
+    assert child.block_ids == parent.block_ids
+    assert all(alloc.refcount(b) == 2 for b in parent.block_ids)
+    copies = child.prepare_write(6, 7)  # writes into the shared second block
+    assert len(copies) == 1
+    src, dst = copies[0]
+    assert src == parent.block_ids[1] and child.block_ids == [parent.block_ids[0], dst]
+    assert alloc.refcount(src) == 1 and alloc.refcount(dst) == 1
+    assert alloc.refcount(parent.block_ids[0]) == 2  # the untouched prefix stays shared
+
+
+def test_prepare_write_changes_nothing_when_blocks_run_out() -> None:
+    alloc = BlockAllocator(2)
+    table = BlockTable(alloc, block_size=2)
+    table.prepare_write(0, 4)
+    with pytest.raises(NoFreeBlocksError):
+        table.prepare_write(4, 5)
+    assert len(table.block_ids) == 2 and alloc.num_free_blocks == 0
+
+
+def test_paged_cache_shapes_sizing_and_block_copy() -> None:
+    config = tiny_config()
+    per_block = PagedKVCache.bytes_per_block(config, 4, torch.float32)
+    cache = PagedKVCache.for_memory(config, per_block * 5 + 1, 4, torch.float32)
+    assert cache.num_blocks == 5 and cache.nbytes == per_block * 5
+    key, value = cache.layers[1]
+    assert key.shape == (5, 4, config.num_kv_heads, config.head_dim)
+    key[2].fill_(3.0)
+    value[2].fill_(-3.0)
+    cache.copy_blocks([(2, 4)])
+    assert torch.equal(key[4], key[2]) and torch.equal(value[4], value[2])
+    with pytest.raises(ValueError, match="hold no KV block"):
+        PagedKVCache.for_memory(config, per_block - 1, 4, torch.float32)

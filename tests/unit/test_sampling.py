@@ -1,0 +1,80 @@
+"""Sampling transforms against direct computations."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling import logits_to_probs, sample_from_probs
+
+
+def transform(
+    logits: torch.Tensor, t: float = 1.0, k: int = 0, p: float = 1.0, m: float = 0.0
+) -> torch.Tensor:
+    n = logits.shape[0]
+    return logits_to_probs(
+        logits,
+        torch.full((n,), t),
+        torch.full((n,), k, dtype=torch.long),
+        torch.full((n,), p),
+        torch.full((n,), m),
+    )
+
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 3.0]])
+
+
+def test_temperature_scales_logits() -> None:
+    torch.testing.assert_close(transform(LOGITS, t=0.5), torch.softmax(LOGITS / 0.5, -1))
+
+
+def test_greedy_is_one_hot_on_argmax() -> None:
+    assert transform(LOGITS, t=0.0).tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0]]
+
+
+def test_top_k_keeps_the_k_largest() -> None:
+    probs = transform(LOGITS, k=2)
+    expected = torch.softmax(torch.tensor([[2.0, -1e9, -1e9, -1e9, 3.0]]), -1)
+    torch.testing.assert_close(probs, expected)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    base = torch.softmax(LOGITS, -1)[0]  # order: 4, 0, 1, 2, 3
+    first_two = float(base[4] + base[0])
+    probs = transform(LOGITS, p=first_two - 1e-4)[0]
+    assert (probs > 0).tolist() == [True, False, False, False, True]
+    torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+    # The top token survives even with a tiny p.
+    assert (transform(LOGITS, p=1e-6)[0] > 0).tolist() == [False, False, False, False, True]
+
+
+def test_min_p_drops_tokens_below_fraction_of_max() -> None:
+    base = torch.softmax(LOGITS, -1)[0]
+    ratio = float(base[1] / base[4])  # token 1 sits exactly at the threshold and stays
+    probs = transform(LOGITS, m=ratio)[0]
+    assert (probs > 0).tolist() == [True, True, False, False, True]
+
+
+def test_rows_use_their_own_parameters() -> None:
+    logits = LOGITS.repeat(2, 1)
+    probs = logits_to_probs(
+        logits,
+        torch.tensor([0.0, 1.0]),
+        torch.tensor([0, 2]),
+        torch.tensor([1.0, 1.0]),
+        torch.tensor([0.0, 0.0]),
+    )
+    assert probs[0].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert (probs[1] > 0).tolist() == [True, False, False, False, True]
+
+
+def test_seeded_sampling_is_reproducible_and_follows_probs() -> None:
+    probs = torch.tensor([[0.2, 0.0, 0.8]]).repeat(4000, 1)
+    gens = [torch.Generator().manual_seed(7)] * 4000
+    draws = sample_from_probs(probs, gens)
+    again = sample_from_probs(probs, [torch.Generator().manual_seed(7)] * 4000)
+    assert 1 not in draws.tolist()
+    freq = float((draws == 2).float().mean())
+    assert abs(freq - 0.8) < 0.03
+    first = sample_from_probs(probs[:1], [torch.Generator().manual_seed(11)])
+    assert torch.equal(first, sample_from_probs(probs[:1], [torch.Generator().manual_seed(11)]))
+    assert draws.shape == again.shape
