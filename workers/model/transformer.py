@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata, SdpaAttention, write_kv
+from kernels.linear import linear
 from kernels.rotary import apply_rotary, rope_cos_sin
 from workers.model.config import ModelConfig
 
@@ -64,14 +65,16 @@ class Attention(nn.Module):
         plan: object,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # Q and K heads sit side by side in the fused output: rotate them in one go.
+        qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = heads[:, self.num_heads + self.num_kv_heads :]
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         out = backend.forward(q, key_cache, value_cache, plan, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -82,8 +85,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -195,7 +198,7 @@ class TransformerLM(nn.Module):
             if i in wanted:
                 hidden[i] = h
         h = self.norm(h)
-        logits = F.linear(h.index_select(0, logits_indices), self.lm_head_weight()).float()
+        logits = linear(h.index_select(0, logits_indices), self.lm_head_weight()).float()
         return ModelOutput(logits, hidden, h if return_final_hidden else None)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
