@@ -19,14 +19,14 @@ test: $(VENV)/.dev lint typecheck
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check cluster workers router kernels tests benchmarks
-	$(VENV)/bin/ruff format --check cluster workers router kernels tests benchmarks
+	$(VENV)/bin/ruff check cluster workers router kernels tests
+	$(VENV)/bin/ruff format --check cluster workers router kernels tests
 
 typecheck: $(VENV)/.dev
 	$(VENV)/bin/mypy
 
 bench: $(VENV)/.dev
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/bench_forward.py
+	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_forward
 
 install: $(VENV)/.runtime
 install-dev: $(VENV)/.dev

@@ -266,6 +266,11 @@ def _load_flash_module() -> ModuleType | None:
     return None
 
 
+def _flash_block_multiple(module: ModuleType) -> int:
+    """Upstream flash-attn reads a paged cache only in blocks of 256k; vLLM's fork in 16k."""
+    return 16 if module.__name__ == "vllm_flash_attn" else 256
+
+
 class FlashAttention(AttentionBackend):
     """Paged attention with flash-attn's varlen kernel reading the cache through block tables.
 
@@ -280,8 +285,14 @@ class FlashAttention(AttentionBackend):
         if module is None:
             raise RuntimeError("flash attention needs `vllm_flash_attn` or `flash_attn` installed")
         self._varlen = module.flash_attn_varlen_func
+        self.block_multiple = _flash_block_multiple(module)
 
     def prepare(self, meta: AttentionMetadata) -> _FlashPlan:
+        if meta.block_size % self.block_multiple:
+            raise ValueError(
+                f"this flash-attn build needs a KV block size divisible by {self.block_multiple}, "
+                f"got {meta.block_size}"
+            )
         cu_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
         torch.cumsum(meta.seq_lens, 0, out=cu_k[1:])
         return _FlashPlan(
@@ -317,28 +328,30 @@ class FlashAttention(AttentionBackend):
         return out
 
 
-def flash_attention_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the flash backend can serve this device and dtype."""
-    return (
-        device.type == "cuda"
-        and dtype in (torch.float16, torch.bfloat16)
-        and _load_flash_module() is not None
-    )
+def flash_attention_available(
+    device: torch.device, dtype: torch.dtype, block_size: int = 16
+) -> bool:
+    """Whether the flash backend can serve this device, dtype and KV block size."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    module = _load_flash_module()
+    return module is not None and block_size % _flash_block_multiple(module) == 0
 
 
 def select_attention_backend(
-    device: torch.device, dtype: torch.dtype, prefer: str | None = None
+    device: torch.device, dtype: torch.dtype, block_size: int = 16, prefer: str | None = None
 ) -> AttentionBackend:
-    """`prefer` is "sdpa", "flash" or None (flash where available, else SDPA)."""
+    """`prefer` is "sdpa", "flash" or None (flash where it can run, else SDPA)."""
     if prefer not in (None, "sdpa", "flash"):
         raise ValueError(f"unknown attention backend {prefer!r}; choose 'sdpa' or 'flash'")
     if prefer == "sdpa":
         return SdpaAttention()
-    if flash_attention_available(device, dtype):
+    if flash_attention_available(device, dtype, block_size):
         return FlashAttention()
     if prefer == "flash":
         raise RuntimeError(
-            f"flash attention is not available for {device.type}/{dtype} "
-            "(it needs CUDA, fp16/bf16, and vllm_flash_attn or flash_attn installed)"
+            f"flash attention is not available for {device.type}/{dtype} with KV blocks of "
+            f"{block_size} (it needs CUDA, fp16/bf16, and vllm_flash_attn, or flash_attn with "
+            "blocks of 256k)"
         )
     return SdpaAttention()

@@ -183,7 +183,10 @@ class Handler(BaseHTTPRequestHandler):
 
         def emit(delta: str, reason: str | None) -> None:
             if chat:
-                choice = {"index": 0, "delta": {"content": delta}, "finish_reason": reason}
+                message = (
+                    {"role": "assistant", "content": delta} if not sent else {"content": delta}
+                )
+                choice = {"index": 0, "delta": message, "finish_reason": reason}
             else:
                 choice = {"index": 0, "text": delta, "finish_reason": reason}
             event = self._envelope(request_id, chat, [choice], prompt_ids, None)

@@ -150,3 +150,14 @@ def test_server_survives_a_client_that_leaves_mid_stream(server: str) -> None:
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
     status, out, _ = post(server + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
     assert status == 200 and out["usage"]["completion_tokens"] == 3
+
+
+def test_server_chat_stream_opens_with_the_assistant_role(server: str) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+    _, whole, _ = post(server + "/v1/chat/completions", body)
+    _, _, raw = post(server + "/v1/chat/completions", {**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]

@@ -159,15 +159,15 @@ def test_backend_selection_falls_back_to_sdpa_on_cpu() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(
-    not flash_attention_available(torch.device("cuda"), torch.bfloat16),
+    not torch.cuda.is_available()
+    or not flash_attention_available(torch.device("cuda"), torch.bfloat16, block_size=256),
     reason="needs CUDA and vllm_flash_attn or flash_attn",
 )
-@pytest.mark.parametrize(("query_lens", "seq_lens", "block_size"), [c for c in CASES if c[2] == 16])
-def test_flash_matches_sdpa_on_cuda(
-    query_lens: list[int], seq_lens: list[int], block_size: int
-) -> None:
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [c[:2] for c in CASES])
+def test_flash_matches_reference_on_cuda(query_lens: list[int], seq_lens: list[int]) -> None:
+    flash = FlashAttention()
     query, key_cache, value_cache, meta, contexts, _ = build_case(
-        query_lens, seq_lens, block_size, torch.bfloat16
+        query_lens, seq_lens, flash.block_multiple, torch.bfloat16
     )
     cuda = torch.device("cuda")
     meta_cuda = AttentionMetadata(
@@ -179,7 +179,6 @@ def test_flash_matches_sdpa_on_cuda(
         query_lens_host=meta.query_lens_host,
         seq_lens_host=meta.seq_lens_host,
     )
-    flash = FlashAttention()
     args = (query.to(cuda), key_cache.to(cuda), value_cache.to(cuda))
     out = flash.forward(*args, flash.prepare(meta_cuda), 0.25)
     expected = expected_output(query, meta, contexts, 0.25)

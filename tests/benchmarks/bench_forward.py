@@ -1,0 +1,227 @@
+"""Plain decode and forward cost of our engine, beside transformers, on the bundled model.
+
+    python -m tests.benchmarks.bench_forward            # full run, writes docs/benchmarks.md
+    python -m tests.benchmarks.bench_forward --quick    # seconds; for a smoke test
+
+Measures, in one process and interleaved run by run:
+  1. greedy decode tokens/s of `SequentialEngine` vs transformers' `generate` (bf16);
+  2. forward time for 1, 2, 4, 8 new tokens over a 200-token cache (bf16 and fp32), the figure
+     speculative decoding lives on: verifying k drafts costs what one forward over k + 1 costs;
+  3. one-row projection through `F.linear` vs `torch.mv` (why kernels/linear.py exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tests.benchmarks.report import DEFAULT_REPORT, machine_line, median_time, table, write_section
+from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
+from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
+from workers.model.loader import (
+    Checkpoint,
+    build_model,
+    bundled_model_path,
+    load_checkpoint,
+    save_safetensors_dir,
+)
+from workers.model.transformer import TransformerLM
+
+PROMPT = (
+    "<|im_start|>user\nExplain in a few paragraphs why the sky is blue, and why sunsets are "
+    "red.<|im_end|>\n<|im_start|>assistant\n"
+)
+CONTEXT = 200
+NEW_TOKEN_COUNTS = (1, 2, 4, 8)
+
+
+def load_transformers(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+    """transformers on the same weights, two ways.
+
+    From the GGUF, transformers 5 keeps the weights packed and dequantizes inside each matmul;
+    from an HF folder (our dequantized weights, written by `save_safetensors_dir`) it runs a
+    plain dense model, the usual way transformers serves a model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = bundled_model_path()
+    packed = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        save_safetensors_dir(checkpoint, Path(folder))
+        dense = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return {
+        "transformers `generate`, dense HF folder": dense.eval(),
+        "transformers `generate`, GGUF (packed weights)": packed.eval(),
+    }
+
+
+def decode_speed(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
+    ours = build_model(checkpoint, dtype=torch.bfloat16)
+    engine = SequentialEngine(
+        ours, eos_token_ids=checkpoint.tokenizer.eos_token_ids, max_model_len=1024
+    )
+    baselines = load_transformers(checkpoint, torch.bfloat16)
+    ids = checkpoint.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+
+    def run_theirs(model: torch.nn.Module) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=2,
+            )
+        return time.perf_counter() - start
+
+    our_times: list[float] = []
+    their_times: dict[str, list[float]] = {name: [] for name in baselines}
+    for run in range(runs + 1):  # run 0 warms everything up and is dropped
+        our_s = engine.generate(ids, params).elapsed_s
+        for name, model in baselines.items():
+            their_s = run_theirs(model)
+            if run:
+                their_times[name].append(their_s)
+        if run:
+            our_times.append(our_s)
+    rows = [
+        ["Outrider `SequentialEngine`", f"{new_tokens / statistics.median(our_times):.1f}", "1.00x"]
+    ]
+    for name, times in their_times.items():
+        ratios = [t / o for t, o in zip(times, our_times, strict=True)]
+        rows.append(
+            [
+                name,
+                f"{new_tokens / statistics.median(times):.1f}",
+                f"{statistics.median(ratios):.2f}x",
+            ]
+        )
+    return (
+        f"Greedy decode of {new_tokens} tokens after a {len(ids)}-token chat prompt, bf16, "
+        f"{runs} interleaved runs (tokens/s includes the prompt's prefill). The last column is "
+        "how many times faster Outrider is (median of per-run ratios).\n\n"
+        + table(["engine", "tokens/s (median)", "Outrider speed-up"], rows)
+    )
+
+
+def forward_cost(model: TransformerLM, reps: int) -> list[float]:
+    """Median seconds of one forward bringing n new tokens onto a CONTEXT-token cache."""
+    block_size = 16
+    num_blocks = -(-(CONTEXT + max(NEW_TOKEN_COUNTS)) // block_size)
+    cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype)
+    runner = ModelRunner(model, cache)
+    table_ = BlockTable(BlockAllocator(num_blocks), block_size)
+    table_.prepare_write(0, CONTEXT + max(NEW_TOKEN_COUNTS))
+    context = [(i * 7919) % 40000 + 100 for i in range(CONTEXT)]
+    runner.forward([SeqForward(context, 0, table_.block_ids)])
+    seqs = [
+        SeqForward(list(range(500, 500 + n)), CONTEXT, table_.block_ids, num_logits=n)
+        for n in NEW_TOKEN_COUNTS
+    ]
+    for seq in seqs:  # warm-up
+        runner.forward([seq])
+    # Round-robin over the token counts so machine noise lands on all of them alike.
+    samples: list[list[float]] = [[] for _ in seqs]
+    for _ in range(reps):
+        for seq, times in zip(seqs, samples, strict=True):
+            start = time.perf_counter()
+            runner.forward([seq])
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) for times in samples]
+
+
+def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        times = forward_cost(build_model(checkpoint, dtype=dtype), reps)
+        for n, t in zip(NEW_TOKEN_COUNTS, times, strict=True):
+            rows.append(
+                [str(dtype).removeprefix("torch."), n, f"{t * 1e3:.1f}", f"{t / times[0]:.2f}x"]
+            )
+    return (
+        f"One forward bringing n new tokens (all scored) onto a {CONTEXT}-token paged cache, "
+        f"median of {reps}. Verifying k draft tokens is one forward over k + 1.\n\n"
+        + table(["dtype", "new tokens", "ms", "vs 1 token"], rows)
+    )
+
+
+def gemv_section(model: TransformerLM, reps: int) -> str:
+    """One-row projections over the model's real bf16 weights, out of cache."""
+    weights = [
+        p
+        for layer in model.layers
+        for p in (layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+    ]
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]).to(torch.bfloat16) for w in weights}
+
+    def run(fn: str) -> None:
+        for w in weights:
+            x = xs[w.shape[1]]
+            F.linear(x, w) if fn == "linear" else torch.mv(w, x[0])
+
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    rows = []
+    for fn in ("linear", "mv"):
+        t = median_time(lambda fn=fn: run(fn), reps)
+        rows.append(
+            [
+                f"`{'F.linear' if fn == 'linear' else 'torch.mv'}`",
+                f"{t * 1e3:.1f}",
+                f"{nbytes / t / 1e9:.1f}",
+            ]
+        )
+    return (
+        "The MLP weights of all 30 layers (bf16, one input row): why `kernels/linear.py` sends "
+        "single-row reduced-precision projections to `torch.mv`.\n\n"
+        + table(["kernel", "ms for all layers", "GB/s of weights"], rows)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=5, help="interleaved decode runs per engine")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=30, help="repetitions per forward timing")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
+    parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.new_tokens, args.reps = 1, 8, 3
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    checkpoint = load_checkpoint()
+    with torch.inference_mode():
+        parts = [
+            "## Plain decode and forward cost (`python -m tests.benchmarks.bench_forward`)",
+            f"Machine: {machine_line()}. Model: bundled SmolLM2-135M-Instruct "
+            "(Q4_1 GGUF, dequantized).",
+            "### Decode speed vs transformers",
+            decode_speed(checkpoint, args.runs, args.new_tokens),
+            "### Forward cost by number of new tokens",
+            forward_cost_section(checkpoint, args.reps),
+            "### One-row projection kernels",
+            gemv_section(build_model(checkpoint, dtype=torch.bfloat16), args.reps),
+        ]
+    body = "\n\n".join(parts)
+    print(body)
+    write_section("bench_forward", body, args.output)
+    print(f"\nwritten to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

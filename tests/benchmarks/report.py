@@ -1,0 +1,63 @@
+"""Markdown tables and the sections of docs/benchmarks.md that each benchmark owns."""
+
+from __future__ import annotations
+
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+DEFAULT_REPORT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+_HEADER = (
+    "# Benchmarks\n\n"
+    "Each section is written by the script it names; rerun the script to refresh it. "
+    "Numbers are medians of several runs measured side by side in one process on the machine "
+    "named in the section (these machines are noisy: compare ratios, not absolute times).\n"
+)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median wall time of `fn` in seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or "cpu"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
+        cpu = found.group(1).strip() if found else cpu
+    return (
+        f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
+
+
+def write_section(name: str, body: str, path: Path = DEFAULT_REPORT) -> None:
+    """Replace (or append) the section between this benchmark's markers."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    text = path.read_text() if path.is_file() else _HEADER
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)

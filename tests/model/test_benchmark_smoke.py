@@ -1,0 +1,35 @@
+"""The benchmark script runs end to end (tiny sizes) and writes its section."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.benchmarks.report import write_section
+
+pytestmark = pytest.mark.slow
+
+
+def test_write_section_replaces_only_its_own_block(tmp_path: Path) -> None:
+    report = tmp_path / "b.md"
+    write_section("a", "first", report)
+    write_section("b", "other", report)
+    write_section("a", "second", report)
+    text = report.read_text()
+    assert "second" in text and "first" not in text and "other" in text
+    assert text.index("second") < text.index("other")
+
+
+def test_bench_forward_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    cmd = [sys.executable, "-m", "tests.benchmarks.bench_forward", "--quick", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert "<!-- bench_forward:start -->" in text
+    for heading in ("Decode speed vs transformers", "Forward cost by number", "One-row projection"):
+        assert heading in text
+    assert "| bfloat16 | 8 |" in text and "dense HF folder" in text and "packed weights" in text
