@@ -1,0 +1,87 @@
+"""Batched rejection sampling of draft tokens: the step that keeps speculation lossless.
+
+For each sequence with k draft tokens x_1..x_k (drawn from q) the target scored k + 1 positions
+(p_1..p_{k+1}). Walking left to right, draft x_j is *accepted* with probability
+min(1, p_j(x_j) / q_j(x_j)); at the first rejection a *recovered* token is drawn from
+norm(max(0, p_j - q_j)) and the walk stops; if every draft is accepted, a *bonus* token is drawn
+from p_{k+1}. The committed tokens are then distributed exactly as the target's own samples
+(Leviathan et al. 2023; Chen et al. 2023).
+
+Greedy rows (temperature 0) skip the randomness: a draft is accepted while it equals the
+target's argmax, and the recovered/bonus token is the argmax. A drafter that gives no q
+(n-gram lookup) proposes deterministically, which is q = one-hot on its token.
+
+Output: `[num_seqs, max_k + 1]`, each row the committed tokens padded with PLACEHOLDER_TOKEN_ID.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [num_seqs, max_k] int64, padded with PLACEHOLDER_TOKEN_ID
+    num_draft_tokens: list[int],  # k of each sequence (ragged)
+    draft_probs: torch.Tensor | None,  # [num_seqs, max_k, vocab] q; None = all one-hot
+    target_probs: torch.Tensor,  # [num_seqs, max_k + 1, vocab] p, after the sampling transform
+    greedy: list[bool],  # temperature 0 for the sequence
+    generators: list[torch.Generator | None],  # per sequence, for its seed
+) -> torch.Tensor:  # [num_seqs, max_k + 1] int64
+    num_seqs, max_k = draft_token_ids.shape
+    if not (len(num_draft_tokens) == len(greedy) == len(generators) == num_seqs):
+        raise ValueError("rejection_sample needs one k, greedy flag and generator per sequence")
+    if target_probs.shape[:2] != (num_seqs, max_k + 1):
+        raise ValueError(f"target_probs must be [{num_seqs}, {max_k + 1}, vocab]")
+    output = torch.full((num_seqs, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    for i in range(num_seqs):
+        k = num_draft_tokens[i]
+        drafts = draft_token_ids[i, :k]
+        p = target_probs[i, : k + 1]
+        if greedy[i]:
+            row = _greedy_row(drafts, p.argmax(dim=-1))
+        else:
+            q = None if draft_probs is None else draft_probs[i, :k]
+            row = _random_row(drafts, q, p, generators[i])
+        output[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return output
+
+
+def _greedy_row(
+    drafts: torch.Tensor,  # [k]
+    target_argmax: torch.Tensor,  # [k + 1]
+) -> list[int]:
+    k = drafts.shape[0]
+    mismatch = (drafts != target_argmax[:k]).nonzero()
+    num_accepted = int(mismatch[0]) if len(mismatch) else k
+    return [*drafts[:num_accepted].tolist(), int(target_argmax[num_accepted])]
+
+
+def _random_row(
+    drafts: torch.Tensor,  # [k]
+    q: torch.Tensor | None,  # [k, vocab], None = one-hot on the drafts
+    p: torch.Tensor,  # [k + 1, vocab]
+    generator: torch.Generator | None,
+) -> list[int]:
+    k = drafts.shape[0]
+    positions = torch.arange(k)
+    p_draft = p[positions, drafts]  # [k]
+    q_draft = torch.ones(k) if q is None else q[positions, drafts]
+    uniform = torch.rand(k, generator=generator)
+    # u < p/q, written without dividing by q (q(x) > 0 for any drafted x).
+    rejected = (uniform * q_draft >= p_draft).nonzero()
+    if len(rejected) == 0:
+        bonus = torch.multinomial(p[k], 1, generator=generator)
+        return [*drafts.tolist(), int(bonus)]
+    j = int(rejected[0])
+    q_j = _one_hot(drafts[j], p.shape[-1]) if q is None else q[j]
+    residual = (p[j] - q_j).clamp_min(0)
+    if float(residual.sum()) <= 0:  # p == q exactly; cannot happen after a rejection in theory
+        residual = p[j]
+    recovered = torch.multinomial(residual, 1, generator=generator)
+    return [*drafts[:j].tolist(), int(recovered)]
+
+
+def _one_hot(token: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.zeros(vocab).scatter_(0, token.view(1), 1.0)

@@ -1,0 +1,135 @@
+"""Rejection sampler: exact greedy cases and the target distribution, statistically."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from kernels.sampling import logits_to_probs
+
+P = PLACEHOLDER_TOKEN_ID
+# Chi-square critical values at significance 0.001 by degrees of freedom.
+CHI2_CRITICAL_0_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def one_hot_probs(rows: list[int], vocab: int = 8) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(rows), vocab).float()
+
+
+def greedy_case(drafts: list[list[int]], target_argmax: list[list[int]]) -> list[list[int]]:
+    max_k = max(len(d) for d in drafts)
+    padded = torch.tensor([d + [P] * (max_k - len(d)) for d in drafts])
+    target = torch.stack([one_hot_probs(t + [0] * (max_k + 1 - len(t))) for t in target_argmax])
+    out = rejection_sample(
+        padded, [len(d) for d in drafts], None, target, [True] * len(drafts), [None] * len(drafts)
+    )
+    return out.tolist()
+
+
+def test_greedy_perfect_match_gets_the_bonus_token() -> None:
+    assert greedy_case([[1, 2, 3]], [[1, 2, 3, 4]]) == [[1, 2, 3, 4]]
+
+
+def test_greedy_early_mismatch_stops_with_the_target_token() -> None:
+    assert greedy_case([[1, 5, 3]], [[1, 2, 3, 4]]) == [[1, 2, P, P]]
+    assert greedy_case([[7, 2, 3]], [[1, 2, 3, 4]]) == [[1, P, P, P]]
+
+
+def test_greedy_ragged_batch_and_no_draft() -> None:
+    out = greedy_case([[1, 2], [], [3, 3, 3]], [[1, 2, 6], [5], [3, 4, 3, 0]])
+    assert out == [[1, 2, 6, P], [5, P, P, P], [3, 4, P, P]]
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def transformed(logits: list[float], temperature: float, top_p: float) -> torch.Tensor:
+    row = torch.tensor([logits])
+    one = torch.ones(1)
+    return logits_to_probs(
+        row, one * temperature, torch.zeros(1, dtype=torch.long), one * top_p, 0 * one
+    )[0]
+
+
+VOCAB = 6
+PAIRS = {
+    # p, q: several shapes of disagreement, some after temperature/top-p transforms.
+    "q equals p": (
+        torch.tensor([0.3, 0.2, 0.2, 0.1, 0.1, 0.1]),
+        torch.tensor([0.3, 0.2, 0.2, 0.1, 0.1, 0.1]),
+    ),
+    "q far from p": (
+        torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3]),
+        torch.tensor([0.5, 0.3, 0.1, 0.05, 0.03, 0.02]),
+    ),
+    "top-p and temperature": (
+        transformed([2.0, 1.5, 1.0, 0.2, -1.0, -3.0], 0.7, 0.9),
+        transformed([0.5, 2.5, 1.0, 0.9, 0.0, -1.0], 0.7, 0.9),
+    ),
+    "hot temperature": (
+        transformed([2.0, 1.5, 1.0, 0.2, -1.0, -3.0], 1.5, 1.0),
+        transformed([-1.0, 0.0, 3.0, 0.2, 1.0, 0.5], 1.5, 1.0),
+    ),
+}
+
+
+def run_trials(
+    p: torch.Tensor, q: torch.Tensor | None, k: int, trials: int, seed: int
+) -> torch.Tensor:
+    """Committed tokens of `trials` independent sequences; every position has target p."""
+    gen = torch.Generator().manual_seed(seed)
+    if q is None:  # a deterministic drafter: its guess, a one-hot q
+        drafts = torch.randint(0, VOCAB, (trials, k), generator=gen)
+        draft_probs = None
+    else:
+        drafts = torch.multinomial(
+            q.expand(trials * k, VOCAB), 1, replacement=True, generator=gen
+        ).view(trials, k)
+        draft_probs = q.expand(trials, k, VOCAB)
+    target = p.expand(trials, k + 1, VOCAB)
+    gens = [torch.Generator().manual_seed(seed * 100003 + i) for i in range(trials)]
+    return rejection_sample(drafts, [k] * trials, draft_probs, target, [False] * trials, gens)
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+@pytest.mark.parametrize("one_hot_q", [False, True])
+def test_committed_tokens_follow_the_target_distribution(name: str, one_hot_q: bool) -> None:
+    p, q = PAIRS[name]
+    out = run_trials(p, None if one_hot_q else q, k=3, trials=6000, seed=1 + len(name))
+    support = int((p > 0).sum())
+    for position in range(2):  # first and (where committed) second token
+        column = out[:, position]
+        column = column[column != P]
+        counts = torch.bincount(column, minlength=VOCAB).float()
+        assert counts[p == 0].sum() == 0, "a token the target gives zero probability was emitted"
+        assert chi_square(counts, p) < CHI2_CRITICAL_0_001[support - 1], (name, position, counts)
+
+
+def test_accepts_everything_when_q_equals_p_one_hot() -> None:
+    p = one_hot_probs([2])[0][:VOCAB]
+    out = run_trials(p, p, k=4, trials=200, seed=3)
+    assert (out == 2).all()
+
+
+def test_acceptance_rate_matches_theory() -> None:
+    # Expected acceptance of one draft: sum_x min(p(x), q(x)).
+    p, q = PAIRS["q far from p"]
+    out = run_trials(p, q, k=1, trials=8000, seed=9)
+    # With k = 1 a row holds 2 tokens iff the draft was accepted.
+    accepted = float((out[:, 1] != P).float().mean())
+    assert abs(accepted - float(torch.minimum(p, q).sum())) < 0.02
+
+
+def test_inputs_must_agree_in_shape() -> None:
+    with pytest.raises(ValueError, match="one k"):
+        rejection_sample(
+            torch.zeros(2, 1, dtype=torch.long), [1], None, torch.ones(2, 2, 3), [True], [None]
+        )
+    with pytest.raises(ValueError, match="target_probs"):
+        rejection_sample(
+            torch.zeros(1, 2, dtype=torch.long), [2], None, torch.ones(1, 2, 3), [True], [None]
+        )
