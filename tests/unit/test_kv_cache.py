@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from tests.factories import tiny_config
-from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
+from workers.kv_cache import (
+    BlockAllocator,
+    BlockTable,
+    NoFreeBlocksError,
+    PagedKVCache,
+    block_hashes,
+)
 
 
 def test_allocate_and_free_round_trip() -> None:
@@ -95,3 +101,53 @@ def test_paged_cache_shapes_sizing_and_block_copy() -> None:
     assert torch.equal(key[4], key[2]) and torch.equal(value[4], value[2])
     with pytest.raises(ValueError, match="hold no KV block"):
         PagedKVCache.for_memory(config, per_block - 1, 4, torch.float32)
+
+
+def test_block_hashes_chain_over_the_prefix() -> None:
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7], 2)
+    b = block_hashes([9, 2, 3, 4, 5, 6], 2)
+    assert len(a) == 3 and len(b) == 3  # only full blocks
+    assert a[0] != b[0] and a[1] != b[1]  # same tokens after a different prefix differ
+    assert block_hashes([1, 2, 3, 4], 2) == a[:2]
+
+
+def test_prefix_cache_reuses_and_revives_blocks() -> None:
+    alloc = BlockAllocator(6)
+    tokens = list(range(10))  # 2 full blocks of 4, and 2 tokens
+    first = BlockTable(alloc, 4)
+    first.prepare_write(0, 10)
+    first.cache_full_blocks(tokens, num_computed_tokens=10)
+    assert alloc.num_cached_blocks == 2
+    second = BlockTable(alloc, 4)
+    assert second.use_cached_prefix([*tokens, 99]) == 8
+    assert second.block_ids == first.block_ids[:2]
+    assert alloc.refcount(first.block_ids[0]) == 2
+    first.release()
+    second.release()
+    assert alloc.num_free_blocks == 6 and alloc.num_cached_blocks == 2  # freed, still cached
+    third = BlockTable(alloc, 4)
+    assert third.use_cached_prefix(tokens) == 8  # revived from the free list
+    assert alloc.num_free_blocks == 4
+
+
+def test_cached_blocks_are_evicted_least_recently_freed_first() -> None:
+    alloc = BlockAllocator(3)
+    old, new = BlockTable(alloc, 2), BlockTable(alloc, 2)
+    old.prepare_write(0, 2)
+    old.cache_full_blocks([1, 2], 2)
+    new.prepare_write(0, 2)
+    new.cache_full_blocks([3, 4], 2)
+    old.release()
+    new.release()
+    alloc.allocate(2)  # the never-used block, then the least recently freed cached one
+    assert BlockTable(alloc, 2).use_cached_prefix([1, 2]) == 0
+    assert BlockTable(alloc, 2).use_cached_prefix([3, 4]) == 2
+
+
+def test_truncate_forgets_hashes_of_blocks_no_longer_full() -> None:
+    alloc = BlockAllocator(4)
+    table = BlockTable(alloc, 2)
+    table.prepare_write(0, 6)
+    table.cache_full_blocks([1, 2, 3, 4, 5, 6], 6)
+    table.truncate(3)
+    assert len(table.block_hashes) == 1 and len(table.block_ids) == 2

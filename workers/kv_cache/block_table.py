@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from workers.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError
+from collections.abc import Sequence
+
+from workers.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError, block_hashes
 
 
 class BlockTable:
@@ -19,6 +21,7 @@ class BlockTable:
         self.allocator = allocator
         self.block_size = block_size
         self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # of the leading full blocks registered for reuse
 
     @property
     def capacity(self) -> int:
@@ -51,6 +54,28 @@ class BlockTable:
             copies.append((block, private))
         return copies
 
+    def use_cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """Adopt the cached blocks of the longest cached prefix of `token_ids` (an empty
+        table only); returns how many tokens they hold."""
+        if self.block_ids:
+            raise ValueError("a cached prefix can only start an empty block table")
+        hashes = block_hashes(token_ids, self.block_size)
+        self.block_ids = self.allocator.lookup(hashes)
+        self.block_hashes = hashes[: len(self.block_ids)]
+        return len(self.block_ids) * self.block_size
+
+    def cache_full_blocks(self, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register every block whose tokens are all committed and computed, for reuse."""
+        bs = self.block_size
+        done, full = len(self.block_hashes), num_computed_tokens // bs
+        if full <= done:
+            return
+        parent = self.block_hashes[-1] if self.block_hashes else 0
+        new = block_hashes(token_ids[done * bs : full * bs], bs, parent)
+        for index, block_hash in enumerate(new, start=done):
+            self.allocator.register(self.block_ids[index], block_hash)
+        self.block_hashes += new
+
     def slots(self, start: int, end: int) -> list[int]:
         """Cache slots of tokens `start..end-1`."""
         bs = self.block_size
@@ -61,12 +86,14 @@ class BlockTable:
         keep = -(-num_tokens // self.block_size)
         self.allocator.free(self.block_ids[keep:])
         del self.block_ids[keep:]
+        del self.block_hashes[num_tokens // self.block_size :]
 
     def fork(self) -> BlockTable:
         """A new table sharing every block of this one."""
         other = BlockTable(self.allocator, self.block_size)
         self.allocator.share(self.block_ids)
         other.block_ids = list(self.block_ids)
+        other.block_hashes = list(self.block_hashes)
         return other
 
     def release(self) -> None:
