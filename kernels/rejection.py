@@ -16,6 +16,8 @@ Output: `[num_seqs, max_k + 1]`, each row the committed tokens padded with PLACE
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -24,14 +26,16 @@ PLACEHOLDER_TOKEN_ID = -1
 def rejection_sample(
     draft_token_ids: torch.Tensor,  # [num_seqs, max_k] int64, padded with PLACEHOLDER_TOKEN_ID
     num_draft_tokens: list[int],  # k of each sequence (ragged)
-    draft_probs: torch.Tensor | None,  # [num_seqs, max_k, vocab] q; None = all one-hot
+    draft_probs: Sequence[torch.Tensor | None],  # per sequence [k, vocab] q, or None = one-hot
     target_probs: torch.Tensor,  # [num_seqs, max_k + 1, vocab] p, after the sampling transform
     greedy: list[bool],  # temperature 0 for the sequence
     generators: list[torch.Generator | None],  # per sequence, for its seed
 ) -> torch.Tensor:  # [num_seqs, max_k + 1] int64
     num_seqs, max_k = draft_token_ids.shape
-    if not (len(num_draft_tokens) == len(greedy) == len(generators) == num_seqs):
-        raise ValueError("rejection_sample needs one k, greedy flag and generator per sequence")
+    if not (
+        len(num_draft_tokens) == len(draft_probs) == len(greedy) == len(generators) == num_seqs
+    ):
+        raise ValueError("rejection_sample needs one k, q, greedy flag and generator per sequence")
     if target_probs.shape[:2] != (num_seqs, max_k + 1):
         raise ValueError(f"target_probs must be [{num_seqs}, {max_k + 1}, vocab]")
     output = torch.full((num_seqs, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
@@ -42,8 +46,7 @@ def rejection_sample(
         if greedy[i]:
             row = _greedy_row(drafts, p.argmax(dim=-1))
         else:
-            q = None if draft_probs is None else draft_probs[i, :k]
-            row = _random_row(drafts, q, p, generators[i])
+            row = _random_row(drafts, draft_probs[i], p, generators[i])
         output[i, : len(row)] = torch.tensor(row, dtype=torch.long)
     return output
 

@@ -21,8 +21,9 @@ def greedy_case(drafts: list[list[int]], target_argmax: list[list[int]]) -> list
     max_k = max(len(d) for d in drafts)
     padded = torch.tensor([d + [P] * (max_k - len(d)) for d in drafts])
     target = torch.stack([one_hot_probs(t + [0] * (max_k + 1 - len(t))) for t in target_argmax])
+    n = len(drafts)
     out = rejection_sample(
-        padded, [len(d) for d in drafts], None, target, [True] * len(drafts), [None] * len(drafts)
+        padded, [len(d) for d in drafts], [None] * n, target, [True] * n, [None] * n
     )
     return out.tolist()
 
@@ -84,12 +85,12 @@ def run_trials(
     gen = torch.Generator().manual_seed(seed)
     if q is None:  # a deterministic drafter: its guess, a one-hot q
         drafts = torch.randint(0, VOCAB, (trials, k), generator=gen)
-        draft_probs = None
+        draft_probs: list[torch.Tensor | None] = [None] * trials
     else:
         drafts = torch.multinomial(
             q.expand(trials * k, VOCAB), 1, replacement=True, generator=gen
         ).view(trials, k)
-        draft_probs = q.expand(trials, k, VOCAB)
+        draft_probs = [q.expand(k, VOCAB)] * trials
     target = p.expand(trials, k + 1, VOCAB)
     gens = [torch.Generator().manual_seed(seed * 100003 + i) for i in range(trials)]
     return rejection_sample(drafts, [k] * trials, draft_probs, target, [False] * trials, gens)
@@ -127,9 +128,9 @@ def test_acceptance_rate_matches_theory() -> None:
 def test_inputs_must_agree_in_shape() -> None:
     with pytest.raises(ValueError, match="one k"):
         rejection_sample(
-            torch.zeros(2, 1, dtype=torch.long), [1], None, torch.ones(2, 2, 3), [True], [None]
+            torch.zeros(2, 1, dtype=torch.long), [1], [None], torch.ones(2, 2, 3), [True], [None]
         )
     with pytest.raises(ValueError, match="target_probs"):
         rejection_sample(
-            torch.zeros(1, 2, dtype=torch.long), [2], None, torch.ones(1, 2, 3), [True], [None]
+            torch.zeros(1, 2, dtype=torch.long), [2], [None], torch.ones(1, 2, 3), [True], [None]
         )

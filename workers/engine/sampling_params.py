@@ -17,6 +17,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one that appears
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -29,6 +30,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,183 @@
+"""Engine mechanics on a tiny random model: each checked against plain decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from tests.factories import random_hf_weights, tiny_config
+from workers.drafting.base import Draft, Drafter, DraftRequest
+from workers.drafting.ngram import NgramConfig, NgramDrafter
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
+from workers.model.transformer import TransformerLM
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model() -> TransformerLM:
+    config = tiny_config(max_position_embeddings=512)
+    net = TransformerLM(config)
+    net.load_hf_weights(random_hf_weights(config, seed=4))
+    return net.eval()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(3, 90, (int(length),), generator=gen).tolist()
+        for length in torch.randint(3, 40, (n,), generator=gen)
+    ]
+
+
+def reference(
+    model: TransformerLM, prompt_ids: list[list[int]], params: SamplingParams
+) -> list[list[int]]:
+    engine = SequentialEngine(model, max_model_len=512)
+    return [engine.generate(p, params).token_ids for p in prompt_ids]
+
+
+def engine(model: TransformerLM, **overrides: object) -> LLMEngine:
+    spec = overrides.pop("spec", SpecConfig())
+    config = EngineConfig(max_model_len=512, **{"spec": spec, **overrides})  # type: ignore[arg-type]
+    return LLMEngine(model, config, drafters={"ngram": NgramDrafter(NgramConfig(1, 3))})
+
+
+def test_batched_engine_matches_plain_decoding(model: TransformerLM) -> None:
+    ps = prompts(6)
+    results = engine(model).generate(ps, GREEDY)
+    assert [r.token_ids for r in results] == reference(model, ps, GREEDY)
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 12 for r in results)
+
+
+def test_chunked_prefill_gives_the_same_tokens(model: TransformerLM) -> None:
+    ps = [list(range(5, 85)) * 2]  # 160 tokens, prefilled 32 at a time
+    eng = engine(model, max_num_batched_tokens=32)
+    assert eng.generate(ps, GREEDY)[0].token_ids == reference(model, ps, GREEDY)[0]
+
+
+def test_preemption_under_kv_pressure_gives_the_same_tokens(model: TransformerLM) -> None:
+    ps = prompts(5, seed=1)
+    eng = engine(model, num_kv_blocks=9, block_size=8)  # far fewer blocks than 5 sequences want
+    results = eng.generate(ps, GREEDY)
+    assert [r.token_ids for r in results] == reference(model, ps, GREEDY)
+    assert eng.allocator.num_free_blocks == 9
+
+
+def test_prefix_cache_is_hit_and_changes_nothing(model: TransformerLM) -> None:
+    prompt = list(range(10, 60))
+    eng = engine(model, block_size=8)
+    first = eng.generate([prompt], GREEDY)[0]
+    cached = eng.allocator.num_cached_blocks
+    assert cached >= 6
+    eng.add_request("again", prompt, GREEDY)
+    eng.step()
+    assert eng.scheduler.running[0].num_computed_tokens == len(prompt)  # 48 cached + 2 computed
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.generate([prompt], GREEDY)[0].token_ids == first.token_ids
+
+
+def test_abort_frees_blocks_and_reports(model: TransformerLM) -> None:
+    eng = engine(model)
+    eng.add_request("a", list(range(3, 40)), GREEDY)
+    eng.add_request("b", list(range(3, 20)), GREEDY)
+    eng.step()
+    eng.abort_request("a")
+    outputs = {o.request_id: o for o in eng.step()}
+    assert outputs["a"].finished and outputs["a"].finish_reason == "abort"
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.allocator.num_free_blocks == eng.config.kv_blocks
+
+
+def test_bad_requests_are_rejected(model: TransformerLM) -> None:
+    eng = engine(model)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("x", [], GREEDY)
+    with pytest.raises(ValueError, match="context holds"):
+        eng.add_request("x", [5] * 600, GREEDY)
+    with pytest.raises(ValueError, match="not available"):
+        eng.add_request("x", [5, 6], GREEDY, RequestSpec(method="draft_model"))
+    with pytest.raises(ValueError, match="tokenizer"):
+        eng.add_request("x", [5, 6], dataclasses.replace(GREEDY, stop=("a",)))
+    eng.add_request("x", [5, 6], GREEDY)
+    with pytest.raises(ValueError, match="already exists"):
+        eng.add_request("x", [5, 6], GREEDY)
+
+
+class OracleDrafter(Drafter):
+    """Drafts what plain decoding will produce, except that a draft of k > 2 tokens gets its
+    last token wrong: acceptance, rejection and bonus tokens all happen, deterministically."""
+
+    method = "ngram"
+
+    def __init__(self, futures: dict[tuple[int, ...], list[int]]) -> None:
+        self.futures = futures
+        self.prompts: dict[str, tuple[int, ...]] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.prompts[request_id] = tuple(prompt_token_ids)
+        self.tokens[request_id] = list(prompt_token_ids)
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.tokens[request_id] += token_ids
+
+    def remove(self, request_id: str) -> None:
+        self.tokens.pop(request_id, None)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        drafts = {}
+        for req in requests:
+            prompt = self.prompts[req.request_id]
+            done = len(self.tokens[req.request_id]) - len(prompt)
+            right = self.futures[prompt][done : done + req.k]
+            if req.k > 2 and len(right) == req.k:
+                right[-1] = (right[-1] + 1) % 90
+            drafts[req.request_id] = Draft(right)
+        return drafts
+
+
+def test_accept_reject_and_bonus_keep_output_and_stop_exactly(model: TransformerLM) -> None:
+    ps = prompts(4, seed=3)
+    params = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
+    expected = reference(model, ps, params)
+    futures = {tuple(p): e + [0] * 20 for p, e in zip(ps, expected, strict=True)}
+    spec = SpecConfig(
+        method="ngram", num_speculative_tokens=4, adaptive=False, disable_batch_size=64
+    )
+    eng = LLMEngine(
+        model,
+        EngineConfig(max_model_len=512, spec=spec),
+        drafters={"ngram": OracleDrafter(futures)},
+    )
+    results = eng.generate(ps, params)
+    assert [r.token_ids for r in results] == expected  # max_tokens hit mid-draft: cut exactly
+    stats = results[0].spec
+    assert stats.accepted > 0 and stats.verify_steps_with_rejection > 0
+    assert stats.mean_acceptance_length > 2
+
+
+def test_eos_inside_accepted_drafts_ends_the_output_there(model: TransformerLM) -> None:
+    ps = prompts(1, seed=5)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = reference(model, ps, params)[0]
+    eos = expected[5]  # pretend the 6th generated token is EOS
+    futures = {tuple(ps[0]): expected + [0] * 20}
+    spec = SpecConfig(method="ngram", num_speculative_tokens=8, adaptive=False)
+    eng = LLMEngine(
+        model,
+        EngineConfig(max_model_len=512, spec=spec),
+        eos_token_ids=(eos,),
+        drafters={"ngram": OracleDrafter(futures)},
+    )
+    result = eng.generate(ps, dataclasses.replace(params, ignore_eos=False))[0]
+    assert result.token_ids == expected[: expected.index(eos) + 1]
+    assert result.finish_reason == "stop"

@@ -1,0 +1,1 @@
+"""Drafters: propose draft tokens (and their probabilities q) for the verifier to check."""

@@ -1,0 +1,73 @@
+"""The boundary between drafting and verifying.
+
+A drafter follows each sequence it is given: it sees the prompt (`add`), then after every
+verification the tokens that were committed (`commit`), and on request proposes up to k draft
+tokens with their probabilities q (`propose`). It keeps its own state (an index, a KV cache) and
+rolls it back to the committed prefix itself, so the verifier never tells it what was rejected.
+Everything crossing this boundary is plain data (ids, token lists, one tensor of q per draft),
+so the drafter can live in another process or on another machine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """Proposed tokens for one sequence; `probs` is q (`[len(token_ids), vocab]`), or None when
+    the drafter chose deterministically (q is one-hot on its token)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.probs is not None and self.probs.shape[0] != len(self.token_ids):
+            raise ValueError("a draft needs one row of q per drafted token")
+
+    def truncated(self, k: int) -> Draft:
+        if k >= len(self.token_ids):
+            return self
+        return Draft(self.token_ids[:k], None if self.probs is None else self.probs[:k])
+
+
+EMPTY_DRAFT = Draft([])
+
+
+@dataclass(frozen=True, slots=True)
+class DraftRequest:
+    request_id: str
+    num_tokens: int  # committed tokens the drafter should have seen (a consistency check)
+    k: int  # propose at most this many
+
+
+class Drafter(ABC):
+    """One drafting method serving many sequences."""
+
+    method: str
+
+    @abstractmethod
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Start following a sequence."""
+
+    @abstractmethod
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Tokens the verifier committed for the sequence since the last call, in order."""
+
+    @abstractmethod
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        """Drafts for these sequences (any may come back shorter than k, or empty)."""
+
+    @abstractmethod
+    def remove(self, request_id: str) -> None:
+        """Stop following a sequence and free what it held."""
+
+
+class DraftStateError(RuntimeError):
+    """The drafter's view of a sequence disagrees with the verifier's."""

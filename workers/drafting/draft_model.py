@@ -1,0 +1,153 @@
+"""Drafting with a smaller model that shares the target's tokenizer.
+
+The draft model has its own paged KV cache. For each sequence it remembers which tokens its
+cache holds (the committed prefix plus its own last draft); after a verification it keeps the
+longest common prefix of those and the committed tokens, frees the rest (rollback), and the next
+proposal first feeds what is missing (the prompt the first time, then the recovered or bonus
+token) before drafting k tokens one forward at a time, batched over sequences. Drafts are drawn
+from the draft model's distribution after the same temperature/top-k/top-p/min-p transform the
+target uses, and that distribution (q) is returned for the rejection test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.sampling import logits_to_probs, sample_from_probs
+from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError
+from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.engine.sampling_params import SamplingParams
+from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
+from workers.model.transformer import TransformerLM
+
+# Draws of the draft model must not share a stream with the verifier's draws for the same seed.
+_DRAFT_SEED_OFFSET = 0x5EED
+
+
+@dataclass(slots=True)
+class _DraftSeq:
+    params: SamplingParams
+    table: BlockTable
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)  # committed
+    cached: list[int] = field(default_factory=list)  # tokens whose K/V the draft cache holds
+
+
+def relative_cost(draft: TransformerLM, target: TransformerLM) -> float:
+    """Cost of one draft-model token relative to a target forward: decode on CPU and small
+    GPU batches is bound by reading weights, so the parameter ratio is a fair estimate."""
+
+    def size(model: TransformerLM) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+    return size(draft) / size(target)
+
+
+class DraftModelDrafter(Drafter):
+    method = "draft_model"
+
+    def __init__(
+        self, model: TransformerLM, num_blocks: int, block_size: int = 16, max_model_len: int = 0
+    ) -> None:
+        cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+        self.runner = ModelRunner(model, cache)
+        self.allocator = BlockAllocator(num_blocks)
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self._seqs: dict[str, _DraftSeq] = {}
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        seed = None if params.seed is None else params.seed + _DRAFT_SEED_OFFSET
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        table = BlockTable(self.allocator, self.runner.block_size)
+        self._seqs[request_id] = _DraftSeq(params, table, generator, list(prompt_token_ids))
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        seq = self._seqs[request_id]
+        seq.tokens.extend(token_ids)
+        common = 0
+        for mine, theirs in zip(seq.cached, seq.tokens, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        self._rollback(seq, common)
+
+    def remove(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            seq.table.release()
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        drafts: dict[str, Draft] = {}
+        active: list[tuple[str, _DraftSeq, int]] = []
+        for req in requests:
+            seq = self._seqs[req.request_id]
+            if len(seq.tokens) != req.num_tokens:
+                raise DraftStateError(
+                    f"{req.request_id}: drafter has {len(seq.tokens)} tokens, "
+                    f"verifier {req.num_tokens}"
+                )
+            k = min(req.k, self.max_model_len - len(seq.tokens))
+            drafts[req.request_id] = Draft([])
+            if k > 0:
+                active.append((req.request_id, seq, k))
+        if active:
+            drafts.update(self._draft(active))
+        return drafts
+
+    def _draft(self, active: list[tuple[str, _DraftSeq, int]]) -> dict[str, Draft]:
+        # First forward: whatever committed tokens the cache lacks; then one drafted token each.
+        pending = {rid: seq.tokens[len(seq.cached) :] for rid, seq, _ in active}
+        for rid, seq, _ in active:
+            if not pending[rid]:  # the cache holds every committed token: re-feed the last one
+                self._rollback(seq, len(seq.cached) - 1)
+                pending[rid] = seq.tokens[-1:]
+        tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in active}
+        probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _ in active}
+        running = list(active)
+        while running:
+            try:
+                logits = self._forward([(seq, pending[rid]) for rid, seq, _ in running])
+            except NoFreeBlocksError:
+                break  # out of draft cache: propose what we have; the verifier copes with less
+            for row, (rid, seq, _) in enumerate(running):
+                seq.cached.extend(pending[rid])
+                token, q = self._sample(seq, logits[row : row + 1])
+                tokens[rid].append(token)
+                if q is not None:
+                    probs[rid].append(q)
+                pending[rid] = [token]
+            running = [(rid, seq, k) for rid, seq, k in running if len(tokens[rid]) < k]
+        return {
+            rid: Draft(tokens[rid], torch.cat(probs[rid]) if probs[rid] else None)
+            for rid, _, _ in active
+        }
+
+    def _forward(self, batch: list[tuple[_DraftSeq, list[int]]]) -> torch.Tensor:
+        forwards = []
+        for seq, new in batch:
+            start = len(seq.cached)
+            seq.table.prepare_write(start, start + len(new))
+            forwards.append(SeqForward(new, start, seq.table.block_ids))
+        return self.runner.forward(forwards).output.logits  # [len(batch), vocab]
+
+    @staticmethod
+    def _sample(seq: _DraftSeq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        params = seq.params
+        if params.greedy:
+            return int(logits[0].argmax()), None
+        q = logits_to_probs(
+            logits,
+            torch.tensor([params.temperature]),
+            torch.tensor([params.top_k]),
+            torch.tensor([params.top_p]),
+            torch.tensor([params.min_p]),
+        )
+        return int(sample_from_probs(q, [seq.generator])[0]), q
+
+    @staticmethod
+    def _rollback(seq: _DraftSeq, num_tokens: int) -> None:
+        del seq.cached[num_tokens:]
+        seq.table.truncate(num_tokens)

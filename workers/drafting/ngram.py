@@ -1,0 +1,150 @@
+"""Drafting without a model: continue the text by matching its own recent tokens.
+
+`NgramDrafter` ("prompt lookup", vLLM's `prompt_lookup_min/max`, llama.cpp's
+`--spec-ngram-size-n`): find the most recent earlier place where the sequence's last n tokens
+(n from max_n down to min_n) occurred, in the prompt or the output so far, and propose the
+tokens that followed it there. It shines when the answer quotes or edits its input.
+
+`SuffixDrafter` keeps, for every context of min_n..max_n tokens seen in the sequence, how often
+each next token followed it (a suffix trie cut at depth max_n + 1), and drafts by repeatedly
+taking the most frequent continuation of the longest known context, so a draft can run past
+the end of any single earlier match and prefers what repeats most over what came last.
+
+Both are deterministic (q is one-hot) and cost microseconds, so the verifier gets k for free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError
+from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NgramConfig:
+    min_n: int = 2  # shortest suffix to match
+    max_n: int = 4  # longest suffix to match (tried first)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+
+
+class _TokenDrafter(Drafter):
+    """Keeps each sequence's committed tokens; subclasses draft from them."""
+
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        self.config = config or NgramConfig()
+        self._tokens: dict[str, list[int]] = {}
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._tokens[request_id] = []
+        self.commit(request_id, prompt_token_ids)
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._tokens[request_id].extend(token_ids)
+
+    def remove(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        drafts = {}
+        for req in requests:
+            tokens = self._tokens[req.request_id]
+            if len(tokens) != req.num_tokens:
+                raise DraftStateError(
+                    f"{req.request_id}: drafter has {len(tokens)} tokens, verifier {req.num_tokens}"
+                )
+            drafts[req.request_id] = Draft(self._draft(req.request_id, tokens, req.k))
+        return drafts
+
+    def _draft(self, request_id: str, tokens: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+
+class NgramDrafter(_TokenDrafter):
+    method = "ngram"
+
+    def _draft(self, request_id: str, tokens: list[int], k: int) -> list[int]:
+        return prompt_lookup(tokens, k, self.config.min_n, self.config.max_n)
+
+
+def prompt_lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching
+    suffix (max_n down to min_n tokens); [] when nothing matches."""
+    if k <= 0 or len(tokens) <= min_n:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, len(arr) - 1), min_n - 1, -1):
+        suffix = arr[-n:]
+        # Windows that start before the suffix itself: positions 0 .. len - n - 1.
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return arr[start : start + k].tolist()
+    return []
+
+
+class SuffixDrafter(_TokenDrafter):
+    method = "suffix"
+
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        super().__init__(config)
+        # request -> context (tuple of n tokens) -> next token -> (count, last position)
+        self._tables: dict[str, defaultdict[tuple[int, ...], Counter[int]]] = {}
+        self._last_seen: dict[str, dict[tuple[tuple[int, ...], int], int]] = {}
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._tables[request_id] = defaultdict(Counter)
+        self._last_seen[request_id] = {}
+        super().add(request_id, prompt_token_ids, params)
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        tokens = self._tokens[request_id]
+        table, last_seen = self._tables[request_id], self._last_seen[request_id]
+        for token in token_ids:
+            position = len(tokens)
+            for n in range(self.config.min_n, min(self.config.max_n, position) + 1):
+                context = tuple(tokens[position - n :])
+                table[context][token] += 1
+                last_seen[(context, token)] = position
+            tokens.append(token)
+
+    def remove(self, request_id: str) -> None:
+        super().remove(request_id)
+        self._tables.pop(request_id, None)
+        self._last_seen.pop(request_id, None)
+
+    def _draft(self, request_id: str, tokens: list[int], k: int) -> list[int]:
+        table, last_seen = self._tables[request_id], self._last_seen[request_id]
+        context = list(tokens[-self.config.max_n :])
+        draft: list[int] = []
+        while len(draft) < k:
+            token = self._continuation(context, table, last_seen)
+            if token is None:
+                break
+            draft.append(token)
+            context = (
+                [*context[1:], token] if len(context) == self.config.max_n else [*context, token]
+            )
+        return draft
+
+    def _continuation(
+        self,
+        context: list[int],
+        table: defaultdict[tuple[int, ...], Counter[int]],
+        last_seen: dict[tuple[tuple[int, ...], int], int],
+    ) -> int | None:
+        for n in range(min(self.config.max_n, len(context)), self.config.min_n - 1, -1):
+            key = tuple(context[-n:])
+            followers = table.get(key)
+            if followers:
+                # Most frequent next token; ties go to the one seen most recently.
+                return max(followers, key=lambda t: (followers[t], last_seen[(key, t)]))
+        return None

@@ -1,0 +1,82 @@
+"""Engine and speculation settings: server defaults that requests may override."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SPEC_METHODS = ("none", "ngram", "suffix", "draft_model")
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Server-wide speculation defaults."""
+
+    method: str = "none"  # one of SPEC_METHODS
+    num_speculative_tokens: int = 4  # k, the most drafts a sequence gets per step
+    ngram_min: int = 2
+    ngram_max: int = 4
+    adaptive: bool = True  # choose k per request from its measured acceptance
+    # Cost of one more verified draft token (drafting it included) relative to a one-token
+    # forward; drives adaptive k. Measured by tests/benchmarks/bench_forward.py (verify) and
+    # bench_spec.py (drafting). None: 0.05 for model-free drafters, more for a draft model.
+    draft_token_cost: float | None = None
+    # Verification stops being nearly free once the batch is this large: speculate no more.
+    disable_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"spec method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}"
+            )
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.draft_token_cost is not None and self.draft_token_cost < 0:
+            raise ValueError("draft_token_cost must be >= 0")
+        if self.disable_batch_size < 1:
+            raise ValueError("disable_batch_size must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """A request's own speculation settings; None fields take the server default."""
+
+    enabled: bool = True
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}")
+        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in 0..16")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0: enough for max_num_seqs sequences of max_model_len / 4
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # per step: prefill chunks + decode + draft tokens
+    enable_prefix_caching: bool = True
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_kv_blocks < 0:
+            raise ValueError("num_kv_blocks must be >= 0")
+        if self.max_num_batched_tokens < 1 + self.spec.num_speculative_tokens:
+            raise ValueError("max_num_batched_tokens must fit one token plus k drafts")
+
+    @property
+    def kv_blocks(self) -> int:
+        if self.num_kv_blocks:
+            return self.num_kv_blocks
+        per_seq = -(-max(self.max_model_len // 4, self.block_size) // self.block_size)
+        return max(per_seq * self.max_num_seqs, -(-self.max_model_len // self.block_size) + 1)

@@ -1,0 +1,69 @@
+"""Token ids to text, incrementally, with stop strings.
+
+Text is emitted as soon as it is final: never half of a multi-byte character (a byte-level
+token can end mid-character, which decodes to U+FFFD until the rest arrives), and never the
+first characters of what may turn out to be a stop string (the last `len(longest stop) - 1`
+characters are held back until they can no longer begin one). A stop string ends the text
+before it, as OpenAI's API does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from workers.model.tokenizer import Tokenizer
+
+# Tokens decoded again with each new one, so context-dependent decoding (leading spaces) is
+# right; offsets move forward once text is final.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0  # decoding context starts here
+        self._read_offset = 0  # tokens before this are already in self.text
+        self.text = ""  # final text so far (complete characters, stop string removed)
+        self._emitted = 0
+        self.stopped = False
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """New final text after these tokens ('' while a character or stop is undecided)."""
+        if self.stopped:
+            return ""
+        self._token_ids.extend(token_ids)
+        before = self._decode(self._prefix_offset, self._read_offset)
+        after = self._decode(self._prefix_offset, len(self._token_ids))
+        if after.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for its remaining bytes
+        self.text += after[len(before) :]
+        self._read_offset = len(self._token_ids)
+        self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
+        if self._find_stop():
+            return self._emit(len(self.text))
+        return self._emit(len(self.text) - self._hold)
+
+    def flush(self) -> str:
+        """Whatever was held back, once the sequence is over."""
+        return self._emit(len(self.text))
+
+    def _find_stop(self) -> bool:
+        window = max(0, self._emitted - self._hold)
+        hits = [i for i in (self.text.find(s, window) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        self.stopped = True
+        return True
+
+    def _emit(self, end: int) -> str:
+        end = max(end, self._emitted)
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self._token_ids[start:end]) if end > start else ""

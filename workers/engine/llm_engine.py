@@ -1,0 +1,223 @@
+"""The verifier's engine: continuous batching with speculative decoding, in one process.
+
+Each `step()` drafts for the decoding sequences, schedules a token budget over everyone,
+runs one forward of the target over all of it, rejection-samples the drafts, and commits:
+tokens appended, rejected KV slots rolled back, drafters told, stop conditions checked.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.drafting.base import EMPTY_DRAFT, Drafter
+from workers.engine.config import EngineConfig, RequestSpec
+from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.model_runner import ModelRunner
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import ScheduledSeq, Scheduler
+from workers.engine.sequence import SeqStatus, Sequence, SpecStats
+from workers.engine.speculator import Speculator
+from workers.engine.verification import verify
+from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
+from workers.model.tokenizer import Tokenizer
+from workers.model.transformer import TransformerLM
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new final text ("" without a tokenizer)
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    spec: SpecStats
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole finished request, for `generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: TransformerLM,
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        eos_token_ids: Seq[int] = (),
+        drafters: dict[str, Drafter] | None = None,
+        draft_model_cost: float = 0.0,
+    ) -> None:
+        self.config = config or EngineConfig()
+        max_len = min(self.config.max_model_len, model.config.max_position_embeddings)
+        self.max_model_len = max_len
+        cache = PagedKVCache(
+            model.config, self.config.kv_blocks, self.config.block_size, model.dtype, model.device
+        )
+        self.runner = ModelRunner(model, cache)
+        self.allocator = BlockAllocator(self.config.kv_blocks)
+        self.scheduler = Scheduler(self.config)
+        self.speculator = Speculator(self.config.spec, drafters or {}, draft_model_cost)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stats = SpecStats()
+        self._seqs: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._outputs: dict[str, RequestOutput] = {}
+        self._arrivals = itertools.count()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        spec: RequestSpec | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError for one that can never run."""
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; the context holds {self.max_model_len}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need an engine with a tokenizer")
+        method, max_spec_tokens = self.speculator.resolve(spec)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            spec_method=method,
+            max_spec_tokens=max_spec_tokens,
+            block_table=BlockTable(self.allocator, self.config.block_size),
+            generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
+            arrival=next(self._arrivals),
+        )
+        self._seqs[request_id] = seq
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.speculator.add(seq)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (no-op for an unknown or finished id)."""
+        seq = self._seqs.get(request_id)
+        if seq is not None and not seq.finished:
+            self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        self.speculator.propose(self.scheduler.decoding())
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            self.runner.kv_cache.copy_blocks(batch.block_copies)
+            output = self.runner.forward([s.forward() for s in batch.seqs])
+            for scheduled, tokens in zip(batch.seqs, verify(batch.seqs, output), strict=True):
+                self._commit(scheduled, tokens)
+        return self._drain_outputs()
+
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        params: SamplingParams | Seq[SamplingParams],
+        spec: RequestSpec | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion together (continuous batching); results in prompt order."""
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
+        results = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts, strict=True)}
+        for rid, prompt, p in zip(ids, prompts, all_params, strict=True):
+            self.add_request(rid, prompt, p, spec)
+        while any(results[rid].finish_reason is None for rid in ids):
+            for out in self.step():
+                result = results[out.request_id]
+                result.token_ids += out.new_token_ids
+                result.text += out.text
+                if out.finished:
+                    result.finish_reason, result.spec = out.finish_reason, out.spec
+        return [results[rid] for rid in ids]
+
+    def _commit(self, scheduled: ScheduledSeq, tokens: list[int] | None) -> None:
+        seq = scheduled.seq
+        if tokens is None:  # a prefill chunk short of the prompt's end
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            return
+        num_drafted, num_accepted = len(scheduled.draft.token_ids), len(tokens) - 1
+        seq.num_computed_tokens += scheduled.num_new_tokens + num_accepted
+        if scheduled.decoding:  # a verify step (the first token after prefill is not one)
+            seq.stats.record(num_drafted, num_accepted)
+            self.stats.record(num_drafted, num_accepted)
+        tokens, reason = self._cut_at_stop(seq, tokens)
+        seq.token_ids += tokens
+        seq.draft = EMPTY_DRAFT
+        seq.block_table.truncate(seq.num_computed_tokens)  # roll back rejected draft slots
+        if self.config.enable_prefix_caching:
+            seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
+        detok = self._detokenizers.get(seq.request_id)
+        text = "" if detok is None else detok.add(tokens)
+        if detok is not None and detok.stopped:
+            reason = "stop"
+        self._record_output(seq, tokens, text)
+        if reason:
+            self._finish(seq, reason)
+        else:
+            self.speculator.commit(seq, tokens)
+
+    def _cut_at_stop(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Keep tokens up to the first stop condition; the reason, if one was met."""
+        params = seq.params
+        for n, token in enumerate(tokens, start=1):
+            if token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.eos_token_ids
+            ):
+                return tokens[:n], "stop"
+            num_output = len(seq.output_token_ids) + n
+            if num_output >= params.max_tokens or len(seq.token_ids) + n >= self.max_model_len:
+                return tokens[:n], "length"
+        return tokens, None
+
+    def _record_output(self, seq: Sequence, tokens: list[int], text: str) -> None:
+        out = self._outputs.get(seq.request_id)
+        if out is None:
+            out = RequestOutput(
+                seq.request_id, [], "", False, None, seq.num_prompt_tokens, 0, seq.stats
+            )
+            self._outputs[seq.request_id] = out
+        out.new_token_ids += tokens
+        out.text += text
+        out.num_output_tokens = len(seq.output_token_ids)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        self.scheduler.remove(seq)
+        self.speculator.remove(seq)
+        detok = self._detokenizers.pop(seq.request_id, None)
+        self._record_output(seq, [], detok.flush() if detok and reason != "abort" else "")
+        out = self._outputs[seq.request_id]
+        out.finished, out.finish_reason = True, reason
+        del self._seqs[seq.request_id]
+
+    def _drain_outputs(self) -> list[RequestOutput]:
+        outputs = list(self._outputs.values())
+        self._outputs.clear()
+        return outputs

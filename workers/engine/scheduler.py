@@ -1,0 +1,129 @@
+"""Which tokens of which sequences go into the next forward, by token counts.
+
+Every sequence has tokens (prompt + committed output) and a count of those already in the KV
+cache; a step brings each scheduled sequence's uncomputed tokens (a prefill chunk, or the last
+token when decoding) plus, when decoding, its draft. Prefill, chunked prefill, decode and
+verification are one mechanism under one token budget (as vLLM's v1 scheduler does it).
+Running sequences go first, oldest first; when the cache runs out of blocks the newest running
+sequence is preempted (its blocks freed, to be recomputed later). Waiting sequences are admitted
+after that, reusing cached prefix blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.drafting.base import EMPTY_DRAFT, Draft
+from workers.engine.config import EngineConfig
+from workers.engine.model_runner import SeqForward
+from workers.engine.sequence import SeqStatus, Sequence
+from workers.kv_cache import NoFreeBlocksError
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # of seq.token_ids, starting at seq.num_computed_tokens
+    draft: Draft  # verified in the same forward (empty unless decoding)
+    decoding: bool  # a verify step: the sequence had its last committed token to feed
+
+    @property
+    def samples(self) -> bool:
+        """This forward reaches the sequence's last token, so it yields new tokens."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+    def forward(self) -> SeqForward:
+        start = self.seq.num_computed_tokens
+        new = self.seq.token_ids[start : start + self.num_new_tokens] + self.draft.token_ids
+        num_logits = 1 + len(self.draft.token_ids) if self.samples else 0
+        return SeqForward(new, start, self.seq.block_table.block_ids, num_logits)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.block_table.release()
+
+    def decoding(self) -> list[Sequence]:
+        return [s for s in self.running if s.is_decoding]
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            draft = seq.draft.truncated(budget - num_new) if seq.is_decoding else EMPTY_DRAFT
+            start = seq.num_computed_tokens
+            try:
+                copies = seq.block_table.prepare_write(
+                    start, start + num_new + len(draft.token_ids)
+                )
+            except NoFreeBlocksError:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                continue  # retry this sequence (unless it was the victim: then the loop ends)
+            out.seqs.append(ScheduledSeq(seq, num_new, draft, seq.is_decoding))
+            out.block_copies += copies
+            budget -= num_new + len(draft.token_ids)
+            i += 1
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self.config.enable_prefix_caching and seq.num_computed_tokens == 0:
+                # Leave at least the last token to compute: its logits are needed.
+                seq.num_computed_tokens = seq.block_table.use_cached_prefix(seq.token_ids[:-1])
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            start = seq.num_computed_tokens
+            try:
+                copies = seq.block_table.prepare_write(start, start + num_new)
+            except NoFreeBlocksError:
+                seq.block_table.release()
+                seq.num_computed_tokens = 0
+                return
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(ScheduledSeq(seq, num_new, EMPTY_DRAFT, seq.is_decoding))
+            out.block_copies += copies
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        seq.block_table.release()
+        seq.num_computed_tokens = 0
+        seq.draft = EMPTY_DRAFT
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)

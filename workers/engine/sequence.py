@@ -1,0 +1,111 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.drafting.base import EMPTY_DRAFT, Draft
+from workers.engine.sampling_params import SamplingParams
+from workers.kv_cache import BlockTable
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculation counters of one request (or, summed, of an engine)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0  # decode steps: each commits accepted + 1 tokens
+    verify_steps_with_rejection: int = 0  # steps where a draft was rejected
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at i
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verify step (accepted drafts + the recovered/bonus token)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.verify_steps += 1
+        self.verify_steps_with_rejection += num_accepted < num_drafted
+        if len(self.accepted_per_position) < num_accepted:
+            self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.verify_steps += other.verify_steps
+        self.verify_steps_with_rejection += other.verify_steps_with_rejection
+        for i, n in enumerate(other.accepted_per_position):
+            if i < len(self.accepted_per_position):
+                self.accepted_per_position[i] += n
+            else:
+                self.accepted_per_position.append(n)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+            "verify_steps": self.verify_steps,
+        }
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    spec_method: str  # "none" or a drafter's method
+    max_spec_tokens: int
+    block_table: BlockTable
+    generator: torch.Generator | None
+    arrival: int
+    token_ids: list[int] = field(default_factory=list)  # prompt + committed output
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    draft: Draft = EMPTY_DRAFT  # proposed for the coming step
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past the prompt, with every token but the last in the cache: the next forward
+        feeds that token (and any draft) and commits new tokens."""
+        return self.num_uncomputed_tokens == 1 and len(self.token_ids) > self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

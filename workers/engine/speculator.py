@@ -1,0 +1,119 @@
+"""Which drafter drafts for whom, and how many tokens (adaptive k).
+
+With per-token acceptance rate a, a draft of k tokens yields E(k) = (1 - a^(k+1)) / (1 - a)
+committed tokens per verify step, and costs about 1 + c*k one-token forwards, where c is what one
+more draft token costs to draft and verify. Each request gets the k in 0..k_max that maximizes
+E(k) / (1 + c*k) for its own measured a (a prior of 1/2 until it has history). Verification is
+only nearly free while the batch is small: from `disable_batch_size` decoding sequences on,
+nobody speculates, so speculation never makes a large load slower. A request held at k = 0
+still tries one draft token every EXPLORE_EVERY_STEPS steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from workers.drafting.base import EMPTY_DRAFT, Drafter, DraftRequest
+from workers.engine.config import RequestSpec, SpecConfig
+from workers.engine.sequence import Sequence
+
+MODEL_FREE_TOKEN_COST = 0.05
+# A request whose acceptance argues for k = 0 still drafts one token this often, so a text that
+# becomes predictable later (a quoted passage, say) is noticed.
+EXPLORE_EVERY_STEPS = 16
+# Beta prior on the acceptance rate: as if 1 accepted and 1 rejected draft were already seen.
+_PRIOR_ACCEPTED, _PRIOR_REJECTED = 1.0, 1.0
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Committed tokens per verify step with k drafts each accepted with prob `acceptance`."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def best_num_draft_tokens(acceptance: float, k_max: int, token_cost: float) -> int:
+    """The k in 0..k_max with the most committed tokens per unit of cost."""
+    return max(
+        range(k_max + 1), key=lambda k: expected_tokens(acceptance, k) / (1 + token_cost * k)
+    )
+
+
+class Speculator:
+    def __init__(
+        self, config: SpecConfig, drafters: dict[str, Drafter], draft_model_cost: float = 0.0
+    ) -> None:
+        self.config = config
+        self.drafters = drafters
+        self._draft_model_cost = draft_model_cost
+
+    def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
+        """(method, k_max) for a request: its own settings over the server defaults."""
+        spec = spec or RequestSpec()
+        method = spec.method or self.config.method
+        k = (
+            self.config.num_speculative_tokens
+            if spec.num_speculative_tokens is None
+            else spec.num_speculative_tokens
+        )
+        if not spec.enabled or method == "none" or k == 0:
+            return "none", 0
+        if method not in self.drafters:
+            raise ValueError(f"speculative method {method!r} is not available on this server")
+        return method, k
+
+    def token_cost(self, method: str) -> float:
+        if self.config.draft_token_cost is not None:
+            return self.config.draft_token_cost
+        if method == "draft_model":
+            return MODEL_FREE_TOKEN_COST + self._draft_model_cost
+        return MODEL_FREE_TOKEN_COST
+
+    def num_draft_tokens(self, seq: Sequence, batch_size: int) -> int:
+        """How many tokens to draft for `seq` this step."""
+        if seq.spec_method == "none" or batch_size >= self.config.disable_batch_size:
+            return 0
+        room = min(
+            seq.params.max_tokens - len(seq.output_token_ids) - 1,  # never draft past max_tokens
+            seq.max_spec_tokens,
+        )
+        if room <= 0:
+            return 0
+        if not self.config.adaptive:
+            return room
+        stats = seq.stats
+        rejected = stats.verify_steps_with_rejection
+        acceptance = (stats.accepted + _PRIOR_ACCEPTED) / (
+            stats.accepted + rejected + _PRIOR_ACCEPTED + _PRIOR_REJECTED
+        )
+        k = best_num_draft_tokens(acceptance, room, self.token_cost(seq.spec_method))
+        if k == 0 and stats.verify_steps % EXPLORE_EVERY_STEPS == EXPLORE_EVERY_STEPS - 1:
+            return 1
+        return k
+
+    def add(self, seq: Sequence) -> None:
+        if seq.spec_method != "none":
+            self.drafters[seq.spec_method].add(seq.request_id, seq.prompt_token_ids, seq.params)
+
+    def commit(self, seq: Sequence, token_ids: list[int]) -> None:
+        if seq.spec_method != "none":
+            self.drafters[seq.spec_method].commit(seq.request_id, token_ids)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq.spec_method != "none":
+            self.drafters[seq.spec_method].remove(seq.request_id)
+
+    def propose(self, decoding: Iterable[Sequence]) -> None:
+        """Set `seq.draft` for every decoding sequence (empty where it should not speculate)."""
+        seqs = list(decoding)
+        by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
+        for seq in seqs:
+            seq.draft = EMPTY_DRAFT
+            k = self.num_draft_tokens(seq, len(seqs))
+            if k > 0:
+                request = DraftRequest(seq.request_id, len(seq.token_ids), k)
+                by_method.setdefault(seq.spec_method, []).append((seq, request))
+        for method, pairs in by_method.items():
+            drafts = self.drafters[method].propose([req for _, req in pairs])
+            for seq, req in pairs:
+                seq.draft = drafts.get(seq.request_id, EMPTY_DRAFT).truncated(req.k)

@@ -1,0 +1,56 @@
+"""From the logits of a forward to the tokens each sequence commits (rejection sampling)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from kernels.sampling import logits_to_probs
+from workers.engine.model_runner import RunnerOutput
+from workers.engine.scheduler import ScheduledSeq
+
+
+def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int] | None]:
+    """Committed tokens of each scheduled sequence (None for a prefill chunk that samples none).
+
+    A sequence without a draft simply samples one token (k = 0: the bonus token); one with a
+    draft gets its accepted prefix plus a recovered or bonus token.
+    """
+    rows = [i for i, s in enumerate(batch) if s.samples]
+    committed: list[list[int] | None] = [None] * len(batch)
+    if not rows:
+        return committed
+    ks = [len(batch[i].draft.token_ids) for i in rows]
+    max_k = max(ks)
+    vocab = output.output.logits.shape[-1]
+    logits = torch.zeros(len(rows), max_k + 1, vocab)
+    for n, i in enumerate(rows):
+        logits[n, : ks[n] + 1] = output.logits_of(i)
+    params = [batch[i].seq.params for i in rows]
+
+    def per_row(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).repeat_interleave(max_k + 1)
+
+    target_probs = logits_to_probs(
+        logits.view(-1, vocab),
+        per_row([p.temperature for p in params], torch.float32),
+        per_row([p.top_k for p in params], torch.long),
+        per_row([p.top_p for p in params], torch.float32),
+        per_row([p.min_p for p in params], torch.float32),
+    ).view(len(rows), max_k + 1, vocab)
+    drafts = torch.full((len(rows), max_k), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    for n, i in enumerate(rows):
+        drafts[n, : ks[n]] = torch.tensor(batch[i].draft.token_ids, dtype=torch.long)
+    sampled = rejection_sample(
+        drafts,
+        ks,
+        [batch[i].draft.probs for i in rows],
+        target_probs,
+        [p.greedy for p in params],
+        [batch[i].seq.generator for i in rows],
+    )
+    for n, i in enumerate(rows):
+        committed[i] = [t for t in sampled[n].tolist() if t != PLACEHOLDER_TOKEN_ID]
+    return committed
