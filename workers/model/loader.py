@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -97,6 +98,20 @@ def save_safetensors_dir(checkpoint: Checkpoint, path: Path) -> None:
     tensors = {name: w.contiguous() for name, w in checkpoint.weights.items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     checkpoint.tokenizer.save(path)
+
+
+def truncate_layers(checkpoint: Checkpoint, num_layers: int) -> Checkpoint:
+    """The first `num_layers` layers of a model with its embeddings, final norm and LM head: a
+    cheap (if weak) draft model that shares the target's tokenizer."""
+    if not 1 <= num_layers <= checkpoint.config.num_layers:
+        raise ValueError(f"num_layers must be in 1..{checkpoint.config.num_layers}")
+    config = dataclasses.replace(checkpoint.config, num_layers=num_layers)
+    weights = {
+        name: w
+        for name, w in checkpoint.weights.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
+    }
+    return Checkpoint(config, weights, checkpoint.tokenizer)
 
 
 def build_model(

@@ -1,0 +1,158 @@
+"""Speculative decoding is lossless on the bundled model (fp32): greedy output identical to
+plain decoding for every drafter and batch size, requests arriving at different times; seeded
+sampling independent of what else is in the batch."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from workers.drafting.base import Drafter
+from workers.drafting.draft_model import DraftModelDrafter
+from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
+from workers.model.loader import build_model, truncate_layers
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "<|im_start|>user\nRepeat after me: red green blue red green blue<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "Once upon a time",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is",
+    "import os\nimport sys\nimport json\n",
+    "Summarize: cats sleep a lot. Cats sleep most of the day because",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+SPEC = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(checkpoint) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    # 16 prompts of different lengths: the texts, and the texts with a prefix.
+    texts = TEXTS + [f"Note {i}. {t}" for i, t in enumerate(TEXTS)]
+    return [checkpoint.tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def expected(model_fp32, checkpoint, prompt_ids) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    plain = SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
+    )
+    return [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+
+
+@pytest.fixture(scope="module")
+def draft_net(checkpoint):  # type: ignore[no-untyped-def]
+    return build_model(truncate_layers(checkpoint, 8))
+
+
+def make_drafter(method: str, draft_net, model_fp32) -> Drafter:  # type: ignore[no-untyped-def]
+    if method == "ngram":
+        return NgramDrafter(NgramConfig(1, 4))
+    if method == "suffix":
+        return SuffixDrafter(NgramConfig(1, 4))
+    net = model_fp32 if method == "self_draft" else draft_net
+    return DraftModelDrafter(net, num_blocks=1024)
+
+
+def run_staggered(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    spec: RequestSpec,
+    gap: int = 2,
+) -> list[list[int]]:
+    """Request i arrives at step i * gap; tokens of each request in order."""
+    tokens: dict[str, list[int]] = defaultdict(list)
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] * gap <= step:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params, spec)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        step += 1
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "self_draft"])
+def test_greedy_identical_to_plain_decoding(
+    method: str,
+    batch: int,
+    model_fp32,
+    checkpoint,
+    draft_net,
+    prompt_ids,
+    expected,  # type: ignore[no-untyped-def]
+) -> None:
+    if method == "self_draft" and batch == 16:
+        pytest.skip("the full model as its own draft is slow; batches 1 and 4 cover it")
+    drafter = make_drafter(method, draft_net, model_fp32)
+    engine = LLMEngine(
+        model_fp32,
+        EngineConfig(max_model_len=512, spec=SPEC),
+        eos_token_ids=checkpoint.config.eos_token_ids,
+        drafters={drafter.method: drafter},
+    )
+    got = run_staggered(engine, prompt_ids[:batch], GREEDY, RequestSpec(method=drafter.method))
+    assert got == expected[:batch]
+    assert engine.stats.drafted > 0
+    if method == "self_draft":
+        assert engine.stats.accepted == engine.stats.drafted  # a model always agrees with itself
+    assert engine.allocator.num_free_blocks == engine.config.kv_blocks
+
+
+def test_adaptive_k_and_batch_fallback_stay_exact(
+    model_fp32, checkpoint, prompt_ids, expected
+) -> None:  # type: ignore[no-untyped-def]
+    spec = SpecConfig(method="ngram", num_speculative_tokens=6, disable_batch_size=3)
+    engine = LLMEngine(
+        model_fp32,
+        EngineConfig(max_model_len=512, spec=spec),
+        eos_token_ids=checkpoint.config.eos_token_ids,
+        drafters={"ngram": NgramDrafter(NgramConfig(1, 4))},
+    )
+    assert run_staggered(engine, prompt_ids[:6], GREEDY, RequestSpec(), gap=3) == expected[:6]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_does_not_depend_on_the_batch(
+    method: str,
+    model_fp32,
+    checkpoint,
+    draft_net,
+    prompt_ids,  # type: ignore[no-untyped-def]
+) -> None:
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=1234)
+    others = SamplingParams(max_tokens=20, temperature=1.0, seed=99)
+    runs = []
+    for company in (0, 3):
+        drafter = make_drafter(method, draft_net, model_fp32)
+        engine = LLMEngine(
+            model_fp32,
+            EngineConfig(max_model_len=512, spec=SPEC),
+            eos_token_ids=checkpoint.config.eos_token_ids,
+            drafters={drafter.method: drafter},
+        )
+        spec = RequestSpec(method=drafter.method)
+        engine.add_request("target", prompt_ids[0], params, spec)
+        for i in range(company):
+            engine.add_request(f"other{i}", prompt_ids[i + 1], others, spec)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "target":
+                    tokens += out.new_token_ids
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+    assert len(runs[0]) > 0
