@@ -5,41 +5,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from workers.engine.config import SPEC_METHODS, EngineConfig, RequestSpec, SpecConfig
+from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequential import SequentialEngine
-from workers.model.loader import BUNDLED_MODEL_NAME, build_model, load_checkpoint, parse_dtype
-from workers.model.tokenizer import Tokenizer
 
 
-@dataclass(slots=True)
-class LoadedEngine:
-    engine: SequentialEngine
-    tokenizer: Tokenizer
-    model_name: str
-
-
-def load_engine(
-    model: str | None, dtype: str, max_model_len: int | None = None, progress: bool = True
-) -> LoadedEngine:
-    """Load a model (bundled by default) and wrap it in the in-process engine."""
-    checkpoint = load_checkpoint(model, progress=progress)
-    net = build_model(checkpoint, dtype=parse_dtype(dtype))
-    engine = SequentialEngine(
-        net, eos_token_ids=checkpoint.tokenizer.eos_token_ids, max_model_len=max_model_len
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
+    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    model.add_argument("--max-model-len", type=int, default=4096, help="context length to serve")
+    model.add_argument("--max-num-seqs", type=int, default=32, help="sequences batched at once")
+    model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument("--spec-method", default="none", choices=SPEC_METHODS)
+    spec.add_argument("--num-spec-tokens", type=int, default=4, help="most draft tokens per step")
+    spec.add_argument("--draft-model", default=None, help="draft model (GGUF or HF folder)")
+    spec.add_argument(
+        "--draft-layers", type=int, default=None, help="use the target's first N layers as draft"
     )
-    return LoadedEngine(engine, checkpoint.tokenizer, model or BUNDLED_MODEL_NAME)
-
-
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--max-model-len", type=int, default=4096, help="context length to serve")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    spec.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram to match")
+    spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to match")
+    spec.add_argument("--no-adaptive", action="store_true", help="always draft the full k")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -55,15 +47,31 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
-    _add_model_args(gen)
+    _add_engine_args(gen)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    _add_model_args(serve)
+    _add_engine_args(serve)
     return parser
+
+
+def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
+    spec = SpecConfig(
+        method=args.spec_method,
+        num_speculative_tokens=args.num_spec_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        adaptive=not args.no_adaptive,
+    )
+    config = EngineConfig(
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, spec=spec
+    )
+    model = ModelSpec(args.model, args.dtype, args.draft_model, args.draft_layers)
+    return build_engine(model, config, progress=progress)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -75,63 +83,57 @@ def _generate(args: argparse.Namespace) -> int:
         min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        stop=tuple(args.stop),
     )
-    loaded = load_engine(args.model, args.dtype, args.max_model_len, progress=True)
-    tok = loaded.tokenizer
+    loaded = load(args)
+    tok, engine = loaded.tokenizer, loaded.engine
     text = (
         tok.apply_chat_template([{"role": "user", "content": args.prompt}])
         if args.chat
         else args.prompt
     )
     prompt_ids = tok.encode(text)
+    engine.add_request("cli", prompt_ids, params, RequestSpec())
+    token_ids: list[int] = []
+    pieces: list[str] = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            token_ids += out.new_token_ids
+            pieces.append(out.text)
+            if not args.json:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+            if out.finished:
+                final = out
+    elapsed = time.perf_counter() - start
+    tokens_per_s = len(token_ids) / elapsed if elapsed > 0 else 0.0
     if args.json:
-        result = loaded.engine.generate(prompt_ids, params)
-        out = {
-            "text": tok.decode(result.token_ids),
-            "prompt_token_ids": result.prompt_token_ids,
-            "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-            "tokens_per_s": round(result.tokens_per_s, 2),
+        result = {
+            "text": "".join(pieces),
+            "prompt_token_ids": prompt_ids,
+            "token_ids": token_ids,
+            "finish_reason": final.finish_reason,
+            "tokens_per_s": round(tokens_per_s, 2),
+            "spec": final.spec.as_dict(),
         }
-        print(json.dumps(out))
-        return 0
-    printer = _StreamPrinter(tok)
-    result = loaded.engine.generate(prompt_ids, params, on_tokens=printer)
-    printer.flush()
-    print(
-        f"\n[{len(result.token_ids)} tokens, {result.tokens_per_s:.1f} tokens/s, "
-        f"finish: {result.finish_reason}]",
-        file=sys.stderr,
-    )
+        print(json.dumps(result))
+    else:
+        stats = final.spec
+        print(
+            f"\n[{len(token_ids)} tokens, {tokens_per_s:.1f} tokens/s, "
+            f"finish: {final.finish_reason}, "
+            f"mean acceptance length {stats.mean_acceptance_length:.2f}]",
+            file=sys.stderr,
+        )
     return 0
-
-
-class _StreamPrinter:
-    """Prints text as tokens arrive, holding back an incomplete multi-byte character."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.token_ids: list[int] = []
-        self.printed = 0
-
-    def __call__(self, new_ids: list[int]) -> None:
-        self.token_ids += new_ids
-        text = self.tokenizer.decode(self.token_ids)
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[self.printed :])
-            sys.stdout.flush()
-            self.printed = len(text)
-
-    def flush(self) -> None:
-        sys.stdout.write(self.tokenizer.decode(self.token_ids)[self.printed :])
-        sys.stdout.flush()
 
 
 def _serve(args: argparse.Namespace) -> int:
     from router.simple_server import serve  # the HTTP layer is only needed here
 
-    loaded = load_engine(args.model, args.dtype, args.max_model_len, progress=True)
-    serve(loaded.engine, loaded.tokenizer, loaded.model_name, args.host, args.port)
+    loaded = load(args)
+    serve(loaded, args.host, args.port)
     return 0
 
 

@@ -1,25 +1,37 @@
 """A small OpenAI-compatible HTTP server over the in-process engine (standard library only).
 
-This is what `make serve` runs until the Ray runtime and the real router exist: it answers
+This is what `make serve` runs until the Ray runtime and the real router exist. It answers
 `POST /v1/completions` and `POST /v1/chat/completions` (with or without `"stream": true`),
-`GET /v1/models` and `GET /health`, one generation at a time, with OpenAI-format errors.
+`GET /v1/models` and `GET /health`, with OpenAI-format errors. Requests run concurrently: each
+handler thread submits to one `EngineLoop`, whose engine batches everything running
+(continuous batching with speculative decoding). A client that disconnects is aborted.
 """
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from workers.engine.config import RequestSpec
+from workers.engine.engine_loop import EngineLoop
+from workers.engine.factory import LoadedEngine
+from workers.engine.llm_engine import RequestOutput
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequential import SequentialEngine
 from workers.model.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 1 << 20
+_NUMBER_FIELDS = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "seed": int,
+}
 
 
 class ApiError(Exception):
@@ -32,11 +44,10 @@ class ApiError(Exception):
 
 
 class Service:
-    """Turns OpenAI request bodies into engine calls; one generation at a time."""
+    """Turns OpenAI request bodies into engine requests."""
 
-    def __init__(self, engine: SequentialEngine, tokenizer: Tokenizer, model_name: str) -> None:
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self._lock = threading.Lock()
+    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> None:
+        self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
 
     def prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
@@ -55,16 +66,8 @@ class Service:
         model = body.get("model")
         if model not in (None, self.model_name):
             raise ApiError(404, f"model {model!r} does not exist", "not_found_error")
-        fields = {
-            "max_tokens": int,
-            "temperature": float,
-            "top_p": float,
-            "top_k": int,
-            "min_p": float,
-            "seed": int,
-        }
         values: dict[str, Any] = {}
-        for name, kind in fields.items():
+        for name, kind in _NUMBER_FIELDS.items():
             value = body.get(name)
             if value is None:
                 continue
@@ -73,24 +76,57 @@ class Service:
             if kind is int and value != int(value):
                 raise ApiError(400, f"'{name}' must be an integer")
             values[name] = kind(value)
+        ignore_eos = body.get("ignore_eos")
+        if ignore_eos is not None:
+            if not isinstance(ignore_eos, bool):
+                raise ApiError(400, "'ignore_eos' must be a boolean")
+            values["ignore_eos"] = ignore_eos
+        stop = body.get("stop")
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise ApiError(400, "'stop' must be a string or a list of strings")
+            values["stop"] = tuple(stops)
         try:
             return SamplingParams(**values)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
 
+    @staticmethod
+    def spec(body: dict[str, Any]) -> RequestSpec | None:
+        """The `speculative` extension field: {"method": ..., "num_speculative_tokens": ...},
+        or {"enabled": false}."""
+        raw = body.get("speculative")
+        if raw is None:
+            return None
+        if not isinstance(raw, dict) or set(raw) - {"enabled", "method", "num_speculative_tokens"}:
+            raise ApiError(400, "'speculative' takes 'enabled', 'method', 'num_speculative_tokens'")
+        k = raw.get("num_speculative_tokens")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise ApiError(400, "'speculative.num_speculative_tokens' must be an integer")
+        try:
+            return RequestSpec(bool(raw.get("enabled", True)), raw.get("method"), k)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+
     def run(
-        self, prompt_ids: list[int], params: SamplingParams, on_tokens: Callable[[list[int]], None]
-    ) -> tuple[list[int], str]:
-        with self._lock:
-            try:
-                result = self.engine.generate(prompt_ids, params, on_tokens=on_tokens)
-            except ValueError as exc:  # prompt too long for the context
-                raise ApiError(400, str(exc)) from exc
-        return result.token_ids, result.finish_reason
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: RequestSpec | None,
+    ) -> Iterator[RequestOutput]:
+        outputs = self.loop.submit(request_id, prompt_ids, params, spec)
+        try:
+            first = next(outputs)
+        except ValueError as exc:  # rejected by the engine (prompt too long, unknown method)
+            raise ApiError(400, str(exc)) from exc
+        yield first
+        yield from outputs
 
 
 class Handler(BaseHTTPRequestHandler):
-    service: Service  # set on the subclass built by `serve`
+    service: Service  # set on the subclass built by `make_server`
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -112,8 +148,8 @@ class Handler(BaseHTTPRequestHandler):
             self._complete(self._read_body(), chat=self.path.endswith("chat/completions"))
         except ApiError as exc:
             self._json(exc.status, exc.body())
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client left mid-stream; the engine call has already released its blocks
+        except RuntimeError as exc:  # the engine failed this request; the server carries on
+            self._json(500, ApiError(500, str(exc), "server_error").body())
 
     def _read_body(self) -> dict[str, Any]:
         length = int(self.headers.get("Content-Length") or 0)
@@ -130,46 +166,45 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, body: dict[str, Any], chat: bool) -> None:
         service = self.service
         params = service.params(body)
+        spec = service.spec(body)
         prompt_ids = service.prompt_ids(body, chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        outputs = service.run(request_id, prompt_ids, params, spec)
         if body.get("stream"):
-            self._stream(request_id, prompt_ids, params, chat)
+            first = next(outputs)  # errors surface before the 200 goes out
+            self._stream(request_id, chat, prompt_ids, first, outputs)
             return
-        token_ids, reason = service.run(prompt_ids, params, lambda ids: None)
-        text = service.tokenizer.decode(token_ids)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reason}
+        text, last = "", None
+        for out in outputs:
+            text, last = text + out.text, out
+        assert last is not None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        self._json(200, self._envelope(request_id, chat, [choice], prompt_ids, token_ids))
+        envelope = self._envelope(request_id, chat, [choice])
+        envelope["usage"] = _usage(last)
+        self._json(200, envelope)
 
     def _envelope(
-        self,
-        request_id: str,
-        chat: bool,
-        choices: list[dict[str, Any]],
-        prompt_ids: list[int],
-        token_ids: list[int] | None,
+        self, request_id: str, chat: bool, choices: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        kind = "chat.completion" if chat else "text_completion"
-        out: dict[str, Any] = {
+        return {
             "id": request_id,
-            "object": kind,
+            "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.service.model_name,
             "choices": choices,
         }
-        if token_ids is not None:
-            out["usage"] = {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(token_ids),
-                "total_tokens": len(prompt_ids) + len(token_ids),
-            }
-        return out
 
     def _stream(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, chat: bool
+        self,
+        request_id: str,
+        chat: bool,
+        prompt_ids: list[int],
+        first: RequestOutput,
+        rest: Iterator[RequestOutput],
     ) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -177,35 +212,29 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        tokenizer = self.service.tokenizer
-        token_ids: list[int] = []
-        sent = 0
-
-        def emit(delta: str, reason: str | None) -> None:
-            if chat:
-                message = (
-                    {"role": "assistant", "content": delta} if not sent else {"content": delta}
-                )
-                choice = {"index": 0, "delta": message, "finish_reason": reason}
-            else:
-                choice = {"index": 0, "text": delta, "finish_reason": reason}
-            event = self._envelope(request_id, chat, [choice], prompt_ids, None)
-            event["object"] = "chat.completion.chunk" if chat else "text_completion"
-            self._event(json.dumps(event))
-
-        def on_tokens(ids: list[int]) -> None:
-            # Decode the whole completion and send what is new, holding back a partial
-            # multi-byte character (it decodes to U+FFFD until its last byte arrives).
-            nonlocal sent
-            token_ids.extend(ids)
-            text = tokenizer.decode(token_ids)
-            if not text.endswith("\ufffd") and len(text) > sent:
-                emit(text[sent:], None)
-                sent = len(text)
-
-        _, reason = self.service.run(prompt_ids, params, on_tokens)
-        emit(tokenizer.decode(token_ids)[sent:], reason)
-        self._event("[DONE]")
+        sent_any = False
+        try:
+            for out in _chain(first, rest):
+                if not out.text and not out.finished:
+                    continue
+                if chat:
+                    delta = (
+                        {"content": out.text}
+                        if sent_any
+                        else {"role": "assistant", "content": out.text}
+                    )
+                    choice = {"index": 0, "delta": delta, "finish_reason": out.finish_reason}
+                else:
+                    choice = {"index": 0, "text": out.text, "finish_reason": out.finish_reason}
+                event = self._envelope(request_id, chat, [choice])
+                event["object"] = "chat.completion.chunk" if chat else "text_completion"
+                if out.finished:
+                    event["usage"] = _usage(out)
+                self._event(json.dumps(event))
+                sent_any = True
+            self._event("[DONE]")
+        except (BrokenPipeError, ConnectionResetError):
+            self.service.loop.abort(request_id)  # the client left: free its KV blocks now
 
     def _event(self, data: str) -> None:
         self.wfile.write(f"data: {data}\n\n".encode())
@@ -220,12 +249,34 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(payload)
 
 
-def serve(
-    engine: SequentialEngine, tokenizer: Tokenizer, model_name: str, host: str, port: int
-) -> None:
-    handler = type("BoundHandler", (Handler,), {"service": Service(engine, tokenizer, model_name)})
+def _chain(first: RequestOutput, rest: Iterator[RequestOutput]) -> Iterator[RequestOutput]:
+    yield first
+    yield from rest
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "speculative": out.spec.as_dict(),
+    }
+
+
+def make_server(
+    loaded: LoadedEngine, host: str, port: int
+) -> tuple[ThreadingHTTPServer, EngineLoop]:
+    loop = EngineLoop(loaded.engine)
+    service = Service(loop, loaded.tokenizer, loaded.model_name)
+    handler = type("BoundHandler", (Handler,), {"service": service})
     server = ThreadingHTTPServer((host, port), handler)
-    print(f"Outrider is serving {model_name} on http://{host}:{port}", flush=True)
+    server.daemon_threads = True
+    return server, loop
+
+
+def serve(loaded: LoadedEngine, host: str, port: int) -> None:
+    server, loop = make_server(loaded, host, port)
+    print(f"Outrider is serving {loaded.model_name} on http://{host}:{port}", flush=True)
     print(
         f"  try: curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
         '-d \'{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}\'',
@@ -237,3 +288,4 @@ def serve(
         pass
     finally:
         server.server_close()
+        loop.close()

@@ -8,15 +8,19 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
 
-from router.simple_server import Handler, Service
+from router.simple_server import make_server
+from workers.drafting.ngram import NgramDrafter
+from workers.engine.config import EngineConfig, SpecConfig
+from workers.engine.factory import LoadedEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
 
@@ -25,23 +29,17 @@ pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "cluster.cli", "generate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+
+
 def test_generate_json_matches_the_engine(model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
-    cmd = [
-        sys.executable,
-        "-m",
-        "cluster.cli",
-        "generate",
-        PROMPT,
-        "--temperature",
-        "0",
-        "--max-tokens",
-        "12",
-        "--json",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    proc = run_cli(PROMPT, "--temperature", "0", "--max-tokens", "12", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out) == {"text", "prompt_token_ids", "token_ids", "finish_reason", "tokens_per_s"}
+    keys = {"text", "prompt_token_ids", "token_ids", "finish_reason", "tokens_per_s", "spec"}
+    assert set(out) == keys
     ids = checkpoint.tokenizer.encode(PROMPT)
     engine = SequentialEngine(
         model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=256
@@ -51,29 +49,62 @@ def test_generate_json_matches_the_engine(model_fp32, checkpoint) -> None:  # ty
     assert out["token_ids"] == expected.token_ids
     assert out["text"] == checkpoint.tokenizer.decode(expected.token_ids)
     assert out["finish_reason"] == "length" and out["tokens_per_s"] > 0
+    assert out["spec"] == {
+        "drafted": 0,
+        "accepted": 0,
+        "mean_acceptance_length": 1.0,
+        "verify_steps": 11,
+    }
     assert "loading weights" in proc.stderr  # the progress bar
 
 
+def test_generate_with_speculation_gives_the_same_tokens(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    prompt = "A B C D E F G A B C D E F G A B C"
+    base = ["--temperature", "0", "--max-tokens", "16", "--json", "--ignore-eos"]
+    plain = json.loads(run_cli(prompt, *base).stdout)
+    for extra in (
+        ["--spec-method", "ngram"],
+        ["--spec-method", "draft_model", "--draft-layers", "10"],
+    ):
+        proc = run_cli(prompt, *base, *extra, "--num-spec-tokens", "3", "--no-adaptive")
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["token_ids"] == plain["token_ids"]
+        assert out["spec"]["drafted"] > 0  # it did speculate (whatever was accepted)
+        assert out["spec"]["verify_steps"] + out["spec"]["accepted"] == 15
+
+
 def test_generate_rejects_bad_parameters() -> None:
-    cmd = [sys.executable, "-m", "cluster.cli", "generate", PROMPT, "--top-p", "0", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = run_cli(PROMPT, "--top-p", "0", "--json")
     assert proc.returncode == 2
     assert "top_p must be in (0, 1]" in proc.stderr
+    proc = run_cli(PROMPT, "--spec-method", "draft_model")
+    assert proc.returncode == 2
+    assert "needs --draft-model or --draft-layers" in proc.stderr
 
 
 @pytest.fixture(scope="module")
-def server(model_fp32, checkpoint) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    engine = SequentialEngine(
-        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=256
+def served(model_fp32, checkpoint) -> Iterator[tuple[str, LLMEngine]]:  # type: ignore[no-untyped-def]
+    config = EngineConfig(max_model_len=256, spec=SpecConfig(method="none"))
+    engine = LLMEngine(
+        model_fp32,
+        config,
+        tokenizer=checkpoint.tokenizer,
+        eos_token_ids=checkpoint.config.eos_token_ids,
+        drafters={"ngram": NgramDrafter()},
     )
-    service = Service(engine, checkpoint.tokenizer, "smol")
-    handler = type("TestHandler", (Handler,), {"service": service})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd, loop = make_server(LoadedEngine(engine, checkpoint.tokenizer, "smol"), "127.0.0.1", 0)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", engine
     httpd.shutdown()
     httpd.server_close()
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def server(served: tuple[str, LLMEngine]) -> str:
+    return served[0]
 
 
 def post(url: str, body: bytes | dict[str, Any]) -> tuple[int, Any, str]:
@@ -91,7 +122,13 @@ def test_server_completion_and_stream_agree(server: str, checkpoint) -> None:  #
     body = {"model": "smol", "prompt": PROMPT, "max_tokens": 10, "temperature": 0}
     status, out, _ = post(server + "/v1/completions", body)
     assert status == 200
-    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}
+    usage = out["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        5,
+        10,
+        15,
+    )
+    assert usage["speculative"]["verify_steps"] == 9
     status, _, raw = post(server + "/v1/completions", {**body, "stream": True})
     events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -124,6 +161,10 @@ def test_server_chat_uses_the_template(server: str) -> None:
         ({"prompt": ""}, 400, "'prompt'"),
         ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist"),
         ({"prompt": "word " * 400}, 400, "the context holds"),
+        ({"prompt": PROMPT, "stop": 3}, 400, "'stop'"),
+        ({"prompt": PROMPT, "speculative": {"method": "magic"}}, 400, "speculative method"),
+        ({"prompt": PROMPT, "speculative": {"method": "draft_model"}}, 400, "not available"),
+        ({"prompt": PROMPT, "speculative": {"k": 3}}, 400, "'speculative' takes"),
     ],
 )
 def test_server_bad_requests_get_openai_errors(
@@ -138,9 +179,14 @@ def test_server_bad_requests_get_openai_errors(
     assert ok == 200
 
 
-def test_server_survives_a_client_that_leaves_mid_stream(server: str) -> None:
+def test_a_client_that_leaves_mid_stream_is_aborted_and_frees_its_blocks(
+    served: tuple[str, LLMEngine],
+) -> None:
+    server, engine = served
     host, port = server.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 60, "stream": True}).encode()
+    body = json.dumps(
+        {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    ).encode()
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -148,8 +194,45 @@ def test_server_survives_a_client_that_leaves_mid_stream(server: str) -> None:
             + body
         )
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()  # aborted long before 200 tokens
+    assert engine.allocator.num_free_blocks == engine.config.kv_blocks
     status, out, _ = post(server + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
     assert status == 200 and out["usage"]["completion_tokens"] == 3
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server: str) -> None:
+    prompts = [PROMPT, "Once upon a time", "def fib(n):", "The best way to learn is"]
+    alone = [
+        post(server + "/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0})[1]
+        for p in prompts
+    ]
+    results: list[Any] = [None] * len(prompts)
+
+    def call(i: int) -> None:
+        results[i] = post(
+            server + "/v1/completions", {"prompt": prompts[i], "max_tokens": 8, "temperature": 0}
+        )[1]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r["choices"][0]["text"] for r in results] == [a["choices"][0]["text"] for a in alone]
+
+
+def test_speculative_extension_field(server: str) -> None:
+    body = {"prompt": "A B C D A B C D A B C", "max_tokens": 12, "temperature": 0}
+    _, plain, _ = post(server + "/v1/completions", body)
+    _, spec, _ = post(server + "/v1/completions", {**body, "speculative": {"method": "ngram"}})
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert spec["usage"]["speculative"]["drafted"] > 0
+    assert plain["usage"]["speculative"]["drafted"] == 0
+    _, off, _ = post(server + "/v1/completions", {**body, "speculative": {"enabled": False}})
+    assert off["usage"]["speculative"]["drafted"] == 0
 
 
 def test_server_chat_stream_opens_with_the_assistant_role(server: str) -> None:

@@ -1,0 +1,117 @@
+"""An `LLMEngine` stepped by a background thread, for callers on other threads.
+
+Callers `submit` a request and read its `RequestOutput`s from a queue (one item per engine step
+that produced something for it, the last one marked finished); `abort` stops a request and
+frees its blocks. Requests that arrive while others run join the next step (continuous
+batching). The engine itself is only ever touched by the loop thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from workers.engine.config import RequestSpec
+from workers.engine.llm_engine import LLMEngine, RequestOutput
+from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Submit:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    params: SamplingParams
+    spec: RequestSpec | None
+    outputs: queue.Queue[RequestOutput | Exception]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue[_Submit | str] = queue.Queue()  # submissions and abort ids
+        self._streams: dict[str, queue.Queue[RequestOutput | Exception]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        spec: RequestSpec | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Outputs of the request as the engine produces them; raises ValueError if rejected."""
+        outputs: queue.Queue[RequestOutput | Exception] = queue.Queue()
+        self._inbox.put(_Submit(request_id, prompt_token_ids, params, spec, outputs))
+        self._wake.set()
+        return self._iterate(outputs)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(request_id)
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @staticmethod
+    def _iterate(outputs: queue.Queue[RequestOutput | Exception]) -> Iterator[RequestOutput]:
+        while True:
+            item = outputs.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            aborted = self._drain_inbox()
+            if not (self.engine.has_unfinished_requests() or aborted):
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug must not hang every client: fail the running ones
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+
+    def _drain_inbox(self) -> bool:
+        """Take in submissions and aborts; whether anything was aborted."""
+        aborted = False
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return aborted
+            if isinstance(item, str):
+                self.engine.abort_request(item)
+                aborted = True
+                continue
+            try:
+                self.engine.add_request(
+                    item.request_id, item.prompt_token_ids, item.params, item.spec
+                )
+            except ValueError as exc:
+                item.outputs.put(exc)
+                continue
+            self._streams[item.request_id] = item.outputs
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.put(RuntimeError(f"engine step failed: {exc!r}"))
+        self._streams.clear()
+        self.engine.step()  # drain the abort outputs
