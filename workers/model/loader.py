@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from workers.model.config import ModelConfig
-from workers.model.gguf_loader import load_gguf_tokenizer, read_config, read_weights
+from workers.model.gguf_loader import cache_root, load_gguf_tokenizer, read_config, read_weights
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
 
@@ -48,9 +48,13 @@ def bundled_model_path() -> Path:
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
-    """`None`, "bundled" or the bundled model's name mean the bundled GGUF; else a path."""
+    """`None`, "bundled" or the bundled model's name mean the bundled GGUF; the name of a
+    fetched model (`python -m cluster.models list`) means its file; else a path."""
     if model is None or str(model).lower() in ("bundled", BUNDLED_MODEL_NAME.lower()):
         return bundled_model_path()
+    fetched = cache_root() / "models" / f"{model}.gguf"
+    if isinstance(model, str) and "/" not in model and fetched.is_file():
+        return fetched
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model {str(model)!r} is neither a file, a folder nor 'bundled'")

@@ -1,0 +1,395 @@
+"""Speculative decoding on the bundled model, beside plain decoding and transformers.
+
+    python -m tests.benchmarks.bench_spec            # full run (~10 min), writes docs/benchmarks.md
+    python -m tests.benchmarks.bench_spec --quick    # a smoke run
+
+For three kinds of prompt (a code edit that returns the code, a summary that quotes its passage,
+an open chat question), greedy, bf16:
+  1. single stream: tokens/s and mean acceptance length of none / ngram / suffix / draft_model,
+     with the ideal speed-up that the measured acceptance and verify cost allow;
+  2. 4 and 16 concurrent requests: total tokens/s per method;
+  3. the same prompts through transformers' `generate`, its prompt lookup
+     (`prompt_lookup_num_tokens`) and assisted generation (`assistant_model`).
+All runs of a table are interleaved, and medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tests.benchmarks.hf import dense_transformers
+from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
+from workers.drafting.draft_model import DraftModelDrafter, relative_cost
+from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.llm_engine import Completion, LLMEngine
+from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.engine.sampling_params import SamplingParams
+from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
+from workers.model.loader import Checkpoint, build_model, load_checkpoint, truncate_layers
+from workers.model.transformer import TransformerLM
+
+CODE = """def load_users(path):
+    users = []
+    with open(path) as f:
+        for line in f:
+            name, age = line.strip().split(",")
+            users.append({"name": name, "age": int(age)})
+    return users
+
+
+def adults(users):
+    result = []
+    for user in users:
+        if user["age"] >= 18:
+            result.append(user)
+    return result
+"""
+PASSAGE = (
+    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "
+    "individual reefs and 900 islands stretching for over 2,300 kilometres. The reef is located "
+    "in the Coral Sea, off the coast of Queensland, Australia. It can be seen from outer space "
+    "and is the world's biggest single structure made by living organisms. The reef structure "
+    "is composed of and built by billions of tiny organisms, known as coral polyps. It supports "
+    "a wide diversity of life and was selected as a World Heritage Site in 1981."
+)
+PROMPTS = {
+    "code edit": "Fix the typo in this code and show the full corrected code:\n\n"
+    f"```python\n{CODE.replace('result.append', 'result.apend')}```",
+    "summary": f"Summarize this passage, quoting its most important sentences:\n\n{PASSAGE}",
+    "open chat": "What are some good habits for staying healthy while working from home?",
+}
+METHODS = ("none", "ngram", "suffix", "draft_model")
+K = 8  # the most draft tokens per step; adaptive k picks fewer where acceptance is low
+DRAFT_LAYERS = 12
+
+
+@dataclass(slots=True)
+class Run:
+    seconds: float
+    completions: list[Completion]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def build_engine(target: TransformerLM, draft: TransformerLM, checkpoint: Checkpoint) -> LLMEngine:
+    spec = SpecConfig(method="none", num_speculative_tokens=K)
+    config = EngineConfig(
+        max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=1024, spec=spec
+    )
+    ngram = NgramConfig(1, 4)
+    drafters = {
+        "ngram": NgramDrafter(ngram),
+        "suffix": SuffixDrafter(ngram),
+        "draft_model": DraftModelDrafter(draft, num_blocks=config.kv_blocks, max_model_len=1024),
+    }
+    return LLMEngine(
+        target,
+        config,
+        tokenizer=checkpoint.tokenizer,
+        eos_token_ids=checkpoint.tokenizer.eos_token_ids,
+        drafters=drafters,
+        draft_model_cost=relative_cost(draft, target),
+    )
+
+
+def run(engine: LLMEngine, prompts: Sequence[list[int]], method: str, max_tokens: int) -> Run:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    spec = RequestSpec(enabled=method != "none", method=None if method == "none" else method)
+    start = time.perf_counter()
+    completions = engine.generate(prompts, params, spec)
+    return Run(time.perf_counter() - start, completions)
+
+
+def merged_stats(runs: list[Run]) -> tuple[float, float, float]:
+    """(mean acceptance length, drafts per verify step, per-token acceptance) over runs."""
+    accepted = drafted = steps = rejected = 0
+    for r in runs:
+        for c in r.completions:
+            accepted += c.spec.accepted
+            drafted += c.spec.drafted
+            steps += c.spec.verify_steps
+            rejected += c.spec.verify_steps_with_rejection
+    if not steps:
+        return 1.0, 0.0, 0.0
+    alpha = accepted / (accepted + rejected) if accepted + rejected else 0.0
+    return (accepted + steps) / steps, drafted / steps, alpha
+
+
+def forward_costs(
+    model: TransformerLM, counts: Sequence[int], reps: int, context: int = 200
+) -> list[float]:
+    """Median seconds of one forward bringing n new tokens onto a `context`-token cache."""
+    block_size = 16
+    num_blocks = -(-(context + max(counts)) // block_size)
+    runner = ModelRunner(model, PagedKVCache(model.config, num_blocks, block_size, model.dtype))
+    table_ = BlockTable(BlockAllocator(num_blocks), block_size)
+    table_.prepare_write(0, context + max(counts))
+    runner.forward(
+        [SeqForward([(i * 7919) % 40000 + 100 for i in range(context)], 0, table_.block_ids)]
+    )
+    seqs = [
+        SeqForward(list(range(500, 500 + n)), context, table_.block_ids, num_logits=n)
+        for n in counts
+    ]
+    samples: list[list[float]] = [[] for _ in seqs]
+    for _ in range(reps + 1):
+        for seq, times in zip(seqs, samples, strict=True):
+            start = time.perf_counter()
+            runner.forward([seq])
+            times.append(time.perf_counter() - start)
+    return [statistics.median(t[1:]) for t in samples]
+
+
+def interleaved(runs: int, jobs: dict[str, Callable[[], Run]]) -> dict[str, list[Run]]:
+    """Each job `runs` times, round-robin, after one warm-up round."""
+    results: dict[str, list[Run]] = {name: [] for name in jobs}
+    for round_ in range(runs + 1):
+        for name, job in jobs.items():
+            result = job()
+            if round_:
+                results[name].append(result)
+    return results
+
+
+def median_tps(runs: list[Run]) -> float:
+    return statistics.median(r.tokens_per_s for r in runs)
+
+
+def single_stream(
+    engine: LLMEngine,
+    prompt_ids: dict[str, list[int]],
+    runs: int,
+    max_tokens: int,
+    verify_cost: list[float],
+    draft_cost: float,
+) -> tuple[str, dict[tuple[str, str], float]]:
+    rows, speedups = [], {}
+    for kind, ids in prompt_ids.items():
+        jobs = {m: (lambda m=m, ids=ids: run(engine, [ids], m, max_tokens)) for m in METHODS}
+        results = interleaved(runs, jobs)
+        base = median_tps(results["none"])
+        for method in METHODS:
+            tps = median_tps(results[method])
+            length, k_mean, alpha = merged_stats(results[method])
+            speedups[(kind, method)] = tps / base
+            per_draft = draft_cost if method == "draft_model" else 0.0
+            bound = ideal_speedup(length, k_mean, verify_cost, per_draft)
+            ideal = "" if method == "none" else f"{bound:.2f}x"
+            rows.append(
+                [
+                    kind,
+                    method,
+                    f"{tps:.1f}",
+                    f"{tps / base:.2f}x",
+                    f"{length:.2f}",
+                    f"{k_mean:.2f}",
+                    f"{alpha:.2f}",
+                    ideal,
+                ]
+            )
+    text = table(
+        [
+            "prompt",
+            "method",
+            "tokens/s",
+            "vs none",
+            "mean acceptance length",
+            "drafts/step",
+            "α",
+            "ideal",
+        ],
+        rows,
+    )
+    return text, speedups
+
+
+def ideal_speedup(
+    length: float, k_mean: float, verify_cost: list[float], draft_cost: float
+) -> float:
+    """Committed tokens per step over the step's cost in one-token forwards: the speed-up if
+    nothing but the target forward and drafting took time."""
+    lo = int(k_mean)
+    hi = min(lo + 1, len(verify_cost) - 1)
+    frac = k_mean - lo
+    cost = verify_cost[min(lo, len(verify_cost) - 1)] * (1 - frac) + verify_cost[hi] * frac
+    return length / (cost + k_mean * draft_cost)
+
+
+def concurrency(
+    engine: LLMEngine,
+    prompt_ids: dict[str, list[int]],
+    runs: int,
+    max_tokens: int,
+    levels: Sequence[int],
+) -> tuple[str, dict[tuple[int, str], float]]:
+    rows, speedups = [], {}
+    kinds = list(prompt_ids.values())
+    for n in levels:
+        batch = [kinds[i % len(kinds)] for i in range(n)]
+        jobs = {m: (lambda m=m, batch=batch: run(engine, batch, m, max_tokens)) for m in METHODS}
+        results = interleaved(runs, jobs)
+        base = median_tps(results["none"])
+        for method in METHODS:
+            tps = median_tps(results[method])
+            length, k_mean, _ = merged_stats(results[method])
+            speedups[(n, method)] = tps / base
+            rows.append(
+                [n, method, f"{tps:.1f}", f"{tps / base:.2f}x", f"{length:.2f}", f"{k_mean:.2f}"]
+            )
+    text = table(
+        [
+            "concurrent requests",
+            "method",
+            "total tokens/s",
+            "vs none",
+            "mean acceptance length",
+            "drafts/step",
+        ],
+        rows,
+    )
+    return text, speedups
+
+
+def transformers_section(
+    checkpoint: Checkpoint,
+    engine: LLMEngine,
+    prompt_ids: dict[str, list[int]],
+    runs: int,
+    max_tokens: int,
+) -> tuple[str, dict[str, float]]:
+    hf = dense_transformers(checkpoint, torch.bfloat16)
+    hf_draft = dense_transformers(truncate_layers(checkpoint, DRAFT_LAYERS), torch.bfloat16)
+
+    def hf_job(ids: list[int], **kwargs: object) -> Callable[[], Run]:
+        def job() -> Run:
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    pad_token_id=2,
+                    **kwargs,
+                )
+            completion = Completion("hf", ids, out[0, len(ids) :].tolist())
+            return Run(time.perf_counter() - start, [completion])
+
+        return job
+
+    rows, ratios = [], {}
+    for kind, ids in prompt_ids.items():
+        jobs = {
+            "Outrider ngram": lambda ids=ids: run(engine, [ids], "ngram", max_tokens),
+            "Outrider none": lambda ids=ids: run(engine, [ids], "none", max_tokens),
+            "transformers plain": hf_job(ids),
+            "transformers prompt lookup": hf_job(ids, prompt_lookup_num_tokens=K),
+            "transformers assisted (12-layer draft)": hf_job(ids, assistant_model=hf_draft),
+        }
+        results = interleaved(runs, jobs)
+        lookup = median_tps(results["transformers prompt lookup"])
+        ratios[kind] = median_tps(results["Outrider ngram"]) / lookup
+        for name, rs in results.items():
+            rows.append([kind, name, f"{median_tps(rs):.1f}", f"{median_tps(rs) / lookup:.2f}x"])
+    return table(["prompt", "engine", "tokens/s", "vs transformers prompt lookup"], rows), ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
+    parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
+    args = parser.parse_args()
+    levels = (4, 16)
+    if args.quick:
+        args.runs, args.max_tokens, levels = 1, 8, (4,)
+    torch.set_num_threads(args.threads)
+    checkpoint = load_checkpoint()
+    target = build_model(checkpoint, dtype=torch.bfloat16)
+    draft = build_model(truncate_layers(checkpoint, DRAFT_LAYERS), dtype=torch.bfloat16)
+    engine = build_engine(target, draft, checkpoint)
+    tok = checkpoint.tokenizer
+    prompt_ids = {
+        k: tok.encode(tok.apply_chat_template([{"role": "user", "content": v}]))
+        for k, v in PROMPTS.items()
+    }
+    with torch.inference_mode():
+        verify_cost_s = forward_costs(target, range(1, K + 2), reps=3 if args.quick else 20)
+        draft_cost = forward_costs(draft, [1], reps=3 if args.quick else 20)[0] / verify_cost_s[0]
+        verify_cost = [t / verify_cost_s[0] for t in verify_cost_s]
+        single, single_x = single_stream(
+            engine, prompt_ids, args.runs, args.max_tokens, verify_cost, draft_cost
+        )
+        multi, multi_x = concurrency(engine, prompt_ids, args.runs, args.max_tokens, levels)
+        hf_table, hf_x = transformers_section(
+            checkpoint, engine, prompt_ids, args.runs, args.max_tokens
+        )
+    goals = [
+        ["n-gram on code edit vs none", ">= 2.5x", f"{single_x[('code edit', 'ngram')]:.2f}x"],
+        [
+            "worst method on open chat vs none",
+            ">= 0.95x",
+            f"{min(single_x[('open chat', m)] for m in METHODS):.2f}x",
+        ],
+        [
+            f"worst method at {max(levels)} concurrent vs none",
+            ">= 0.95x",
+            f"{min(multi_x[(max(levels), m)] for m in METHODS):.2f}x",
+        ],
+        [
+            "Outrider n-gram vs transformers prompt lookup (worst prompt)",
+            ">= 2x",
+            f"{min(hf_x.values()):.2f}x",
+        ],
+    ]
+    costs = ", ".join(f"{n}: {c:.2f}" for n, c in enumerate(verify_cost, start=1))
+    body = "\n\n".join(
+        [
+            "## Speculative decoding\n\n`python -m tests.benchmarks.bench_spec`",
+            f"Machine: {machine_line()}. Bundled SmolLM2-135M-Instruct, bf16, greedy, chat "
+            f"template, up to {args.max_tokens} new tokens, k <= {K} (adaptive), medians of "
+            f"{args.runs} interleaved runs. draft_model is the target's first {DRAFT_LAYERS} "
+            "layers (the bundled model has no smaller sibling); adaptive k turns it off where it "
+            "does not pay.",
+            "### Goals",
+            table(["goal", "target", "measured"], goals),
+            "### Single stream",
+            "`α` is the per-token acceptance rate; `ideal` is mean acceptance length divided by "
+            "the measured cost of the step (verify forward of k+1 tokens, plus drafting) in "
+            f"one-token forwards. Verify cost by tokens in the forward: {costs}; a draft-model "
+            f"token costs {draft_cost:.2f}.",
+            single,
+            "### Concurrent requests",
+            "Requests cycle over the three prompts and start together. Speculation switches off "
+            "from 8 decoding sequences (`disable_batch_size`).",
+            multi,
+            "### Against transformers",
+            "transformers runs the same dense bf16 weights (`generate`, `prompt_lookup_num_tokens"
+            f"={K}`, and `assistant_model` = the same {DRAFT_LAYERS}-layer draft).",
+            hf_table,
+        ]
+    )
+    print(body)
+    write_section("bench_spec", body, args.output)
+    print(f"\nwritten to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
