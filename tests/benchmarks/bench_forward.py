@@ -21,11 +21,16 @@ import torch
 import torch.nn.functional as F
 
 from tests.benchmarks.hf import dense_transformers, packed_gguf_transformers
-from tests.benchmarks.report import DEFAULT_REPORT, machine_line, median_time, table, write_section
-from workers.engine.model_runner import ModelRunner, SeqForward
+from tests.benchmarks.report import (
+    DEFAULT_REPORT,
+    forward_costs,
+    machine_line,
+    median_time,
+    table,
+    write_section,
+)
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
-from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
 from workers.model.loader import Checkpoint, build_model, load_checkpoint
 from workers.model.transformer import TransformerLM
 
@@ -93,36 +98,10 @@ def decode_speed(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
     )
 
 
-def forward_cost(model: TransformerLM, reps: int) -> list[float]:
-    """Median seconds of one forward bringing n new tokens onto a CONTEXT-token cache."""
-    block_size = 16
-    num_blocks = -(-(CONTEXT + max(NEW_TOKEN_COUNTS)) // block_size)
-    cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype)
-    runner = ModelRunner(model, cache)
-    table_ = BlockTable(BlockAllocator(num_blocks), block_size)
-    table_.prepare_write(0, CONTEXT + max(NEW_TOKEN_COUNTS))
-    context = [(i * 7919) % 40000 + 100 for i in range(CONTEXT)]
-    runner.forward([SeqForward(context, 0, table_.block_ids)])
-    seqs = [
-        SeqForward(list(range(500, 500 + n)), CONTEXT, table_.block_ids, num_logits=n)
-        for n in NEW_TOKEN_COUNTS
-    ]
-    for seq in seqs:  # warm-up
-        runner.forward([seq])
-    # Round-robin over the token counts so machine noise lands on all of them alike.
-    samples: list[list[float]] = [[] for _ in seqs]
-    for _ in range(reps):
-        for seq, times in zip(seqs, samples, strict=True):
-            start = time.perf_counter()
-            runner.forward([seq])
-            times.append(time.perf_counter() - start)
-    return [statistics.median(times) for times in samples]
-
-
 def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
-        times = forward_cost(build_model(checkpoint, dtype=dtype), reps)
+        times = forward_costs(build_model(checkpoint, dtype=dtype), NEW_TOKEN_COUNTS, reps, CONTEXT)
         for n, t in zip(NEW_TOKEN_COUNTS, times, strict=True):
             rows.append(
                 [str(dtype).removeprefix("torch."), n, f"{t * 1e3:.1f}", f"{t / times[0]:.2f}x"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,14 +26,18 @@ from pathlib import Path
 import torch
 
 from tests.benchmarks.hf import dense_transformers
-from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
+from tests.benchmarks.report import (
+    DEFAULT_REPORT,
+    forward_costs,
+    machine_line,
+    table,
+    write_section,
+)
 from workers.drafting.draft_model import DraftModelDrafter, relative_cost
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import Completion, LLMEngine
-from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
-from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
 from workers.model.loader import Checkpoint, build_model, load_checkpoint, truncate_layers
 from workers.model.transformer import TransformerLM
 
@@ -129,32 +134,7 @@ def merged_stats(runs: list[Run]) -> tuple[float, float, float]:
     return (accepted + steps) / steps, drafted / steps, alpha
 
 
-def forward_costs(
-    model: TransformerLM, counts: Sequence[int], reps: int, context: int = 200
-) -> list[float]:
-    """Median seconds of one forward bringing n new tokens onto a `context`-token cache."""
-    block_size = 16
-    num_blocks = -(-(context + max(counts)) // block_size)
-    runner = ModelRunner(model, PagedKVCache(model.config, num_blocks, block_size, model.dtype))
-    table_ = BlockTable(BlockAllocator(num_blocks), block_size)
-    table_.prepare_write(0, context + max(counts))
-    runner.forward(
-        [SeqForward([(i * 7919) % 40000 + 100 for i in range(context)], 0, table_.block_ids)]
-    )
-    seqs = [
-        SeqForward(list(range(500, 500 + n)), context, table_.block_ids, num_logits=n)
-        for n in counts
-    ]
-    samples: list[list[float]] = [[] for _ in seqs]
-    for _ in range(reps + 1):
-        for seq, times in zip(seqs, samples, strict=True):
-            start = time.perf_counter()
-            runner.forward([seq])
-            times.append(time.perf_counter() - start)
-    return [statistics.median(t[1:]) for t in samples]
-
-
-def interleaved(runs: int, jobs: dict[str, Callable[[], Run]]) -> dict[str, list[Run]]:
+def interleaved(runs: int, jobs: dict[str, Callable[[], Run]], label: str) -> dict[str, list[Run]]:
     """Each job `runs` times, round-robin, after one warm-up round."""
     results: dict[str, list[Run]] = {name: [] for name in jobs}
     for round_ in range(runs + 1):
@@ -162,6 +142,7 @@ def interleaved(runs: int, jobs: dict[str, Callable[[], Run]]) -> dict[str, list
             result = job()
             if round_:
                 results[name].append(result)
+        print(f"[bench_spec] {label}: round {round_}/{runs} done", file=sys.stderr, flush=True)
     return results
 
 
@@ -180,7 +161,7 @@ def single_stream(
     rows, speedups = [], {}
     for kind, ids in prompt_ids.items():
         jobs = {m: (lambda m=m, ids=ids: run(engine, [ids], m, max_tokens)) for m in METHODS}
-        results = interleaved(runs, jobs)
+        results = interleaved(runs, jobs, f"single stream, {kind}")
         base = median_tps(results["none"])
         for method in METHODS:
             tps = median_tps(results[method])
@@ -241,7 +222,7 @@ def concurrency(
     for n in levels:
         batch = [kinds[i % len(kinds)] for i in range(n)]
         jobs = {m: (lambda m=m, batch=batch: run(engine, batch, m, max_tokens)) for m in METHODS}
-        results = interleaved(runs, jobs)
+        results = interleaved(runs, jobs, f"{n} concurrent")
         base = median_tps(results["none"])
         for method in METHODS:
             tps = median_tps(results[method])
@@ -299,7 +280,7 @@ def transformers_section(
             "transformers prompt lookup": hf_job(ids, prompt_lookup_num_tokens=K),
             "transformers assisted (12-layer draft)": hf_job(ids, assistant_model=hf_draft),
         }
-        results = interleaved(runs, jobs)
+        results = interleaved(runs, jobs, f"transformers, {kind}")
         lookup = median_tps(results["transformers prompt lookup"])
         ratios[kind] = median_tps(results["Outrider ngram"]) / lookup
         for name, rs in results.items():

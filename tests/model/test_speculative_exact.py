@@ -63,6 +63,15 @@ def make_drafter(method: str, draft_net, model_fp32) -> Drafter:  # type: ignore
     return DraftModelDrafter(net, num_blocks=1024)
 
 
+def make_engine(model_fp32, checkpoint, drafter: Drafter, spec: SpecConfig = SPEC) -> LLMEngine:  # type: ignore[no-untyped-def]
+    return LLMEngine(
+        model_fp32,
+        EngineConfig(max_model_len=512, spec=spec),
+        eos_token_ids=checkpoint.config.eos_token_ids,
+        drafters={drafter.method: drafter},
+    )
+
+
 def run_staggered(
     engine: LLMEngine,
     prompts: list[list[int]],
@@ -98,12 +107,7 @@ def test_greedy_identical_to_plain_decoding(
     if method == "self_draft" and batch == 16:
         pytest.skip("the full model as its own draft is slow; batches 1 and 4 cover it")
     drafter = make_drafter(method, draft_net, model_fp32)
-    engine = LLMEngine(
-        model_fp32,
-        EngineConfig(max_model_len=512, spec=SPEC),
-        eos_token_ids=checkpoint.config.eos_token_ids,
-        drafters={drafter.method: drafter},
-    )
+    engine = make_engine(model_fp32, checkpoint, drafter)
     got = run_staggered(engine, prompt_ids[:batch], GREEDY, RequestSpec(method=drafter.method))
     assert got == expected[:batch]
     assert engine.stats.drafted > 0
@@ -116,12 +120,7 @@ def test_adaptive_k_and_batch_fallback_stay_exact(
     model_fp32, checkpoint, prompt_ids, expected
 ) -> None:  # type: ignore[no-untyped-def]
     spec = SpecConfig(method="ngram", num_speculative_tokens=6, disable_batch_size=3)
-    engine = LLMEngine(
-        model_fp32,
-        EngineConfig(max_model_len=512, spec=spec),
-        eos_token_ids=checkpoint.config.eos_token_ids,
-        drafters={"ngram": NgramDrafter(NgramConfig(1, 4))},
-    )
+    engine = make_engine(model_fp32, checkpoint, NgramDrafter(NgramConfig(1, 4)), spec)
     assert run_staggered(engine, prompt_ids[:6], GREEDY, RequestSpec(), gap=3) == expected[:6]
 
 
@@ -138,12 +137,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(
     runs = []
     for company in (0, 3):
         drafter = make_drafter(method, draft_net, model_fp32)
-        engine = LLMEngine(
-            model_fp32,
-            EngineConfig(max_model_len=512, spec=SPEC),
-            eos_token_ids=checkpoint.config.eos_token_ids,
-            drafters={drafter.method: drafter},
-        )
+        engine = make_engine(model_fp32, checkpoint, drafter)
         spec = RequestSpec(method=drafter.method)
         engine.add_request("target", prompt_ids[0], params, spec)
         for i in range(company):

@@ -181,3 +181,18 @@ def test_eos_inside_accepted_drafts_ends_the_output_there(model: TransformerLM) 
     result = eng.generate(ps, dataclasses.replace(params, ignore_eos=False))[0]
     assert result.token_ids == expected[: expected.index(eos) + 1]
     assert result.finish_reason == "stop"
+
+
+def test_drafts_never_run_past_the_context(model: TransformerLM) -> None:
+    prompt = [(7 * i) % 80 + 3 for i in range(500)]  # 12 tokens short of the 512-token context
+    params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    futures = {tuple(prompt): reference(model, [prompt], params)[0] + [0] * 20}
+    spec = SpecConfig(method="ngram", num_speculative_tokens=8, adaptive=False)
+    eng = LLMEngine(
+        model,
+        EngineConfig(max_model_len=512, spec=spec),
+        drafters={"ngram": OracleDrafter(futures)},
+    )
+    result = eng.generate([prompt], params)[0]
+    assert result.finish_reason == "length" and len(prompt) + len(result.token_ids) == 512
+    assert result.token_ids == futures[tuple(prompt)][: len(result.token_ids)]

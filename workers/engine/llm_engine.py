@@ -73,7 +73,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, cache)
         self.allocator = BlockAllocator(self.config.kv_blocks)
         self.scheduler = Scheduler(self.config)
-        self.speculator = Speculator(self.config.spec, drafters or {}, draft_model_cost)
+        self.speculator = Speculator(self.config.spec, drafters or {}, max_len, draft_model_cost)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stats = SpecStats()

@@ -41,10 +41,15 @@ def best_num_draft_tokens(acceptance: float, k_max: int, token_cost: float) -> i
 
 class Speculator:
     def __init__(
-        self, config: SpecConfig, drafters: dict[str, Drafter], draft_model_cost: float = 0.0
+        self,
+        config: SpecConfig,
+        drafters: dict[str, Drafter],
+        max_model_len: int,
+        draft_model_cost: float = 0.0,
     ) -> None:
         self.config = config
         self.drafters = drafters
+        self.max_model_len = max_model_len
         self._draft_model_cost = draft_model_cost
 
     def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
@@ -75,6 +80,7 @@ class Speculator:
             return 0
         room = min(
             seq.params.max_tokens - len(seq.output_token_ids) - 1,  # never draft past max_tokens
+            self.max_model_len - len(seq.token_ids),  # nor past the context
             seq.max_spec_tokens,
         )
         if room <= 0:
