@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from tests.benchmarks.hf import dense_transformers, packed_gguf_transformers
 from tests.benchmarks.report import (
     DEFAULT_REPORT,
-    forward_costs,
     machine_line,
     median_time,
     table,
     write_section,
 )
+from workers.engine.calibration import forward_times
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
 from workers.model.loader import Checkpoint, build_model, load_checkpoint
@@ -101,7 +101,7 @@ def decode_speed(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
 def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
-        times = forward_costs(build_model(checkpoint, dtype=dtype), NEW_TOKEN_COUNTS, reps, CONTEXT)
+        times = forward_times(build_model(checkpoint, dtype=dtype), NEW_TOKEN_COUNTS, reps, CONTEXT)
         for n, t in zip(NEW_TOKEN_COUNTS, times, strict=True):
             rows.append(
                 [str(dtype).removeprefix("torch."), n, f"{t * 1e3:.1f}", f"{t / times[0]:.2f}x"]

@@ -28,13 +28,13 @@ import torch
 from tests.benchmarks.hf import dense_transformers
 from tests.benchmarks.report import (
     DEFAULT_REPORT,
-    forward_costs,
     machine_line,
     table,
     write_section,
 )
-from workers.drafting.draft_model import DraftModelDrafter, relative_cost
+from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
+from workers.engine.calibration import forward_times, relative_token_cost
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import Completion, LLMEngine
 from workers.engine.sampling_params import SamplingParams
@@ -95,7 +95,7 @@ def build_engine(target: TransformerLM, draft: TransformerLM, checkpoint: Checkp
     config = EngineConfig(
         max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=1024, spec=spec
     )
-    ngram = NgramConfig(1, 4)
+    ngram = NgramConfig()  # the defaults `outrider serve` uses
     drafters = {
         "ngram": NgramDrafter(ngram),
         "suffix": SuffixDrafter(ngram),
@@ -107,7 +107,7 @@ def build_engine(target: TransformerLM, draft: TransformerLM, checkpoint: Checkp
         tokenizer=checkpoint.tokenizer,
         eos_token_ids=checkpoint.tokenizer.eos_token_ids,
         drafters=drafters,
-        draft_model_cost=relative_cost(draft, target),
+        draft_model_cost=relative_token_cost(draft, target),
     )
 
 
@@ -312,8 +312,8 @@ def main() -> None:
         for k, v in PROMPTS.items()
     }
     with torch.inference_mode():
-        verify_cost_s = forward_costs(target, range(1, K + 2), reps=3 if args.quick else 20)
-        draft_cost = forward_costs(draft, [1], reps=3 if args.quick else 20)[0] / verify_cost_s[0]
+        verify_cost_s = forward_times(target, range(1, K + 2), reps=3 if args.quick else 20)
+        draft_cost = forward_times(draft, [1], reps=3 if args.quick else 20)[0] / verify_cost_s[0]
         verify_cost = [t / verify_cost_s[0] for t in verify_cost_s]
         single, single_x = single_stream(
             engine, prompt_ids, args.runs, args.max_tokens, verify_cost, draft_cost

@@ -11,10 +11,6 @@ from pathlib import Path
 
 import torch
 
-from workers.engine.model_runner import ModelRunner, SeqForward
-from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
-from workers.model.transformer import TransformerLM
-
 DEFAULT_REPORT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 _HEADER = (
     "# Benchmarks\n\n"
@@ -40,33 +36,6 @@ def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def forward_costs(
-    model: TransformerLM, counts: Sequence[int], reps: int, context: int = 200
-) -> list[float]:
-    """Median seconds of one forward bringing n new tokens onto a `context`-token cache, for
-    each n in `counts`. Rounds go over all counts in turn (machine noise lands on all alike);
-    the first round warms up and is dropped."""
-    block_size = 16
-    num_blocks = -(-(context + max(counts)) // block_size)
-    runner = ModelRunner(model, PagedKVCache(model.config, num_blocks, block_size, model.dtype))
-    table_ = BlockTable(BlockAllocator(num_blocks), block_size)
-    table_.prepare_write(0, context + max(counts))
-    runner.forward(
-        [SeqForward([(i * 7919) % 40000 + 100 for i in range(context)], 0, table_.block_ids)]
-    )
-    seqs = [
-        SeqForward(list(range(500, 500 + n)), context, table_.block_ids, num_logits=n)
-        for n in counts
-    ]
-    samples: list[list[float]] = [[] for _ in seqs]
-    for _ in range(reps + 1):
-        for seq, times in zip(seqs, samples, strict=True):
-            start = time.perf_counter()
-            runner.forward([seq])
-            times.append(time.perf_counter() - start)
-    return [statistics.median(t[1:]) for t in samples]
 
 
 def machine_line() -> str:

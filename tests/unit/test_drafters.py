@@ -6,8 +6,14 @@ import pytest
 
 from workers.drafting.base import DraftRequest, DraftStateError
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter, prompt_lookup
+from workers.engine.config import SpecConfig
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.speculator import best_num_draft_tokens, expected_tokens
+from workers.engine.speculator import (
+    SPEC_STEP_OVERHEAD,
+    Speculator,
+    best_num_draft_tokens,
+    expected_tokens,
+)
 
 
 def test_prompt_lookup_continues_the_latest_longest_match() -> None:
@@ -51,7 +57,25 @@ def test_expected_tokens_and_best_k() -> None:
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-    assert best_num_draft_tokens(0.95, 8, 0.05) == 8
-    assert best_num_draft_tokens(0.02, 8, 0.05) == 0
-    assert 0 < best_num_draft_tokens(0.5, 8, 0.05) < 8
-    assert best_num_draft_tokens(0.6, 8, 0.5) < best_num_draft_tokens(0.6, 8, 0.05)
+    cheap = [1 + 0.05 * k for k in range(9)]
+    assert best_num_draft_tokens(0.95, cheap) == 8
+    assert best_num_draft_tokens(0.02, cheap) == 0
+    assert 0 < best_num_draft_tokens(0.5, cheap) < 8
+    costly = [1 + 0.5 * k for k in range(9)]
+    assert best_num_draft_tokens(0.6, costly) < best_num_draft_tokens(0.6, cheap)
+    # A CPU in bf16: leaving the one-row path costs 25% at once, then tokens are nearly free.
+    # Low acceptance must not draft at all; moderate acceptance drafts long.
+    cpu = [1.0] + [1.25 + 0.01 * k for k in range(1, 9)]
+    assert best_num_draft_tokens(0.2, cpu) == 0
+    assert best_num_draft_tokens(0.6, cpu) >= 4
+
+
+def test_step_costs_charge_verification_drafting_and_overhead() -> None:
+    spec = Speculator(
+        SpecConfig(), {}, max_model_len=100, verify_costs=(1.0, 1.2, 1.3), draft_model_cost=0.4
+    )
+    free = spec.step_costs("ngram", 4)
+    assert free[0] == 1.0
+    assert free[1:] == pytest.approx([c + SPEC_STEP_OVERHEAD for c in (1.2, 1.3, 1.3, 1.3)])
+    model = spec.step_costs("draft_model", 2)
+    assert model[2] == pytest.approx(1.3 + 2 * 0.4 + SPEC_STEP_OVERHEAD)

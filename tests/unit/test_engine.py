@@ -196,3 +196,24 @@ def test_drafts_never_run_past_the_context(model: TransformerLM) -> None:
     result = eng.generate([prompt], params)[0]
     assert result.finish_reason == "length" and len(prompt) + len(result.token_ids) == 512
     assert result.token_ids == futures[tuple(prompt)][: len(result.token_ids)]
+
+
+def test_calibrated_verify_costs_have_the_right_shape(model: TransformerLM) -> None:
+    from workers.engine.calibration import verify_costs
+
+    costs = verify_costs(model, max_drafts=6, reps=1)
+    assert len(costs) == 7 and costs[0] == 1.0
+    assert all(c >= 1.0 for c in costs)
+    # Measured at 2 and 7 tokens (k = 1 and 6), interpolated in between.
+    low, high = sorted((costs[1], costs[6]))
+    assert all(low <= c <= high for c in costs[2:6])
+    spec = SpecConfig(method="ngram", num_speculative_tokens=6)
+    eng = LLMEngine(
+        model, EngineConfig(max_model_len=512, spec=spec), drafters={"ngram": NgramDrafter()}
+    )
+    assert len(eng.speculator.verify_costs) == 7  # measured at start-up
+    fixed = SpecConfig(method="ngram", verify_costs=(1.0, 1.1))
+    eng = LLMEngine(
+        model, EngineConfig(max_model_len=512, spec=fixed), drafters={"ngram": NgramDrafter()}
+    )
+    assert eng.speculator.verify_costs == (1.0, 1.1)

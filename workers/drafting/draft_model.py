@@ -36,16 +36,6 @@ class _DraftSeq:
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the draft cache holds
 
 
-def relative_cost(draft: TransformerLM, target: TransformerLM) -> float:
-    """Cost of one draft-model token relative to a target forward: decode on CPU and small
-    GPU batches is bound by reading weights, so the parameter ratio is a fair estimate."""
-
-    def size(model: TransformerLM) -> int:
-        return sum(p.numel() for p in model.parameters())
-
-    return size(draft) / size(target)
-
-
 class DraftModelDrafter(Drafter):
     method = "draft_model"
 

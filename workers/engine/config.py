@@ -16,10 +16,9 @@ class SpecConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True  # choose k per request from its measured acceptance
-    # Cost of one more verified draft token (drafting it included) relative to a one-token
-    # forward; drives adaptive k. Measured by tests/benchmarks/bench_forward.py (verify) and
-    # bench_spec.py (drafting). None: 0.05 for model-free drafters, more for a draft model.
-    draft_token_cost: float | None = None
+    # Cost of a verify step with k = 0, 1, 2, ... drafts in one-token forwards (a longer k costs
+    # the last entry). None: the engine measures it at start-up (workers/engine/calibration.py).
+    verify_costs: tuple[float, ...] | None = None
     # Verification stops being nearly free once the batch is this large: speculate no more.
     disable_batch_size: int = 8
 
@@ -34,8 +33,10 @@ class SpecConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
-        if self.draft_token_cost is not None and self.draft_token_cost < 0:
-            raise ValueError("draft_token_cost must be >= 0")
+        if self.verify_costs is not None and (
+            not self.verify_costs or any(c <= 0 for c in self.verify_costs)
+        ):
+            raise ValueError("verify_costs must be a non-empty tuple of positive costs")
         if self.disable_batch_size < 1:
             raise ValueError("disable_batch_size must be >= 1")
 

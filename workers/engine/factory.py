@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workers.drafting.base import Drafter
-from workers.drafting.draft_model import DraftModelDrafter, relative_cost
+from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
+from workers.engine.calibration import relative_token_cost
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.model.loader import (
@@ -58,7 +59,7 @@ def build_engine(spec: ModelSpec, config: EngineConfig, progress: bool = True) -
             block_size=config.block_size,
             max_model_len=config.max_model_len,
         )
-        draft_cost = relative_cost(draft, target)
+        draft_cost = relative_token_cost(draft, target)
     elif config.spec.method == "draft_model":
         raise ValueError("spec method draft_model needs --draft-model or --draft-layers")
     engine = LLMEngine(

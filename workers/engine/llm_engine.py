@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.drafting.base import EMPTY_DRAFT, Drafter
+from workers.engine.calibration import verify_costs
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.model_runner import ModelRunner
@@ -73,7 +74,13 @@ class LLMEngine:
         self.runner = ModelRunner(model, cache)
         self.allocator = BlockAllocator(self.config.kv_blocks)
         self.scheduler = Scheduler(self.config)
-        self.speculator = Speculator(self.config.spec, drafters or {}, max_len, draft_model_cost)
+        self.speculator = Speculator(
+            self.config.spec,
+            drafters or {},
+            max_len,
+            self._verify_costs(model, bool(drafters)),
+            draft_model_cost,
+        )
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stats = SpecStats()
@@ -81,6 +88,14 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._outputs: dict[str, RequestOutput] = {}
         self._arrivals = itertools.count()
+
+    def _verify_costs(self, model: TransformerLM, has_drafters: bool) -> tuple[float, ...]:
+        spec = self.config.spec
+        if spec.verify_costs is not None:
+            return spec.verify_costs
+        if not (spec.adaptive and has_drafters):
+            return (1.0,)  # k is not chosen by cost: nothing to measure
+        return verify_costs(model, max(spec.num_speculative_tokens, 1))
 
     def add_request(
         self,

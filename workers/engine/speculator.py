@@ -1,12 +1,14 @@
 """Which drafter drafts for whom, and how many tokens (adaptive k).
 
 With per-token acceptance rate a, a draft of k tokens yields E(k) = (1 - a^(k+1)) / (1 - a)
-committed tokens per verify step, and costs about 1 + c*k one-token forwards, where c is what one
-more draft token costs to draft and verify. Each request gets the k in 0..k_max that maximizes
-E(k) / (1 + c*k) for its own measured a (a prior of 1/2 until it has history). Verification is
-only nearly free while the batch is small: from `disable_batch_size` decoding sequences on,
-nobody speculates, so speculation never makes a large load slower. A request held at k = 0
-still tries one draft token every EXPLORE_EVERY_STEPS steps.
+committed tokens per verify step. The step costs verify(k) one-token forwards (a forward over
+k + 1 tokens, measured at start-up: workers/engine/calibration.py) plus k draft tokens at the
+drafter's cost (zero for n-gram drafters, measured for a draft model). Each request gets the k
+in 0..k_max that maximizes E(k) / cost(k) for its own measured a (a prior of 1/2 until it has
+history). Verification is only nearly free while the batch is small: from `disable_batch_size`
+decoding sequences on, nobody speculates, so speculation never makes a large load slower. A
+request held at k = 0 still tries one draft token now and then (rarely for a draft model,
+which must first catch up on everything committed since its last draft).
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ from workers.drafting.base import EMPTY_DRAFT, Drafter, DraftRequest
 from workers.engine.config import RequestSpec, SpecConfig
 from workers.engine.sequence import Sequence
 
-MODEL_FREE_TOKEN_COST = 0.05
-# A request whose acceptance argues for k = 0 still drafts one token this often, so a text that
-# becomes predictable later (a quoted passage, say) is noticed.
-EXPLORE_EVERY_STEPS = 16
+# Drafting, rejection sampling and rollback are host work that a verify step does on top of its
+# forward: a few percent of a one-token forward for the bundled model on a CPU. Charged to every
+# step with k >= 1, it keeps marginal speculation (a gain of a few percent on paper) off.
+SPEC_STEP_OVERHEAD = 0.05
+# A request whose acceptance argues for k = 0 still drafts one token every this many steps, so a
+# text that becomes predictable later (a quoted passage, say) is noticed.
+EXPLORE_EVERY_STEPS = {"draft_model": 64}
+DEFAULT_EXPLORE_EVERY_STEPS = 16
 # Beta prior on the acceptance rate: as if 1 accepted and 1 rejected draft were already seen.
 _PRIOR_ACCEPTED, _PRIOR_REJECTED = 1.0, 1.0
 
@@ -32,11 +38,10 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
-def best_num_draft_tokens(acceptance: float, k_max: int, token_cost: float) -> int:
-    """The k in 0..k_max with the most committed tokens per unit of cost."""
-    return max(
-        range(k_max + 1), key=lambda k: expected_tokens(acceptance, k) / (1 + token_cost * k)
-    )
+def best_num_draft_tokens(acceptance: float, step_costs: list[float]) -> int:
+    """The k with the most committed tokens per unit of cost; `step_costs[k]` is the cost of a
+    verify step with k drafts (drafting included)."""
+    return max(range(len(step_costs)), key=lambda k: expected_tokens(acceptance, k) / step_costs[k])
 
 
 class Speculator:
@@ -45,11 +50,13 @@ class Speculator:
         config: SpecConfig,
         drafters: dict[str, Drafter],
         max_model_len: int,
+        verify_costs: tuple[float, ...] = (1.0,),
         draft_model_cost: float = 0.0,
     ) -> None:
         self.config = config
         self.drafters = drafters
         self.max_model_len = max_model_len
+        self.verify_costs = verify_costs
         self._draft_model_cost = draft_model_cost
 
     def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
@@ -67,12 +74,14 @@ class Speculator:
             raise ValueError(f"speculative method {method!r} is not available on this server")
         return method, k
 
-    def token_cost(self, method: str) -> float:
-        if self.config.draft_token_cost is not None:
-            return self.config.draft_token_cost
-        if method == "draft_model":
-            return MODEL_FREE_TOKEN_COST + self._draft_model_cost
-        return MODEL_FREE_TOKEN_COST
+    def step_costs(self, method: str, k_max: int) -> list[float]:
+        """Cost of a verify step with 0..k_max drafts from `method`, in one-token forwards."""
+        per_draft = self._draft_model_cost if method == "draft_model" else 0.0
+        last = len(self.verify_costs) - 1
+        return [1.0] + [
+            self.verify_costs[min(k, last)] + k * per_draft + SPEC_STEP_OVERHEAD
+            for k in range(1, k_max + 1)
+        ]
 
     def num_draft_tokens(self, seq: Sequence, batch_size: int) -> int:
         """How many tokens to draft for `seq` this step."""
@@ -92,8 +101,9 @@ class Speculator:
         acceptance = (stats.accepted + _PRIOR_ACCEPTED) / (
             stats.accepted + rejected + _PRIOR_ACCEPTED + _PRIOR_REJECTED
         )
-        k = best_num_draft_tokens(acceptance, room, self.token_cost(seq.spec_method))
-        if k == 0 and stats.verify_steps % EXPLORE_EVERY_STEPS == EXPLORE_EVERY_STEPS - 1:
+        k = best_num_draft_tokens(acceptance, self.step_costs(seq.spec_method, room))
+        explore = EXPLORE_EVERY_STEPS.get(seq.spec_method, DEFAULT_EXPLORE_EVERY_STEPS)
+        if k == 0 and stats.verify_steps % explore == explore - 1:
             return 1
         return k
 

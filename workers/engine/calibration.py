@@ -1,0 +1,75 @@
+"""What a forward costs on this machine, measured at start-up for adaptive speculation.
+
+Verifying k drafts is one forward over k + 1 tokens. How that compares with a one-token forward
+depends on the hardware: on a CPU in bf16, one row takes a GEMV path and two rows already a GEMM
+(+25% here), after which more rows are nearly free; on a GPU the curve stays flat far longer.
+So the engine measures it instead of assuming it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
+from workers.model.transformer import TransformerLM
+
+
+def forward_times(
+    model: TransformerLM, counts: Sequence[int], reps: int, context: int = 128
+) -> list[float]:
+    """Median seconds of one forward bringing n new tokens onto a `context`-token cache, for
+    each n in `counts`. Rounds go over all counts in turn (machine noise lands on all alike);
+    the first round warms up and is dropped."""
+    block_size = 16
+    num_blocks = -(-(context + max(counts)) // block_size)
+    cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+    runner = ModelRunner(model, cache)
+    table = BlockTable(BlockAllocator(num_blocks), block_size)
+    table.prepare_write(0, context + max(counts))
+    vocab = model.config.vocab_size
+    runner.forward([SeqForward([(i * 7919) % vocab for i in range(context)], 0, table.block_ids)])
+    seqs = [
+        SeqForward(
+            [(context + i) % vocab for i in range(n)], context, table.block_ids, num_logits=n
+        )
+        for n in counts
+    ]
+    samples: list[list[float]] = [[] for _ in seqs]
+    for _ in range(reps + 1):
+        for seq, times in zip(seqs, samples, strict=True):
+            start = time.perf_counter()
+            runner.forward([seq])
+            times.append(time.perf_counter() - start)
+    return [statistics.median(t[1:]) for t in samples]
+
+
+@torch.inference_mode()
+def verify_costs(model: TransformerLM, max_drafts: int, reps: int = 3) -> tuple[float, ...]:
+    """Cost of verifying 0..max_drafts drafts (a forward over k + 1 tokens) in one-token
+    forwards. Measures 1, 2 and max_drafts + 1 tokens and interpolates between the last two."""
+    counts = sorted({1, min(2, max_drafts + 1), max_drafts + 1})
+    times = dict(zip(counts, forward_times(model, counts, reps), strict=True))
+    base = times[1]
+    costs = [1.0]
+    for k in range(1, max_drafts + 1):
+        lo, hi = counts[-2], counts[-1]
+        t = (
+            times[hi]
+            if hi == lo
+            else times[lo] + (times[hi] - times[lo]) * (k + 1 - lo) / (hi - lo)
+        )
+        costs.append(max(1.0, t / base))
+    return tuple(costs)
+
+
+@torch.inference_mode()
+def relative_token_cost(draft: TransformerLM, target: TransformerLM, reps: int = 3) -> float:
+    """A draft-model token's cost in target one-token forwards."""
+    draft_s = forward_times(draft, [1], reps)[0]
+    target_s = forward_times(target, [1], reps)[0]
+    return draft_s / target_s
