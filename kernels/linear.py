@@ -1,9 +1,12 @@
-"""`y = x W^T + b`, with a faster path for the one-row case of reduced-precision CPU decode.
+"""`y = x W^T + b`, with faster paths for the few-row case of reduced-precision CPU decode.
 
-At one row, oneDNN's bf16 GEMM (what `F.linear` reaches) streams weights at about 11 GB/s on
-an AVX512-BF16 CPU, while `torch.mv`'s GEMV streams the same weights at 16-23 GB/s
-(benchmarks/bench_forward.py prints both). Single-stream decode is exactly that case, and it
-is memory-bound, so it takes the GEMV. fp32 gains nothing there and keeps `F.linear`.
+Decode and verification bring a handful of rows (1, or k + 1) and are bound by streaming the
+weights. On an AVX512-BF16 CPU, oneDNN's bf16 GEMM as `F.linear` reaches it streams them at
+6-11 GB/s whatever the row count, while `torch.mv` (one row) and `W @ x^T` (the weight as the
+left operand: a GEMM with a small N, for 2..MAX_SMALL_ROWS rows) stream them ~1.5x faster
+(benchmarks/bench_forward.py prints the comparison). Without the second path, verifying k drafts
+would cost ~1.3 one-token forwards instead of ~1. fp32 gains nothing and keeps `F.linear`, as
+do prefill chunks (many rows: compute-bound).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
+MAX_SMALL_ROWS = 32
 
 
 def linear(
@@ -19,7 +23,13 @@ def linear(
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [num_rows, out_features]
-    if x.shape[0] == 1 and x.dim() == 2 and x.device.type == "cpu" and x.dtype in _GEMV_DTYPES:
-        out = torch.mv(weight, x[0]).unsqueeze(0)
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
+    rows = x.shape[0]
+    if (
+        x.dim() != 2
+        or x.device.type != "cpu"
+        or x.dtype not in _FAST_DTYPES
+        or rows > MAX_SMALL_ROWS
+    ):
+        return F.linear(x, weight, bias)
+    out = torch.mv(weight, x[0]).unsqueeze(0) if rows == 1 else torch.mm(weight, x.T).T.contiguous()
+    return out if bias is None else out + bias

@@ -3,10 +3,12 @@ transformers. Runs where `make models-qwen` has fetched the model; skipped elsew
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
-from cluster.models import model_path
 from tests.model.helpers import all_logits
 from workers.model.loader import build_model, load_checkpoint
 
@@ -21,17 +23,13 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def qwen():  # type: ignore[no-untyped-def]
-    # Fetched models live in the user's cache, not the per-session test cache.
-    import os
-    from pathlib import Path
-
-    home_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "outrider"
-    path = home_cache / "models" / f"{NAME}.gguf"
-    if not path.is_file() and not model_path(NAME).is_file():
+    # The test session points OUTRIDER_CACHE_DIR at a temporary folder; fetched models stay in
+    # the user's cache, where `make models-qwen` put them.
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "outrider"
+    path = user_cache / "models" / f"{NAME}.gguf"
+    if not path.is_file():
         pytest.skip(f"{NAME} not fetched (make models-qwen)")
-    return load_checkpoint(
-        path if path.is_file() else model_path(NAME)
-    ), path if path.is_file() else model_path(NAME)
+    return load_checkpoint(path), path
 
 
 def test_qwen2_gguf_matches_transformers(qwen) -> None:  # type: ignore[no-untyped-def]

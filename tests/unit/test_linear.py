@@ -9,7 +9,7 @@ from kernels.linear import linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 9, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_reference(dtype: torch.dtype, rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
