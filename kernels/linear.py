@@ -4,9 +4,9 @@ Decode and verification bring a handful of rows (1, or k + 1) and are bound by s
 weights. On an AVX512-BF16 CPU, oneDNN's bf16 GEMM as `F.linear` reaches it streams them at
 6-11 GB/s whatever the row count, while `torch.mv` (one row) and `W @ x^T` (the weight as the
 left operand: a GEMM with a small N, for 2..MAX_SMALL_ROWS rows) stream them ~1.5x faster
-(benchmarks/bench_forward.py prints the comparison). Without the second path, verifying k drafts
-would cost ~1.3 one-token forwards instead of ~1. fp32 gains nothing and keeps `F.linear`, as
-do prefill chunks (many rows: compute-bound).
+(tests/benchmarks/bench_forward.py prints the comparison). Without the second path, verifying
+k drafts would cost ~1.3 one-token forwards instead of ~1.2. fp32 gains nothing and keeps
+`F.linear`, as do prefill chunks (many rows: compute-bound).
 """
 
 from __future__ import annotations

@@ -114,34 +114,35 @@ def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
 
 
 def gemv_section(model: TransformerLM, reps: int) -> str:
-    """One-row projections over the model's real bf16 weights, out of cache."""
+    """Projections over the model's real bf16 MLP weights (out of cache), 1 and 8 rows."""
     weights = [
         p
         for layer in model.layers
         for p in (layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
     ]
-    xs = {w.shape[1]: torch.randn(1, w.shape[1]).to(torch.bfloat16) for w in weights}
-
-    def run(fn: str) -> None:
-        for w in weights:
-            x = xs[w.shape[1]]
-            F.linear(x, w) if fn == "linear" else torch.mv(w, x[0])
-
+    kernels = {
+        "`F.linear`": lambda x, w: F.linear(x, w),
+        "`torch.mv` (1 row)": lambda x, w: torch.mv(w, x[0]),
+        "`W @ x^T` (few rows)": lambda x, w: torch.mm(w, x.T),
+    }
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     rows = []
-    for fn in ("linear", "mv"):
-        t = median_time(lambda fn=fn: run(fn), reps)
-        rows.append(
-            [
-                f"`{'F.linear' if fn == 'linear' else 'torch.mv'}`",
-                f"{t * 1e3:.1f}",
-                f"{nbytes / t / 1e9:.1f}",
-            ]
-        )
+    for num_rows in (1, 8):
+        xs = {w.shape[1]: torch.randn(num_rows, w.shape[1]).to(torch.bfloat16) for w in weights}
+        for name, kernel in kernels.items():
+            if num_rows > 1 and "mv" in name:
+                continue
+
+            def run(kernel=kernel, xs=xs) -> None:  # type: ignore[no-untyped-def]
+                for w in weights:
+                    kernel(xs[w.shape[1]], w)
+
+            t = median_time(run, reps)
+            rows.append([num_rows, name, f"{t * 1e3:.1f}", f"{nbytes / t / 1e9:.1f}"])
     return (
-        "The MLP weights of all 30 layers (bf16, one input row): why `kernels/linear.py` sends "
-        "single-row reduced-precision projections to `torch.mv`.\n\n"
-        + table(["kernel", "ms for all layers", "GB/s of weights"], rows)
+        "The MLP weights of all 30 layers (bf16): why `kernels/linear.py` sends one-row "
+        "projections to `torch.mv` and few-row ones (verification) to `W @ x^T`.\n\n"
+        + table(["rows", "kernel", "ms for all layers", "GB/s of weights"], rows)
     )
 
 
@@ -170,7 +171,7 @@ def main() -> None:
             decode_speed(checkpoint, args.runs, args.new_tokens),
             "### Forward cost by number of new tokens",
             forward_cost_section(checkpoint, args.reps),
-            "### One-row projection kernels",
+            "### Projection kernels for few rows",
             gemv_section(build_model(checkpoint, dtype=torch.bfloat16), args.reps),
         ]
     body = "\n\n".join(parts)

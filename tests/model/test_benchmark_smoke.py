@@ -30,6 +30,10 @@ def test_bench_forward_quick_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = out.read_text()
     assert "<!-- bench_forward:start -->" in text
-    for heading in ("Decode speed vs transformers", "Forward cost by number", "One-row projection"):
+    for heading in (
+        "Decode speed vs transformers",
+        "Forward cost by number",
+        "Projection kernels for few rows",
+    ):
         assert heading in text
     assert "| bfloat16 | 8 |" in text and "dense HF folder" in text and "packed weights" in text
