@@ -72,6 +72,15 @@ PROMPTS = {
     "open chat": "What are some good habits for staying healthy while working from home?",
 }
 METHODS = ("none", "ngram", "suffix", "draft_model")
+STAT_COLUMNS = [
+    "prompt",
+    "method",
+    "tokens/s",
+    "vs none",
+    "mean acceptance length",
+    "drafts/step",
+    "α",
+]
 K = 8  # the most draft tokens per step; adaptive k picks fewer where acceptance is low
 DRAFT_LAYERS = 12
 
@@ -189,16 +198,7 @@ def single_stream(
                 ]
             )
     text = table(
-        [
-            "prompt",
-            "method",
-            "tokens/s",
-            "vs none",
-            "mean acceptance length",
-            "drafts/step",
-            "α",
-            "ideal",
-        ],
+        [*STAT_COLUMNS, "ideal"],
         rows,
     )
     return text, speedups
@@ -332,22 +332,14 @@ def qwen_pair_section(runs: int, max_tokens: int) -> str:
                     f"{alpha:.2f}",
                 ]
             )
-    cost = engine.speculator._draft_model_cost
+    cost = engine.speculator.draft_model_cost
     return (
         "Qwen2.5-Coder-1.5B-Instruct (target) with Qwen2.5-Coder-0.5B-Instruct drafting, both bf16 "
         f"from their GGUFs; a draft token costs {cost:.2f} target forwards here. Adaptive k weighs "
         "that against the measured acceptance; the fixed-k row shows what drafting regardless "
         "would do.\n\n"
         + table(
-            [
-                "prompt",
-                "method",
-                "tokens/s",
-                "vs none",
-                "mean acceptance length",
-                "drafts/step",
-                "α",
-            ],
+            STAT_COLUMNS,
             rows,
         )
     )

@@ -57,7 +57,7 @@ class Speculator:
         self.drafters = drafters
         self.max_model_len = max_model_len
         self.verify_costs = verify_costs
-        self._draft_model_cost = draft_model_cost
+        self.draft_model_cost = draft_model_cost  # a draft-model token, in one-token forwards
 
     def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
         """(method, k_max) for a request: its own settings over the server defaults."""
@@ -76,7 +76,7 @@ class Speculator:
 
     def step_costs(self, method: str, k_max: int) -> list[float]:
         """Cost of a verify step with 0..k_max drafts from `method`, in one-token forwards."""
-        per_draft = self._draft_model_cost if method == "draft_model" else 0.0
+        per_draft = self.draft_model_cost if method == "draft_model" else 0.0
         last = len(self.verify_costs) - 1
         return [1.0] + [
             self.verify_costs[min(k, last)] + k * per_draft + SPEC_STEP_OVERHEAD
