@@ -161,6 +161,14 @@ def interleaved(runs: int, jobs: dict[str, Callable[[], Run]], label: str) -> di
     return results
 
 
+def run_methods(
+    engine: LLMEngine, prompts: list[list[int]], runs: int, max_tokens: int, label: str
+) -> dict[str, list[Run]]:
+    """Every method of METHODS on the same prompts, interleaved."""
+    jobs = {m: (lambda m=m: run(engine, prompts, m, max_tokens)) for m in METHODS}
+    return interleaved(runs, jobs, label)
+
+
 def median_tps(runs: list[Run]) -> float:
     return statistics.median(r.tokens_per_s for r in runs)
 
@@ -175,8 +183,7 @@ def single_stream(
 ) -> tuple[str, dict[tuple[str, str], float]]:
     rows, speedups = [], {}
     for kind, ids in prompt_ids.items():
-        jobs = {m: (lambda m=m, ids=ids: run(engine, [ids], m, max_tokens)) for m in METHODS}
-        results = interleaved(runs, jobs, f"single stream, {kind}")
+        results = run_methods(engine, [ids], runs, max_tokens, f"single stream, {kind}")
         base = median_tps(results["none"])
         for method in METHODS:
             tps = median_tps(results[method])
@@ -227,8 +234,7 @@ def concurrency(
     kinds = list(prompt_ids.values())
     for n in levels:
         batch = [kinds[i % len(kinds)] for i in range(n)]
-        jobs = {m: (lambda m=m, batch=batch: run(engine, batch, m, max_tokens)) for m in METHODS}
-        results = interleaved(runs, jobs, f"{n} concurrent")
+        results = run_methods(engine, batch, runs, max_tokens, f"{n} concurrent")
         base = median_tps(results["none"])
         for method in METHODS:
             tps = median_tps(results[method])
