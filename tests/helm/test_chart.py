@@ -1,0 +1,235 @@
+"""The Helm chart, rendered with the real Helm SDK (no cluster): every object valid against
+Kubernetes' own schemas (kubernetes-validate, offline) and the RayCluster against KubeRay's CRD;
+the wiring that matters checked; bad values refused by values.schema.json at render time."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from cluster.config import from_dict
+
+helm_python = pytest.importorskip("helm_python")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+HELM = Path(__file__).resolve().parents[2] / "helm"
+CHART = HELM / "outrider"
+CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+KUBERNETES_VERSION = "1.30.0"
+# Custom resources: validated by their own schema (RayCluster) or skipped (Prometheus Operator's
+# ServiceMonitor, whose CRD is not vendored here; its fields are asserted below instead).
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor"}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Any:
+    return helm_python.Chart.load(str(CHART))
+
+
+@pytest.fixture(scope="module")
+def raycluster_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((HELM / "schemas" / "ray.io_rayclusters.yaml").read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return v1["schema"]["openAPIV3Schema"]
+
+
+def load_values(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def render(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
+    files = chart.render(values, name="demo", namespace="serving")
+    objects = []
+    for path, text in files.items():
+        if path.endswith(".yaml"):
+            objects += [doc for doc in yaml.safe_load_all(text) if doc]
+    return objects
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [o for o in by_kind(objects, kind) if name is None or o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, got {len(found)}"
+    return found[0]
+
+
+def worker_groups(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    cluster = one(objects, "RayCluster")
+    return {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+
+
+def container(pod_template: dict[str, Any]) -> dict[str, Any]:
+    return pod_template["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.name)
+def test_ci_values_render_valid_objects(chart, raycluster_schema, values_file: Path) -> None:  # type: ignore[no-untyped-def]
+    values = load_values(values_file)
+    lint = helm_python.lint(str(CHART), values)
+    assert lint["errors"] == [], lint
+    objects = render(chart, values)
+    kinds = {o["kind"] for o in objects}
+    assert {"RayCluster", "ConfigMap", "Deployment", "Service", "Secret"} <= kinds
+    for obj in objects:
+        if obj["kind"] == "RayCluster":
+            jsonschema.validate(obj, raycluster_schema)
+        elif obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    # The ConfigMap holds a deployment config that Outrider itself accepts, matching the pools.
+    config_map = one(objects, "ConfigMap")
+    config = from_dict(yaml.safe_load(config_map["data"]["outrider.yaml"]))
+    groups = worker_groups(objects)
+    assert groups["verifier"]["replicas"] == config.pools.verifier.groups
+    assert config.pools.verifier.tensor_parallel_size == values.get("verifier", {}).get(
+        "tensorParallelSize", 1
+    )
+    assert ("prefill" in groups) == (config.pools.prefill.replicas > 0)
+
+
+def test_gpu_counts_per_pool_follow_tensor_parallel_size(chart) -> None:  # type: ignore[no-untyped-def]
+    objects = render(chart, load_values(CHART / "ci" / "gpu-values.yaml"))
+    groups = worker_groups(objects)
+    verifier = container(groups["verifier"]["template"])["resources"]
+    assert verifier["limits"]["nvidia.com/gpu"] == 4  # tensorParallelSize 4 x 1 GPU per rank
+    assert verifier["requests"]["nvidia.com/gpu"] == 4
+    assert groups["verifier"]["replicas"] == 2
+    assert groups["verifier"]["rayStartParams"]["resources"] == '"{\\"outrider_verifier\\":4}"'
+    prefill = container(groups["prefill"]["template"])["resources"]
+    assert prefill["limits"]["nvidia.com/gpu"] == 1
+    assert groups["prefill"]["replicas"] == 2
+    drafter = container(groups["drafter"]["template"])["resources"]
+    assert "nvidia.com/gpu" not in drafter.get("limits", {})
+    assert groups["drafter"]["rayStartParams"]["num-gpus"] == "0"
+    tolerations = groups["verifier"]["template"]["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+
+    cpu = render(chart, load_values(CHART / "ci" / "cpu-values.yaml"))
+    for group in worker_groups(cpu).values():
+        resources = container(group["template"])["resources"]
+        assert "nvidia.com/gpu" not in resources.get("limits", {})
+
+
+def test_grace_drafters_select_arm64_nodes_and_advertise_the_resource(chart) -> None:  # type: ignore[no-untyped-def]
+    objects = render(chart, load_values(CHART / "ci" / "grace-values.yaml"))
+    drafter = worker_groups(objects)["drafter"]
+    selector = drafter["template"]["spec"]["nodeSelector"]
+    assert selector["kubernetes.io/arch"] == "arm64"
+    assert selector["nvidia.com/gpu.family"] == "grace-blackwell"
+    assert drafter["rayStartParams"]["resources"] == (
+        '"{\\"grace_cpu\\":2,\\"outrider_drafter\\":2}"'
+    )
+    config = from_dict(yaml.safe_load(one(objects, "ConfigMap")["data"]["outrider.yaml"]))
+    assert config.pools.drafter.resources.custom == {"grace_cpu": 1.0, "outrider_drafter": 1.0}
+    assert config.pools.drafter.replicas == 4  # 2 pods x 2 actors
+    assert "prefill" not in worker_groups(objects)  # prefill replicas 0: verifiers prefill
+    # Without grace, drafters are not pinned to arm64.
+    cpu = render(chart, load_values(CHART / "ci" / "cpu-values.yaml"))
+    assert "nodeSelector" not in worker_groups(cpu)["drafter"]["template"]["spec"]
+
+
+def test_router_probes_service_and_secrets(chart) -> None:  # type: ignore[no-untyped-def]
+    objects = render(chart, load_values(CHART / "ci" / "cpu-values.yaml"))
+    router = one(objects, "Deployment")
+    c = container(router["spec"]["template"])
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    secrets = {s["metadata"]["name"]: s for s in by_kind(objects, "Secret")}
+    env = {e["name"]: e for e in c["env"]}
+    redis_ref = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert redis_ref["name"] in secrets
+    assert redis_ref["key"] in secrets[redis_ref["name"]]["data"]
+    token_ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+    assert token_ref == {"name": "demo-outrider-ray-auth", "key": "auth_token"}
+    assert one(objects, "RayCluster")["spec"]["authOptions"] == {
+        "mode": "token",
+        "secretName": "demo-outrider-ray-auth",
+    }
+    keys_volume = [v for v in router["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    keys_secret = secrets[keys_volume[0]["secret"]["secretName"]]
+    assert base64.b64decode(keys_secret["data"]["api-keys"]).split() == [b"sk-ci-test-key"]
+    assert env["RAY_ADDRESS"]["value"] == "ray://demo-outrider-ray-head-svc:10001"
+    service = one(objects, "Service", "demo-outrider")
+    assert service["spec"]["type"] == "ClusterIP"
+    assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc"}
+    assert not by_kind(objects, "HorizontalPodAutoscaler")  # autoscaling off in this file
+    assert one(objects, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+    statefulset = one(objects, "StatefulSet")
+    assert "volumeClaimTemplates" not in statefulset["spec"]  # persistence off
+    ray_head = one(objects, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in ray_head[
+        "volumes"
+    ]
+
+
+def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> None:  # type: ignore[no-untyped-def]
+    objects = render(chart, load_values(CHART / "ci" / "gpu-values.yaml"))
+    secret_names = {s["metadata"]["name"] for s in by_kind(objects, "Secret")}
+    assert secret_names == {"demo-outrider-ray-auth"}  # Redis and API keys: existing Secrets
+    assert not by_kind(objects, "StatefulSet")
+    config = from_dict(yaml.safe_load(one(objects, "ConfigMap")["data"]["outrider.yaml"]))
+    assert config.redis.url == "rediss://redis.example.internal:6380/0"
+    assert config.redis.tls
+    assert config.telemetry.otlp_endpoint == "http://otel-collector.observability:4317"
+    env = {e["name"]: e for e in container(one(objects, "Deployment")["spec"]["template"])["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "outrider-redis"
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == config.telemetry.otlp_endpoint
+    assert one(objects, "Service", "demo-outrider")["spec"]["type"] == "LoadBalancer"
+    hpa = one(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "demo-outrider-router"
+    monitor = one(objects, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    policy = one(objects, "NetworkPolicy", "demo-outrider-ray")
+    sources = policy["spec"]["ingress"][0]["from"]
+    assert {"ray.io/cluster": "demo-outrider-ray"} in [
+        s["podSelector"]["matchLabels"] for s in sources
+    ]
+    assert any(
+        s["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "router"
+        for s in sources
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"verifier": {"tensorParallelSize": 3}}, "/verifier/tensorParallelSize"),
+        ({"router": {"service": {"type": "Ingress"}}}, "/router/service/type"),
+        ({"drafter": {"replicas": -1}}, "/drafter/replicas"),
+        ({"speculative": {"method": "medusa"}}, "/speculative/method"),
+        ({"dtype": "int4"}, "/dtype"),
+        ({"replicaCount": 3}, "replicaCount"),
+        ({"redis": {"enabled": False}}, "/redis/externalUrl"),
+        ({"redis": {"externalUrl": "http://redis:6379"}}, "/redis/externalUrl"),
+        ({"drafter": {"grace": {"resourceName": "grace cpu"}}}, "/drafter/grace/resourceName"),
+        ({"sharedMemorySize": "lots"}, "/sharedMemorySize"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_field_named(chart, override, message: str) -> None:  # type: ignore[no-untyped-def]
+    values = load_values(CHART / "ci" / "cpu-values.yaml")
+    for key, value in override.items():
+        merged = dict(values.get(key, {})) if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            merged.update(value)
+        values[key] = merged
+    with pytest.raises(helm_python.HelmValuesError) as err:
+        chart.render(values, name="demo", namespace="serving")
+    assert message in str(err.value)
+
+
+def test_default_values_render_with_a_generated_api_key(chart) -> None:  # type: ignore[no-untyped-def]
+    objects = render(chart, {})
+    keys = one(objects, "Secret", "demo-outrider-api-keys")
+    (key,) = base64.b64decode(keys["data"]["api-keys"]).decode().split()
+    assert key.startswith("sk-") and len(key) == 43
+    for obj in objects:
+        if obj["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
