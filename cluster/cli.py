@@ -1,4 +1,5 @@
-"""The `outrider` command: `generate` (one prompt, in-process) and `serve` (HTTP API)."""
+"""The `outrider` command: `generate` (one prompt, in-process), `serve` (HTTP API) and `k8s`
+(a deployment on Kubernetes)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cluster import k8s
 from workers.engine.config import SPEC_METHODS, EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
 from workers.engine.sampling_params import SamplingParams
@@ -28,6 +30,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--draft-model", default=None, help="draft model (GGUF or HF folder)")
     spec.add_argument(
         "--draft-layers", type=int, default=None, help="use the target's first N layers as draft"
+    )
+    spec.add_argument(
+        "--eagle-head",
+        default=None,
+        help="EAGLE head file for --spec-method eagle (the bundled model has one built in)",
     )
     spec.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram to match")
     spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to match")
@@ -56,6 +63,8 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     _add_engine_args(serve)
+
+    k8s.add_parser(sub)
     return parser
 
 
@@ -70,7 +79,7 @@ def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
     config = EngineConfig(
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, spec=spec
     )
-    model = ModelSpec(args.model, args.dtype, args.draft_model, args.draft_layers)
+    model = ModelSpec(args.model, args.dtype, args.draft_model, args.draft_layers, args.eagle_head)
     return build_engine(model, config, progress=progress)
 
 
@@ -139,13 +148,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    if args.threads:
+    if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "k8s":
+            return k8s.run(args)
         return _serve(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, k8s.K8sError) as exc:
         print(f"outrider: error: {exc}", file=sys.stderr)
         return 2
 

@@ -122,7 +122,7 @@ def build_engine(
         tokenizer=checkpoint.tokenizer,
         eos_token_ids=checkpoint.tokenizer.eos_token_ids,
         drafters=drafters,
-        draft_model_cost=relative_token_cost(draft, target),
+        draft_costs={"draft_model": relative_token_cost(draft, target)},
     )
 
 
@@ -338,7 +338,7 @@ def qwen_pair_section(runs: int, max_tokens: int) -> str:
                     f"{alpha:.2f}",
                 ]
             )
-    cost = engine.speculator.draft_model_cost
+    cost = engine.speculator.draft_costs["draft_model"]
     return (
         "Qwen2.5-Coder-1.5B-Instruct (target) with Qwen2.5-Coder-0.5B-Instruct drafting, both bf16 "
         f"from their GGUFs; a draft token costs {cost:.2f} target forwards here. Adaptive k weighs "

@@ -10,7 +10,9 @@ import pytest
 
 from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
+from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
+from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
@@ -59,14 +61,18 @@ def make_drafter(method: str, draft_net, model_fp32) -> Drafter:  # type: ignore
         return NgramDrafter(NgramConfig(1, 4))
     if method == "suffix":
         return SuffixDrafter(NgramConfig(1, 4))
+    if method == "eagle":
+        return EagleDrafter(EagleHead.load(BUNDLED_HEAD), model_fp32, num_blocks=1024)
     net = model_fp32 if method == "self_draft" else draft_net
     return DraftModelDrafter(net, num_blocks=1024)
 
 
-def make_engine(model_fp32, checkpoint, drafter: Drafter, spec: SpecConfig = SPEC) -> LLMEngine:  # type: ignore[no-untyped-def]
+def make_engine(  # type: ignore[no-untyped-def]
+    model_fp32, checkpoint, drafter: Drafter, spec: SpecConfig = SPEC, **config: int
+) -> LLMEngine:
     return LLMEngine(
         model_fp32,
-        EngineConfig(max_model_len=512, spec=spec),
+        EngineConfig(max_model_len=512, spec=spec, **config),  # type: ignore[arg-type]
         eos_token_ids=checkpoint.config.eos_token_ids,
         drafters={drafter.method: drafter},
     )
@@ -116,6 +122,44 @@ def test_greedy_identical_to_plain_decoding(
     assert engine.allocator.num_free_blocks == engine.config.kv_blocks
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_eagle_greedy_identical_to_plain_decoding(
+    batch: int,
+    model_fp32,
+    checkpoint,
+    draft_net,
+    prompt_ids,
+    expected,  # type: ignore[no-untyped-def]
+) -> None:
+    engine = make_engine(model_fp32, checkpoint, make_drafter("eagle", draft_net, model_fp32))
+    got = run_staggered(engine, prompt_ids[:batch], GREEDY, RequestSpec(method="eagle"))
+    assert got == expected[:batch]
+    assert engine.stats.accepted > 0.3 * engine.stats.drafted  # the trained head drafts well
+    assert engine.allocator.num_free_blocks == engine.config.kv_blocks
+
+
+def test_eagle_exact_through_prefix_caching_and_preemption(
+    model_fp32,
+    checkpoint,
+    draft_net,
+    prompt_ids,
+    expected,  # type: ignore[no-untyped-def]
+) -> None:
+    """Prompts sharing cached prefix blocks (the drafter gets no features for them) and a KV
+    cache so small that sequences are preempted and recomputed."""
+    shared = checkpoint.tokenizer.encode("Here is a long shared preamble for every request. " * 4)
+    prompts = [shared + p for p in prompt_ids[:6]]
+    plain = SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
+    )
+    want = [plain.generate(p, GREEDY).token_ids for p in prompts]
+    drafter = make_drafter("eagle", draft_net, model_fp32)
+    engine = make_engine(model_fp32, checkpoint, drafter, num_kv_blocks=24, block_size=16)
+    assert run_staggered(engine, prompts, GREEDY, RequestSpec(method="eagle"), gap=3) == want
+    assert engine.stats.accepted > 0
+    assert drafter.allocator.num_free_blocks == drafter.allocator.num_blocks
+
+
 def test_adaptive_k_and_batch_fallback_stay_exact(
     model_fp32, checkpoint, prompt_ids, expected
 ) -> None:  # type: ignore[no-untyped-def]
@@ -124,7 +168,7 @@ def test_adaptive_k_and_batch_fallback_stay_exact(
     assert run_staggered(engine, prompt_ids[:6], GREEDY, RequestSpec(), gap=3) == expected[:6]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
 def test_seeded_sampling_does_not_depend_on_the_batch(
     method: str,
     model_fp32,

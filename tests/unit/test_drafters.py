@@ -72,7 +72,11 @@ def test_expected_tokens_and_best_k() -> None:
 
 def test_step_costs_charge_verification_drafting_and_overhead() -> None:
     spec = Speculator(
-        SpecConfig(), {}, max_model_len=100, verify_costs=(1.0, 1.2, 1.3), draft_model_cost=0.4
+        SpecConfig(),
+        {},
+        max_model_len=100,
+        verify_costs=(1.0, 1.2, 1.3),
+        draft_costs={"draft_model": 0.4},
     )
     free = spec.step_costs("ngram", 4)
     assert free[0] == 1.0

@@ -4,8 +4,11 @@ A drafter follows each sequence it is given: it sees the prompt (`add`), then af
 verification the tokens that were committed (`commit`), and on request proposes up to k draft
 tokens with their probabilities q (`propose`). It keeps its own state (an index, a KV cache) and
 rolls it back to the committed prefix itself, so the verifier never tells it what was rejected.
-Everything crossing this boundary is plain data (ids, token lists, one tensor of q per draft),
-so the drafter can live in another process or on another machine.
+A drafter that reads the target's features (EAGLE) names the target layers it wants in
+`hidden_layers`; it is then sent those layers' hidden states for every position the verifier
+has computed and kept (`observe_hidden`, before the `commit` of the tokens they produced).
+Everything crossing this boundary is plain data (ids, token lists, one tensor of q per draft,
+feature rows), so the drafter can live in another process or on another machine.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Drafter(ABC):
     """One drafting method serving many sequences."""
 
     method: str
+    hidden_layers: tuple[int, ...] = ()  # target layers whose outputs this drafter reads
 
     @abstractmethod
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -59,6 +63,13 @@ class Drafter(ABC):
     @abstractmethod
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Tokens the verifier committed for the sequence since the last call, in order."""
+
+    def observe_hidden(  # noqa: B027 (optional: most drafters read no features)
+        self, request_id: str, first_position: int, hidden: torch.Tensor
+    ) -> None:
+        """Target features for positions `first_position ..` of the sequence, one row each: the
+        outputs of `hidden_layers`, concatenated in that order. Rows the drafter already has
+        (a prefix recomputed after preemption) may come again."""
 
     @abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SPEC_METHODS = ("none", "ngram", "suffix", "draft_model")
+SPEC_METHODS = ("none", "ngram", "suffix", "draft_model", "eagle")
 
 
 @dataclass(frozen=True, slots=True)

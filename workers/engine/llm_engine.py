@@ -17,7 +17,7 @@ from workers.drafting.base import EMPTY_DRAFT, Drafter
 from workers.engine.calibration import verify_costs
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.detokenizer import IncrementalDetokenizer
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import ModelRunner, RunnerOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
@@ -63,7 +63,7 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         eos_token_ids: Seq[int] = (),
         drafters: dict[str, Drafter] | None = None,
-        draft_model_cost: float = 0.0,
+        draft_costs: dict[str, float] | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         max_len = min(self.config.max_model_len, model.config.max_position_embeddings)
@@ -79,7 +79,7 @@ class LLMEngine:
             drafters or {},
             max_len,
             self._verify_costs(model, bool(drafters)),
-            draft_model_cost,
+            draft_costs,
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -146,8 +146,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.seqs:
             self.runner.kv_cache.copy_blocks(batch.block_copies)
-            output = self.runner.forward([s.forward() for s in batch.seqs])
-            for scheduled, tokens in zip(batch.seqs, verify(batch.seqs, output), strict=True):
+            layers = self.speculator.hidden_layers(s.seq for s in batch.seqs)
+            output = self.runner.forward([s.forward() for s in batch.seqs], hidden_layers=layers)
+            results = verify(batch.seqs, output)
+            for index, (scheduled, tokens) in enumerate(zip(batch.seqs, results, strict=True)):
+                if layers:
+                    self._send_hidden(scheduled, tokens, output, index, layers)
                 self._commit(scheduled, tokens)
         return self._drain_outputs()
 
@@ -197,6 +201,19 @@ class LLMEngine:
             self._finish(seq, reason)
         else:
             self.speculator.commit(seq, tokens)
+
+    def _send_hidden(
+        self,
+        scheduled: ScheduledSeq,
+        tokens: list[int] | None,
+        output: RunnerOutput,
+        index: int,
+        layers: tuple[int, ...],
+    ) -> None:
+        """Features of the positions this forward computed and kept (not rejected drafts)."""
+        kept = scheduled.num_new_tokens + (len(tokens) - 1 if tokens else 0)
+        rows = {layer: output.hidden_of(layer, index)[:kept] for layer in layers}
+        self.speculator.observe_hidden(scheduled.seq, scheduled.seq.num_computed_tokens, rows)
 
     def _cut_at_stop(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
         """Keep tokens up to the first stop condition; the reason, if one was met."""

@@ -12,6 +12,14 @@ from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import BlockTable
 
 
+def _add_counts(into: list[int], counts: list[int]) -> None:
+    """Add per-position counts element-wise, growing `into` as needed."""
+    if len(into) < len(counts):
+        into += [0] * (len(counts) - len(into))
+    for i, n in enumerate(counts):
+        into[i] += n
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -27,6 +35,7 @@ class SpecStats:
     verify_steps: int = 0  # decode steps: each commits accepted + 1 tokens
     verify_steps_with_rejection: int = 0  # steps where a draft was rejected
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at i
+    drafted_per_position: list[int] = field(default_factory=list)  # [i]: steps with a draft at i
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -42,21 +51,16 @@ class SpecStats:
         self.accepted += num_accepted
         self.verify_steps += 1
         self.verify_steps_with_rejection += num_accepted < num_drafted
-        if len(self.accepted_per_position) < num_accepted:
-            self.accepted_per_position += [0] * (num_accepted - len(self.accepted_per_position))
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
+        _add_counts(self.accepted_per_position, [1] * num_accepted)
+        _add_counts(self.drafted_per_position, [1] * num_drafted)
 
     def merge(self, other: SpecStats) -> None:
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.verify_steps += other.verify_steps
         self.verify_steps_with_rejection += other.verify_steps_with_rejection
-        for i, n in enumerate(other.accepted_per_position):
-            if i < len(self.accepted_per_position):
-                self.accepted_per_position[i] += n
-            else:
-                self.accepted_per_position.append(n)
+        _add_counts(self.accepted_per_position, other.accepted_per_position)
+        _add_counts(self.drafted_per_position, other.drafted_per_position)
 
     def as_dict(self) -> dict[str, float | int]:
         return {

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from workers.drafting.base import EMPTY_DRAFT, Drafter, DraftRequest
 from workers.engine.config import RequestSpec, SpecConfig
 from workers.engine.sequence import Sequence
@@ -51,13 +53,14 @@ class Speculator:
         drafters: dict[str, Drafter],
         max_model_len: int,
         verify_costs: tuple[float, ...] = (1.0,),
-        draft_model_cost: float = 0.0,
+        draft_costs: dict[str, float] | None = None,
     ) -> None:
         self.config = config
         self.drafters = drafters
         self.max_model_len = max_model_len
         self.verify_costs = verify_costs
-        self.draft_model_cost = draft_model_cost  # a draft-model token, in one-token forwards
+        # A drafted token's cost in one-token target forwards, per method (0 when not listed).
+        self.draft_costs = dict(draft_costs or {})
 
     def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
         """(method, k_max) for a request: its own settings over the server defaults."""
@@ -76,7 +79,7 @@ class Speculator:
 
     def step_costs(self, method: str, k_max: int) -> list[float]:
         """Cost of a verify step with 0..k_max drafts from `method`, in one-token forwards."""
-        per_draft = self.draft_model_cost if method == "draft_model" else 0.0
+        per_draft = self.draft_costs.get(method, 0.0)
         last = len(self.verify_costs) - 1
         return [1.0] + [
             self.verify_costs[min(k, last)] + k * per_draft + SPEC_STEP_OVERHEAD
@@ -110,6 +113,25 @@ class Speculator:
     def add(self, seq: Sequence) -> None:
         if seq.spec_method != "none":
             self.drafters[seq.spec_method].add(seq.request_id, seq.prompt_token_ids, seq.params)
+
+    def hidden_layers(self, seqs: Iterable[Sequence]) -> tuple[int, ...]:
+        """Target layers whose hidden states the drafters of these sequences read."""
+        layers: set[int] = set()
+        for seq in seqs:
+            if seq.spec_method != "none":
+                layers.update(self.drafters[seq.spec_method].hidden_layers)
+        return tuple(sorted(layers))
+
+    def observe_hidden(
+        self, seq: Sequence, first_position: int, hidden: dict[int, torch.Tensor]
+    ) -> None:
+        """Hand the drafter of `seq` the rows of its layers (`hidden`: layer -> rows)."""
+        if seq.spec_method == "none":
+            return
+        drafter = self.drafters[seq.spec_method]
+        if drafter.hidden_layers:
+            rows = torch.cat([hidden[layer] for layer in drafter.hidden_layers], dim=-1)
+            drafter.observe_hidden(seq.request_id, first_position, rows)
 
     def commit(self, seq: Sequence, token_ids: list[int]) -> None:
         if seq.spec_method != "none":

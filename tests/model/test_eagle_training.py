@@ -1,0 +1,43 @@
+"""The EAGLE training pipeline end to end on a few prompts (the shipped head is never retrained
+by the tests), and the shipped head itself: its manifest, its metadata, its fit to the model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.eagle.head import BUNDLED_HEAD, EagleHead, head_metadata
+from workers.eagle.train import main, sha256_of
+
+pytestmark = pytest.mark.slow
+
+
+def test_training_smoke_writes_a_loadable_head(tmp_path: Path) -> None:
+    out = tmp_path / "head.safetensors"
+    log = tmp_path / "log.jsonl"
+    args = ["--seed", "1", "--limit", "4", "--max-answer-tokens", "12", "--epochs", "2"]
+    args += ["--batch-tokens", "256", "--draft-vocab", "512", "--no-progress"]
+    main([*args, "--output", str(out), "--log", str(log)])
+    head = EagleHead.load(out)
+    assert head.config.draft_vocab_size == 512
+    manifest = json.loads(out.with_suffix(".json").read_text())
+    assert manifest["sha256"] == sha256_of(out)
+    assert head_metadata(out)["command"].startswith("python -m workers.eagle.train --seed 1")
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    assert events[0] == "start" and events[-1] == "done" and "train" in events
+
+
+def test_shipped_head_matches_its_manifest_and_the_bundled_model(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    manifest = json.loads(BUNDLED_HEAD.with_suffix(".json").read_text())
+    assert manifest["file"] == BUNDLED_HEAD.name
+    assert manifest["sha256"] == sha256_of(BUNDLED_HEAD)
+    assert manifest["command"].startswith("python -m workers.eagle.train")
+    head = EagleHead.load(BUNDLED_HEAD)
+    assert head.config.target_name == checkpoint.config.name
+    assert head.config.hidden_size == checkpoint.config.hidden_size
+    assert max(head.config.target_layers) < checkpoint.config.num_layers
+    assert int(head.draft_vocab.max()) < checkpoint.config.vocab_size
+    assert all(torch.isfinite(p).all() for p in head.parameters())

@@ -1,0 +1,208 @@
+"""The EAGLE head and drafter on a tiny random target: drafting over the paged cache computes
+exactly what training unrolls, features are tracked by position, files round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.factories import random_hf_weights, tiny_config
+from workers.drafting.base import DraftRequest
+from workers.drafting.eagle import EagleDrafter
+from workers.eagle.data import EagleData, draft_vocabulary
+from workers.eagle.head import EagleConfig, EagleHead, head_metadata
+from workers.eagle.train import acceptance, batch_loss, make_batch, unrolled_outputs
+from workers.engine.sampling_params import SamplingParams
+from workers.model.transformer import TransformerLM
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def target() -> TransformerLM:
+    config = tiny_config()
+    model = TransformerLM(config)
+    model.load_hf_weights(random_hf_weights(config, seed=3))
+    return model.eval()
+
+
+def make_head(target: TransformerLM, draft_vocab: int = 64, seed: int = 0) -> EagleHead:
+    config = EagleConfig.for_target(target.config, draft_vocab_size=draft_vocab)
+    vocab = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))
+    head = EagleHead(config, vocab[:draft_vocab].sort().values)
+    head.init_weights(seed)
+    with torch.no_grad():  # larger weights than training starts from: decisive argmaxes
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(10)
+    head.attach(target)
+    return head.eval()
+
+
+def features_for(target: TransformerLM, head: EagleHead, n: int, seed: int = 1) -> torch.Tensor:
+    width = len(head.config.target_layers) * target.config.hidden_size
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("context", [1, 5, 11])
+def test_drafting_matches_the_unrolled_training_forward(target, context: int) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    tokens = torch.randint(0, 97, (context + 1,), generator=torch.Generator().manual_seed(2))
+    features = features_for(target, head, context)
+    drafter.add("a", tokens.tolist(), GREEDY)
+    drafter.observe_hidden("a", 0, features)
+    k = 4
+    draft = drafter.propose([DraftRequest("a", context + 1, k)])["a"]
+    assert len(draft.token_ids) == k
+    # Training's view: the drafts as if they were the true continuation.
+    seq = tokens.tolist() + draft.token_ids
+    t = len(seq) - 1
+    next_tokens = torch.tensor(seq[1:]).unsqueeze(0)
+    padded = torch.zeros(1, t, features.shape[1])
+    padded[0, :context] = features
+    with torch.no_grad():
+        logits = [head.draft_logits(a) for a in unrolled_outputs(head, next_tokens, padded, k)]
+    for j in range(k):
+        row = context - 1 + j  # chain start context - 1, j-th draft
+        assert int(head.draft_vocab[logits[j][0, row].argmax()]) == draft.token_ids[j]
+
+
+def test_drafts_resume_after_commits_and_roll_back_draft_rows(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    prompt = list(range(10, 20))
+    features = features_for(target, head, 20)
+    drafter.add("a", prompt, GREEDY)
+    drafter.observe_hidden("a", 0, features[:9])
+    first = drafter.propose([DraftRequest("a", 10, 3)])["a"].token_ids
+    # The verifier accepts one draft and adds a token: features for positions 9 and 10 arrive.
+    drafter.observe_hidden("a", 9, features[9:11])
+    drafter.commit("a", [first[0], 42])
+    second = drafter.propose([DraftRequest("a", 12, 3)])["a"].token_ids
+    # A fresh drafter told everything at once drafts the same.
+    fresh = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    fresh.add("b", [*prompt, first[0], 42], GREEDY)
+    fresh.observe_hidden("b", 0, features[:11])
+    assert fresh.propose([DraftRequest("b", 12, 3)])["b"].token_ids == second
+    # Proposing again with nothing new committed redoes the same rows.
+    assert drafter.propose([DraftRequest("a", 12, 3)])["a"].token_ids == second
+
+
+def test_features_are_tracked_by_position(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    features = features_for(target, head, 12)
+    drafter.add("a", list(range(13)), GREEDY)
+    drafter.observe_hidden("a", 0, features[:8])
+    drafter.observe_hidden("a", 4, features[4:12])  # recomputed after preemption: overlap
+    seq = drafter._seqs["a"]
+    assert seq.features_end == 12
+    assert sum(p.shape[0] for p in seq.pending) == 12
+    ref = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    ref.add("a", list(range(13)), GREEDY)
+    ref.observe_hidden("a", 0, features)
+    request = [DraftRequest("a", 13, 2)]
+    assert drafter.propose(request)["a"].token_ids == ref.propose(request)["a"].token_ids
+    # A prompt whose start came from the prefix cache: features begin later, drafting works.
+    late = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    late.add("c", list(range(13)), GREEDY)
+    late.observe_hidden("c", 8, features[8:12])
+    assert len(late.propose(request_for("c", 13, 2))["c"].token_ids) == 2
+    # Missing the last position's feature: no draft rather than a wrong one.
+    short = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    short.add("d", list(range(13)), GREEDY)
+    short.observe_hidden("d", 0, features[:10])
+    assert short.propose(request_for("d", 13, 2))["d"].token_ids == []
+
+
+def request_for(rid: str, num_tokens: int, k: int) -> list[DraftRequest]:
+    return [DraftRequest(rid, num_tokens, k)]
+
+
+def test_sampled_drafts_return_q_over_the_draft_vocabulary(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
+    drafter.add("a", list(range(6)), params)
+    drafter.observe_hidden("a", 0, features_for(target, head, 5))
+    draft = drafter.propose([DraftRequest("a", 6, 3)])["a"]
+    assert draft.probs is not None and draft.probs.shape == (3, 97)
+    assert torch.allclose(draft.probs.sum(-1), torch.ones(3))
+    outside = torch.ones(97, dtype=torch.bool)
+    outside[head.draft_vocab] = False
+    assert float(draft.probs[:, outside].sum()) == 0.0
+    for token, row in zip(draft.token_ids, draft.probs, strict=True):
+        assert row[token] > 0
+
+
+def test_out_of_cache_blocks_gives_an_empty_draft_and_recovers(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    drafter = EagleDrafter(head, target, num_blocks=2, block_size=4)
+    features = features_for(target, head, 20)
+    drafter.add("a", list(range(21)), GREEDY)
+    drafter.observe_hidden("a", 0, features)
+    assert drafter.propose([DraftRequest("a", 21, 2)])["a"].token_ids == []
+    drafter.remove("a")
+    assert drafter.allocator.num_free_blocks == 2
+
+
+def test_head_file_round_trip(target, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    path = tmp_path / "head.safetensors"
+    head.save(path, {"command": "python -m workers.eagle.train --seed 0"})
+    loaded = EagleHead.load(path)
+    assert loaded.config == head.config
+    assert torch.equal(loaded.draft_vocab, head.draft_vocab)
+    assert torch.equal(loaded.fuse.weight, head.fuse.weight)
+    assert head_metadata(path)["command"].startswith("python -m workers.eagle.train")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a head")
+    with pytest.raises(Exception):  # noqa: B017 (safetensors' own error type)
+        EagleHead.load(tmp_path / "bad.safetensors")
+
+
+def tiny_data(target: TransformerLM, head: EagleHead, seqs: int = 3, length: int = 12) -> EagleData:
+    gen = torch.Generator().manual_seed(7)
+    n = seqs * length
+    logits = torch.randn(n, target.config.vocab_size, generator=gen)
+    top = torch.log_softmax(logits, -1).topk(16, dim=-1)
+    return EagleData(
+        token_ids=torch.randint(0, 97, (n,), generator=gen),
+        offsets=torch.arange(0, n + 1, length),
+        prompt_lens=torch.full((seqs,), 4),
+        features=features_for(target, head, n).bfloat16(),
+        top_ids=top.indices,
+        top_logprobs=top.values,
+        target_layers=head.config.target_layers,
+    )
+
+
+def test_training_loss_falls_and_acceptance_is_measured(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target, draft_vocab=97)
+    head.init_weights(0)
+    data = tiny_data(target, head)
+    to_draft = torch.full((97,), -1, dtype=torch.int64)
+    to_draft[head.draft_vocab] = torch.arange(97)
+    batch = make_batch(data, [0, 1, 2], to_draft)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    # The soft labels' own entropy is the floor: the loss must close most of the gap to it.
+    p = batch.label_probs
+    floor = float(-(p * p.clamp(min=1e-30).log()).sum(-1)[batch.row_weight > 0].mean())
+    losses = []
+    for _ in range(60):
+        loss, stats = batch_loss(head, batch, depth=3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] - floor < 0.5 * (losses[0] - floor)
+    rates, mean_len = acceptance([stats], depth=3)
+    assert all(0.0 <= r <= 1.0 for r in rates)
+    assert 1.0 <= mean_len <= 4.0
+
+
+def test_draft_vocabulary_keeps_the_most_predicted_tokens(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    data = tiny_data(target, head)
+    data.top_ids[:, 0] = torch.tensor([5, 5, 5, 9, 9, 2] * 6)
+    assert draft_vocabulary(data, 3).tolist() == [2, 5, 9]

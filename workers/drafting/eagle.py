@@ -1,0 +1,248 @@
+"""Drafting with an EAGLE head (workers/eagle/head.py) fed by the target's hidden states.
+
+For each sequence the drafter holds the target features it was sent (`observe_hidden`, one row
+per verified position) and the committed tokens, and keeps the head's own one-layer paged KV
+cache: row r holds the head's input for position base + r (the target feature there plus the
+token after it), where `base` is the first position it has a feature for (later than 0 when the
+verifier reused a cached prompt prefix and never recomputed its start; rotary attention only
+sees relative positions, so rows are indexed from 0 without loss).
+
+A proposal first rolls the cache back to the rows made from target features (the previous
+draft's rows go), feeds the rows for newly verified positions in one batched forward (their
+last output drafts the first token), then drafts one token per forward, batched over sequences,
+with the head's own output standing in for the target feature. Drafts follow the same
+temperature/top-k/top-p/min-p transform as the target, and q is returned for rejection sampling;
+tokens outside the draft vocabulary have q = 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.attention import AttentionBackend, SdpaAttention
+from kernels.sampling import logits_to_probs, sample_from_probs
+from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError
+from workers.eagle.head import EagleHead
+from workers.engine.model_runner import SeqForward, build_inputs
+from workers.engine.sampling_params import SamplingParams
+from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
+from workers.model.transformer import TransformerLM
+
+_DRAFT_SEED_OFFSET = 0xEA61E
+
+
+@dataclass(slots=True)
+class _EagleSeq:
+    params: SamplingParams
+    table: BlockTable
+    generator: torch.Generator | None
+    tokens: list[int]  # committed
+    base: int | None = None  # position of cache row 0
+    features_end: int = 0  # features received for positions < features_end
+    pending: list[torch.Tensor] = field(default_factory=list)  # features not yet in the cache
+    rows: int = 0  # cache rows made from target features (the rest are draft rows)
+    cached: int = 0  # cache rows written, feature rows then the last proposal's draft rows
+    last_input: torch.Tensor | None = None  # head input of the last feature row, to redo it
+
+
+class EagleDrafter(Drafter):
+    method = "eagle"
+
+    def __init__(
+        self,
+        head: EagleHead,
+        target: TransformerLM,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int = 0,
+        attention: AttentionBackend | None = None,
+    ) -> None:
+        if head.config.hidden_size != target.config.hidden_size:
+            raise ValueError("the EAGLE head was trained for a target of another hidden size")
+        head = head.to(target.dtype)
+        head.attach(target)
+        self.head = head
+        self.hidden_layers = head.config.target_layers
+        layer_config = head.config.layer_config()
+        self.cache = PagedKVCache(layer_config, num_blocks, block_size, target.dtype, target.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.backend = attention or SdpaAttention()
+        self.max_model_len = max_model_len or target.config.max_position_embeddings
+        self.vocab = head.draft_vocab
+        self.full_vocab_size = target.config.vocab_size
+        self._seqs: dict[str, _EagleSeq] = {}
+
+    # -- the Drafter boundary ------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        seed = None if params.seed is None else params.seed + _DRAFT_SEED_OFFSET
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        table = BlockTable(self.allocator, self.cache.block_size)
+        self._seqs[request_id] = _EagleSeq(params, table, generator, list(prompt_token_ids))
+
+    def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
+        seq = self._seqs[request_id]
+        if seq.base is None or first_position > seq.features_end:
+            # First features, or a gap: start the cache over from here.
+            self._reset(seq)
+            seq.base = seq.features_end = first_position
+        skip = seq.features_end - first_position  # already seen (a recomputed prefix)
+        if skip < hidden.shape[0]:
+            seq.pending.append(hidden[skip:])
+            seq.features_end += hidden.shape[0] - skip
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._seqs[request_id].tokens.extend(token_ids)
+
+    def remove(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            seq.table.release()
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        drafts: dict[str, Draft] = {}
+        active: list[tuple[str, _EagleSeq, int]] = []
+        for req in requests:
+            seq = self._seqs[req.request_id]
+            if len(seq.tokens) != req.num_tokens:
+                raise DraftStateError(
+                    f"{req.request_id}: drafter has {len(seq.tokens)} tokens, "
+                    f"verifier {req.num_tokens}"
+                )
+            drafts[req.request_id] = Draft([])
+            k = min(req.k, self.max_model_len - len(seq.tokens))
+            # Drafting needs the feature of every position before the last committed token.
+            if k > 0 and seq.base is not None and seq.features_end == len(seq.tokens) - 1:
+                active.append((req.request_id, seq, k))
+        if active:
+            drafts.update(self._draft(active))
+        return drafts
+
+    @torch.inference_mode()
+    def token_seconds(self, context: int = 128, reps: int = 10) -> float:
+        """Median seconds to draft one token for one sequence (a one-row head forward and its
+        draft-vocabulary logits) after a `context`-row history."""
+        rid = "__calibration__"
+        self.add(rid, [0] * (context + 1), SamplingParams(temperature=0.0))
+        try:
+            width = len(self.hidden_layers) * self.head.config.hidden_size
+            features = torch.randn(context, width, generator=torch.Generator().manual_seed(0))
+            self.observe_hidden(rid, 0, features.to(self.cache.data.dtype))
+            request = [DraftRequest(rid, context + 1, 1)]
+            self.propose(request)  # the history; later calls redo only the last row
+            times = []
+            for _ in range(reps + 1):
+                start = time.perf_counter()
+                self.propose(request)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times[1:])
+        finally:
+            self.remove(rid)
+
+    # -- drafting ------------------------------------------------------------------------------
+
+    def _draft(self, active: list[tuple[str, _EagleSeq, int]]) -> dict[str, Draft]:
+        head = self.head
+        tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in active}
+        probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _ in active}
+        # Step 1: rows for newly verified positions (or the last one again); drafts token 1.
+        batch: list[tuple[str, _EagleSeq, int, torch.Tensor]] = []
+        for rid, seq, k in active:
+            assert seq.base is not None
+            self._truncate(seq, seq.rows)  # drop the last proposal's draft rows
+            if seq.pending:
+                features = torch.cat(seq.pending)
+                first = seq.base + seq.rows
+                next_ids = torch.tensor(seq.tokens[first + 1 : first + 1 + features.shape[0]])
+                x = head.layer_input(head.fuse_features(features), next_ids.to(features.device))
+            elif seq.last_input is not None:  # nothing new verified: redo the last feature row
+                seq.rows -= 1
+                self._truncate(seq, seq.rows)
+                x = seq.last_input
+            else:
+                continue
+            batch.append((rid, seq, k, x))
+        try:
+            a = self._forward([(seq, x) for _, seq, _, x in batch])
+        except NoFreeBlocksError:  # out of head cache: these sequences start over later
+            for _, seq, _, _ in batch:
+                self._reset(seq)
+            return {rid: Draft([]) for rid, _, _ in active}
+        for _, seq, _, x in batch:
+            seq.rows += x.shape[0]
+            seq.pending, seq.last_input = [], x[-1:]
+        # Steps 2..k: the head's own output stands in for the target feature.
+        while True:
+            logits = head.draft_logits(a)
+            next_batch: list[tuple[str, _EagleSeq, int, torch.Tensor]] = []
+            for row, (rid, seq, k, _) in enumerate(batch):
+                token, q = self._sample(seq, logits[row : row + 1])
+                tokens[rid].append(token)
+                if q is not None:
+                    probs[rid].append(q)
+                if len(tokens[rid]) < k:
+                    token_ids = torch.tensor([token], device=a.device)
+                    x = head.layer_input(a[row : row + 1], token_ids)
+                    next_batch.append((rid, seq, k, x))
+            batch = next_batch
+            if not batch:
+                break
+            try:
+                a = self._forward([(seq, x) for _, seq, _, x in batch])
+            except NoFreeBlocksError:
+                break  # propose what we have; these rows are rolled back next time anyway
+        return {
+            rid: Draft(tokens[rid], torch.cat(probs[rid]) if probs[rid] else None)
+            for rid, _, _ in active
+        }
+
+    def _forward(self, batch: list[tuple[_EagleSeq, torch.Tensor]]) -> torch.Tensor:
+        """Head outputs for the last new row of each sequence, `[len(batch), hidden]`."""
+        forwards = []
+        for seq, x in batch:
+            seq.table.prepare_write(seq.cached, seq.cached + x.shape[0])
+            forwards.append(SeqForward([0] * x.shape[0], seq.cached, seq.table.block_ids))
+        inputs = build_inputs(
+            forwards, self.cache.block_size, self.max_model_len + 1, self.cache.data.device
+        )
+        for seq, x in batch:
+            seq.cached += x.shape[0]
+        a = self.head.forward_paged(
+            torch.cat([x for _, x in batch]),
+            inputs.positions,
+            inputs.meta,
+            self.cache.layers[0],
+            self.backend,
+        )
+        return a.index_select(0, inputs.logits_indices)
+
+    @staticmethod
+    def _truncate(seq: _EagleSeq, rows: int) -> None:
+        seq.table.truncate(rows)
+        seq.cached = rows
+
+    def _reset(self, seq: _EagleSeq) -> None:
+        """Forget the sequence's head cache and features; the next features start it anew."""
+        self._truncate(seq, 0)
+        seq.base, seq.features_end, seq.pending, seq.rows, seq.last_input = None, 0, [], 0, None
+
+    def _sample(self, seq: _EagleSeq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        params = seq.params
+        if params.greedy:
+            return int(self.vocab[int(logits[0].argmax())]), None
+        full = torch.full((1, self.full_vocab_size), -torch.inf, device=logits.device)
+        full[0, self.vocab] = logits[0].float()
+        q = logits_to_probs(
+            full,
+            torch.tensor([params.temperature]),
+            torch.tensor([params.top_k]),
+            torch.tensor([params.top_p]),
+            torch.tensor([params.min_p]),
+        )
+        return int(sample_from_probs(q, [seq.generator])[0]), q

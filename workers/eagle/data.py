@@ -1,0 +1,177 @@
+"""Training data for an EAGLE head, made by the target itself.
+
+1. The target answers every training prompt (chat template) with our engine, batched: half of
+   the prompts greedily, half sampled at temperature 0.8 with a per-prompt seed, so the head sees
+   both the target's favourite continuations and some variety.
+2. Each prompt + answer is run through the target again in one forward that keeps the hidden
+   states of the head's three target layers and the top-k of the target's next-token
+   distribution at every position.
+
+Everything is seeded; the result is one file of tensors (`EagleData`), a few hundred MB, cached
+under $OUTRIDER_CACHE_DIR/eagle/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.engine.sampling_params import SamplingParams
+from workers.kv_cache import PagedKVCache
+from workers.model.tokenizer import Tokenizer
+from workers.model.transformer import TransformerLM
+
+TOP_K = 16  # target probabilities kept per position (the soft labels)
+
+
+@dataclass(slots=True)
+class EagleData:
+    """Sequences laid end to end; `offsets[s]:offsets[s + 1]` are sequence s's positions."""
+
+    token_ids: torch.Tensor  # [N] int64
+    offsets: torch.Tensor  # [S + 1] int64
+    prompt_lens: torch.Tensor  # [S] int64 (loss only after the prompt)
+    features: torch.Tensor  # [N, layers * hidden] bf16, target hidden states at each position
+    top_ids: torch.Tensor  # [N, TOP_K] int64, the target's most likely next tokens
+    top_logprobs: torch.Tensor  # [N, TOP_K] fp32, their log-probabilities
+    target_layers: tuple[int, ...]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompt_lens)
+
+    def sequence(self, s: int) -> slice:
+        return slice(int(self.offsets[s]), int(self.offsets[s + 1]))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "token_ids": self.token_ids,
+                "offsets": self.offsets,
+                "prompt_lens": self.prompt_lens,
+                "features": self.features,
+                "top_ids": self.top_ids,
+                "top_logprobs": self.top_logprobs,
+                "target_layers": list(self.target_layers),
+            },
+            path,
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> EagleData:
+        raw = torch.load(path, weights_only=True)
+        raw["target_layers"] = tuple(raw["target_layers"])
+        return cls(**raw)
+
+
+def generate_answers(
+    target: TransformerLM,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    max_tokens: int,
+    seed: int,
+    progress: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) per prompt, from the target with our batched engine."""
+    engine = LLMEngine(
+        target,
+        EngineConfig(max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=1024),
+        tokenizer=tokenizer,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
+    prompt_ids = [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+        for p in prompts
+    ]
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        if i % 2 == 0
+        else SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=seed * 100_003 + i)
+        for i in range(len(prompts))
+    ]
+    answers: list[tuple[list[int], list[int]]] = []
+    batch = 64  # generate() runs a batch to completion; the engine batches within it
+    for start in tqdm(range(0, len(prompts), batch), desc="generate", disable=not progress):
+        done = engine.generate(prompt_ids[start : start + batch], params[start : start + batch])
+        answers += [(c.prompt_token_ids, c.token_ids) for c in done]
+    return answers
+
+
+@torch.inference_mode()
+def teacher_force(
+    target: TransformerLM,
+    sequences: Sequence[tuple[list[int], list[int]]],
+    target_layers: tuple[int, ...],
+    progress: bool = True,
+) -> EagleData:
+    """Hidden states and top-k next-token log-probabilities at every position of each sequence."""
+    max_len = max(len(p) + len(a) for p, a in sequences)
+    block_size = 16
+    num_blocks = -(-max_len // block_size)
+    runner = ModelRunner(target, PagedKVCache(target.config, num_blocks, block_size, target.dtype))
+    ids, feats, top_ids, top_lps = [], [], [], []
+    offsets, prompt_lens = [0], []
+    for prompt, answer in tqdm(sequences, desc="features", disable=not progress):
+        tokens = prompt + answer
+        out = runner.forward(
+            [SeqForward(tokens, 0, range(num_blocks), num_logits=len(tokens))],
+            hidden_layers=target_layers,
+        )
+        logprobs = torch.log_softmax(out.output.logits, dim=-1)
+        top = logprobs.topk(TOP_K, dim=-1)
+        ids.append(torch.tensor(tokens))
+        feats.append(torch.cat([out.output.hidden_states[i] for i in target_layers], -1).bfloat16())
+        top_ids.append(top.indices)
+        top_lps.append(top.values)
+        offsets.append(offsets[-1] + len(tokens))
+        prompt_lens.append(len(prompt))
+    return EagleData(
+        token_ids=torch.cat(ids),
+        offsets=torch.tensor(offsets),
+        prompt_lens=torch.tensor(prompt_lens),
+        features=torch.cat(feats),
+        top_ids=torch.cat(top_ids),
+        top_logprobs=torch.cat(top_lps),
+        target_layers=target_layers,
+    )
+
+
+def draft_vocabulary(data: EagleData, size: int) -> torch.Tensor:
+    """The `size` tokens the target predicts most often in the data (its argmax), most frequent
+    first; ties and the unused remainder are filled by the next most likely tokens."""
+    vocab_size = int(max(data.top_ids.max(), data.token_ids.max())) + 1
+    counts = torch.bincount(data.top_ids[:, 0], minlength=vocab_size).double()
+    # Second place onward breaks ties and ranks tokens the target never prefers outright.
+    counts += 1e-3 * torch.bincount(data.top_ids[:, 1:].reshape(-1), minlength=vocab_size)
+    return counts.argsort(descending=True)[:size].sort().values
+
+
+def default_data_path(seed: int, max_tokens: int) -> Path:
+    from workers.model.gguf_loader import cache_root
+
+    return cache_root() / "eagle" / f"data-seed{seed}-max{max_tokens}.pt"
+
+
+def build_data(
+    target: TransformerLM,
+    tokenizer: Tokenizer,
+    target_layers: tuple[int, ...],
+    seed: int,
+    max_tokens: int,
+    limit: int | None = None,
+    progress: bool = True,
+) -> EagleData:
+    from workers.eagle.prompts import training_prompts
+
+    prompts = training_prompts(seed)[:limit]
+    torch.manual_seed(seed)
+    answers = generate_answers(target, tokenizer, prompts, max_tokens, seed, progress)
+    return teacher_force(target, answers, target_layers, progress)

@@ -1,0 +1,462 @@
+"""Train the EAGLE head for the bundled model, reproducibly, on a CPU.
+
+    python -m workers.eagle.train --seed 0
+
+Makes (or reuses) the training data (workers/eagle/data.py), picks the draft vocabulary, trains
+with the head unrolled `--depth` steps (EAGLE-3's training-time test: step 1 reads the target's
+fused features, step j > 1 reads the head's own output of step j - 1 and attends to its own
+earlier rows exactly as drafting does), and writes the head with its training command, seed and
+held-out statistics in the file's metadata, plus a manifest with the file's sha256.
+
+The loss is the cross-entropy of the head's draft distribution against the target's top-k
+next-token distribution (soft labels), summed over steps with weight 0.8^(j - 1). The log says,
+per step, how often the head's top token is the target's (the greedy acceptance rate of that
+draft position given the earlier ones were accepted), and the mean acceptance length at k =
+depth that follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from workers.eagle.data import EagleData, build_data, default_data_path, draft_vocabulary
+from workers.eagle.head import BUNDLED_HEAD, EagleConfig, EagleHead
+from workers.model.loader import build_model, load_checkpoint
+from workers.model.transformer import TransformerLM
+
+STEP_WEIGHT = 0.8
+# Rows inside the prompt are attended to but not scored: drafting happens in answers, and the
+# LM head over every prompt row would cost a third of training.
+PROMPT_WEIGHT = 0.0
+
+
+@dataclass(slots=True)
+class Batch:
+    next_tokens: torch.Tensor  # [B, T] x_{i+1} for row i (0 where padded)
+    features: torch.Tensor  # [B, T, F] target features at row i
+    label_ids: torch.Tensor  # [B, T, K] draft-vocab indices of the target's top-k at i + 1, -1 out
+    label_probs: torch.Tensor  # [B, T, K] their probabilities (0 where out of the draft vocab)
+    row_weight: torch.Tensor  # [B, T] 0 for rows without a label, PROMPT_WEIGHT in the prompt
+    answer_rows: torch.Tensor  # [B, T] bool, rows that draft answer tokens
+
+
+def make_batch(data: EagleData, seqs: list[int], to_draft: torch.Tensor) -> Batch:
+    lens = [data.sequence(s).stop - data.sequence(s).start for s in seqs]
+    b, t = len(seqs), max(lens) - 1  # row i needs token i + 1
+    k = data.top_ids.shape[1]
+    next_tokens = torch.zeros(b, t, dtype=torch.int64)
+    features = torch.zeros(b, t, data.features.shape[1], dtype=data.features.dtype)
+    label_ids = torch.full((b, t, k), -1, dtype=torch.int64)
+    label_lp = torch.full((b, t, k), -math.inf)
+    row_weight = torch.zeros(b, t)
+    answer_rows = torch.zeros(b, t, dtype=torch.bool)
+    for n, (s, length) in enumerate(zip(seqs, lens, strict=True)):
+        span = data.sequence(s)
+        rows = length - 1
+        next_tokens[n, :rows] = data.token_ids[span][1:]
+        features[n, :rows] = data.features[span][:rows]
+        ids = to_draft[data.top_ids[span][1:]]  # target distribution at position i + 1
+        label_ids[n, :rows] = ids
+        label_lp[n, :rows] = torch.where(ids >= 0, data.top_logprobs[span][1:], -math.inf)
+        prompt = int(data.prompt_lens[s])
+        row_weight[n, :rows] = PROMPT_WEIGHT
+        row_weight[n, max(prompt - 1, 0) : rows] = 1.0  # row P - 1 drafts x_{P+1} onward
+        answer_rows[n, max(prompt - 1, 0) : rows] = True
+    # Renormalize the kept top-k inside the draft vocabulary; rows with nothing kept get no loss.
+    label_probs = torch.softmax(label_lp, dim=-1).nan_to_num(0.0)
+    row_weight = row_weight * (label_ids >= 0).any(-1)
+    return Batch(
+        next_tokens, features, label_ids.clamp(min=0), label_probs, row_weight, answer_rows
+    )
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:  # [B, T, kvh, d] -> [B, h, T, d]
+    return x.repeat_interleave(groups, dim=2).transpose(1, 2)
+
+
+def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
+    """Along dim 1, row i gets row i - by (zeros before the start)."""
+    if by == 0:
+        return x
+    out = torch.zeros_like(x)
+    out[:, by:] = x[:, :-by]
+    return out
+
+
+def unrolled_outputs(
+    head: EagleHead, next_tokens: torch.Tensor, features: torch.Tensor, depth: int
+) -> list[torch.Tensor]:
+    """The head's outputs a `[B, T, hidden]` at each of `depth` unrolled drafting steps (draft
+    logits are `head.draft_logits(a)`; the caller scores only the rows it needs).
+
+    Step j (0-based) row i is the j-th draft of a chain that started from the target's feature
+    at row i - j: it reads the head's output at row i - 1 of step j - 1, attends to step-0 keys
+    at rows <= i - j and to the chain's own keys of steps 1..j (rows i - j + m for step m).
+    """
+    b, t, _ = features.shape
+    cfg = head.config
+    layer = head.layer
+    attn = layer.self_attn
+    h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    groups = nh // nkv
+    cos, sin = head.rope(torch.arange(t), torch.float32)
+    g = head.fuse_features(features.reshape(b * t, -1)).view(b, t, h)
+    rows = torch.arange(t)
+    keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: k, v [B, h, T, d]
+    outputs: list[torch.Tensor] = []
+    inp = g
+    for j in range(depth):
+        x = head.layer_input(inp.reshape(b * t, h), next_tokens.reshape(-1)).view(b, t, h)
+        qkv = F.linear(layer.input_layernorm(x), attn.qkv_proj.weight)
+        heads = qkv.view(b, t, nh + 2 * nkv, hd)
+        qk = (
+            heads[:, :, : nh + nkv] * cos[None, :, None]
+            + _rotate(heads[:, :, : nh + nkv]) * (sin[None, :, None])
+        )
+        q = qk[:, :, :nh].transpose(1, 2)  # [B, h, T, d]
+        k_new = _expand_kv(qk[:, :, nh:], groups)
+        v_new = _expand_kv(heads[:, :, nh + nkv :], groups)
+        keys.append((k_new, v_new))
+        k0, v0 = keys[0]
+        scores = [q @ k0.transpose(-1, -2) * attn.scale]  # [B, h, T, T]
+        visible = rows[None, :] <= (rows[:, None] - j)
+        scores[0] = scores[0].masked_fill(~visible, -math.inf)
+        values = []
+        for m in range(1, j + 1):  # the chain's own rows: step m at row i - (j - m)
+            km, vm = keys[m]
+            km, vm = _shift(km.transpose(1, 2), j - m), _shift(vm.transpose(1, 2), j - m)
+            km, vm = km.transpose(1, 2), vm.transpose(1, 2)
+            scores.append((q * km).sum(-1, keepdim=True) * attn.scale)  # [B, h, T, 1]
+            values.append(vm)
+        probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+        out = probs[..., :t] @ v0
+        for m, vm in enumerate(values):
+            out = out + probs[..., t + m : t + m + 1] * vm
+        out = out.transpose(1, 2).reshape(b, t, nh * hd)
+        x = x + F.linear(out, attn.o_proj.weight)
+        gate, up = F.linear(layer.post_attention_layernorm(x), layer.mlp.gate_up_proj.weight).split(
+            layer.mlp.intermediate_size, dim=-1
+        )
+        a = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+        outputs.append(a)
+        inp = _shift(a, 1)
+    return outputs
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(slots=True)
+class StepStats:
+    loss: float
+    weight: float
+    matches: list[torch.Tensor]  # per step [B, T] bool: head's top token == target's
+    valid: list[torch.Tensor]  # per step [B, T] bool: rows that count
+
+
+def batch_loss(head: EagleHead, batch: Batch, depth: int) -> tuple[torch.Tensor, StepStats]:
+    outputs = unrolled_outputs(head, batch.next_tokens, batch.features, depth)
+    t = batch.next_tokens.shape[1]
+    total = torch.zeros(())
+    weight_sum = 0.0
+    matches, valid = [], []
+    for j, a in enumerate(outputs):
+        w = batch.row_weight.clone()
+        w[:, : min(j, t)] = 0.0  # no chain starts before row 0
+        rows = w > 0  # the LM head is most of the cost: score only rows with a loss
+        logq = torch.log_softmax(head.draft_logits(a[rows]).float(), dim=-1)  # [n, V']
+        ce = -(logq.gather(-1, batch.label_ids[rows]) * batch.label_probs[rows]).sum(-1)
+        step_w = STEP_WEIGHT**j
+        total = total + step_w * (ce * w[rows]).sum() / w.sum().clamp(min=1.0)
+        weight_sum += step_w
+        match = torch.zeros_like(rows)
+        match[rows] = (logq.argmax(-1) == batch.label_ids[rows][:, 0]) & (
+            batch.label_probs[rows][:, 0] > 0
+        )
+        matches.append(match)
+        valid.append(rows & batch.answer_rows)
+    loss = total / weight_sum
+    return loss, StepStats(float(loss.detach()), weight_sum, matches, valid)
+
+
+def acceptance(stats: list[StepStats], depth: int) -> tuple[list[float], float]:
+    """Per-position greedy acceptance (given earlier drafts accepted) and the mean acceptance
+    length at k = depth, over chains that fit inside the answer."""
+    accepted, counted = [0.0] * depth, [0.0] * depth
+    lengths: list[torch.Tensor] = []
+    for st in stats:
+        b, t = st.matches[0].shape
+        for j in range(depth):
+            accepted[j] += float((st.matches[j] & st.valid[j]).sum())
+            counted[j] += float(st.valid[j].sum())
+        # Chains starting at row s: position j of the chain is row s + j of step j.
+        starts = t - depth + 1
+        if starts <= 0:
+            continue
+        ok = torch.ones(b, starts, dtype=torch.bool)
+        run = torch.ones(b, starts)
+        length = torch.ones(b, starts)
+        for j in range(depth):
+            ok &= st.valid[j][:, j : j + starts]
+            run = run * st.matches[j][:, j : j + starts].float()
+            length += run
+        lengths.append(length[ok])
+    rates = [a / max(c, 1.0) for a, c in zip(accepted, counted, strict=True)]
+    mean_len = float(torch.cat(lengths).mean()) if lengths else 0.0
+    return rates, mean_len
+
+
+def batches_of(
+    data: EagleData, seqs: list[int], max_tokens: int, rng: random.Random
+) -> list[list[int]]:
+    """Length-bucketed batches of about `max_tokens` padded tokens, in random order."""
+    ordered = sorted(seqs, key=lambda s: data.sequence(s).stop - data.sequence(s).start)
+    out: list[list[int]] = []
+    current: list[int] = []
+    for s in ordered:
+        length = data.sequence(s).stop - data.sequence(s).start
+        if current and length * (len(current) + 1) > max_tokens:
+            out.append(current)
+            current = []
+        current.append(s)
+    if current:
+        out.append(current)
+    rng.shuffle(out)
+    return out
+
+
+def evaluate(
+    head: EagleHead, data: EagleData, batches: list[list[int]], to_draft: torch.Tensor, depth: int
+) -> tuple[float, list[float], float]:
+    head.eval()
+    stats = []
+    losses = []
+    with torch.no_grad():
+        for seqs in batches:
+            loss, st = batch_loss(head, make_batch(data, seqs, to_draft), depth)
+            losses.append(float(loss))
+            stats.append(st)
+    head.train()
+    rates, mean_len = acceptance(stats, depth)
+    return sum(losses) / max(len(losses), 1), rates, mean_len
+
+
+def train(
+    target: TransformerLM,
+    data: EagleData,
+    config: EagleConfig,
+    *,
+    seed: int,
+    epochs: float,
+    depth: int,
+    lr: float,
+    batch_tokens: int,
+    log_path: Path | None = None,
+    progress: bool = True,
+    autocast: bool = True,
+) -> tuple[EagleHead, dict[str, object]]:
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    vocab = draft_vocabulary(data, config.draft_vocab_size)
+    head = EagleHead(config, vocab)
+    head.init_weights(seed)
+    head.attach(target)
+    head.embed = head.embed.float() if head.embed is not None else None
+    head.lm_head = head.lm_head.float() if head.lm_head is not None else None
+    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
+    to_draft[vocab] = torch.arange(len(vocab))
+    coverage = float((to_draft[data.top_ids[:, 0]] >= 0).float().mean())
+
+    order = list(range(data.num_sequences))
+    rng.shuffle(order)
+    num_val = max(1, data.num_sequences // 20)
+    val_seqs, train_seqs = order[:num_val], order[num_val:]
+    val_batches = batches_of(data, val_seqs, batch_tokens, random.Random(seed))
+    per_epoch = len(batches_of(data, train_seqs, batch_tokens, random.Random(seed)))
+    total_steps = max(1, int(per_epoch * epochs))
+    warmup = min(100, total_steps // 10)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, total_steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    log = open(log_path, "w") if log_path else None  # noqa: SIM115 (closed below)
+
+    def emit(record: dict[str, object]) -> None:
+        line = json.dumps(record)
+        if log:
+            log.write(line + "\n")
+            log.flush()
+        if progress:
+            tqdm.write(line)
+
+    emit(
+        {
+            "event": "start",
+            "train_seqs": len(train_seqs),
+            "val_seqs": len(val_seqs),
+            "steps": total_steps,
+            "draft_vocab": len(vocab),
+            "draft_vocab_coverage": coverage,
+        }
+    )
+    head.train()
+    step = 0
+    recent: list[StepStats] = []
+    start = time.perf_counter()
+    bar = tqdm(total=total_steps, desc="train", disable=not progress)
+    while step < total_steps:
+        for seqs in batches_of(data, train_seqs, batch_tokens, rng):
+            if step >= total_steps:
+                break
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss, st = batch_loss(head, make_batch(data, seqs, to_draft), depth)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            recent.append(st)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{st.loss:.3f}")
+            if step % 50 == 0 or step == total_steps:
+                rates, mean_len = acceptance(recent, depth)
+                emit(
+                    {
+                        "event": "train",
+                        "step": step,
+                        "loss": sum(r.loss for r in recent) / len(recent),
+                        "accept": [round(r, 3) for r in rates],
+                        "mean_acceptance_length": round(mean_len, 3),
+                        "minutes": round((time.perf_counter() - start) / 60, 1),
+                    }
+                )
+                recent = []
+            if step % max(1, per_epoch) == 0 or step == total_steps:
+                val_loss, rates, mean_len = evaluate(head, data, val_batches, to_draft, depth)
+                emit(
+                    {
+                        "event": "val",
+                        "step": step,
+                        "loss": round(val_loss, 4),
+                        "accept": [round(r, 3) for r in rates],
+                        "mean_acceptance_length": round(mean_len, 3),
+                    }
+                )
+    bar.close()
+    val_loss, rates, mean_len = evaluate(head, data, val_batches, to_draft, depth)
+    summary: dict[str, object] = {
+        "val_loss": round(val_loss, 4),
+        "val_accept": [round(r, 3) for r in rates],
+        "val_mean_acceptance_length": round(mean_len, 3),
+        "draft_vocab_coverage": round(coverage, 4),
+        "steps": total_steps,
+        "minutes": round((time.perf_counter() - start) / 60, 1),
+    }
+    emit({"event": "done", **summary})
+    if log:
+        log.close()
+    return head, summary
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=float, default=4.0)
+    parser.add_argument("--depth", type=int, default=4, help="unrolled drafting steps")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--max-answer-tokens", type=int, default=192)
+    parser.add_argument("--limit", type=int, default=None, help="use only this many prompts")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--fp32", action="store_true", help="train in fp32 (default: bf16 autocast, ~2x faster)"
+    )
+    parser.add_argument("--output", type=Path, default=BUNDLED_HEAD)
+    parser.add_argument("--log", type=Path, default=None)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    progress = not args.no_progress
+
+    checkpoint = load_checkpoint()
+    target = build_model(checkpoint, dtype=torch.bfloat16)
+    config = EagleConfig.for_target(checkpoint.config, draft_vocab_size=args.draft_vocab)
+    data_path = default_data_path(args.seed, args.max_answer_tokens)
+    if args.limit is None and data_path.exists():
+        data = EagleData.load(data_path)
+        if data.target_layers != config.target_layers:
+            raise SystemExit(f"{data_path} holds other target layers; delete it to rebuild")
+    else:
+        data = build_data(
+            target,
+            checkpoint.tokenizer,
+            config.target_layers,
+            args.seed,
+            args.max_answer_tokens,
+            args.limit,
+            progress,
+        )
+        if args.limit is None:
+            data.save(data_path)
+    fp32_target = build_model(checkpoint, dtype=torch.float32)  # embedding and LM head rows
+    head, summary = train(
+        fp32_target,
+        data,
+        config,
+        seed=args.seed,
+        epochs=args.epochs,
+        depth=args.depth,
+        lr=args.lr,
+        batch_tokens=args.batch_tokens,
+        log_path=args.log,
+        progress=progress,
+        autocast=not args.fp32,
+    )
+    command = "python -m workers.eagle.train " + shlex.join(sys.argv[1:] if argv is None else argv)
+    head.to(torch.bfloat16).save(
+        args.output,
+        {"command": command, "seed": str(args.seed), "summary": json.dumps(summary)},
+    )
+    manifest = {
+        "file": args.output.name,
+        "sha256": sha256_of(args.output),
+        "command": command,
+        "summary": summary,
+    }
+    args.output.with_suffix(".json").write_text(json.dumps(manifest, indent=2) + "\n")
+    print(json.dumps(manifest, indent=2))
+
+
+if __name__ == "__main__":
+    main()
