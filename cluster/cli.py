@@ -12,21 +12,29 @@ from collections.abc import Sequence
 import torch
 
 from cluster import k8s
+from cluster.config import ConfigError, DeploymentConfig, load_config
+from cluster.runtime import Runtime, RuntimeLoop
 from workers.engine.config import SPEC_METHODS, EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import SpecStats
+from workers.model.tokenizer import Tokenizer
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
-    model.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    model.add_argument("--max-model-len", type=int, default=4096, help="context length to serve")
-    model.add_argument("--max-num-seqs", type=int, default=32, help="sequences batched at once")
+    # Engine flags default to None: over a --config file only the flags given apply; without
+    # one, ENGINE_DEFAULTS fill them in.
+    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    model.add_argument("--max-model-len", type=int, default=None, help="context (default 4096)")
+    model.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default 32)")
     model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument("--spec-method", default="none", choices=SPEC_METHODS)
-    spec.add_argument("--num-spec-tokens", type=int, default=4, help="most draft tokens per step")
+    spec.add_argument("--spec-method", default=None, choices=SPEC_METHODS)
+    spec.add_argument(
+        "--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default 4)"
+    )
     spec.add_argument("--draft-model", default=None, help="draft model (GGUF or HF folder)")
     spec.add_argument(
         "--draft-layers", type=int, default=None, help="use the target's first N layers as draft"
@@ -39,6 +47,21 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram to match")
     spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to match")
     spec.add_argument("--no-adaptive", action="store_true", help="always draft the full k")
+    ray_group = parser.add_argument_group("disaggregated runtime (Ray)")
+    ray_group.add_argument(
+        "--cluster", action="store_true", help="run on the Ray runtime: verifier and drafter pools"
+    )
+    ray_group.add_argument(
+        "--config", default=None, help="deployment config YAML (implies --cluster)"
+    )
+    ray_group.add_argument(
+        "--address",
+        default=None,
+        help="join this Ray cluster instead of starting one (implies --cluster)",
+    )
+    ray_group.add_argument(
+        "--drafters", type=int, default=None, help="drafter actors (default: the config's, 1)"
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -68,7 +91,25 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ENGINE_DEFAULTS = {
+    "dtype": "float32",
+    "max_model_len": 4096,
+    "max_num_seqs": 32,
+    "spec_method": "none",
+    "num_spec_tokens": 4,
+}
+
+
+def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    filled = argparse.Namespace(**vars(args))
+    for name, value in ENGINE_DEFAULTS.items():
+        if getattr(filled, name, None) is None:
+            setattr(filled, name, value)
+    return filled
+
+
 def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
+    args = _with_defaults(args)
     spec = SpecConfig(
         method=args.spec_method,
         num_speculative_tokens=args.num_spec_tokens,
@@ -83,6 +124,78 @@ def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
     return build_engine(model, config, progress=progress)
 
 
+def _uses_cluster(args: argparse.Namespace) -> bool:
+    return bool(args.cluster or args.config or args.address)
+
+
+def _deployment(args: argparse.Namespace) -> DeploymentConfig:
+    """The config file (or defaults) with the flags given on the command line over it."""
+    config = load_config(args.config)
+    method = args.spec_method
+    overrides: dict[str, object] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "engine.max_model_len": args.max_model_len,
+        "engine.max_num_seqs": args.max_num_seqs,
+        "speculative.method": method,
+        "speculative.num_speculative_tokens": args.num_spec_tokens,
+        "speculative.adaptive": False if args.no_adaptive else None,
+        "pools.drafter.replicas": args.drafters,
+        "pools.drafter.draft_model": args.draft_model,
+        "pools.drafter.draft_layers": args.draft_layers,
+        "ray.address": args.address,
+    }
+    if method is not None and method not in ("none", "ngram", "suffix"):
+        overrides["pools.drafter.method"] = method  # model-free methods run in the verifier
+    return config.with_overrides(overrides)
+
+
+def _start_runtime(args: argparse.Namespace) -> tuple[Runtime, Tokenizer, str]:
+    from workers.model.loader import BUNDLED_MODEL_NAME, load_checkpoint
+
+    config = _deployment(args)
+    runtime = Runtime.start(config)
+    tokenizer = load_checkpoint(config.model).tokenizer
+    return runtime, tokenizer, config.model or BUNDLED_MODEL_NAME
+
+
+def _generate_on_cluster(args: argparse.Namespace, params: SamplingParams) -> int:
+    runtime, tok, _ = _start_runtime(args)
+    try:
+        text = (
+            tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+            if args.chat
+            else args.prompt
+        )
+        prompt_ids = tok.encode(text)
+        start = time.perf_counter()
+        stream = runtime.submit(prompt_ids, params)
+        token_ids: list[int] = []
+        for chunk in stream:
+            token_ids += chunk
+            if not args.json:
+                sys.stdout.write(stream.text[-1])
+                sys.stdout.flush()
+        elapsed = time.perf_counter() - start
+        spec = SpecStats(**(stream.spec or {}))
+        result = {
+            "text": "".join(stream.text),
+            "prompt_token_ids": prompt_ids,
+            "token_ids": token_ids,
+            "finish_reason": stream.finish_reason,
+            "tokens_per_s": round(len(token_ids) / elapsed, 2) if elapsed > 0 else 0.0,
+            "spec": spec.as_dict(),
+            "served_by": stream.served_by,
+        }
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"\n[served by {stream.served_by}]", file=sys.stderr)
+        return 0
+    finally:
+        runtime.shutdown()
+
+
 def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -94,6 +207,8 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
     )
+    if _uses_cluster(args):
+        return _generate_on_cluster(args, params)
     loaded = load(args)
     tok, engine = loaded.tokenizer, loaded.engine
     text = (
@@ -139,8 +254,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from router.simple_server import serve  # the HTTP layer is only needed here
+    from router.simple_server import make_server_for, serve, serve_forever
 
+    if _uses_cluster(args):
+        runtime, tokenizer, name = _start_runtime(args)
+        loop = RuntimeLoop(runtime)
+        server = make_server_for(loop, tokenizer, name, args.host, args.port)
+        print(f"Ray runtime up: {runtime.actor_info()}", flush=True)
+        serve_forever(server, loop, name, args.host, args.port)
+        return 0
     loaded = load(args)
     serve(loaded, args.host, args.port)
     return 0
@@ -156,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "k8s":
             return k8s.run(args)
         return _serve(args)
-    except (ValueError, FileNotFoundError, k8s.K8sError) as exc:
+    except (ValueError, FileNotFoundError, k8s.K8sError, ConfigError) as exc:
         print(f"outrider: error: {exc}", file=sys.stderr)
         return 2
 

@@ -86,6 +86,8 @@ class DrafterPool:
     replicas: int = 1
     method: str = "eagle"
     num_speculative_tokens: int = 4
+    draft_model: str | None = None  # for method draft_model: a smaller model, same tokenizer
+    draft_layers: int | None = None  # or the target's first N layers as the draft model
     resources: Resources = field(default_factory=Resources)
 
 
@@ -127,8 +129,9 @@ class RedisSettings:
 
 @dataclass(frozen=True, slots=True)
 class TelemetrySettings:
-    otlp_endpoint: str | None = None  # e.g. http://otel-collector:4317; None: no export
+    otlp_endpoint: str | None = None  # e.g. http://otel-collector:4318 (OTLP/HTTP)
     service_name: str = "outrider"
+    exporter: str = "none"  # without otlp_endpoint: none, console, or memory (tests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +182,11 @@ class DeploymentConfig:
             f"must be a power of two, got {tp}",
         )
         _check(p.drafter.replicas >= 0, "pools.drafter.replicas", "must be >= 0")
+        _check(
+            p.drafter.draft_layers is None or p.drafter.draft_layers >= 1,
+            "pools.drafter.draft_layers",
+            "must be >= 1",
+        )
         for name in ("prefill", "verifier", "drafter"):
             getattr(p, name).resources.validate(f"pools.{name}.resources")
         for where, port in (
@@ -193,6 +201,11 @@ class DeploymentConfig:
             "must differ from router.port",
         )
         _check(self.router.max_queue >= 1, "router.max_queue", "must be >= 1")
+        _check(
+            self.telemetry.exporter in ("none", "console", "memory"),
+            "telemetry.exporter",
+            "must be none, console or memory (set otlp_endpoint for OTLP)",
+        )
         if self.redis.url is not None:
             _check(
                 self.redis.url.startswith(("redis://", "rediss://", "unix://")),

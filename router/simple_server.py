@@ -46,7 +46,7 @@ class ApiError(Exception):
 class Service:
     """Turns OpenAI request bodies into engine requests."""
 
-    def __init__(self, loop: EngineLoop, tokenizer: Tokenizer, model_name: str) -> None:
+    def __init__(self, loop: Any, tokenizer: Tokenizer, model_name: str) -> None:
         self.loop, self.tokenizer, self.model_name = loop, tokenizer, model_name
 
     def prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
@@ -267,16 +267,29 @@ def make_server(
     loaded: LoadedEngine, host: str, port: int
 ) -> tuple[ThreadingHTTPServer, EngineLoop]:
     loop = EngineLoop(loaded.engine)
-    service = Service(loop, loaded.tokenizer, loaded.model_name)
+    return make_server_for(loop, loaded.tokenizer, loaded.model_name, host, port), loop
+
+
+def make_server_for(
+    loop: Any, tokenizer: Tokenizer, model_name: str, host: str, port: int
+) -> ThreadingHTTPServer:
+    """A server over anything with `EngineLoop`'s submit/abort (the Ray runtime's RuntimeLoop)."""
+    service = Service(loop, tokenizer, model_name)
     handler = type("BoundHandler", (Handler,), {"service": service})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
-    return server, loop
+    return server
 
 
 def serve(loaded: LoadedEngine, host: str, port: int) -> None:
     server, loop = make_server(loaded, host, port)
-    print(f"Outrider is serving {loaded.model_name} on http://{host}:{port}", flush=True)
+    serve_forever(server, loop, loaded.model_name, host, port)
+
+
+def serve_forever(
+    server: ThreadingHTTPServer, loop: Any, model_name: str, host: str, port: int
+) -> None:
+    print(f"Outrider is serving {model_name} on http://{host}:{port}", flush=True)
     print(
         f"  try: curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json' "
         '-d \'{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}\'',

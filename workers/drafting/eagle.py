@@ -34,6 +34,8 @@ from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, Page
 from workers.model.transformer import TransformerLM
 
 _DRAFT_SEED_OFFSET = 0xEA61E
+# Features held for a sequence that is not drafting before the oldest are dropped.
+MAX_PENDING_ROWS = 1024
 
 
 @dataclass(slots=True)
@@ -95,6 +97,12 @@ class EagleDrafter(Drafter):
         if skip < hidden.shape[0]:
             seq.pending.append(hidden[skip:])
             seq.features_end += hidden.shape[0] - skip
+        if sum(p.shape[0] for p in seq.pending) > MAX_PENDING_ROWS:
+            # Not drafting for a long while (a large batch): keep only the recent context.
+            recent = torch.cat(seq.pending)[-MAX_PENDING_ROWS // 2 :]
+            end = seq.features_end
+            self._reset(seq)
+            seq.base, seq.features_end, seq.pending = end - recent.shape[0], end, [recent]
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._seqs[request_id].tokens.extend(token_ids)

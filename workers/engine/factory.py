@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from workers.drafting.base import Drafter
@@ -15,12 +15,14 @@ from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.model.loader import (
     BUNDLED_MODEL_NAME,
+    Checkpoint,
     build_model,
     load_checkpoint,
     parse_dtype,
     truncate_layers,
 )
 from workers.model.tokenizer import Tokenizer
+from workers.model.transformer import TransformerLM
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,14 +41,25 @@ class LoadedEngine:
     model_name: str
 
 
-def build_engine(spec: ModelSpec, config: EngineConfig, progress: bool = True) -> LoadedEngine:
-    checkpoint = load_checkpoint(spec.model, progress=progress)
-    dtype = parse_dtype(spec.dtype)
-    target = build_model(checkpoint, dtype=dtype)
+def build_drafters(
+    spec: ModelSpec,
+    config: EngineConfig,
+    checkpoint: Checkpoint,
+    target: TransformerLM,
+    progress: bool = True,
+    only: str | None = None,
+) -> tuple[dict[str, Drafter], dict[str, float]]:
+    """Every drafter the settings allow (or only the method `only`), and each one's cost per
+    drafted token in one-token target forwards (model-free drafters cost nothing)."""
     ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
-    drafters: dict[str, Drafter] = {"ngram": NgramDrafter(ngram), "suffix": SuffixDrafter(ngram)}
-    draft_costs: dict[str, float] = {}
-    if spec.draft_model is not None or spec.draft_layers is not None:
+    drafters: dict[str, Drafter] = {}
+    costs: dict[str, float] = {}
+    if only in (None, "ngram"):
+        drafters["ngram"] = NgramDrafter(ngram)
+    if only in (None, "suffix"):
+        drafters["suffix"] = SuffixDrafter(ngram)
+    wants_draft_model = config.spec.method == "draft_model" or only == "draft_model"
+    if only in (None, "draft_model") and (spec.draft_model or spec.draft_layers):
         if spec.draft_model is not None:
             draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress)
         else:
@@ -56,31 +69,63 @@ def build_engine(spec: ModelSpec, config: EngineConfig, progress: bool = True) -
                 f"the draft model's vocabulary ({draft_checkpoint.config.vocab_size}) differs "
                 f"from the target's ({checkpoint.config.vocab_size}); they must share a tokenizer"
             )
-        draft = build_model(draft_checkpoint, dtype=dtype)
+        draft = build_model(draft_checkpoint, dtype=target.dtype)
         drafters["draft_model"] = DraftModelDrafter(
             draft,
             num_blocks=config.kv_blocks,
             block_size=config.block_size,
             max_model_len=config.max_model_len,
         )
-        draft_costs["draft_model"] = relative_token_cost(draft, target)
-    elif config.spec.method == "draft_model":
+        costs["draft_model"] = relative_token_cost(draft, target)
+    elif wants_draft_model:
         raise ValueError("spec method draft_model needs --draft-model or --draft-layers")
     head_path = spec.eagle_head or (BUNDLED_HEAD if spec.model is None else None)
-    if head_path is not None and Path(head_path).exists():
-        head = EagleHead.load(Path(head_path))
+    if only in (None, "eagle") and head_path is not None and Path(head_path).exists():
         eagle = EagleDrafter(
-            head,
+            EagleHead.load(Path(head_path)),
             target,
             num_blocks=config.kv_blocks,
             block_size=config.block_size,
             max_model_len=config.max_model_len,
         )
         drafters["eagle"] = eagle
-        draft_costs["eagle"] = eagle.token_seconds() / forward_times(target, [1], reps=5)[0]
+        costs["eagle"] = eagle.token_seconds() / forward_times(target, [1], reps=5)[0]
     elif spec.eagle_head is not None:
         raise FileNotFoundError(f"EAGLE head {spec.eagle_head} not found")
-    elif config.spec.method == "eagle":
+    elif config.spec.method == "eagle" or only == "eagle":
+        raise ValueError("spec method eagle needs --eagle-head (built in for the bundled model)")
+    return drafters, costs
+
+
+def build_engine(
+    spec: ModelSpec,
+    config: EngineConfig,
+    progress: bool = True,
+    remote_drafters: dict[str, tuple[Drafter, float]] | None = None,
+) -> LoadedEngine:
+    """The engine for `spec`; `remote_drafters` (method -> drafter, cost) replace the local
+    drafters of those methods (the Ray runtime's drafter pool)."""
+    checkpoint = load_checkpoint(spec.model, progress=progress)
+    target = build_model(checkpoint, dtype=parse_dtype(spec.dtype))
+    remote = remote_drafters or {}
+    local_spec = spec
+    if "draft_model" in remote:
+        local_spec = replace(local_spec, draft_model=None, draft_layers=None)
+    drafters, draft_costs = build_drafters(
+        local_spec,
+        replace(config, spec=replace(config.spec, method="none")),
+        checkpoint,
+        target,
+        progress,
+    )
+    if "eagle" in remote:
+        drafters.pop("eagle", None)
+    for method, (drafter, cost) in remote.items():
+        drafters[method], draft_costs[method] = drafter, cost
+    method = config.spec.method
+    if method == "draft_model" and method not in drafters:
+        raise ValueError("spec method draft_model needs --draft-model or --draft-layers")
+    if method == "eagle" and method not in drafters:
         raise ValueError("spec method eagle needs --eagle-head (built in for the bundled model)")
     engine = LLMEngine(
         target,

@@ -8,6 +8,8 @@ tokens appended, rejected KV slots rolled back, drafters told, stop conditions c
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -40,6 +42,26 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     spec: SpecStats
+
+
+@dataclass(slots=True)
+class RoundReport:
+    """One sequence's share of an engine step, for tracing."""
+
+    request_id: str
+    method: str  # the sequence's drafting method ("none" without speculation)
+    prefill_tokens: int  # prompt tokens computed this step (0 for a decode/verify round)
+    drafted: int
+    accepted: int
+    feature_bytes: int  # hidden states handed to its drafter this step
+
+
+@dataclass(slots=True)
+class StepReport:
+    start_ns: int  # time.time_ns() at the start of the step
+    draft_s: float  # drafting (the drafters' proposals)
+    forward_s: float  # the target's forward and verification
+    rounds: list[RoundReport]
 
 
 @dataclass(slots=True)
@@ -88,6 +110,9 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._outputs: dict[str, RequestOutput] = {}
         self._arrivals = itertools.count()
+        # Called after every step that ran a forward (tracing); must not raise.
+        self.step_listeners: list[Callable[[StepReport], None]] = []
+        self._feature_bytes: dict[str, int] = {}
 
     def _verify_costs(self, model: TransformerLM, has_drafters: bool) -> tuple[float, ...]:
         spec = self.config.spec
@@ -142,7 +167,9 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
+        start_ns, start = time.time_ns(), time.perf_counter()
         self.speculator.propose(self.scheduler.decoding())
+        drafted = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.seqs:
             self.runner.kv_cache.copy_blocks(batch.block_copies)
@@ -153,7 +180,32 @@ class LLMEngine:
                 if layers:
                     self._send_hidden(scheduled, tokens, output, index, layers)
                 self._commit(scheduled, tokens)
+            if self.step_listeners:
+                self._report(batch.seqs, results, start_ns, drafted - start, drafted)
         return self._drain_outputs()
+
+    def _report(
+        self,
+        seqs: list[ScheduledSeq],
+        results: list[list[int] | None],
+        start_ns: int,
+        draft_s: float,
+        drafted: float,
+    ) -> None:
+        rounds = [
+            RoundReport(
+                s.seq.request_id,
+                s.seq.spec_method,
+                0 if s.decoding else s.num_new_tokens,
+                len(s.draft.token_ids),
+                len(tokens) - 1 if tokens else 0,
+                self._feature_bytes.pop(s.seq.request_id, 0),
+            )
+            for s, tokens in zip(seqs, results, strict=True)
+        ]
+        report = StepReport(start_ns, draft_s, time.perf_counter() - drafted, rounds)
+        for listener in self.step_listeners:
+            listener(report)
 
     def generate(
         self,
@@ -214,6 +266,12 @@ class LLMEngine:
         kept = scheduled.num_new_tokens + (len(tokens) - 1 if tokens else 0)
         rows = {layer: output.hidden_of(layer, index)[:kept] for layer in layers}
         self.speculator.observe_hidden(scheduled.seq, scheduled.seq.num_computed_tokens, rows)
+        if self.step_listeners:
+            seq = scheduled.seq
+            drafter = self.speculator.drafters.get(seq.spec_method)
+            if drafter is not None and drafter.hidden_layers:
+                size = rows[layers[0]].element_size() * rows[layers[0]].shape[-1]
+                self._feature_bytes[seq.request_id] = kept * size * len(drafter.hidden_layers)
 
     def _cut_at_stop(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
         """Keep tokens up to the first stop condition; the reason, if one was met."""

@@ -151,6 +151,11 @@ class Speculator:
             if k > 0:
                 request = DraftRequest(seq.request_id, len(seq.token_ids), k)
                 by_method.setdefault(seq.spec_method, []).append((seq, request))
+        # Every drafter in use is called, with no requests if need be: a remote drafter sends
+        # its buffered commits and features with the call, so they never pile up.
+        for seq in seqs:
+            if seq.spec_method != "none":
+                by_method.setdefault(seq.spec_method, [])
         for method, pairs in by_method.items():
             drafts = self.drafters[method].propose([req for _, req in pairs])
             for seq, req in pairs:

@@ -1,0 +1,161 @@
+"""Tensor links: a process group of two between a pair of actors, for tensors that must not go
+through Ray's object store (hidden states, KV blocks).
+
+A link is built without a global default group, so one process can hold many: the side that
+hosts it opens a `TCPStore` on a free port and hands the address to its peer through an ordinary
+Ray call; both sides wrap the store in a `PrefixStore` named after the link and construct the
+backend's process group directly (`ProcessGroupGloo` for CPU tensors, `ProcessGroupNCCL` for
+CUDA tensors where NCCL exists; the CPU wheel rejects a combined "cpu:gloo,cuda:nccl" backend
+string, and constructing the class directly needs no backend string at all). Construction is
+collective, so the host starts its half while the peer's call is in flight.
+
+Every operation waits at most the link's timeout (torch's default would be 30 minutes), and a
+peer that died surfaces as `LinkError` at once (gloo notices the closed socket), so the caller
+can rebuild the link once the peer is back.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 10.0
+MAX_IN_FLIGHT = 8  # unmatched sends before `send(wait=False)` waits for the oldest
+
+
+class LinkError(RuntimeError):
+    """A link operation failed or timed out (usually: the peer is gone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinkAddress:
+    """What the joining side needs: plain data, passed in a Ray call."""
+
+    link_id: str
+    host: str
+    port: int
+    backend: str  # "gloo" or "nccl"
+
+
+def node_address() -> str:
+    """This node's address as the peer should dial it."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def backend_for(device: torch.device) -> str:
+    if device.type == "cuda" and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+class TensorLink:
+    """One end of a two-rank link (rank 0 hosts, rank 1 joins)."""
+
+    def __init__(self, address: LinkAddress, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.address = address
+        self.rank = rank
+        self.peer = 1 - rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._store: dist.Store | None = None
+        self._group: Any = None  # ProcessGroupGloo or ProcessGroupNCCL
+        self._in_flight: list[tuple[dist.Work, torch.Tensor]] = []
+
+    # -- building ------------------------------------------------------------------------------
+
+    @classmethod
+    def host(
+        cls, link_id: str, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> TensorLink:
+        """Open the store; `connect()` then completes the link once the peer joins."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(node_address(), 0, 2, True, timeout=timeout, wait_for_workers=False)
+        link = cls(LinkAddress(link_id, node_address(), store.port, backend), 0, timeout_s)
+        link._store = store
+        return link
+
+    @classmethod
+    def join(cls, address: LinkAddress, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorLink:
+        link = cls(address, 1, timeout_s)
+        link._store = dist.TCPStore(address.host, address.port, 2, False, timeout=link.timeout)
+        link.connect()
+        return link
+
+    def connect(self) -> None:
+        """Construct the process group (collective: the peer does the same)."""
+        assert self._store is not None
+        store = dist.PrefixStore(self.address.link_id, self._store)
+        try:
+            if self.address.backend == "nccl":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.timeout
+                self._group = dist.ProcessGroupNCCL(store, self.rank, 2, options)
+            else:
+                self._group = dist.ProcessGroupGloo(store, self.rank, 2, self.timeout)
+        except RuntimeError as err:
+            raise LinkError(f"link {self.address.link_id}: could not connect: {err}") from err
+
+    @property
+    def connected(self) -> bool:
+        return self._group is not None
+
+    def close(self) -> None:
+        self._group = None
+        self._store = None
+        self._in_flight.clear()
+
+    # -- moving tensors ------------------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor, wait: bool = True) -> None:
+        """Send to the peer. A send completes only once the peer posts the matching `recv`; with
+        `wait=False` it is left in flight (the tensor kept alive) and reaped later, so a caller
+        never blocks on a peer that is still busy with earlier work."""
+        tensor = tensor.contiguous()
+        work = self._require().send([tensor], self.peer, 0)
+        self._in_flight.append((work, tensor))
+        if wait:
+            self.flush()
+        else:
+            self._reap()
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype, device=device)
+        self._wait(self._require().recv([out], self.peer, 0))
+        return out
+
+    def flush(self) -> None:
+        """Wait for every send in flight."""
+        while self._in_flight:
+            work, _ = self._in_flight.pop(0)
+            self._wait(work)
+
+    def _reap(self) -> None:
+        while self._in_flight and self._in_flight[0][0].is_completed():
+            work, _ = self._in_flight.pop(0)
+            self._wait(work)  # raises if it failed
+        if len(self._in_flight) > MAX_IN_FLIGHT:
+            work, _ = self._in_flight.pop(0)
+            self._wait(work)
+
+    def _require(self) -> Any:
+        if self._group is None:
+            raise LinkError(f"link {self.address.link_id} is not connected")
+        return self._group
+
+    def _wait(self, work: dist.Work) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as err:
+            self.close()  # a broken group cannot be reused: the caller rebuilds the link
+            raise LinkError(f"link {self.address.link_id}: {err}") from err

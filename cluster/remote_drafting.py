@@ -1,0 +1,312 @@
+"""Drafters in their own actors: the verifier's proxy and the drafter actor's side.
+
+`RemoteDrafter` is a `Drafter` inside the verifier's engine. It buffers what the engine tells
+it (sequences added and removed, features, commits) and sends all of it with the next proposal
+in one Ray call per step (`DrafterWorker.step`); the feature rows of that step travel as one
+tensor over the pair's `TensorLink`, never through the object store. The proposal is awaited for
+at most `deadline_s`: a late or failed drafter means k = 0 for its sequences this step (the
+engine verifies without drafts), never a stalled verifier.
+
+A drafter that died (its actor restarted by Ray, or replaced) comes back empty. The proxy notices
+(a failed call, or the restarted actor's new incarnation number), rebuilds the link and re-adds
+every live sequence with its whole token history; a feature-reading drafter then starts its
+context at the next features it gets. Output stays exactly the target's either way: drafts only
+ever change speed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cluster.links import LinkAddress, LinkError, TensorLink
+from workers.drafting.base import Draft, Drafter, DraftRequest
+from workers.engine.sampling_params import SamplingParams
+
+# Events, in the order the engine produced them (per sequence that order matters).
+Event = (
+    tuple[str, str, list[int], SamplingParams]  # ("add", rid, prompt, params)
+    | tuple[str, str, int, int]  # ("features", rid, first_position, rows)
+    | tuple[str, str, list[int]]  # ("commit", rid, token_ids)
+    | tuple[str, str]  # ("remove", rid)
+)
+
+
+@dataclass(slots=True)
+class StepMessage:
+    """One step's traffic to a drafter (plain data; feature rows follow over the link)."""
+
+    incarnation: int  # which life of the drafter actor this state belongs to
+    events: list[Any]
+    requests: list[DraftRequest]
+    feature_rows: int = 0
+    feature_width: int = 0
+    feature_dtype: str = "float32"
+
+
+@dataclass(slots=True)
+class DraftReply:
+    drafts: dict[str, tuple[list[int], torch.Tensor | None]]
+    seconds: float  # drafting time inside the actor
+
+
+class DrafterWorker:
+    """The drafter actor's state: one `Drafter` and the link its features arrive on."""
+
+    def __init__(self, make_drafter: Callable[[], Drafter], name: str) -> None:
+        self.drafter = make_drafter()
+        self.name = name
+        self.link: TensorLink | None = None
+        self.incarnation = int(time.time_ns())  # a restarted actor gets a new one
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "method": self.drafter.method,
+            "hidden_layers": list(self.drafter.hidden_layers),
+            "incarnation": self.incarnation,
+        }
+
+    def open_link(self, address: LinkAddress) -> int:
+        self.link = TensorLink.join(address)
+        return self.incarnation
+
+    def step(self, message: StepMessage) -> DraftReply:
+        if message.incarnation != self.incarnation:
+            raise DrafterRestarted(f"{self.name} restarted; the verifier must re-add its sequences")
+        features = None
+        if message.feature_rows:
+            if self.link is None:
+                raise LinkError(f"{self.name} has no link for features")
+            dtype = getattr(torch, message.feature_dtype)
+            features = self.link.recv((message.feature_rows, message.feature_width), dtype)
+        offset = 0
+        for event in message.events:
+            kind, rid = event[0], event[1]
+            if kind == "add":
+                self.drafter.add(rid, event[2], event[3])
+            elif kind == "features":
+                assert features is not None
+                first, rows = event[2], event[3]
+                self.drafter.observe_hidden(rid, first, features[offset : offset + rows])
+                offset += rows
+            elif kind == "commit":
+                self.drafter.commit(rid, event[2])
+            elif kind == "remove":
+                self.drafter.remove(rid)
+        start = time.perf_counter()
+        drafts = self.drafter.propose(message.requests) if message.requests else {}
+        return DraftReply(
+            {rid: (d.token_ids, d.probs) for rid, d in drafts.items()},
+            time.perf_counter() - start,
+        )
+
+
+class DrafterRestarted(RuntimeError):
+    """The drafter lost its state; its verifier re-adds every sequence."""
+
+
+class ShardedDrafter(Drafter):
+    """Several drafter actors of one method behind one `Drafter`: each sequence sticks to the
+    shard that had the fewest sequences when it arrived; a step asks every shard at once and
+    waits for all of them until one shared deadline."""
+
+    def __init__(self, shards: Sequence[RemoteDrafter]) -> None:
+        if not shards:
+            raise ValueError("a sharded drafter needs at least one shard")
+        self.shards = list(shards)
+        self.method = shards[0].method
+        self.hidden_layers = shards[0].hidden_layers
+        self._owner: dict[str, RemoteDrafter] = {}
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        load = {id(s): 0 for s in self.shards}
+        for shard in self._owner.values():
+            load[id(shard)] += 1
+        shard = min(self.shards, key=lambda s: load[id(s)])
+        self._owner[request_id] = shard
+        shard.add(request_id, prompt_token_ids, params)
+
+    def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
+        self._owner[request_id].observe_hidden(request_id, first_position, hidden)
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._owner[request_id].commit(request_id, token_ids)
+
+    def owner_name(self, request_id: str) -> str | None:
+        shard = self._owner.get(request_id)
+        return None if shard is None else shard.name
+
+    def remove(self, request_id: str) -> None:
+        shard = self._owner.pop(request_id, None)
+        if shard is not None:
+            shard.remove(request_id)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        by_shard: dict[int, list[DraftRequest]] = {id(s): [] for s in self.shards}
+        for req in requests:
+            by_shard[id(self._owner[req.request_id])].append(req)
+        # Shards with nothing to draft still get their buffered events (features pile up else).
+        pending = [
+            (s, s.submit(by_shard[id(s)])) for s in self.shards if by_shard[id(s)] or s.has_events
+        ]
+        deadline = time.monotonic() + max(s.deadline_s for s in self.shards)
+        drafts: dict[str, Draft] = {}
+        for shard, ref in pending:
+            drafts.update(shard.collect(ref, deadline))
+        return drafts
+
+    @property
+    def stats(self) -> RemoteStats:
+        total = RemoteStats()
+        for shard in self.shards:
+            for name in ("steps", "late", "failures", "reconnects", "feature_bytes"):
+                setattr(total, name, getattr(total, name) + getattr(shard.stats, name))
+        return total
+
+
+@dataclass(slots=True)
+class _Tracked:
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)  # committed output
+
+
+@dataclass(slots=True)
+class RemoteStats:
+    steps: int = 0
+    late: int = 0  # proposals that missed the deadline
+    failures: int = 0  # calls that raised (a dead or restarted drafter)
+    reconnects: int = 0
+    feature_bytes: int = 0
+
+
+class RemoteDrafter(Drafter):
+    """A `Drafter` whose work happens in a `DrafterWorker` actor."""
+
+    def __init__(
+        self,
+        actor: Any,
+        method: str,
+        hidden_layers: Sequence[int] = (),
+        deadline_s: float = 1.0,
+        name: str = "drafter",
+    ) -> None:
+        self.actor = actor
+        self.name = name
+        self.method = method
+        self.hidden_layers = tuple(hidden_layers)
+        self.deadline_s = deadline_s
+        self.stats = RemoteStats()
+        self._events: list[Any] = []
+        self._features: list[torch.Tensor] = []
+        self._seqs: dict[str, _Tracked] = {}
+        self._link: TensorLink | None = None
+        self._incarnation: int | None = None
+        self._connect()
+
+    # -- the Drafter boundary, buffered --------------------------------------------------------
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._seqs[request_id] = _Tracked(list(prompt_token_ids), params)
+        self._events.append(("add", request_id, list(prompt_token_ids), params))
+
+    def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
+        self._events.append(("features", request_id, first_position, hidden.shape[0]))
+        self._features.append(hidden)
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._seqs[request_id].tokens += token_ids
+        self._events.append(("commit", request_id, list(token_ids)))
+
+    def remove(self, request_id: str) -> None:
+        if self._seqs.pop(request_id, None) is not None:
+            self._events.append(("remove", request_id))
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        return self.collect(self.submit(requests))
+
+    @property
+    def has_events(self) -> bool:
+        return bool(self._events)
+
+    def submit(self, requests: Sequence[DraftRequest]) -> Any:
+        """Send this step's events and requests; returns a handle for `collect` (None when the
+        drafter is down)."""
+        if self._incarnation is None and not self._reconnect():
+            self._drop_buffer()  # the drafter is down; its state is rebuilt when it is back
+            return None
+        message = StepMessage(self._incarnation or 0, self._events, list(requests))
+        features = torch.cat(self._features) if self._features else None
+        if features is not None:
+            message.feature_rows, message.feature_width = features.shape
+            message.feature_dtype = str(features.dtype).removeprefix("torch.")
+        self._drop_buffer()
+        self.stats.steps += 1
+        try:
+            ref = self.actor.step.remote(message)
+            if features is not None:
+                assert self._link is not None
+                self._link.send(features, wait=False)
+                self.stats.feature_bytes += features.numel() * features.element_size()
+        except LinkError:
+            self._lost()
+            return None
+        return ref
+
+    def collect(self, ref: Any, deadline: float | None = None) -> dict[str, Draft]:
+        """The drafts of a `submit`, waiting until `deadline` (a `time.monotonic()` value;
+        default: `deadline_s` from now). Late or failed: no drafts."""
+        import ray
+
+        if ref is None:
+            return {}
+        timeout = self.deadline_s if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            reply: DraftReply = ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            self.stats.late += 1
+            return {}
+        except ray.exceptions.RayError:
+            self._lost()
+            return {}
+        return {
+            rid: Draft(tokens, probs)
+            for rid, (tokens, probs) in reply.drafts.items()
+            if rid in self._seqs
+        }
+
+    def _lost(self) -> None:
+        """The drafter failed or restarted: reconnect and re-add everything before next time."""
+        self.stats.failures += 1
+        self._incarnation = None
+
+    # -- connection ----------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        import ray
+
+        link = TensorLink.host(f"{self.name}-{time.time_ns()}")
+        joined = self.actor.open_link.remote(link.address)
+        link.connect()  # collective with the actor's join
+        self._incarnation = ray.get(joined, timeout=30)
+        self._link = link
+
+    def _reconnect(self) -> bool:
+        """After a failure: rebuild the link and re-add every live sequence."""
+        try:
+            self._connect()
+        except Exception:
+            return False
+        self.stats.reconnects += 1
+        self._drop_buffer()
+        for rid, seq in self._seqs.items():
+            self._events.append(("add", rid, seq.prompt + seq.tokens, seq.params))
+        return True
+
+    def _drop_buffer(self) -> None:
+        self._events, self._features = [], []

@@ -1,0 +1,472 @@
+"""The disaggregated runtime on Ray: pools of named actors, and the client API over them.
+
+`Runtime.start(config)` starts a local Ray cluster (or joins one), creates one placement group
+per pool and the named actors in it:
+
+- `drafter-<i>`: a `DrafterWorker` running the pool's drafting method (CPU, plus any custom
+  resource such as `grace_cpu` that the config names, so drafters land on the Grace CPU beside
+  a GPU on GB200 nodes). Restarted by Ray if it dies; its verifier re-adds its sequences.
+- `verifier-g<g>-r0`: a `VerifierWorker`: the engine (continuous batching, verification) with
+  model-free drafters in-process and the drafter pool behind `RemoteDrafter`s, features over
+  tensor links.
+
+Clients call `submit` (a `RequestStream` of token lists, one item per engine step, from the
+verifier's streaming generator), and `abort` (`ray.cancel` on the stream, which aborts the request
+in the engine and frees its KV blocks).
+
+Not yet here (the issue's remaining parts, see docs/architecture.md): tensor parallelism over a
+verifier group's ranks and the prefill pool with KV transfer; verifiers prefill their own prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from opentelemetry import propagate, trace
+
+from cluster import telemetry
+from cluster.config import DeploymentConfig, Resources, from_dict
+from cluster.remote_drafting import DrafterWorker, RemoteDrafter, ShardedDrafter
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.llm_engine import RequestOutput
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import SpecStats
+
+RAY_NAMESPACE = "outrider"
+DRAFT_DEADLINE_S = 1.0
+
+
+class PlacementError(RuntimeError):
+    """A pool's placement group cannot be placed on this cluster."""
+
+
+def _wait_placed(pg: Any, pool: str, bundles: list[dict[str, float]], timeout_s: float) -> None:
+    import ray
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"the {pool} pool's placement group {bundles} could not be placed within "
+            f"{timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
+        ) from None
+
+
+def _engine_config(config: DeploymentConfig) -> EngineConfig:
+    spec = SpecConfig(
+        method=config.speculative.method,
+        num_speculative_tokens=config.speculative.num_speculative_tokens,
+        adaptive=config.speculative.adaptive,
+    )
+    return EngineConfig(
+        max_model_len=config.engine.max_model_len,
+        max_num_seqs=config.engine.max_num_seqs,
+        block_size=config.engine.block_size,
+        spec=spec,
+    )
+
+
+def _model_spec(config: DeploymentConfig) -> Any:
+    from workers.engine.factory import ModelSpec
+
+    drafter = config.pools.drafter
+    return ModelSpec(config.model, config.dtype, drafter.draft_model, drafter.draft_layers)
+
+
+def _where() -> dict[str, Any]:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"node_id": ctx.get_node_id(), "pid": os.getpid()}
+
+
+class DrafterActor:
+    """Ray actor body of a drafter (wrapped with `ray.remote` in `Runtime`)."""
+
+    def __init__(self, config: dict[str, Any], name: str) -> None:
+        import torch
+
+        from workers.engine.factory import build_drafters
+        from workers.model.loader import build_model, load_checkpoint, parse_dtype
+
+        torch.set_num_threads(1)
+        deployment = from_dict(config)
+        method = deployment.pools.drafter.method
+        spec = _model_spec(deployment)
+
+        def make() -> Any:
+            checkpoint = load_checkpoint(deployment.model)
+            target = build_model(checkpoint, dtype=parse_dtype(deployment.dtype))
+            engine_config = _engine_config(deployment)
+            drafters, costs = build_drafters(
+                spec, engine_config, checkpoint, target, progress=False, only=method
+            )
+            self.cost = costs.get(method, 0.0)
+            return drafters[method]
+
+        self.cost = 0.0
+        self.worker = DrafterWorker(make, name)
+
+    def info(self) -> dict[str, Any]:
+        return {**self.worker.info(), "cost": self.cost, **_where()}
+
+    def open_link(self, address: Any) -> int:
+        return self.worker.open_link(address)
+
+    def step(self, message: Any) -> Any:
+        return self.worker.step(message)
+
+
+class VerifierActor:
+    """Ray actor body of a verifier (rank 0 of its group; TP = 1 for now)."""
+
+    def __init__(self, config: dict[str, Any], name: str, drafter_names: list[str]) -> None:
+        import ray
+        import torch
+
+        from workers.engine.engine_loop import EngineLoop
+        from workers.engine.factory import build_engine
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+        torch.set_num_threads(max(1, int(cpus)))
+        deployment = from_dict(config)
+        self.name = name
+        _setup_tracing(deployment)
+        self.rounds = telemetry.RoundTracer()
+        remote: dict[str, tuple[Any, float]] = {}
+        self.drafter_names = drafter_names
+        if drafter_names:
+            actors = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in drafter_names]
+            infos: list[dict[str, Any]] = ray.get([a.info.remote() for a in actors])
+            shards = [
+                RemoteDrafter(a, i["method"], i["hidden_layers"], DRAFT_DEADLINE_S, n)
+                for a, i, n in zip(actors, infos, drafter_names, strict=True)
+            ]
+            self.drafters = ShardedDrafter(shards)
+            remote[infos[0]["method"]] = (self.drafters, max(i["cost"] for i in infos))
+        loaded = build_engine(_model_spec(deployment), _engine_config(deployment), False, remote)
+        self.tokenizer = loaded.tokenizer
+        loaded.engine.step_listeners.append(self.rounds)
+        self.loop = EngineLoop(loaded.engine)
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "drafters": self.drafter_names, **_where()}
+
+    def _served_by(self, request_id: str) -> dict[str, Any]:
+        remote = getattr(self, "drafters", None)
+        drafter = None if remote is None else remote.owner_name(request_id)
+        # Prompts prefill on the verifier until the prefill pool exists.
+        return {"prefill": None, "verifier": [self.name], "drafter": drafter}
+
+    def stats(self) -> dict[str, Any]:
+        engine_stats = self.loop.engine.stats
+        remote = getattr(self, "drafters", None)
+        return {
+            "spec": engine_stats.as_dict(),
+            "remote_drafting": None if remote is None else asdict(remote.stats),
+        }
+
+    def finished_spans(self) -> list[dict[str, Any]]:
+        return telemetry.finished_spans()
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        spec: dict[str, Any],
+        trace_carrier: dict[str, str] | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Streams one dict per engine step that produced tokens for the request."""
+        self.rounds.start(request_id, trace_carrier)
+        outputs = self.loop.submit(
+            request_id, prompt_ids, SamplingParams(**params), RequestSpec(**spec)
+        )
+        loop = asyncio.get_running_loop()
+        finished = False
+        try:
+            while not finished:
+                out = await loop.run_in_executor(None, next, outputs)
+                finished = out.finished
+                yield {
+                    "token_ids": out.new_token_ids,
+                    "text": out.text,
+                    "finished": out.finished,
+                    "finish_reason": out.finish_reason,
+                    "num_prompt_tokens": out.num_prompt_tokens,
+                    "num_output_tokens": out.num_output_tokens,
+                    "spec": asdict(out.spec),
+                    "served_by": self._served_by(request_id) if out.finished else None,
+                }
+        finally:
+            self.rounds.finish(request_id)
+            if not finished:  # cancelled (client gone) or failed: free the request's blocks
+                self.loop.abort(request_id)
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """Token lists of one request as the verifier produces them."""
+
+    request_id: str
+    verifier: str
+    generator: Any  # Ray's ObjectRefGenerator
+    span: Any = None  # the request's span, ended with the stream
+    finish_reason: str | None = None
+    spec: dict[str, Any] | None = None
+    served_by: dict[str, Any] | None = None
+    text: list[str] = field(default_factory=list)
+
+    def outputs(self) -> Iterator[RequestOutput]:
+        """The stream as the engine's own `RequestOutput`s (what the HTTP layer consumes)."""
+        for item in self._items():
+            yield RequestOutput(
+                self.request_id,
+                item["token_ids"],
+                item["text"],
+                item["finished"],
+                item["finish_reason"],
+                item["num_prompt_tokens"],
+                item["num_output_tokens"],
+                SpecStats(**item["spec"]),
+            )
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for item in self._items():
+            if item["token_ids"]:
+                yield item["token_ids"]
+
+    def _items(self) -> Iterator[dict[str, Any]]:
+        import ray
+
+        output_tokens = 0
+        try:
+            for ref in self.generator:
+                item = ray.get(ref)
+                self.text.append(item["text"])
+                output_tokens = item["num_output_tokens"]
+                if item["finished"]:
+                    self.finish_reason, self.spec = item["finish_reason"], item["spec"]
+                    self.served_by = item["served_by"]
+                yield item
+        finally:
+            if self.span is not None:
+                self.span.set_attribute("outrider.output_tokens", output_tokens)
+                self.span.set_attribute("outrider.finish_reason", self.finish_reason or "abort")
+                self.span.end()
+
+
+def _setup_tracing(config: DeploymentConfig) -> None:
+    t = config.telemetry
+    telemetry.setup_tracing(t.exporter, t.otlp_endpoint, t.service_name)
+
+
+def _bundle(resources: Resources) -> dict[str, float]:
+    bundle = {"CPU": resources.cpus, **resources.custom}
+    if resources.gpus:
+        bundle["GPU"] = resources.gpus
+    return bundle
+
+
+@dataclass(slots=True)
+class Runtime:
+    """A running deployment: its actors and the client API over them."""
+
+    config: DeploymentConfig
+    verifiers: list[Any]
+    verifier_names: list[str]
+    drafters: list[Any]
+    drafter_names: list[str]
+    placement_groups: list[Any]
+    owns_ray: bool
+    _ids: Iterator[int] = field(default_factory=itertools.count)
+    _next: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def start(
+        cls,
+        config: DeploymentConfig,
+        address: str | None = None,
+        num_cpus: int | None = None,
+        placement_timeout_s: float = 120.0,
+    ) -> Runtime:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        address = address or config.ray.address
+        _setup_tracing(config)
+        owns = not ray.is_initialized()
+        if owns:
+            ray.init(
+                address=address,
+                namespace=RAY_NAMESPACE,
+                num_cpus=num_cpus if address is None else None,
+                include_dashboard=address is None,
+                dashboard_host=config.ray.dashboard_host,
+                dashboard_port=config.ray.dashboard_port,
+                log_to_driver=False,
+            )
+        groups: list[Any] = []
+        drafters: list[Any] = []
+        verifiers: list[Any] = []
+        try:
+            plain = config.to_dict()
+            pools = config.pools
+            drafter_names = [f"drafter-{i}" for i in range(pools.drafter.replicas)]
+            if drafter_names:
+                bundles = [_bundle(pools.drafter.resources)] * len(drafter_names)
+                pg = placement_group(bundles, strategy="SPREAD")
+                _wait_placed(pg, "drafter", bundles, placement_timeout_s)
+                groups.append(pg)
+                actor_cls: Any = ray.remote(DrafterActor)
+                for i, name in enumerate(drafter_names):
+                    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                    drafters.append(
+                        actor_cls.options(
+                            name=name,
+                            namespace=RAY_NAMESPACE,
+                            lifetime=None,
+                            max_restarts=-1,
+                            num_cpus=pools.drafter.resources.cpus,
+                            num_gpus=pools.drafter.resources.gpus,
+                            resources=dict(pools.drafter.resources.custom),
+                            scheduling_strategy=strategy,
+                        ).remote(plain, name)
+                    )
+                ray.get([d.info.remote() for d in drafters], timeout=300)
+            verifier_names: list[str] = []
+            vcls: Any = ray.remote(VerifierActor)
+            for g in range(pools.verifier.groups):
+                name = f"verifier-g{g}-r0"
+                bundles = [_bundle(pools.verifier.resources)]
+                pg = placement_group(bundles, strategy="PACK")
+                _wait_placed(pg, "verifier", bundles, placement_timeout_s)
+                groups.append(pg)
+                # Each verifier group drafts with its share of the drafter pool.
+                mine = drafter_names[g :: pools.verifier.groups]
+                verifiers.append(
+                    vcls.options(
+                        name=name,
+                        namespace=RAY_NAMESPACE,
+                        max_concurrency=1000,
+                        num_cpus=pools.verifier.resources.cpus,
+                        num_gpus=pools.verifier.resources.gpus,
+                        resources=dict(pools.verifier.resources.custom),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+                    ).remote(plain, name, mine)
+                )
+                verifier_names.append(name)
+            ray.get([v.info.remote() for v in verifiers], timeout=300)
+        except BaseException:
+            partial = cls(config, verifiers, [], drafters, [], groups, owns)
+            partial.shutdown()
+            raise
+        return cls(config, verifiers, verifier_names, drafters, drafter_names, groups, owns)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: RequestSpec | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        with self._lock:  # round-robin over verifier groups (the router does better)
+            index = self._next % len(self.verifiers)
+            self._next += 1
+            request_id = request_id or f"req-{next(self._ids)}-{time.time_ns()}"
+        spec = spec or RequestSpec()
+        span = telemetry.tracer().start_span("outrider.request")
+        span.set_attributes(
+            {
+                "outrider.request_id": request_id,
+                "outrider.verifier": self.verifier_names[index],
+                "outrider.prompt_tokens": len(prompt_ids),
+            }
+        )
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        generator = (
+            self.verifiers[index]
+            .generate.options(num_returns="streaming")
+            .remote(request_id, list(prompt_ids), asdict(params), asdict(spec), carrier)
+        )
+        return RequestStream(request_id, self.verifier_names[index], generator, span)
+
+    def abort(self, stream: RequestStream) -> None:
+        import ray
+
+        ray.cancel(stream.generator)
+
+    def verifier_stats(self) -> list[dict[str, Any]]:
+        import ray
+
+        return ray.get([v.stats.remote() for v in self.verifiers])
+
+    def actor_info(self) -> dict[str, list[dict[str, Any]]]:
+        import ray
+
+        return {
+            "verifiers": ray.get([v.info.remote() for v in self.verifiers]),
+            "drafters": ray.get([d.info.remote() for d in self.drafters]),
+        }
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in [*self.verifiers, *self.drafters]:
+            ray.kill(actor, no_restart=True)
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+class RuntimeLoop:
+    """The runtime behind the same interface as `EngineLoop` (submit, abort, close), so the
+    HTTP server serves a disaggregated deployment exactly as it serves an in-process engine."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        spec: RequestSpec | None = None,
+    ) -> Iterator[RequestOutput]:
+        stream = self.runtime.submit(list(prompt_token_ids), params, spec, request_id)
+        with self._lock:
+            self._streams[request_id] = stream
+        return self._iterate(stream)
+
+    def _iterate(self, stream: RequestStream) -> Iterator[RequestOutput]:
+        try:
+            yield from stream.outputs()
+        finally:
+            with self._lock:
+                self._streams.pop(stream.request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self.runtime.abort(stream)
+
+    def close(self) -> None:
+        self.runtime.shutdown()

@@ -1,0 +1,73 @@
+"""Actors land by resources: on a simulated multi-node Ray cluster (`ray.cluster_utils.Cluster`)
+where only one node has the `grace_cpu` resource, drafters that ask for it run there, and the
+verifier runs elsewhere; asking for a resource no node has fails with a clear error."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from cluster.config import from_dict
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def multi_node() -> Iterator[object]:
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=1, resources={"gpu_node": 1})
+    grace = cluster.add_node(num_cpus=2, resources={"grace_cpu": 2})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="outrider", log_to_driver=False)
+    yield grace
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_drafters_land_on_the_grace_node(multi_node) -> None:  # type: ignore[no-untyped-def]
+    from cluster.runtime import Runtime
+
+    config = from_dict(
+        {
+            "dtype": "float32",
+            "speculative": {"method": "ngram"},
+            "pools": {
+                "prefill": {"replicas": 0},
+                "verifier": {"resources": {"cpus": 1, "custom": {"gpu_node": 1}}},
+                "drafter": {
+                    "replicas": 2,
+                    "method": "ngram",
+                    "resources": {"cpus": 1, "custom": {"grace_cpu": 1}},
+                },
+            },
+        }
+    )
+    runtime = Runtime.start(config)
+    try:
+        info = runtime.actor_info()
+        assert {d["node_id"] for d in info["drafters"]} == {multi_node.node_id}
+        assert info["verifiers"][0]["node_id"] != multi_node.node_id
+    finally:
+        runtime.shutdown()
+
+
+def test_unsatisfiable_placement_is_a_clear_error(multi_node) -> None:  # type: ignore[no-untyped-def]
+    from cluster.runtime import PlacementError, Runtime
+
+    config = from_dict(
+        {
+            "pools": {
+                "prefill": {"replicas": 0},
+                "drafter": {"replicas": 1, "resources": {"custom": {"tpu_v9": 1}}},
+            }
+        }
+    )
+    with pytest.raises(PlacementError, match="tpu_v9"):
+        Runtime.start(config, placement_timeout_s=3)
