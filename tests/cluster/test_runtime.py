@@ -37,6 +37,7 @@ def deployment(method: str, drafters: int, **drafter: object) -> DeploymentConfi
                 "drafter": {"replicas": drafters, "method": method, **drafter},
             },
             "ray": {"dashboard_port": 8265},
+            "telemetry": {"exporter": "memory"},
         }
     )
 
@@ -77,6 +78,34 @@ def test_eagle_pool_is_exact_and_drafts(eagle_runtime, prompts, expected) -> Non
     info = eagle_runtime.actor_info()
     assert [d["name"] for d in info["drafters"]] == ["drafter-0", "drafter-1"]
     assert {d["pid"] for d in info["drafters"]}.isdisjoint({v["pid"] for v in info["verifiers"]})
+
+
+def test_a_span_per_request_and_round_across_ray_calls(eagle_runtime, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    from cluster import telemetry
+
+    stream = eagle_runtime.submit(prompts[0], GREEDY, RequestSpec(method="eagle"))
+    assert [t for chunk in stream for t in chunk] == expected[0]
+    (request,) = [
+        s
+        for s in telemetry.finished_spans()
+        if s["name"] == "outrider.request"
+        and s["attributes"]["outrider.request_id"] == stream.request_id
+    ]
+    assert request["attributes"]["outrider.output_tokens"] == len(expected[0])
+    spans = ray.get(eagle_runtime.verifiers[0].finished_spans.remote())
+    mine = [s for s in spans if s["attributes"].get("outrider.request_id") == stream.request_id]
+    assert mine and all(
+        s["trace_id"] == request["trace_id"] and s["parent_id"] == request["span_id"] for s in mine
+    )
+    assert [s for s in mine if s["name"] == "outrider.prefill"]
+    rounds = [s for s in mine if s["name"] == "outrider.verify_round"]
+    assert len(rounds) >= 2
+    keys = {"outrider.spec.method", "outrider.spec.k", "outrider.spec.accepted"}
+    keys |= {"outrider.draft_s", "outrider.verify_s", "outrider.bytes_moved"}
+    assert all(keys <= set(s["attributes"]) for s in rounds)
+    assert {s["attributes"]["outrider.spec.method"] for s in rounds} == {"eagle"}
+    assert sum(s["attributes"]["outrider.spec.accepted"] for s in rounds) > 0
+    assert sum(s["attributes"]["outrider.bytes_moved"] for s in mine) > 0
 
 
 def test_killing_a_drafter_mid_stream_keeps_the_output(eagle_runtime, prompts, expected) -> None:  # type: ignore[no-untyped-def]
@@ -122,3 +151,31 @@ def test_draft_model_pool_is_exact(prompts, expected) -> None:  # type: ignore[n
         assert stats["spec"]["drafted"] > 0
     finally:
         runtime.shutdown()
+
+
+def test_http_server_over_the_runtime(eagle_runtime, checkpoint, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    """The OpenAI-compatible server serves the disaggregated runtime as it serves an engine."""
+    import threading
+
+    from cluster.runtime import RuntimeLoop
+    from router.simple_server import make_server_for
+    from tests.model.test_cli_and_server import post
+
+    httpd = make_server_for(
+        RuntimeLoop(eagle_runtime), checkpoint.tokenizer, "smol", "127.0.0.1", 0
+    )
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions"
+        body = {"model": "smol", "prompt": TEXTS[0], "max_tokens": 24, "temperature": 0}
+        status, out, _ = post(url, {**body, "speculative": {"method": "eagle"}})
+        assert status == 200
+        assert out["choices"][0]["text"] == checkpoint.tokenizer.decode(expected[0])
+        assert out["usage"]["speculative"]["verify_steps"] > 0
+        status, _, raw = post(url, {**body, "stream": True})
+        assert status == 200 and raw.rstrip().endswith("data: [DONE]")
+        status, err, _ = post(url, {**body, "speculative": {"method": "nonsense"}})
+        assert status == 400 and "speculative" in err["error"]["message"]
+    finally:
+        httpd.shutdown()

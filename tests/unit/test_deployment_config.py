@@ -1,0 +1,90 @@
+"""The deployment config: YAML in, one typed object out, every error naming its field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, DeploymentConfig, from_dict, load_config
+
+
+def test_defaults_are_valid_and_round_trip_through_yaml(tmp_path: Path) -> None:
+    config = DeploymentConfig()
+    path = tmp_path / "deploy.yaml"
+    path.write_text(config.to_yaml())
+    assert load_config(path) == config
+    assert load_config(None) == config
+
+
+def test_a_file_sets_nested_fields(tmp_path: Path) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_text(
+        "dtype: float32\n"
+        "pools:\n"
+        "  verifier: {groups: 2, tensor_parallel_size: 4, resources: {gpus: 1}}\n"
+        "  drafter: {replicas: 3, method: draft_model, draft_layers: 8,\n"
+        "            resources: {cpus: 2, custom: {grace_cpu: 1}}}\n"
+        "redis: {url: 'rediss://cache:6380/0', tls: true}\n"
+    )
+    config = load_config(path)
+    assert config.dtype == "float32"
+    assert (config.pools.verifier.groups, config.pools.verifier.tensor_parallel_size) == (2, 4)
+    assert config.pools.verifier.resources.gpus == 1.0
+    assert config.pools.drafter.resources.custom == {"grace_cpu": 1.0}
+    assert config.pools.drafter.draft_layers == 8
+    assert config.redis.tls
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"pools": {"verifier": {"tensor_parallel_size": 3}}},
+            "pools.verifier.tensor_parallel_size",
+        ),
+        ({"pools": {"drafter": {"replicas": "two"}}}, "pools.drafter.replicas: must be an integer"),
+        ({"pools": {"drafter": {"method": "medusa"}}}, "pools.drafter.method"),
+        ({"dtype": "int4"}, "dtype"),
+        ({"bogus": 1}, "config: unknown setting(s) bogus"),
+        ({"pools": {"prefill": {"gpu": 1}}}, "pools.prefill: unknown setting(s) gpu"),
+        ({"router": {"port": 70000}}, "router.port"),
+        ({"router": {"grpc_port": 8000}}, "router.grpc_port: must differ"),
+        ({"redis": {"url": "http://redis"}}, "redis.url"),
+        ({"pools": {"drafter": {"resources": {"custom": {"grace_cpu": 0}}}}}, "custom.grace_cpu"),
+        ({"speculative": {"adaptive": "yes"}}, "speculative.adaptive: must be true or false"),
+        ({"engine": []}, "engine: must be a mapping"),
+        ({"telemetry": {"exporter": "jaeger"}}, "telemetry.exporter"),
+    ],
+)
+def test_bad_settings_name_the_field(raw: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ConfigError) as err:
+        from_dict(raw)
+    assert message in str(err.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("pools: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listed)
+
+
+def test_overrides_apply_dotted_keys_and_skip_unset_flags() -> None:
+    config = from_dict({"dtype": "float32", "pools": {"drafter": {"replicas": 2}}})
+    changed = config.with_overrides(
+        {"pools.verifier.groups": 3, "dtype": None, "speculative.method": "ngram"}
+    )
+    assert changed.pools.verifier.groups == 3
+    assert changed.dtype == "float32"  # None: the flag was not given
+    assert changed.pools.drafter.replicas == 2
+    with pytest.raises(ConfigError, match=r"pools\.verifier\.gpus: no such setting"):
+        config.with_overrides({"pools.verifier.gpus": 1})
+    with pytest.raises(ConfigError, match=r"pools\.verifier\.groups"):
+        config.with_overrides({"pools.verifier.groups": 0})
