@@ -439,7 +439,7 @@ def main() -> None:
             single,
             "### Concurrent requests",
             "Requests cycle over the three prompts and start together. Speculation switches off "
-            "from 8 decoding sequences (`disable_batch_size`).",
+            "from 8 unfinished requests (`disable_batch_size`).",
             multi,
             "### Against transformers",
             "transformers runs the same dense bf16 weights (`generate`, `prompt_lookup_num_tokens"

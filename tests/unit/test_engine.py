@@ -217,3 +217,33 @@ def test_calibrated_verify_costs_have_the_right_shape(model: TransformerLM) -> N
         model, EngineConfig(max_model_len=512, spec=fixed), drafters={"ngram": NgramDrafter()}
     )
     assert eng.speculator.verify_costs == (1.0, 1.1)
+
+
+def test_waiting_requests_count_toward_the_speculation_cutoff(model: TransformerLM) -> None:
+    """One sequence decodes while three more wait: with disable_batch_size 3 nobody drafts until
+    the queue has drained below the cutoff; then drafting starts, and the output is the same."""
+    ps = prompts(4, seed=7)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = reference(model, ps, params)
+    futures = {tuple(p): e + [0] * 20 for p, e in zip(ps, expected, strict=True)}
+    spec = SpecConfig(
+        method="ngram", num_speculative_tokens=2, adaptive=False, disable_batch_size=3
+    )
+    eng = LLMEngine(
+        model,
+        EngineConfig(max_model_len=512, max_num_seqs=1, spec=spec),  # one runs, three wait
+        drafters={"ngram": OracleDrafter(futures)},
+    )
+    drafted_while_queued = []
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", p, params)
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
+    while eng.has_unfinished_requests():
+        before = eng.stats.drafted
+        queued = eng.scheduler.num_unfinished
+        for out in eng.step():
+            outputs[out.request_id] += out.new_token_ids
+        drafted_while_queued.append((queued, eng.stats.drafted - before))
+    assert [outputs[f"r{i}"] for i in range(len(ps))] == expected
+    assert all(drafted == 0 for queued, drafted in drafted_while_queued if queued >= 3)
+    assert any(drafted > 0 for queued, drafted in drafted_while_queued if queued < 3)

@@ -168,7 +168,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start_ns, start = time.time_ns(), time.perf_counter()
-        self.speculator.propose(self.scheduler.decoding())
+        self.speculator.propose(self.scheduler.decoding(), self.scheduler.num_unfinished)
         drafted = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.seqs:

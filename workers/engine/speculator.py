@@ -6,7 +6,8 @@ k + 1 tokens, measured at start-up: workers/engine/calibration.py) plus k draft 
 drafter's cost (zero for n-gram drafters, measured for a draft model). Each request gets the k
 in 0..k_max that maximizes E(k) / cost(k) for its own measured a (a prior of 1/2 until it has
 history). Verification is only nearly free while the batch is small: from `disable_batch_size`
-decoding sequences on, nobody speculates, so speculation never makes a large load slower. A
+unfinished requests on (decoding, prefilling or waiting), nobody speculates, so speculation never
+makes a large load slower. A
 request held at k = 0 still tries one draft token now and then (rarely for a draft model,
 which must first catch up on everything committed since its last draft).
 """
@@ -141,13 +142,17 @@ class Speculator:
         if seq.spec_method != "none":
             self.drafters[seq.spec_method].remove(seq.request_id)
 
-    def propose(self, decoding: Iterable[Sequence]) -> None:
-        """Set `seq.draft` for every decoding sequence (empty where it should not speculate)."""
+    def propose(self, decoding: Iterable[Sequence], batch_size: int | None = None) -> None:
+        """Set `seq.draft` for every decoding sequence (empty where it should not speculate).
+        `batch_size` is the load speculation is judged by (default: the decoding sequences);
+        the engine counts every unfinished request, so a burst of arrivals turns speculation
+        off before they all decode rather than after."""
         seqs = list(decoding)
+        load = len(seqs) if batch_size is None else batch_size
         by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
         for seq in seqs:
             seq.draft = EMPTY_DRAFT
-            k = self.num_draft_tokens(seq, len(seqs))
+            k = self.num_draft_tokens(seq, load)
             if k > 0:
                 request = DraftRequest(seq.request_id, len(seq.token_ids), k)
                 by_method.setdefault(seq.spec_method, []).append((seq, request))
