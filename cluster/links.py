@@ -40,6 +40,7 @@ class LinkAddress:
     host: str
     port: int
     backend: str  # "gloo" or "nccl"
+    world: int = 2  # a pair; a tensor-parallel group has one rank per member
 
 
 def node_address() -> str:
@@ -61,12 +62,13 @@ def backend_for(device: torch.device) -> str:
 
 
 class TensorLink:
-    """One end of a two-rank link (rank 0 hosts, rank 1 joins)."""
+    """One member of a link: rank 0 hosts, the others join. A pair (world 2) sends and
+    receives; any size all-reduces (the tensor-parallel group of a verifier)."""
 
     def __init__(self, address: LinkAddress, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.address = address
         self.rank = rank
-        self.peer = 1 - rank
+        self.peer = 1 - rank if address.world == 2 else -1
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._store: dist.Store | None = None
         self._group: Any = None  # ProcessGroupGloo or ProcessGroupNCCL
@@ -76,19 +78,30 @@ class TensorLink:
 
     @classmethod
     def host(
-        cls, link_id: str, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S
+        cls,
+        link_id: str,
+        backend: str = "gloo",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        world: int = 2,
     ) -> TensorLink:
-        """Open the store; `connect()` then completes the link once the peer joins."""
+        """Open the store; `connect()` then completes the link once the others join."""
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(node_address(), 0, 2, True, timeout=timeout, wait_for_workers=False)
-        link = cls(LinkAddress(link_id, node_address(), store.port, backend), 0, timeout_s)
+        store = dist.TCPStore(
+            node_address(), 0, world, True, timeout=timeout, wait_for_workers=False
+        )
+        address = LinkAddress(link_id, node_address(), store.port, backend, world)
+        link = cls(address, 0, timeout_s)
         link._store = store
         return link
 
     @classmethod
-    def join(cls, address: LinkAddress, timeout_s: float = DEFAULT_TIMEOUT_S) -> TensorLink:
-        link = cls(address, 1, timeout_s)
-        link._store = dist.TCPStore(address.host, address.port, 2, False, timeout=link.timeout)
+    def join(
+        cls, address: LinkAddress, timeout_s: float = DEFAULT_TIMEOUT_S, rank: int = 1
+    ) -> TensorLink:
+        link = cls(address, rank, timeout_s)
+        link._store = dist.TCPStore(
+            address.host, address.port, address.world, False, timeout=link.timeout
+        )
         link.connect()
         return link
 
@@ -100,9 +113,12 @@ class TensorLink:
             if self.address.backend == "nccl":
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self.timeout
-                self._group = dist.ProcessGroupNCCL(store, self.rank, 2, options)
+                world = self.address.world
+                self._group = dist.ProcessGroupNCCL(store, self.rank, world, options)
             else:
-                self._group = dist.ProcessGroupGloo(store, self.rank, 2, self.timeout)
+                self._group = dist.ProcessGroupGloo(
+                    store, self.rank, self.address.world, self.timeout
+                )
         except RuntimeError as err:
             raise LinkError(f"link {self.address.link_id}: could not connect: {err}") from err
 
@@ -133,6 +149,11 @@ class TensorLink:
         out = torch.empty(shape, dtype=dtype, device=device)
         self._wait(self._require().recv([out], self.peer, 0))
         return out
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over every member, in place (and returned)."""
+        self._wait(self._require().allreduce([tensor]))
+        return tensor
 
     def flush(self) -> None:
         """Wait for every send in flight."""

@@ -122,6 +122,7 @@ class ShardedDrafter(Drafter):
         self.method = shards[0].method
         self.hidden_layers = shards[0].hidden_layers
         self._owner: dict[str, RemoteDrafter] = {}
+        self._served: dict[str, str] = {}  # request -> shard name, kept until asked for
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         load = {id(s): 0 for s in self.shards}
@@ -129,6 +130,7 @@ class ShardedDrafter(Drafter):
             load[id(shard)] += 1
         shard = min(self.shards, key=lambda s: load[id(s)])
         self._owner[request_id] = shard
+        self._served[request_id] = shard.name
         shard.add(request_id, prompt_token_ids, params)
 
     def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
@@ -138,8 +140,8 @@ class ShardedDrafter(Drafter):
         self._owner[request_id].commit(request_id, token_ids)
 
     def owner_name(self, request_id: str) -> str | None:
-        shard = self._owner.get(request_id)
-        return None if shard is None else shard.name
+        """The shard that drafted for the request (once: the record is dropped)."""
+        return self._served.pop(request_id, None)
 
     def remove(self, request_id: str) -> None:
         shard = self._owner.pop(request_id, None)

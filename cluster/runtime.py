@@ -22,22 +22,28 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from opentelemetry import propagate, trace
 
 from cluster import telemetry
 from cluster.config import DeploymentConfig, Resources, from_dict
+from cluster.links import TensorLink
+from cluster.prefill import PrefillWorker, plan_for, receive
 from cluster.remote_drafting import DrafterWorker, RemoteDrafter, ShardedDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
-from workers.engine.llm_engine import RequestOutput
+from workers.engine.llm_engine import Prefilled, RequestOutput
+from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
+from workers.kv_cache import PagedKVCache
+from workers.model.tensor_parallel import build_sharded_model
 
 RAY_NAMESPACE = "outrider"
 DRAFT_DEADLINE_S = 1.0
@@ -127,10 +133,128 @@ class DrafterActor:
         return self.worker.step(message)
 
 
+class PrefillActor:
+    """Ray actor body of a prefill worker."""
+
+    def __init__(self, config: dict[str, Any], name: str) -> None:
+        import ray
+        import torch
+
+        from workers.model.loader import build_model, load_checkpoint, parse_dtype
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+        torch.set_num_threads(max(1, int(cpus)))
+        deployment = from_dict(config)
+        self.name = name
+        model = build_model(load_checkpoint(deployment.model), dtype=parse_dtype(deployment.dtype))
+        self.worker = PrefillWorker(
+            model, deployment.engine.max_model_len, deployment.engine.block_size
+        )
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, **_where()}
+
+    def open_link(self, address: Any) -> None:
+        self.worker.open_link(address)
+
+    def prefill(self, token_ids: list[int], hidden_layers: list[int]) -> dict[str, Any]:
+        return self.worker.prefill(token_ids, hidden_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the other ranks of a verifier group replay each step (plain data)."""
+
+    block_copies: list[tuple[int, int]]
+    seqs: list[SeqForward]
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: before each forward, the batch plan goes to the other ranks (in order,
+    one Ray call each, not awaited); the forward's all-reduces keep the ranks in step."""
+
+    def __init__(self, runner: ModelRunner, ranks: list[Any]) -> None:
+        super().__init__(runner.model, runner.kv_cache)
+        self.ranks = ranks
+        self._copies: list[tuple[int, int]] = []
+        self._pending: list[Any] = []
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self._copies += copies
+        super().copy_blocks(copies)
+
+    def forward(
+        self,
+        seqs: Sequence[SeqForward],
+        hidden_layers: Sequence[int] = (),
+        return_final_hidden: bool = False,
+    ) -> RunnerOutput:
+        import ray
+
+        # The other ranks need no logits: only rank 0 samples.
+        plan = StepPlan(self._copies, [replace(s, num_logits=0) for s in seqs])
+        self._copies = []
+        self._pending = [r for r in self._pending if not _done(r)]
+        self._pending += [rank.step.remote(plan) for rank in self.ranks]
+        if len(self._pending) > 64 * len(self.ranks):  # a rank fell far behind, or failed
+            ray.get(self._pending.pop(0), timeout=60)
+        return super().forward(seqs, hidden_layers, return_final_hidden)
+
+
+def _done(ref: Any) -> bool:
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=0)
+    if ready:
+        ray.get(ref)  # raises what the rank raised
+    return bool(ready)
+
+
+class VerifierRankActor:
+    """Ray actor body of rank r > 0 of a tensor-parallel verifier group: its slice of the
+    target and of the KV cache; it replays rank 0's batch plans."""
+
+    def __init__(self, config: dict[str, Any], name: str, rank: int, world: int) -> None:
+        import ray
+        import torch
+
+        from workers.model.loader import load_checkpoint, parse_dtype
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+        torch.set_num_threads(max(1, int(cpus)))
+        deployment = from_dict(config)
+        self.name, self.rank, self.world = name, rank, world
+        checkpoint = load_checkpoint(deployment.model)
+        model = build_sharded_model(checkpoint, rank, world, None, parse_dtype(deployment.dtype))
+        blocks = _engine_config(deployment).kv_blocks
+        block_size = deployment.engine.block_size
+        cache = PagedKVCache(model.config, blocks, block_size, model.dtype, model.device)
+        self.runner = ModelRunner(model, cache)
+        self.link: TensorLink | None = None
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "rank": self.rank, **_where()}
+
+    def join_group(self, address: Any) -> None:
+        self.link = TensorLink.join(address, timeout_s=60.0, rank=self.rank)
+        self.runner.model.reduce = self.link.all_reduce
+
+    def step(self, plan: StepPlan) -> None:
+        self.runner.copy_blocks(plan.block_copies)
+        self.runner.forward(plan.seqs)
+
+
 class VerifierActor:
     """Ray actor body of a verifier (rank 0 of its group; TP = 1 for now)."""
 
-    def __init__(self, config: dict[str, Any], name: str, drafter_names: list[str]) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        name: str,
+        drafter_names: list[str],
+        prefill_names: list[str] | None = None,
+        rank_names: list[str] | None = None,
+    ) -> None:
         import ray
         import torch
 
@@ -154,19 +278,121 @@ class VerifierActor:
             ]
             self.drafters = ShardedDrafter(shards)
             remote[infos[0]["method"]] = (self.drafters, max(i["cost"] for i in infos))
-        loaded = build_engine(_model_spec(deployment), _engine_config(deployment), False, remote)
+        self.rank_names = list(rank_names or [])
+        world = 1 + len(self.rank_names)
+        loaded = build_engine(
+            _model_spec(deployment),
+            _engine_config(deployment),
+            False,
+            remote,
+            lambda checkpoint, dtype: build_sharded_model(checkpoint, 0, world, None, dtype),
+        )
+        if world > 1:
+            self._join_group(loaded.engine, world)
         self.tokenizer = loaded.tokenizer
         loaded.engine.step_listeners.append(self.rounds)
         self.loop = EngineLoop(loaded.engine)
+        self.dtype = deployment.dtype
+        self.min_remote_prompt = deployment.pools.prefill.min_remote_prompt_tokens
+        # Remote prefill writes whole-model K/V; a tensor-parallel group prefills itself.
+        self.prefill_names = list(prefill_names or []) if world == 1 else []
+        self.prefill_actors = [
+            ray.get_actor(n, namespace=RAY_NAMESPACE) for n in self.prefill_names
+        ]
+        self.prefill_links: list[TensorLink | None] = [None] * len(self.prefill_names)
+        self.prefill_locks = [asyncio.Lock() for _ in self.prefill_names]
+        self.prefill_stats = {"remote": 0, "local": 0, "failures": 0, "bytes": 0}
+        self._next_prefill = 0
+        self._prefilled_by: dict[str, str] = {}
+
+    def _join_group(self, engine: Any, world: int) -> None:
+        """Build the group over this verifier's ranks and make rank 0's forwards lead it."""
+        import ray
+
+        ranks = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in self.rank_names]
+        group = TensorLink.host(f"{self.name}-tp", timeout_s=60.0, world=world)
+        joined = [r.join_group.remote(group.address) for r in ranks]
+        group.connect()
+        ray.get(joined, timeout=120)
+        engine.runner.model.reduce = group.all_reduce
+        engine.runner = TensorParallelRunner(engine.runner, ranks)
+        self.group = group
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "drafters": self.drafter_names, **_where()}
+        return {
+            "name": self.name,
+            "drafters": self.drafter_names,
+            "prefill": self.prefill_names,
+            "ranks": self.rank_names,
+            **_where(),
+        }
 
     def _served_by(self, request_id: str) -> dict[str, Any]:
         remote = getattr(self, "drafters", None)
         drafter = None if remote is None else remote.owner_name(request_id)
-        # Prompts prefill on the verifier until the prefill pool exists.
-        return {"prefill": None, "verifier": [self.name], "drafter": drafter}
+        prefill = self._prefilled_by.pop(request_id, None)
+        return {"prefill": prefill, "verifier": [self.name, *self.rank_names], "drafter": drafter}
+
+    def _prefill_link(self, index: int) -> TensorLink:
+        """The link to prefill worker `index`, (re)built when missing or broken."""
+        import ray
+
+        link = self.prefill_links[index]
+        if link is None or not link.connected:
+            link = TensorLink.host(f"{self.name}-{self.prefill_names[index]}", timeout_s=120.0)
+            joined: Any = self.prefill_actors[index].open_link.remote(link.address)
+            link.connect()
+            ray.get(joined, timeout=60)
+            self.prefill_links[index] = link
+        return link
+
+    async def _remote_prefill(
+        self, request_id: str, prompt_ids: list[int], spec: RequestSpec, carrier: Any
+    ) -> Prefilled | None:
+        """The prompt but its last token, computed by a prefill worker; None to prefill here."""
+        if not self.prefill_actors or len(prompt_ids) - 1 < max(1, self.min_remote_prompt):
+            self.prefill_stats["local"] += 1
+            return None
+        engine = self.loop.engine
+        try:
+            method, _ = engine.speculator.resolve(spec)
+        except ValueError:
+            return None  # the engine rejects the request itself, with the message
+        drafter = engine.speculator.drafters.get(method)
+        layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        index = self._next_prefill % len(self.prefill_actors)
+        self._next_prefill += 1
+        plan = plan_for(engine.runner.model.config, len(prompt_ids) - 1, layers, self.dtype)
+        span = telemetry.tracer().start_span(
+            "outrider.kv_transfer", context=telemetry.extract(carrier)
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            async with self.prefill_locks[index]:
+                link = await loop.run_in_executor(None, self._prefill_link, index)
+                ref: Any = self.prefill_actors[index].prefill.remote(prompt_ids[:-1], layers)
+                kv, hidden = await loop.run_in_executor(None, receive, link, plan)
+                timing = await ref
+        except Exception:
+            self.prefill_stats["failures"] += 1
+            self.prefill_links[index] = None
+            span.end()
+            return None
+        span.set_attributes(
+            {
+                "outrider.request_id": request_id,
+                "outrider.prefill_worker": self.prefill_names[index],
+                "outrider.prefill_tokens": plan.num_tokens,
+                "outrider.bytes_moved": timing["bytes"],
+                "outrider.prefill.compute_s": round(timing["compute_s"], 6),
+                "outrider.prefill.transfer_s": round(timing["transfer_s"], 6),
+            }
+        )
+        span.end()
+        self.prefill_stats["remote"] += 1
+        self.prefill_stats["bytes"] += timing["bytes"]
+        self._prefilled_by[request_id] = self.prefill_names[index]
+        return Prefilled(kv, hidden or None)
 
     def stats(self) -> dict[str, Any]:
         engine_stats = self.loop.engine.stats
@@ -174,6 +400,7 @@ class VerifierActor:
         return {
             "spec": engine_stats.as_dict(),
             "remote_drafting": None if remote is None else asdict(remote.stats),
+            "prefill": dict(self.prefill_stats),
         }
 
     def finished_spans(self) -> list[dict[str, Any]]:
@@ -189,8 +416,10 @@ class VerifierActor:
     ) -> AsyncIterator[dict[str, Any]]:
         """Streams one dict per engine step that produced tokens for the request."""
         self.rounds.start(request_id, trace_carrier)
+        request_spec = RequestSpec(**spec)
+        prefilled = await self._remote_prefill(request_id, prompt_ids, request_spec, trace_carrier)
         outputs = self.loop.submit(
-            request_id, prompt_ids, SamplingParams(**params), RequestSpec(**spec)
+            request_id, prompt_ids, SamplingParams(**params), request_spec, prefilled
         )
         loop = asyncio.get_running_loop()
         finished = False
@@ -271,6 +500,17 @@ def _setup_tracing(config: DeploymentConfig) -> None:
     telemetry.setup_tracing(t.exporter, t.otlp_endpoint, t.service_name)
 
 
+def _cpus_needed(config: DeploymentConfig) -> float:
+    pools = config.pools
+    return (
+        pools.prefill.replicas * pools.prefill.resources.cpus
+        + pools.verifier.groups
+        * pools.verifier.tensor_parallel_size
+        * pools.verifier.resources.cpus
+        + pools.drafter.replicas * pools.drafter.resources.cpus
+    )
+
+
 def _bundle(resources: Resources) -> dict[str, float]:
     bundle = {"CPU": resources.cpus, **resources.custom}
     if resources.gpus:
@@ -289,6 +529,9 @@ class Runtime:
     drafter_names: list[str]
     placement_groups: list[Any]
     owns_ray: bool
+    prefills: list[Any] = field(default_factory=list)
+    prefill_names: list[str] = field(default_factory=list)
+    ranks: list[Any] = field(default_factory=list)  # verifier ranks > 0
     _ids: Iterator[int] = field(default_factory=itertools.count)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -308,6 +551,10 @@ class Runtime:
         address = address or config.ray.address
         _setup_tracing(config)
         owns = not ray.is_initialized()
+        if owns and address is None and num_cpus is None:
+            # A local cluster gets at least the CPUs its pools ask for: on a small machine the
+            # actors share cores (logical CPUs), which is what a laptop deployment wants.
+            num_cpus = max(os.cpu_count() or 1, math.ceil(_cpus_needed(config)))
         if owns:
             ray.init(
                 address=address,
@@ -320,7 +567,9 @@ class Runtime:
             )
         groups: list[Any] = []
         drafters: list[Any] = []
+        prefills: list[Any] = []
         verifiers: list[Any] = []
+        ranks: list[Any] = []
         try:
             plain = config.to_dict()
             pools = config.pools
@@ -346,16 +595,51 @@ class Runtime:
                         ).remote(plain, name)
                     )
                 ray.get([d.info.remote() for d in drafters], timeout=300)
+            prefill_names = [f"prefill-{i}" for i in range(pools.prefill.replicas)]
+            if prefill_names:
+                bundles = [_bundle(pools.prefill.resources)] * len(prefill_names)
+                pg = placement_group(bundles, strategy="SPREAD")
+                _wait_placed(pg, "prefill", bundles, placement_timeout_s)
+                groups.append(pg)
+                pcls: Any = ray.remote(PrefillActor)
+                for i, name in enumerate(prefill_names):
+                    prefills.append(
+                        pcls.options(
+                            name=name,
+                            namespace=RAY_NAMESPACE,
+                            max_restarts=-1,
+                            num_cpus=pools.prefill.resources.cpus,
+                            num_gpus=pools.prefill.resources.gpus,
+                            resources=dict(pools.prefill.resources.custom),
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i),
+                        ).remote(plain, name)
+                    )
+                ray.get([p.info.remote() for p in prefills], timeout=300)
             verifier_names: list[str] = []
             vcls: Any = ray.remote(VerifierActor)
             for g in range(pools.verifier.groups):
                 name = f"verifier-g{g}-r0"
-                bundles = [_bundle(pools.verifier.resources)]
+                tp = pools.verifier.tensor_parallel_size
+                bundles = [_bundle(pools.verifier.resources)] * tp
                 pg = placement_group(bundles, strategy="PACK")
                 _wait_placed(pg, "verifier", bundles, placement_timeout_s)
                 groups.append(pg)
+                rank_names = [f"verifier-g{g}-r{r}" for r in range(1, tp)]
+                rcls: Any = ray.remote(VerifierRankActor)
+                for r, rank_name in enumerate(rank_names, start=1):
+                    ranks.append(
+                        rcls.options(
+                            name=rank_name,
+                            namespace=RAY_NAMESPACE,
+                            num_cpus=pools.verifier.resources.cpus,
+                            num_gpus=pools.verifier.resources.gpus,
+                            resources=dict(pools.verifier.resources.custom),
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r),
+                        ).remote(plain, rank_name, r, tp)
+                    )
                 # Each verifier group drafts with its share of the drafter pool.
                 mine = drafter_names[g :: pools.verifier.groups]
+                my_prefills = prefill_names[g :: pools.verifier.groups]
                 verifiers.append(
                     vcls.options(
                         name=name,
@@ -365,15 +649,26 @@ class Runtime:
                         num_gpus=pools.verifier.resources.gpus,
                         resources=dict(pools.verifier.resources.custom),
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-                    ).remote(plain, name, mine)
+                    ).remote(plain, name, mine, my_prefills, rank_names)
                 )
                 verifier_names.append(name)
             ray.get([v.info.remote() for v in verifiers], timeout=300)
         except BaseException:
-            partial = cls(config, verifiers, [], drafters, [], groups, owns)
+            partial = cls(config, verifiers, [], drafters, [], groups, owns, prefills, [], ranks)
             partial.shutdown()
             raise
-        return cls(config, verifiers, verifier_names, drafters, drafter_names, groups, owns)
+        return cls(
+            config,
+            verifiers,
+            verifier_names,
+            drafters,
+            drafter_names,
+            groups,
+            owns,
+            prefills,
+            prefill_names,
+            ranks,
+        )
 
     def submit(
         self,
@@ -420,13 +715,14 @@ class Runtime:
         return {
             "verifiers": ray.get([v.info.remote() for v in self.verifiers]),
             "drafters": ray.get([d.info.remote() for d in self.drafters]),
+            "prefill": ray.get([p.info.remote() for p in self.prefills]),
         }
 
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in [*self.verifiers, *self.drafters]:
+        for actor in [*self.verifiers, *self.ranks, *self.drafters, *self.prefills]:
             ray.kill(actor, no_restart=True)
         for pg in self.placement_groups:
             remove_placement_group(pg)

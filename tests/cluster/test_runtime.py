@@ -26,13 +26,14 @@ TEXTS = [
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
-def deployment(method: str, drafters: int, **drafter: object) -> DeploymentConfig:
+def deployment(method: str, drafters: int, prefill: int = 0, **drafter: object) -> DeploymentConfig:
     return from_dict(
         {
             "dtype": "float32",
             "speculative": {"method": method, "num_speculative_tokens": 4, "adaptive": False},
             "pools": {
-                "prefill": {"replicas": 0},
+                # Remote prefill for every prompt (no length threshold) when there is a worker.
+                "prefill": {"replicas": prefill, "min_remote_prompt_tokens": 1},
                 "verifier": {"resources": {"cpus": 1}},
                 "drafter": {"replicas": drafters, "method": method, **drafter},
             },
@@ -59,7 +60,7 @@ def expected(model_fp32, checkpoint, prompts) -> list[list[int]]:  # type: ignor
 def eagle_runtime() -> Iterator[object]:
     from cluster.runtime import Runtime
 
-    runtime = Runtime.start(deployment("eagle", drafters=2), num_cpus=3)
+    runtime = Runtime.start(deployment("eagle", drafters=2, prefill=1), num_cpus=4)
     yield runtime
     runtime.shutdown()
 
@@ -69,14 +70,26 @@ def run_all(runtime, prompts, method: str) -> list[list[int]]:  # type: ignore[n
     return [[t for chunk in s for t in chunk] for s in streams]
 
 
-def test_eagle_pool_is_exact_and_drafts(eagle_runtime, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+def test_eagle_pool_with_remote_prefill_is_exact_and_drafts(
+    eagle_runtime, prompts, expected
+) -> None:  # type: ignore[no-untyped-def]
+    """Every prompt prefills on the prefill worker (K/V into the verifier's blocks, hidden
+    states on to the EAGLE drafters), drafts come from two drafter actors."""
     assert run_all(eagle_runtime, prompts, "eagle") == expected
     (stats,) = eagle_runtime.verifier_stats()
     assert stats["spec"]["accepted"] > 0  # drafts came back from the drafter actors and held
     remote = stats["remote_drafting"]
     assert remote["feature_bytes"] > 0 and remote["failures"] == 0
+    assert stats["prefill"]["remote"] == len(prompts) and stats["prefill"]["failures"] == 0
+    assert stats["prefill"]["bytes"] > 0
     info = eagle_runtime.actor_info()
     assert [d["name"] for d in info["drafters"]] == ["drafter-0", "drafter-1"]
+    assert [p["name"] for p in info["prefill"]] == ["prefill-0"]
+    stream = eagle_runtime.submit(prompts[1], GREEDY, RequestSpec(method="eagle"))
+    assert [t for c in stream for t in c] == expected[1]
+    assert stream.served_by["prefill"] == "prefill-0"
+    assert stream.served_by["verifier"] == ["verifier-g0-r0"]
+    assert stream.served_by["drafter"] in ("drafter-0", "drafter-1")
     assert {d["pid"] for d in info["drafters"]}.isdisjoint({v["pid"] for v in info["verifiers"]})
 
 
@@ -97,7 +110,9 @@ def test_a_span_per_request_and_round_across_ray_calls(eagle_runtime, prompts, e
     assert mine and all(
         s["trace_id"] == request["trace_id"] and s["parent_id"] == request["span_id"] for s in mine
     )
-    assert [s for s in mine if s["name"] == "outrider.prefill"]
+    assert [s for s in mine if s["name"] == "outrider.prefill"]  # the last prompt token
+    (transfer,) = [s for s in mine if s["name"] == "outrider.kv_transfer"]
+    assert transfer["attributes"]["outrider.bytes_moved"] > 0
     rounds = [s for s in mine if s["name"] == "outrider.verify_round"]
     assert len(rounds) >= 2
     keys = {"outrider.spec.method", "outrider.spec.k", "outrider.spec.accepted"}
@@ -179,3 +194,26 @@ def test_http_server_over_the_runtime(eagle_runtime, checkpoint, prompts, expect
         assert status == 400 and "speculative" in err["error"]["message"]
     finally:
         httpd.shutdown()
+
+
+def test_tensor_parallel_verifier_is_exact(prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    """TP = 2 over gloo (SmolLM2's 3 KV heads split 2 + 1), with a remote EAGLE drafter."""
+    from cluster.runtime import Runtime
+
+    config = deployment("eagle", drafters=1, prefill=1).with_overrides(
+        {"pools.verifier.tensor_parallel_size": 2}
+    )
+    runtime = Runtime.start(config, num_cpus=4)
+    try:
+        assert run_all(runtime, prompts, "eagle") == expected
+        assert run_all(runtime, prompts[:2], "ngram") == expected[:2]
+        info = runtime.actor_info()
+        assert info["verifiers"][0]["ranks"] == ["verifier-g0-r1"]
+        stream = runtime.submit(prompts[2], GREEDY, RequestSpec(method="eagle"))
+        assert [t for c in stream for t in c] == expected[2]
+        assert stream.served_by["verifier"] == ["verifier-g0-r0", "verifier-g0-r1"]
+        assert stream.served_by["prefill"] is None  # a TP group prefills itself
+        (stats,) = runtime.verifier_stats()
+        assert stats["spec"]["accepted"] > 0
+    finally:
+        runtime.shutdown()

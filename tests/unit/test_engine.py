@@ -247,3 +247,33 @@ def test_waiting_requests_count_toward_the_speculation_cutoff(model: Transformer
     assert [outputs[f"r{i}"] for i in range(len(ps))] == expected
     assert all(drafted == 0 for queued, drafted in drafted_while_queued if queued >= 3)
     assert any(drafted > 0 for queued, drafted in drafted_while_queued if queued < 3)
+
+
+def test_a_remote_prefill_lands_in_the_cache_and_changes_nothing(model: TransformerLM) -> None:
+    """A prefill worker's K/V (and hidden states) for all but the last prompt token, written
+    into the engine's blocks, give the same tokens as prefilling here."""
+    from cluster.prefill import PrefillWorker
+    from workers.engine.llm_engine import Prefilled
+
+    ps = prompts(3, seed=11)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = reference(model, ps, params)
+    worker = PrefillWorker(model, max_model_len=256, block_size=8)
+    eng = engine(model, block_size=8)
+    for i, p in enumerate(ps):
+        kv, hidden = worker.compute(p[:-1], hidden_layers=(1,))
+        assert kv.shape == (2, 2, len(p) - 1, 2, 8) and hidden[1].shape == (len(p) - 1, 32)
+        eng.add_request(f"r{i}", p, params, prefilled=Prefilled(kv))
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
+    computed_prompt_tokens = 0
+    while eng.has_unfinished_requests():
+        scheduled = eng.scheduler.running + list(eng.scheduler.waiting)
+        computed_prompt_tokens += sum(
+            s.num_uncomputed_tokens for s in scheduled if not s.output_token_ids
+        )
+        for out in eng.step():
+            outputs[out.request_id] += out.new_token_ids
+    assert [outputs[f"r{i}"] for i in range(len(ps))] == expected
+    assert computed_prompt_tokens == len(ps)  # only each prompt's last token ran here
+    with pytest.raises(ValueError, match="shorter than the prompt"):
+        eng.add_request("whole", ps[0], params, prefilled=Prefilled(worker.compute(ps[0], ())[0]))

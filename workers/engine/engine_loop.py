@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from workers.engine.config import RequestSpec
-from workers.engine.llm_engine import LLMEngine, RequestOutput
+from workers.engine.llm_engine import LLMEngine, Prefilled, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -25,6 +25,7 @@ class _Submit:
     params: SamplingParams
     spec: RequestSpec | None
     outputs: queue.Queue[RequestOutput | Exception]
+    prefilled: Prefilled | None = None
 
 
 class EngineLoop:
@@ -43,10 +44,11 @@ class EngineLoop:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         spec: RequestSpec | None = None,
+        prefilled: Prefilled | None = None,
     ) -> Iterator[RequestOutput]:
         """Outputs of the request as the engine produces them; raises ValueError if rejected."""
         outputs: queue.Queue[RequestOutput | Exception] = queue.Queue()
-        self._inbox.put(_Submit(request_id, prompt_token_ids, params, spec, outputs))
+        self._inbox.put(_Submit(request_id, prompt_token_ids, params, spec, outputs, prefilled))
         self._wake.set()
         return self._iterate(outputs)
 
@@ -102,7 +104,7 @@ class EngineLoop:
                 continue
             try:
                 self.engine.add_request(
-                    item.request_id, item.prompt_token_ids, item.params, item.spec
+                    item.request_id, item.prompt_token_ids, item.params, item.spec, item.prefilled
                 )
             except ValueError as exc:
                 item.outputs.put(exc)

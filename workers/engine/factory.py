@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
@@ -102,11 +105,17 @@ def build_engine(
     config: EngineConfig,
     progress: bool = True,
     remote_drafters: dict[str, tuple[Drafter, float]] | None = None,
+    build_target: Callable[[Checkpoint, torch.dtype], TransformerLM] | None = None,
 ) -> LoadedEngine:
     """The engine for `spec`; `remote_drafters` (method -> drafter, cost) replace the local
-    drafters of those methods (the Ray runtime's drafter pool)."""
+    drafters of those methods (the Ray runtime's drafter pool); `build_target` builds the
+    target from the checkpoint (a tensor-parallel rank's slice) instead of the whole model."""
     checkpoint = load_checkpoint(spec.model, progress=progress)
-    target = build_model(checkpoint, dtype=parse_dtype(spec.dtype))
+    dtype = parse_dtype(spec.dtype)
+    if build_target is None:
+        target = build_model(checkpoint, dtype=dtype)
+    else:
+        target = build_target(checkpoint, dtype)
     remote = remote_drafters or {}
     local_spec = spec
     if "draft_model" in remote:

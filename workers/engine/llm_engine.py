@@ -25,7 +25,7 @@ from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
 from workers.engine.verification import verify
-from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
+from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
 
@@ -42,6 +42,16 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     spec: SpecStats
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prompt prefix computed elsewhere (a prefill worker): the K/V of its first n tokens,
+    `[num_layers, 2, n, num_kv_heads, head_dim]`, and optionally those positions' hidden states
+    of some layers (for a feature-reading drafter)."""
+
+    kv: torch.Tensor
+    hidden: dict[int, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -128,8 +138,10 @@ class LLMEngine:
         prompt_token_ids: Seq[int],
         params: SamplingParams,
         spec: RequestSpec | None = None,
+        prefilled: Prefilled | None = None,
     ) -> None:
-        """Queue a request; raises ValueError for one that can never run."""
+        """Queue a request; raises ValueError for one that can never run. With `prefilled`,
+        the K/V of the prompt's first tokens go straight into the cache (remote prefill)."""
         if request_id in self._seqs:
             raise ValueError(f"request {request_id!r} already exists")
         if not prompt_token_ids:
@@ -140,6 +152,10 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
+        if prefilled is not None and not 0 < prefilled.kv.shape[2] < len(prompt_token_ids):
+            raise ValueError(
+                f"a prefilled prefix must be shorter than the prompt, got {prefilled.kv.shape[2]}"
+            )
         method, max_spec_tokens = self.speculator.resolve(spec)
         seq = Sequence(
             request_id=request_id,
@@ -155,7 +171,23 @@ class LLMEngine:
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.speculator.add(seq)
+        if prefilled is not None:
+            self._load_prefilled(seq, prefilled)
         self.scheduler.add(seq)
+
+    def _load_prefilled(self, seq: Sequence, prefilled: Prefilled) -> None:
+        """Write a remote prefill's K/V into fresh blocks; without room, the prompt is simply
+        prefilled here instead."""
+        n = prefilled.kv.shape[2]
+        try:
+            seq.block_table.prepare_write(0, n)
+        except NoFreeBlocksError:
+            return
+        slots = torch.tensor(seq.block_table.slots(0, n), device=self.runner.model.device)
+        self.runner.kv_cache.write_slots(slots, prefilled.kv)
+        seq.num_computed_tokens = n
+        if prefilled.hidden:
+            self.speculator.observe_hidden(seq, 0, prefilled.hidden)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished id)."""
@@ -172,7 +204,7 @@ class LLMEngine:
         drafted = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.seqs:
-            self.runner.kv_cache.copy_blocks(batch.block_copies)
+            self.runner.copy_blocks(batch.block_copies)
             layers = self.speculator.hidden_layers(s.seq for s in batch.seqs)
             output = self.runner.forward([s.forward() for s in batch.seqs], hidden_layers=layers)
             results = verify(batch.seqs, output)

@@ -124,6 +124,10 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write block copies, before the forward that writes into the copies."""
+        self.kv_cache.copy_blocks(copies)
+
     @torch.inference_mode()
     def forward(
         self,

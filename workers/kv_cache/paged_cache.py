@@ -65,3 +65,18 @@ class PagedKVCache:
         src = torch.tensor([s for s, _ in copies], device=self.data.device)
         dst = torch.tensor([d for _, d in copies], device=self.data.device)
         self.data[:, :, dst] = self.data[:, :, src]
+
+    def write_slots(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Put K/V for n tokens (`[num_layers, 2, n, kv_heads, head_dim]`) into cache slots `slots`
+        (`[n]`, block * block_size + offset): how a remote prefill lands in this cache."""
+        layers, _, num_blocks, block_size, heads, dim = self.data.shape
+        if kv.shape != (layers, 2, slots.shape[0], heads, dim):
+            raise ValueError(f"K/V of shape {tuple(kv.shape)} does not fit this cache")
+        flat = self.data.view(layers, 2, num_blocks * block_size, heads, dim)
+        flat[:, :, slots] = kv.to(self.data.dtype)
+
+    def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """K/V of the tokens in `slots`, `[num_layers, 2, n, kv_heads, head_dim]` (contiguous)."""
+        layers, _, num_blocks, block_size, heads, dim = self.data.shape
+        flat = self.data.view(layers, 2, num_blocks * block_size, heads, dim)
+        return flat[:, :, slots].contiguous()

@@ -8,7 +8,7 @@ cache slots the caller chose, and attention reads each sequence's context throug
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -106,9 +106,12 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         plan: object,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend, plan)
+        h = h + (attn if reduce is None else reduce(attn))
+        mlp = self.mlp(self.post_attention_layernorm(h))
+        return h + (mlp if reduce is None else reduce(mlp))
 
 
 class TransformerLM(nn.Module):
@@ -127,6 +130,10 @@ class TransformerLM(nn.Module):
                 if config.tie_word_embeddings
                 else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             )
+        # Tensor parallelism: this rank holds a slice of the heads and of the MLP, and `reduce`
+        # sums the partial attention and MLP outputs over the group (workers/model/
+        # tensor_parallel.py). None: the whole model is here.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         # Rotary tables stay fp32 whatever the model dtype (so not buffers: .to(dtype) would cast).
         self._cos, self._sin = rope_cos_sin(
             config.head_dim, config.max_position_embeddings, config.rope_theta
@@ -194,7 +201,7 @@ class TransformerLM(nn.Module):
         hidden: dict[int, torch.Tensor] = {}
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta, self.attention, plan)
+            h = layer(h, cos, sin, kv_caches[i], meta, self.attention, plan, self.reduce)
             if i in wanted:
                 hidden[i] = h
         h = self.norm(h)

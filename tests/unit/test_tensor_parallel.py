@@ -1,0 +1,75 @@
+"""Tensor-parallel slices of a model, summed over a real gloo group (threads here, actors in
+tests/cluster), give the whole model's logits; uneven head splits included."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cluster.links import TensorLink
+from tests.factories import random_hf_weights, tiny_config
+from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.kv_cache import PagedKVCache
+from workers.model.loader import Checkpoint
+from workers.model.tensor_parallel import build_sharded_model, shard_config, split_evenly
+
+
+def test_split_evenly() -> None:
+    assert split_evenly(3, 2) == [range(0, 2), range(2, 3)]
+    assert split_evenly(1536, 2) == [range(0, 768), range(768, 1536)]
+    with pytest.raises(ValueError):
+        split_evenly(1, 2)
+
+
+def group(world: int) -> list[TensorLink]:
+    host = TensorLink.host(f"tp-{world}-{threading.get_ident()}", world=world, timeout_s=20)
+    links: dict[int, TensorLink] = {0: host}
+    threads = [
+        threading.Thread(
+            target=lambda r=r: links.setdefault(r, TensorLink.join(host.address, 20, r))
+        )
+        for r in range(1, world)
+    ]
+    for t in threads:
+        t.start()
+    host.connect()
+    for t in threads:
+        t.join()
+    return [links[r] for r in range(world)]
+
+
+@pytest.mark.parametrize(("kv_heads", "world"), [(2, 2), (3, 2), (4, 4)])
+def test_sharded_forward_matches_the_whole_model(kv_heads: int, world: int) -> None:
+    config = tiny_config(num_heads=2 * kv_heads, num_kv_heads=kv_heads, architecture="qwen2")
+    checkpoint = Checkpoint(config, random_hf_weights(config, seed=1), tokenizer=None)  # type: ignore[arg-type]
+    whole = build_sharded_model(checkpoint, 0, 1, None)
+    seqs = [
+        SeqForward([5, 9, 11, 3, 7], 0, [0, 1], num_logits=5),
+        SeqForward([4, 8], 0, [2], num_logits=2),
+    ]
+
+    def run(model) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        cache = PagedKVCache(model.config, 4, 4, torch.float32)
+        runner = ModelRunner(model, cache)
+        runner.forward(seqs)  # prefill
+        step = [SeqForward([13, 2], 5, [0, 1], num_logits=2), SeqForward([6], 2, [2])]
+        return runner.forward(step).output.logits
+
+    want = run(whole)
+    links = group(world)
+    results: dict[int, torch.Tensor] = {}
+
+    def rank(r: int) -> None:
+        model = build_sharded_model(checkpoint, r, world, links[r].all_reduce)
+        assert model.config == shard_config(config, r, world)
+        results[r] = run(model)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(world):
+        torch.testing.assert_close(results[r], want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,95 @@
+"""Tensor parallelism: one rank's slice of a llama-family model.
+
+Attention is split by KV heads (each rank keeps whole query groups, so GQA stays local) and the
+MLP by intermediate columns, Megatron style: q/k/v and gate/up projections are column-parallel
+(each rank computes its heads / its slice of the hidden MLP units), o_proj and down_proj are
+row-parallel (each rank produces a partial sum of the full hidden vector), and an all-reduce
+after each of the two sums them, so every rank holds the full residual stream. Embeddings,
+norms and the LM head are replicated. Slices may be uneven: SmolLM2-135M has 3 KV heads, so at
+TP = 2 one rank holds two query groups and the other one (the sums are the same).
+
+Each rank's KV cache holds only its KV heads; all ranks use the same block ids, so rank 0's
+scheduler decides for everyone and the other ranks replay its batch plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from workers.model.config import ModelConfig
+from workers.model.loader import Checkpoint
+from workers.model.transformer import TransformerLM
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    """`range(n)` in `parts` contiguous pieces, sizes differing by at most one."""
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} into {parts} non-empty parts")
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def shard_config(config: ModelConfig, rank: int, world: int) -> ModelConfig:
+    kv = split_evenly(config.num_kv_heads, world)[rank]
+    group = config.num_heads // config.num_kv_heads
+    inter = split_evenly(config.intermediate_size, world)[rank]
+    return replace(
+        config, num_heads=len(kv) * group, num_kv_heads=len(kv), intermediate_size=len(inter)
+    )
+
+
+def shard_weights(
+    weights: dict[str, torch.Tensor], config: ModelConfig, rank: int, world: int
+) -> dict[str, torch.Tensor]:
+    """This rank's weights, under the same Hugging Face names, sliced for `shard_config`."""
+    kv = split_evenly(config.num_kv_heads, world)[rank]
+    group, d = config.num_heads // config.num_kv_heads, config.head_dim
+    q_rows = torch.arange(kv.start * group * d, kv.stop * group * d)
+    kv_rows = torch.arange(kv.start * d, kv.stop * d)
+    inter = split_evenly(config.intermediate_size, world)[rank]
+    mlp_rows = torch.arange(inter.start, inter.stop)
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if ".self_attn.q_proj." in name:
+            out[name] = w.index_select(0, q_rows)
+        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            out[name] = w.index_select(0, kv_rows)
+        elif ".self_attn.o_proj." in name:
+            out[name] = w.index_select(1, q_rows)
+        elif ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
+            out[name] = w.index_select(0, mlp_rows)
+        elif ".mlp.down_proj." in name:
+            out[name] = w.index_select(1, mlp_rows)
+        else:
+            out[name] = w  # embeddings, norms, LM head: replicated
+    return out
+
+
+def build_sharded_model(
+    checkpoint: Checkpoint,
+    rank: int,
+    world: int,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> TransformerLM:
+    """Rank `rank` of `world`: its slice of the weights, and `reduce` (a sum over the group)
+    after the attention and MLP outputs. `reduce` may be set later (`model.reduce = ...`)."""
+    if world == 1:
+        model = TransformerLM(checkpoint.config)
+        model.load_hf_weights(checkpoint.weights)
+    else:
+        config = shard_config(checkpoint.config, rank, world)
+        model = TransformerLM(config)
+        model.load_hf_weights(shard_weights(checkpoint.weights, checkpoint.config, rank, world))
+    model = model.to(device=device, dtype=dtype).eval()
+    model.reduce = reduce
+    return model
