@@ -260,7 +260,16 @@ def _serve(args: argparse.Namespace) -> int:
         runtime, tokenizer, name = _start_runtime(args)
         loop = RuntimeLoop(runtime)
         server = make_server_for(loop, tokenizer, name, args.host, args.port)
-        print(f"Ray runtime up: {runtime.actor_info()}", flush=True)
+        info = runtime.actor_info()
+        names = [a["name"] for pool in info.values() for a in pool]
+        print(f"Ray runtime up: {', '.join(names)}", flush=True)
+        if runtime.owns_ray:
+            ray_cfg = runtime.config.ray
+            print(
+                f"Ray dashboard: http://{ray_cfg.dashboard_host}:{ray_cfg.dashboard_port} "
+                "(token authentication: the token is in ~/.ray/auth_token)",
+                flush=True,
+            )
         serve_forever(server, loop, name, args.host, args.port)
         return 0
     loaded = load(args)

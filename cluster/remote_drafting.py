@@ -27,6 +27,8 @@ from cluster.links import LinkAddress, LinkError, TensorLink
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.engine.sampling_params import SamplingParams
 
+MAX_SERVED_RECORDS = 10_000
+
 # Events, in the order the engine produced them (per sequence that order matters).
 Event = (
     tuple[str, str, list[int], SamplingParams]  # ("add", rid, prompt, params)
@@ -131,6 +133,8 @@ class ShardedDrafter(Drafter):
         shard = min(self.shards, key=lambda s: load[id(s)])
         self._owner[request_id] = shard
         self._served[request_id] = shard.name
+        if len(self._served) > MAX_SERVED_RECORDS:  # aborted requests are never asked about
+            del self._served[next(iter(self._served))]
         shard.add(request_id, prompt_token_ids, params)
 
     def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:

@@ -439,6 +439,7 @@ class VerifierActor:
                 }
         finally:
             self.rounds.finish(request_id)
+            self._prefilled_by.pop(request_id, None)
             if not finished:  # cancelled (client gone) or failed: free the request's blocks
                 self.loop.abort(request_id)
 
@@ -532,6 +533,7 @@ class Runtime:
     prefills: list[Any] = field(default_factory=list)
     prefill_names: list[str] = field(default_factory=list)
     ranks: list[Any] = field(default_factory=list)  # verifier ranks > 0
+    attached: bool = False  # joined pools another process started (and will not stop them)
     _ids: Iterator[int] = field(default_factory=itertools.count)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -565,6 +567,14 @@ class Runtime:
                 dashboard_port=config.ray.dashboard_port,
                 log_to_driver=False,
             )
+        if address is not None:
+            running = cls.attach(config)
+            if running is not None:
+                running.owns_ray = owns
+                return running
+        # Pools started from a process that joined a cluster (a router replica) must outlive
+        # it: detached actors; a local runtime's actors go with it.
+        lifetime = "detached" if address is not None else None
         groups: list[Any] = []
         drafters: list[Any] = []
         prefills: list[Any] = []
@@ -576,7 +586,7 @@ class Runtime:
             drafter_names = [f"drafter-{i}" for i in range(pools.drafter.replicas)]
             if drafter_names:
                 bundles = [_bundle(pools.drafter.resources)] * len(drafter_names)
-                pg = placement_group(bundles, strategy="SPREAD")
+                pg = placement_group(bundles, strategy="SPREAD", lifetime=lifetime)
                 _wait_placed(pg, "drafter", bundles, placement_timeout_s)
                 groups.append(pg)
                 actor_cls: Any = ray.remote(DrafterActor)
@@ -586,7 +596,7 @@ class Runtime:
                         actor_cls.options(
                             name=name,
                             namespace=RAY_NAMESPACE,
-                            lifetime=None,
+                            lifetime=lifetime,
                             max_restarts=-1,
                             num_cpus=pools.drafter.resources.cpus,
                             num_gpus=pools.drafter.resources.gpus,
@@ -598,7 +608,7 @@ class Runtime:
             prefill_names = [f"prefill-{i}" for i in range(pools.prefill.replicas)]
             if prefill_names:
                 bundles = [_bundle(pools.prefill.resources)] * len(prefill_names)
-                pg = placement_group(bundles, strategy="SPREAD")
+                pg = placement_group(bundles, strategy="SPREAD", lifetime=lifetime)
                 _wait_placed(pg, "prefill", bundles, placement_timeout_s)
                 groups.append(pg)
                 pcls: Any = ray.remote(PrefillActor)
@@ -607,6 +617,7 @@ class Runtime:
                         pcls.options(
                             name=name,
                             namespace=RAY_NAMESPACE,
+                            lifetime=lifetime,
                             max_restarts=-1,
                             num_cpus=pools.prefill.resources.cpus,
                             num_gpus=pools.prefill.resources.gpus,
@@ -621,7 +632,7 @@ class Runtime:
                 name = f"verifier-g{g}-r0"
                 tp = pools.verifier.tensor_parallel_size
                 bundles = [_bundle(pools.verifier.resources)] * tp
-                pg = placement_group(bundles, strategy="PACK")
+                pg = placement_group(bundles, strategy="PACK", lifetime=lifetime)
                 _wait_placed(pg, "verifier", bundles, placement_timeout_s)
                 groups.append(pg)
                 rank_names = [f"verifier-g{g}-r{r}" for r in range(1, tp)]
@@ -631,6 +642,7 @@ class Runtime:
                         rcls.options(
                             name=rank_name,
                             namespace=RAY_NAMESPACE,
+                            lifetime=lifetime,
                             num_cpus=pools.verifier.resources.cpus,
                             num_gpus=pools.verifier.resources.gpus,
                             resources=dict(pools.verifier.resources.custom),
@@ -644,6 +656,7 @@ class Runtime:
                     vcls.options(
                         name=name,
                         namespace=RAY_NAMESPACE,
+                        lifetime=lifetime,
                         max_concurrency=1000,
                         num_cpus=pools.verifier.resources.cpus,
                         num_gpus=pools.verifier.resources.gpus,
@@ -719,15 +732,51 @@ class Runtime:
         }
 
     def shutdown(self) -> None:
+        """Stop the pools this runtime started (a runtime that attached to running pools
+        leaves them to the others) and, if it started Ray, Ray."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in [*self.verifiers, *self.ranks, *self.drafters, *self.prefills]:
-            ray.kill(actor, no_restart=True)
-        for pg in self.placement_groups:
-            remove_placement_group(pg)
+        if not self.attached:
+            for actor in [*self.verifiers, *self.ranks, *self.drafters, *self.prefills]:
+                ray.kill(actor, no_restart=True)
+            for pg in self.placement_groups:
+                remove_placement_group(pg)
         if self.owns_ray:
             ray.shutdown()
+
+    @classmethod
+    def attach(cls, config: DeploymentConfig) -> Runtime | None:
+        """The pools another process started on this Ray cluster (router replicas share one
+        deployment), or None when there are none yet."""
+        import ray
+
+        def lookup(name: str) -> Any:
+            return ray.get_actor(name, namespace=RAY_NAMESPACE)
+
+        pools = config.pools
+        verifier_names = [f"verifier-g{g}-r0" for g in range(pools.verifier.groups)]
+        try:
+            verifiers = [lookup(n) for n in verifier_names]
+        except ValueError:
+            return None
+        infos = ray.get([v.info.remote() for v in verifiers], timeout=60)
+        drafter_names = [n for i in infos for n in i["drafters"]]
+        prefill_names = [n for i in infos for n in i["prefill"]]
+        rank_names = [n for i in infos for n in i["ranks"]]
+        return cls(
+            config,
+            verifiers,
+            verifier_names,
+            [lookup(n) for n in drafter_names],
+            drafter_names,
+            [],
+            False,
+            [lookup(n) for n in prefill_names],
+            prefill_names,
+            [lookup(n) for n in rank_names],
+            attached=True,
+        )
 
 
 class RuntimeLoop:
@@ -763,6 +812,16 @@ class RuntimeLoop:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
             self.runtime.abort(stream)
+
+    def ready(self) -> bool:
+        """Every verifier group answers within a couple of seconds."""
+        import ray
+
+        try:
+            ray.get([v.info.remote() for v in self.runtime.verifiers], timeout=2.0)
+        except Exception:  # noqa: BLE001 (any failure means: not ready)
+            return False
+        return True
 
     def close(self) -> None:
         self.runtime.shutdown()

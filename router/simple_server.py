@@ -135,6 +135,13 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             self._json(200, {"status": "ok"})
+        elif self.path == "/ready":  # the engine (or the pools behind it) answers
+            ready = getattr(self.service.loop, "ready", lambda: True)()
+            if ready:
+                self._json(200, {"status": "ready"})
+            else:
+                error = ApiError(503, "the engine is not reachable", "service_unavailable")
+                self._json(503, error.body())
         elif self.path == "/v1/models":
             model = {"id": self.service.model_name, "object": "model", "owned_by": "outrider"}
             self._json(200, {"object": "list", "data": [model]})

@@ -156,6 +156,9 @@ def test_router_probes_service_and_secrets(chart) -> None:  # type: ignore[no-un
     keys_secret = secrets[keys_volume[0]["secret"]["secretName"]]
     assert base64.b64decode(keys_secret["data"]["api-keys"]).split() == [b"sk-ci-test-key"]
     assert env["RAY_ADDRESS"]["value"] == "ray://demo-outrider-ray-head-svc:10001"
+    assert c["command"][:4] == ["outrider", "serve", "--config", "/etc/outrider/outrider.yaml"]
+    config = from_dict(yaml.safe_load(one(objects, "ConfigMap")["data"]["outrider.yaml"]))
+    assert config.ray.address == "ray://demo-outrider-ray-head-svc:10001"
     service = one(objects, "Service", "demo-outrider")
     assert service["spec"]["type"] == "ClusterIP"
     assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc"}

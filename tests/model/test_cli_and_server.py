@@ -244,3 +244,14 @@ def test_server_chat_stream_opens_with_the_assistant_role(server: str) -> None:
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     text = "".join(c["choices"][0]["delta"]["content"] for c in chunks)
     assert text == whole["choices"][0]["message"]["content"]
+
+
+def test_health_ready_and_models(server: str) -> None:
+    for path, key, value in (
+        ("/health", "status", "ok"),
+        ("/ready", "status", "ready"),
+        ("/v1/models", "object", "list"),
+    ):
+        with urllib.request.urlopen(server + path, timeout=10) as resp:
+            assert resp.status == 200
+            assert json.loads(resp.read())[key] == value

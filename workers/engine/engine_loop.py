@@ -52,6 +52,9 @@ class EngineLoop:
         self._wake.set()
         return self._iterate(outputs)
 
+    def ready(self) -> bool:
+        return self._thread.is_alive()
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)
         self._wake.set()
