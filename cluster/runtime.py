@@ -575,6 +575,39 @@ class Runtime:
         # Pools started from a process that joined a cluster (a router replica) must outlive
         # it: detached actors; a local runtime's actors go with it.
         lifetime = "detached" if address is not None else None
+
+        def _placed(pool: str, count: int, resources: Resources, strategy: str) -> Any:
+            bundles = [_bundle(resources)] * count
+            pg = placement_group(bundles, strategy=strategy, lifetime=lifetime)
+            _wait_placed(pg, pool, bundles, placement_timeout_s)
+            return pg
+
+        def _actors_in(
+            pg: Any,
+            body: type,
+            names: list[str],
+            resources: Resources,
+            args: list[tuple[Any, ...]],
+            first_bundle: int = 0,
+            **options: Any,
+        ) -> list[Any]:
+            """Named actors of `body` (constructor arguments `args[i]`), one per bundle of `pg`
+            from `first_bundle` on."""
+            actor_cls: Any = ray.remote(body)
+            return [
+                actor_cls.options(
+                    name=name,
+                    namespace=RAY_NAMESPACE,
+                    lifetime=lifetime,
+                    num_cpus=resources.cpus,
+                    num_gpus=resources.gpus,
+                    resources=dict(resources.custom),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, first_bundle + i),
+                    **options,
+                ).remote(*actor_args)
+                for i, (name, actor_args) in enumerate(zip(names, args, strict=True))
+            ]
+
         groups: list[Any] = []
         drafters: list[Any] = []
         prefills: list[Any] = []
@@ -585,84 +618,56 @@ class Runtime:
             pools = config.pools
             drafter_names = [f"drafter-{i}" for i in range(pools.drafter.replicas)]
             if drafter_names:
-                bundles = [_bundle(pools.drafter.resources)] * len(drafter_names)
-                pg = placement_group(bundles, strategy="SPREAD", lifetime=lifetime)
-                _wait_placed(pg, "drafter", bundles, placement_timeout_s)
+                pg = _placed("drafter", len(drafter_names), pools.drafter.resources, "SPREAD")
                 groups.append(pg)
-                actor_cls: Any = ray.remote(DrafterActor)
-                for i, name in enumerate(drafter_names):
-                    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-                    drafters.append(
-                        actor_cls.options(
-                            name=name,
-                            namespace=RAY_NAMESPACE,
-                            lifetime=lifetime,
-                            max_restarts=-1,
-                            num_cpus=pools.drafter.resources.cpus,
-                            num_gpus=pools.drafter.resources.gpus,
-                            resources=dict(pools.drafter.resources.custom),
-                            scheduling_strategy=strategy,
-                        ).remote(plain, name)
-                    )
+                drafters += _actors_in(
+                    pg,
+                    DrafterActor,
+                    drafter_names,
+                    pools.drafter.resources,
+                    [(plain, name) for name in drafter_names],
+                    max_restarts=-1,
+                )
                 ray.get([d.info.remote() for d in drafters], timeout=300)
             prefill_names = [f"prefill-{i}" for i in range(pools.prefill.replicas)]
             if prefill_names:
-                bundles = [_bundle(pools.prefill.resources)] * len(prefill_names)
-                pg = placement_group(bundles, strategy="SPREAD", lifetime=lifetime)
-                _wait_placed(pg, "prefill", bundles, placement_timeout_s)
+                pg = _placed("prefill", len(prefill_names), pools.prefill.resources, "SPREAD")
                 groups.append(pg)
-                pcls: Any = ray.remote(PrefillActor)
-                for i, name in enumerate(prefill_names):
-                    prefills.append(
-                        pcls.options(
-                            name=name,
-                            namespace=RAY_NAMESPACE,
-                            lifetime=lifetime,
-                            max_restarts=-1,
-                            num_cpus=pools.prefill.resources.cpus,
-                            num_gpus=pools.prefill.resources.gpus,
-                            resources=dict(pools.prefill.resources.custom),
-                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i),
-                        ).remote(plain, name)
-                    )
+                prefills += _actors_in(
+                    pg,
+                    PrefillActor,
+                    prefill_names,
+                    pools.prefill.resources,
+                    [(plain, name) for name in prefill_names],
+                    max_restarts=-1,
+                )
                 ray.get([p.info.remote() for p in prefills], timeout=300)
             verifier_names: list[str] = []
-            vcls: Any = ray.remote(VerifierActor)
+            tp = pools.verifier.tensor_parallel_size
             for g in range(pools.verifier.groups):
-                name = f"verifier-g{g}-r0"
-                tp = pools.verifier.tensor_parallel_size
-                bundles = [_bundle(pools.verifier.resources)] * tp
-                pg = placement_group(bundles, strategy="PACK", lifetime=lifetime)
-                _wait_placed(pg, "verifier", bundles, placement_timeout_s)
+                # One bundle per rank, packed: a group's ranks share a node where they fit.
+                pg = _placed("verifier", tp, pools.verifier.resources, "PACK")
                 groups.append(pg)
                 rank_names = [f"verifier-g{g}-r{r}" for r in range(1, tp)]
-                rcls: Any = ray.remote(VerifierRankActor)
-                for r, rank_name in enumerate(rank_names, start=1):
-                    ranks.append(
-                        rcls.options(
-                            name=rank_name,
-                            namespace=RAY_NAMESPACE,
-                            lifetime=lifetime,
-                            num_cpus=pools.verifier.resources.cpus,
-                            num_gpus=pools.verifier.resources.gpus,
-                            resources=dict(pools.verifier.resources.custom),
-                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r),
-                        ).remote(plain, rank_name, r, tp)
-                    )
-                # Each verifier group drafts with its share of the drafter pool.
+                ranks += _actors_in(
+                    pg,
+                    VerifierRankActor,
+                    rank_names,
+                    pools.verifier.resources,
+                    [(plain, name, r, tp) for r, name in enumerate(rank_names, start=1)],
+                    first_bundle=1,
+                )
+                # Each verifier group drafts and prefills with its share of those pools.
+                name = f"verifier-g{g}-r0"
                 mine = drafter_names[g :: pools.verifier.groups]
                 my_prefills = prefill_names[g :: pools.verifier.groups]
-                verifiers.append(
-                    vcls.options(
-                        name=name,
-                        namespace=RAY_NAMESPACE,
-                        lifetime=lifetime,
-                        max_concurrency=1000,
-                        num_cpus=pools.verifier.resources.cpus,
-                        num_gpus=pools.verifier.resources.gpus,
-                        resources=dict(pools.verifier.resources.custom),
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
-                    ).remote(plain, name, mine, my_prefills, rank_names)
+                verifiers += _actors_in(
+                    pg,
+                    VerifierActor,
+                    [name],
+                    pools.verifier.resources,
+                    [(plain, name, mine, my_prefills, rank_names)],
+                    max_concurrency=1000,
                 )
                 verifier_names.append(name)
             ray.get([v.info.remote() for v in verifiers], timeout=300)
@@ -819,7 +824,7 @@ class RuntimeLoop:
 
         try:
             ray.get([v.info.remote() for v in self.runtime.verifiers], timeout=2.0)
-        except Exception:  # noqa: BLE001 (any failure means: not ready)
+        except Exception:
             return False
         return True
 

@@ -80,5 +80,13 @@ class Drafter(ABC):
         """Stop following a sequence and free what it held."""
 
 
+def draft_generator(params: SamplingParams, offset: int) -> torch.Generator | None:
+    """A seeded request's generator for a drafter's own draws: seeded from the request's seed
+    plus a per-drafter offset, so it never shares a stream with the verifier's draws."""
+    if params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed + offset)
+
+
 class DraftStateError(RuntimeError):
     """The drafter's view of a sequence disagrees with the verifier's."""

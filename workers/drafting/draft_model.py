@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.sampling import logits_to_probs, sample_from_probs
-from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError
+from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError, draft_generator
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
@@ -49,9 +49,8 @@ class DraftModelDrafter(Drafter):
         self._seqs: dict[str, _DraftSeq] = {}
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        seed = None if params.seed is None else params.seed + _DRAFT_SEED_OFFSET
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
         table = BlockTable(self.allocator, self.runner.block_size)
+        generator = draft_generator(params, _DRAFT_SEED_OFFSET)
         self._seqs[request_id] = _DraftSeq(params, table, generator, list(prompt_token_ids))
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:

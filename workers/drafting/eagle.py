@@ -26,7 +26,7 @@ import torch
 
 from kernels.attention import AttentionBackend, SdpaAttention
 from kernels.sampling import logits_to_probs, sample_from_probs
-from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError
+from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError, draft_generator
 from workers.eagle.head import EagleHead
 from workers.engine.model_runner import SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
@@ -82,9 +82,8 @@ class EagleDrafter(Drafter):
     # -- the Drafter boundary ------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        seed = None if params.seed is None else params.seed + _DRAFT_SEED_OFFSET
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
         table = BlockTable(self.allocator, self.cache.block_size)
+        generator = draft_generator(params, _DRAFT_SEED_OFFSET)
         self._seqs[request_id] = _EagleSeq(params, table, generator, list(prompt_token_ids))
 
     def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
