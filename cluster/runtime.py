@@ -301,7 +301,14 @@ class VerifierActor:
         ]
         self.prefill_links: list[TensorLink | None] = [None] * len(self.prefill_names)
         self.prefill_locks = [asyncio.Lock() for _ in self.prefill_names]
-        self.prefill_stats = {"remote": 0, "local": 0, "failures": 0, "bytes": 0}
+        self.prefill_stats: dict[str, float] = {
+            "remote": 0,
+            "local": 0,
+            "failures": 0,
+            "bytes": 0,
+            "compute_s": 0.0,
+            "transfer_s": 0.0,
+        }
         self._next_prefill = 0
         self._prefilled_by: dict[str, str] = {}
 
@@ -391,6 +398,8 @@ class VerifierActor:
         span.end()
         self.prefill_stats["remote"] += 1
         self.prefill_stats["bytes"] += timing["bytes"]
+        self.prefill_stats["compute_s"] += timing["compute_s"]
+        self.prefill_stats["transfer_s"] += timing["transfer_s"]
         self._prefilled_by[request_id] = self.prefill_names[index]
         return Prefilled(kv, hidden or None)
 
