@@ -12,9 +12,10 @@ PORT ?= 8000
 
 .PHONY: serve test lint typecheck bench models-qwen install install-dev clean
 
-# bf16 is the fast dtype on CPUs with AVX512-BF16; n-gram speculation changes no output, and
-# adaptive k switches it off for requests where it does not pay.
-SERVE_FLAGS ?= --dtype bfloat16 --spec-method ngram --num-spec-tokens 8
+# The whole system on a local Ray cluster: a verifier, an EAGLE drafter and a prefill worker
+# (actors share this machine's cores). bf16 is the fast dtype on CPUs with AVX512-BF16;
+# speculation changes no output, and adaptive k switches it off where it does not pay.
+SERVE_FLAGS ?= --cluster --dtype bfloat16 --spec-method eagle --num-spec-tokens 4
 
 serve: $(VENV)/.runtime
 	$(VENV)/bin/outrider serve --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
@@ -32,6 +33,8 @@ typecheck: $(VENV)/.dev
 bench: $(VENV)/.dev
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_forward
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_spec
+	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_eagle
+	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_runtime
 
 install: $(VENV)/.runtime
 install-dev: $(VENV)/.dev
