@@ -15,7 +15,7 @@ PORT ?= 8000
 # The whole system on a local Ray cluster: a verifier, an EAGLE drafter and a prefill worker
 # (actors share this machine's cores). bf16 is the fast dtype on CPUs with AVX512-BF16;
 # speculation changes no output, and adaptive k switches it off where it does not pay.
-SERVE_FLAGS ?= --cluster --dtype bfloat16 --spec-method eagle --num-spec-tokens 4
+SERVE_FLAGS ?= --cluster --dtype bfloat16 --spec-method ngram --num-spec-tokens 4
 
 serve: $(VENV)/.runtime
 	$(VENV)/bin/outrider serve --host $(HOST) --port $(PORT) $(SERVE_FLAGS)

@@ -138,7 +138,12 @@ class TensorLink:
         `wait=False` it is left in flight (the tensor kept alive) and reaped later, so a caller
         never blocks on a peer that is still busy with earlier work."""
         tensor = tensor.contiguous()
-        work = self._require().send([tensor], self.peer, 0)
+        group = self._require()
+        try:
+            work = group.send([tensor], self.peer, 0)
+        except RuntimeError as err:  # a broken pair fails at once
+            self.close()
+            raise LinkError(f"link {self.address.link_id}: {err}") from err
         self._in_flight.append((work, tensor))
         if wait:
             self.flush()
@@ -147,7 +152,13 @@ class TensorLink:
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device=device)
-        self._wait(self._require().recv([out], self.peer, 0))
+        group = self._require()
+        try:
+            work = group.recv([out], self.peer, 0)
+        except RuntimeError as err:
+            self.close()
+            raise LinkError(f"link {self.address.link_id}: {err}") from err
+        self._wait(work)
         return out
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -162,12 +173,18 @@ class TensorLink:
             self._wait(work)
 
     def _reap(self) -> None:
-        while self._in_flight and self._in_flight[0][0].is_completed():
+        while self._in_flight and self._completed(self._in_flight[0][0]):
             work, _ = self._in_flight.pop(0)
             self._wait(work)  # raises if it failed
         if len(self._in_flight) > MAX_IN_FLIGHT:
             work, _ = self._in_flight.pop(0)
             self._wait(work)
+
+    def _completed(self, work: dist.Work) -> bool:
+        try:
+            return bool(work.is_completed())
+        except RuntimeError:
+            return True  # finished with an error: `_wait` raises it
 
     def _require(self) -> Any:
         if self._group is None:

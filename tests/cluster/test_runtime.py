@@ -9,51 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.config import DeploymentConfig, from_dict
+from tests.cluster.common import GREEDY, TEXTS, deployment, run_all
 from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequential import SequentialEngine
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
-
-TEXTS = [
-    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
-    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
-    "The quick brown fox jumps over the lazy dog. The quick brown fox",
-    "Once upon a time",
-]
-GREEDY = SamplingParams(max_tokens=24, temperature=0)
-
-
-def deployment(method: str, drafters: int, prefill: int = 0, **drafter: object) -> DeploymentConfig:
-    return from_dict(
-        {
-            "dtype": "float32",
-            "speculative": {"method": method, "num_speculative_tokens": 4, "adaptive": False},
-            "pools": {
-                # Remote prefill for every prompt (no length threshold) when there is a worker.
-                "prefill": {"replicas": prefill, "min_remote_prompt_tokens": 1},
-                "verifier": {"resources": {"cpus": 1}},
-                "drafter": {"replicas": drafters, "method": method, **drafter},
-            },
-            "ray": {"dashboard_port": 8265},
-            "telemetry": {"exporter": "memory"},
-        }
-    )
-
-
-@pytest.fixture(scope="module")
-def prompts(checkpoint) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    return [checkpoint.tokenizer.encode(t) for t in TEXTS]
-
-
-@pytest.fixture(scope="module")
-def expected(model_fp32, checkpoint, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    plain = SequentialEngine(
-        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
-    )
-    return [plain.generate(p, GREEDY).token_ids for p in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +24,6 @@ def eagle_runtime() -> Iterator[object]:
     runtime = Runtime.start(deployment("eagle", drafters=2, prefill=1), num_cpus=4)
     yield runtime
     runtime.shutdown()
-
-
-def run_all(runtime, prompts, method: str) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    streams = [runtime.submit(p, GREEDY, RequestSpec(method=method)) for p in prompts]
-    return [[t for chunk in s for t in chunk] for s in streams]
 
 
 def test_eagle_pool_with_remote_prefill_is_exact_and_drafts(
@@ -155,19 +111,6 @@ def test_cancel_frees_the_request(eagle_runtime, prompts) -> None:  # type: igno
     assert len([t for c in eagle_runtime.submit(prompts[1], short) for t in c]) == 4
 
 
-def test_draft_model_pool_is_exact(prompts, expected) -> None:  # type: ignore[no-untyped-def]
-    from cluster.runtime import Runtime
-
-    runtime = Runtime.start(deployment("draft_model", drafters=1, draft_layers=8), num_cpus=2)
-    try:
-        assert run_all(runtime, prompts, "draft_model") == expected
-        assert run_all(runtime, prompts[:1], "ngram") == expected[:1]  # in-verifier drafter
-        (stats,) = runtime.verifier_stats()
-        assert stats["spec"]["drafted"] > 0
-    finally:
-        runtime.shutdown()
-
-
 def test_http_server_over_the_runtime(eagle_runtime, checkpoint, prompts, expected) -> None:  # type: ignore[no-untyped-def]
     """The OpenAI-compatible server serves the disaggregated runtime as it serves an engine."""
     import threading
@@ -194,26 +137,3 @@ def test_http_server_over_the_runtime(eagle_runtime, checkpoint, prompts, expect
         assert status == 400 and "speculative" in err["error"]["message"]
     finally:
         httpd.shutdown()
-
-
-def test_tensor_parallel_verifier_is_exact(prompts, expected) -> None:  # type: ignore[no-untyped-def]
-    """TP = 2 over gloo (SmolLM2's 3 KV heads split 2 + 1), with a remote EAGLE drafter."""
-    from cluster.runtime import Runtime
-
-    config = deployment("eagle", drafters=1, prefill=1).with_overrides(
-        {"pools.verifier.tensor_parallel_size": 2}
-    )
-    runtime = Runtime.start(config, num_cpus=4)
-    try:
-        assert run_all(runtime, prompts, "eagle") == expected
-        assert run_all(runtime, prompts[:2], "ngram") == expected[:2]
-        info = runtime.actor_info()
-        assert info["verifiers"][0]["ranks"] == ["verifier-g0-r1"]
-        stream = runtime.submit(prompts[2], GREEDY, RequestSpec(method="eagle"))
-        assert [t for c in stream for t in c] == expected[2]
-        assert stream.served_by["verifier"] == ["verifier-g0-r0", "verifier-g0-r1"]
-        assert stream.served_by["prefill"] is None  # a TP group prefills itself
-        (stats,) = runtime.verifier_stats()
-        assert stats["spec"]["accepted"] > 0
-    finally:
-        runtime.shutdown()

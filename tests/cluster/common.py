@@ -1,0 +1,37 @@
+"""Shared by the runtime tests: prompts, the deployment configs, a way to run them all."""
+
+from __future__ import annotations
+
+from cluster.config import DeploymentConfig, from_dict
+from workers.engine.config import RequestSpec
+from workers.engine.sampling_params import SamplingParams
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Once upon a time",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+def deployment(method: str, drafters: int, prefill: int = 0, **drafter: object) -> DeploymentConfig:
+    return from_dict(
+        {
+            "dtype": "float32",
+            "speculative": {"method": method, "num_speculative_tokens": 4, "adaptive": False},
+            "pools": {
+                # Remote prefill for every prompt (no length threshold) when there is a worker.
+                "prefill": {"replicas": prefill, "min_remote_prompt_tokens": 1},
+                "verifier": {"resources": {"cpus": 1}},
+                "drafter": {"replicas": drafters, "method": method, **drafter},
+            },
+            "ray": {"dashboard_port": 8265},
+            "telemetry": {"exporter": "memory"},
+        }
+    )
+
+
+def run_all(runtime, prompts, method: str) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    streams = [runtime.submit(p, GREEDY, RequestSpec(method=method)) for p in prompts]
+    return [[t for chunk in s for t in chunk] for s in streams]

@@ -1,0 +1,48 @@
+"""Runtime variants, each on its own Ray runtime: a draft-model pool, and a tensor-parallel
+verifier group (TP = 2 over gloo)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.common import GREEDY, deployment, run_all
+from workers.engine.config import RequestSpec
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+
+def test_draft_model_pool_is_exact(prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    from cluster.runtime import Runtime
+
+    runtime = Runtime.start(deployment("draft_model", drafters=1, draft_layers=8), num_cpus=2)
+    try:
+        assert run_all(runtime, prompts, "draft_model") == expected
+        assert run_all(runtime, prompts[:1], "ngram") == expected[:1]  # in-verifier drafter
+        (stats,) = runtime.verifier_stats()
+        assert stats["spec"]["drafted"] > 0
+    finally:
+        runtime.shutdown()
+
+
+def test_tensor_parallel_verifier_is_exact(prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    """TP = 2 over gloo (SmolLM2's 3 KV heads split 2 + 1), with a remote EAGLE drafter."""
+    from cluster.runtime import Runtime
+
+    config = deployment("eagle", drafters=1, prefill=1).with_overrides(
+        {"pools.verifier.tensor_parallel_size": 2}
+    )
+    runtime = Runtime.start(config, num_cpus=4)
+    try:
+        assert run_all(runtime, prompts, "eagle") == expected
+        assert run_all(runtime, prompts[:2], "ngram") == expected[:2]
+        info = runtime.actor_info()
+        assert info["verifiers"][0]["ranks"] == ["verifier-g0-r1"]
+        stream = runtime.submit(prompts[2], GREEDY, RequestSpec(method="eagle"))
+        assert [t for c in stream for t in c] == expected[2]
+        assert stream.served_by["verifier"] == ["verifier-g0-r0", "verifier-g0-r1"]
+        assert stream.served_by["prefill"] is None  # a TP group prefills itself
+        (stats,) = runtime.verifier_stats()
+        assert stats["spec"]["accepted"] > 0
+    finally:
+        runtime.shutdown()
