@@ -356,11 +356,14 @@ class VerifierActor:
     async def _remote_prefill(
         self, request_id: str, prompt_ids: list[int], spec: RequestSpec, carrier: Any
     ) -> Prefilled | None:
-        """The prompt but its last token, computed by a prefill worker; None to prefill here."""
-        if not self.prefill_actors or len(prompt_ids) - 1 < max(1, self.min_remote_prompt):
+        """The prompt but its last token, computed by a prefill worker; None to prefill here
+        (no worker, or fewer than `min_remote_prompt_tokens` tokens left to compute once the
+        prefix cache has given what it holds)."""
+        engine = self.loop.engine
+        uncached = len(prompt_ids) - 1 - engine.cached_prefix_tokens(prompt_ids)
+        if not self.prefill_actors or uncached < max(1, self.min_remote_prompt):
             self.prefill_stats["local"] += 1
             return None
-        engine = self.loop.engine
         try:
             method, _ = engine.speculator.resolve(spec)
         except ValueError:
@@ -567,15 +570,25 @@ class Runtime:
             # actors share cores (logical CPUs), which is what a laptop deployment wants.
             num_cpus = max(os.cpu_count() or 1, math.ceil(_cpus_needed(config)))
         if owns:
-            ray.init(
-                address=address,
-                namespace=RAY_NAMESPACE,
-                num_cpus=num_cpus if address is None else None,
-                include_dashboard=address is None,
-                dashboard_host=config.ray.dashboard_host,
-                dashboard_port=config.ray.dashboard_port,
-                log_to_driver=False,
-            )
+            for attempt in range(3):
+                try:
+                    ray.init(
+                        address=address,
+                        namespace=RAY_NAMESPACE,
+                        num_cpus=num_cpus if address is None else None,
+                        include_dashboard=address is None,
+                        dashboard_host=config.ray.dashboard_host,
+                        dashboard_port=config.ray.dashboard_port,
+                        log_to_driver=False,
+                    )
+                    break
+                except ValueError as err:
+                    # A cluster this process just shut down can hold the dashboard port for
+                    # a moment.
+                    if "already occupied" not in str(err) or attempt == 2:
+                        raise
+                    ray.shutdown()
+                    time.sleep(3.0)
         if address is not None:
             running = cls.attach(config)
             if running is not None:

@@ -26,6 +26,7 @@ from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
 from workers.engine.verification import verify
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
+from workers.kv_cache.block_allocator import block_hashes
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
 
@@ -188,6 +189,13 @@ class LLMEngine:
         seq.num_computed_tokens = n
         if prefilled.hidden:
             self.speculator.observe_hidden(seq, 0, prefilled.hidden)
+
+    def cached_prefix_tokens(self, prompt_token_ids: Seq[int]) -> int:
+        """Prompt tokens a new request would find in the prefix cache now (a hint)."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        hashes = block_hashes(prompt_token_ids[:-1], self.config.block_size)
+        return self.allocator.num_cached(hashes) * self.config.block_size
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks (no-op for an unknown or finished id)."""

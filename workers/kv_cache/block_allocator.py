@@ -90,6 +90,16 @@ class BlockAllocator:
         self._hash_to_block[block_hash] = block_id
         self._block_to_hash[block_id] = block_hash
 
+    def num_cached(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` are cached (holds nothing; a hint only: another
+        thread may evict them before they are adopted)."""
+        n = 0
+        for h in hashes:
+            if h not in self._hash_to_block:
+                break
+            n += 1
+        return n
+
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Hold the cached blocks of the longest prefix of `hashes` that is cached."""
         blocks = []
