@@ -229,11 +229,12 @@ def main() -> None:
                 rows,
             ),
             "### Remote prefill",
-            "One long prompt, `max_tokens` 1, no speculation: time to the first token when the "
-            "verifier prefills it and when the prefill worker does (all but the last prompt "
-            "token; K/V into the verifier's blocks and EAGLE's three feature layers, over a gloo "
-            "link on loopback). On one shared 2-core machine the worker's forward competes with "
-            "nothing else, so the overhead is the transfer and the extra round trip.",
+            "Long prompts, each new to the prefix cache, `max_tokens` 1, no speculation: median "
+            "time to the first token when the verifier prefills and when the prefill worker does "
+            "(all but the last prompt token; K/V into the verifier's blocks and EAGLE's three "
+            "feature layers, over a gloo link on loopback). The overhead is the transfer, the "
+            "extra Ray round trip, writing the K/V into the blocks and the verifier's own forward "
+            "of the last prompt token.",
             ttft_table,
             "### Goals",
             table(
