@@ -638,32 +638,22 @@ class Runtime:
         try:
             plain = config.to_dict()
             pools = config.pools
-            drafter_names = [f"drafter-{i}" for i in range(pools.drafter.replicas)]
-            if drafter_names:
-                pg = _placed("drafter", len(drafter_names), pools.drafter.resources, "SPREAD")
-                groups.append(pg)
-                drafters += _actors_in(
-                    pg,
-                    DrafterActor,
-                    drafter_names,
-                    pools.drafter.resources,
-                    [(plain, name) for name in drafter_names],
-                    max_restarts=-1,
-                )
-                ray.get([d.info.remote() for d in drafters], timeout=300)
-            prefill_names = [f"prefill-{i}" for i in range(pools.prefill.replicas)]
-            if prefill_names:
-                pg = _placed("prefill", len(prefill_names), pools.prefill.resources, "SPREAD")
-                groups.append(pg)
-                prefills += _actors_in(
-                    pg,
-                    PrefillActor,
-                    prefill_names,
-                    pools.prefill.resources,
-                    [(plain, name) for name in prefill_names],
-                    max_restarts=-1,
-                )
-                ray.get([p.info.remote() for p in prefills], timeout=300)
+            names: dict[str, list[str]] = {}
+            # Drafters and prefill workers: one actor per bundle, spread over nodes.
+            for pool, body, actors, settings in (
+                ("drafter", DrafterActor, drafters, pools.drafter),
+                ("prefill", PrefillActor, prefills, pools.prefill),
+            ):
+                names[pool] = [f"{pool}-{i}" for i in range(settings.replicas)]
+                if names[pool]:
+                    pg = _placed(pool, len(names[pool]), settings.resources, "SPREAD")
+                    groups.append(pg)
+                    args = [(plain, name) for name in names[pool]]
+                    actors += _actors_in(
+                        pg, body, names[pool], settings.resources, args, max_restarts=-1
+                    )
+                    ray.get([a.info.remote() for a in actors], timeout=300)
+            drafter_names, prefill_names = names["drafter"], names["prefill"]
             verifier_names: list[str] = []
             tp = pools.verifier.tensor_parallel_size
             for g in range(pools.verifier.groups):

@@ -90,3 +90,11 @@ def draft_generator(params: SamplingParams, offset: int) -> torch.Generator | No
 
 class DraftStateError(RuntimeError):
     """The drafter's view of a sequence disagrees with the verifier's."""
+
+
+def check_view(request: DraftRequest, num_tokens: int) -> None:
+    """Raise if the drafter has seen a different number of tokens than the verifier asks for."""
+    if num_tokens != request.num_tokens:
+        raise DraftStateError(
+            f"{request.request_id}: drafter has {num_tokens} tokens, verifier {request.num_tokens}"
+        )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.sampling import logits_to_probs, sample_from_probs
-from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError, draft_generator
+from workers.drafting.base import Draft, Drafter, DraftRequest, check_view, draft_generator
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
@@ -73,11 +73,7 @@ class DraftModelDrafter(Drafter):
         active: list[tuple[str, _DraftSeq, int]] = []
         for req in requests:
             seq = self._seqs[req.request_id]
-            if len(seq.tokens) != req.num_tokens:
-                raise DraftStateError(
-                    f"{req.request_id}: drafter has {len(seq.tokens)} tokens, "
-                    f"verifier {req.num_tokens}"
-                )
+            check_view(req, len(seq.tokens))
             k = min(req.k, self.max_model_len - len(seq.tokens))
             drafts[req.request_id] = Draft([])
             if k > 0:

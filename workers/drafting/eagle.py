@@ -26,7 +26,7 @@ import torch
 
 from kernels.attention import AttentionBackend, SdpaAttention
 from kernels.sampling import logits_to_probs, sample_from_probs
-from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError, draft_generator
+from workers.drafting.base import Draft, Drafter, DraftRequest, check_view, draft_generator
 from workers.eagle.head import EagleHead
 from workers.engine.model_runner import SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
@@ -117,11 +117,7 @@ class EagleDrafter(Drafter):
         active: list[tuple[str, _EagleSeq, int]] = []
         for req in requests:
             seq = self._seqs[req.request_id]
-            if len(seq.tokens) != req.num_tokens:
-                raise DraftStateError(
-                    f"{req.request_id}: drafter has {len(seq.tokens)} tokens, "
-                    f"verifier {req.num_tokens}"
-                )
+            check_view(req, len(seq.tokens))
             drafts[req.request_id] = Draft([])
             k = min(req.k, self.max_model_len - len(seq.tokens))
             # Drafting needs the feature of every position before the last committed token.

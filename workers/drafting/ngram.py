@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.drafting.base import Draft, Drafter, DraftRequest, DraftStateError
+from workers.drafting.base import Draft, Drafter, DraftRequest, check_view
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -56,10 +56,7 @@ class _TokenDrafter(Drafter):
         drafts = {}
         for req in requests:
             tokens = self._tokens[req.request_id]
-            if len(tokens) != req.num_tokens:
-                raise DraftStateError(
-                    f"{req.request_id}: drafter has {len(tokens)} tokens, verifier {req.num_tokens}"
-                )
+            check_view(req, len(tokens))
             drafts[req.request_id] = Draft(self._draft(req.request_id, tokens, req.k))
         return drafts
 
