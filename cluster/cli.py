@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -16,8 +16,8 @@ from cluster.config import ConfigError, DeploymentConfig, load_config
 from cluster.runtime import Runtime, RuntimeLoop
 from workers.engine.config import SPEC_METHODS, EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
+from workers.engine.llm_engine import LLMEngine, RequestOutput
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import SpecStats
 from workers.model.tokenizer import Tokenizer
 
 
@@ -159,41 +159,12 @@ def _start_runtime(args: argparse.Namespace) -> tuple[Runtime, Tokenizer, str]:
     return runtime, tokenizer, config.model or BUNDLED_MODEL_NAME
 
 
-def _generate_on_cluster(args: argparse.Namespace, params: SamplingParams) -> int:
-    runtime, tok, _ = _start_runtime(args)
-    try:
-        text = (
-            tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-            if args.chat
-            else args.prompt
-        )
-        prompt_ids = tok.encode(text)
-        start = time.perf_counter()
-        stream = runtime.submit(prompt_ids, params)
-        token_ids: list[int] = []
-        for chunk in stream:
-            token_ids += chunk
-            if not args.json:
-                sys.stdout.write(stream.text[-1])
-                sys.stdout.flush()
-        elapsed = time.perf_counter() - start
-        spec = SpecStats(**(stream.spec or {}))
-        result = {
-            "text": "".join(stream.text),
-            "prompt_token_ids": prompt_ids,
-            "token_ids": token_ids,
-            "finish_reason": stream.finish_reason,
-            "tokens_per_s": round(len(token_ids) / elapsed, 2) if elapsed > 0 else 0.0,
-            "spec": spec.as_dict(),
-            "served_by": stream.served_by,
-        }
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print(f"\n[served by {stream.served_by}]", file=sys.stderr)
-        return 0
-    finally:
-        runtime.shutdown()
+def _local_outputs(
+    engine: LLMEngine, prompt_ids: list[int], params: SamplingParams
+) -> Iterator[RequestOutput]:
+    engine.add_request("cli", prompt_ids, params, RequestSpec())
+    while engine.has_unfinished_requests():
+        yield from engine.step()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -207,22 +178,29 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
     )
+    runtime: Runtime | None = None
     if _uses_cluster(args):
-        return _generate_on_cluster(args, params)
-    loaded = load(args)
-    tok, engine = loaded.tokenizer, loaded.engine
-    text = (
-        tok.apply_chat_template([{"role": "user", "content": args.prompt}])
-        if args.chat
-        else args.prompt
-    )
-    prompt_ids = tok.encode(text)
-    engine.add_request("cli", prompt_ids, params, RequestSpec())
-    token_ids: list[int] = []
-    pieces: list[str] = []
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+        runtime, tok, _ = _start_runtime(args)
+    else:
+        loaded = load(args)
+        tok = loaded.tokenizer
+    try:
+        text = (
+            tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+            if args.chat
+            else args.prompt
+        )
+        prompt_ids = tok.encode(text)
+        start = time.perf_counter()
+        stream = None if runtime is None else runtime.submit(prompt_ids, params)
+        outputs = (
+            _local_outputs(loaded.engine, prompt_ids, params)
+            if stream is None
+            else stream.outputs()
+        )
+        token_ids: list[int] = []
+        pieces: list[str] = []
+        for out in outputs:
             token_ids += out.new_token_ids
             pieces.append(out.text)
             if not args.json:
@@ -230,10 +208,13 @@ def _generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             if out.finished:
                 final = out
-    elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+    finally:
+        if runtime is not None:
+            runtime.shutdown()
     tokens_per_s = len(token_ids) / elapsed if elapsed > 0 else 0.0
     if args.json:
-        result = {
+        result: dict[str, object] = {
             "text": "".join(pieces),
             "prompt_token_ids": prompt_ids,
             "token_ids": token_ids,
@@ -241,13 +222,15 @@ def _generate(args: argparse.Namespace) -> int:
             "tokens_per_s": round(tokens_per_s, 2),
             "spec": final.spec.as_dict(),
         }
+        if stream is not None:
+            result["served_by"] = stream.served_by
         print(json.dumps(result))
     else:
-        stats = final.spec
+        served = "" if stream is None else f", served by {stream.served_by}"
         print(
             f"\n[{len(token_ids)} tokens, {tokens_per_s:.1f} tokens/s, "
             f"finish: {final.finish_reason}, "
-            f"mean acceptance length {stats.mean_acceptance_length:.2f}]",
+            f"mean acceptance length {final.spec.mean_acceptance_length:.2f}{served}]",
             file=sys.stderr,
         )
     return 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -170,8 +170,8 @@ class ShardedDrafter(Drafter):
     def stats(self) -> RemoteStats:
         total = RemoteStats()
         for shard in self.shards:
-            for name in ("steps", "late", "failures", "reconnects", "feature_bytes"):
-                setattr(total, name, getattr(total, name) + getattr(shard.stats, name))
+            for f in fields(RemoteStats):
+                setattr(total, f.name, getattr(total, f.name) + getattr(shard.stats, f.name))
         return total
 
 

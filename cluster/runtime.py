@@ -30,11 +30,9 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from opentelemetry import propagate, trace
-
 from cluster import telemetry
 from cluster.config import DeploymentConfig, Resources, from_dict
-from cluster.links import TensorLink
+from cluster.links import TensorLink, backend_for
 from cluster.prefill import PrefillWorker, plan_for, receive
 from cluster.remote_drafting import DrafterWorker, RemoteDrafter, ShardedDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
@@ -89,6 +87,15 @@ def _model_spec(config: DeploymentConfig) -> Any:
     return ModelSpec(config.model, config.dtype, drafter.draft_model, drafter.draft_layers)
 
 
+def _use_assigned_cpus() -> None:
+    """Torch threads = the CPUs Ray gave this actor (at least one)."""
+    import ray
+    import torch
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    torch.set_num_threads(max(1, int(cpus)))
+
+
 def _where() -> dict[str, Any]:
     import ray
 
@@ -137,13 +144,10 @@ class PrefillActor:
     """Ray actor body of a prefill worker."""
 
     def __init__(self, config: dict[str, Any], name: str) -> None:
-        import ray
-        import torch
 
         from workers.model.loader import build_model, load_checkpoint, parse_dtype
 
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
-        torch.set_num_threads(max(1, int(cpus)))
+        _use_assigned_cpus()
         deployment = from_dict(config)
         self.name = name
         model = build_model(load_checkpoint(deployment.model), dtype=parse_dtype(deployment.dtype))
@@ -215,13 +219,10 @@ class VerifierRankActor:
     target and of the KV cache; it replays rank 0's batch plans."""
 
     def __init__(self, config: dict[str, Any], name: str, rank: int, world: int) -> None:
-        import ray
-        import torch
 
         from workers.model.loader import load_checkpoint, parse_dtype
 
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
-        torch.set_num_threads(max(1, int(cpus)))
+        _use_assigned_cpus()
         deployment = from_dict(config)
         self.name, self.rank, self.world = name, rank, world
         checkpoint = load_checkpoint(deployment.model)
@@ -245,7 +246,7 @@ class VerifierRankActor:
 
 
 class VerifierActor:
-    """Ray actor body of a verifier (rank 0 of its group; TP = 1 for now)."""
+    """Ray actor body of a verifier: rank 0 of its group, which runs the engine."""
 
     def __init__(
         self,
@@ -256,19 +257,18 @@ class VerifierActor:
         rank_names: list[str] | None = None,
     ) -> None:
         import ray
-        import torch
 
         from workers.engine.engine_loop import EngineLoop
         from workers.engine.factory import build_engine
 
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
-        torch.set_num_threads(max(1, int(cpus)))
+        _use_assigned_cpus()
         deployment = from_dict(config)
         self.name = name
         _setup_tracing(deployment)
         self.rounds = telemetry.RoundTracer()
         remote: dict[str, tuple[Any, float]] = {}
         self.drafter_names = drafter_names
+        self.drafters: ShardedDrafter | None = None
         if drafter_names:
             actors = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in drafter_names]
             infos: list[dict[str, Any]] = ray.get([a.info.remote() for a in actors])
@@ -317,7 +317,8 @@ class VerifierActor:
         import ray
 
         ranks = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in self.rank_names]
-        group = TensorLink.host(f"{self.name}-tp", timeout_s=60.0, world=world)
+        backend = backend_for(engine.runner.model.device)  # NCCL for CUDA ranks
+        group = TensorLink.host(f"{self.name}-tp", backend, timeout_s=60.0, world=world)
         joined = [r.join_group.remote(group.address) for r in ranks]
         group.connect()
         ray.get(joined, timeout=120)
@@ -335,8 +336,7 @@ class VerifierActor:
         }
 
     def _served_by(self, request_id: str) -> dict[str, Any]:
-        remote = getattr(self, "drafters", None)
-        drafter = None if remote is None else remote.owner_name(request_id)
+        drafter = None if self.drafters is None else self.drafters.owner_name(request_id)
         prefill = self._prefilled_by.pop(request_id, None)
         return {"prefill": prefill, "verifier": [self.name, *self.rank_names], "drafter": drafter}
 
@@ -408,10 +408,9 @@ class VerifierActor:
 
     def stats(self) -> dict[str, Any]:
         engine_stats = self.loop.engine.stats
-        remote = getattr(self, "drafters", None)
         return {
             "spec": engine_stats.as_dict(),
-            "remote_drafting": None if remote is None else asdict(remote.stats),
+            "remote_drafting": None if self.drafters is None else asdict(self.drafters.stats),
             "prefill": dict(self.prefill_stats),
         }
 
@@ -720,8 +719,7 @@ class Runtime:
                 "outrider.prompt_tokens": len(prompt_ids),
             }
         )
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        carrier = telemetry.inject(span)
         generator = (
             self.verifiers[index]
             .generate.options(num_returns="streaming")

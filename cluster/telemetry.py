@@ -59,10 +59,10 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
-def inject() -> dict[str, str]:
-    """The current context as a carrier to pass in a Ray call."""
+def inject(span: trace.Span) -> dict[str, str]:
+    """A carrier (W3C traceparent) naming `span` as the parent, to pass in a Ray call."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
     return carrier
 
 

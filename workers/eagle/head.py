@@ -190,10 +190,7 @@ class EagleHead(nn.Module):
 
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype = torch.float32) -> EagleHead:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
+        metadata = head_metadata(path)
         if metadata.get("format") != HEAD_FORMAT:
             raise ValueError(f"{path} is not an Outrider EAGLE head ({HEAD_FORMAT})")
         raw = json.loads(metadata["config"])

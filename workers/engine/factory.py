@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
-from workers.engine.calibration import forward_times, relative_token_cost
+from workers.engine.calibration import forward_times
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.model.loader import (
@@ -51,18 +51,32 @@ def build_drafters(
     target: TransformerLM,
     progress: bool = True,
     only: str | None = None,
+    skip: Collection[str] = (),
 ) -> tuple[dict[str, Drafter], dict[str, float]]:
-    """Every drafter the settings allow (or only the method `only`), and each one's cost per
-    drafted token in one-token target forwards (model-free drafters cost nothing)."""
+    """Every drafter the settings allow, and each one's cost per drafted token in one-token
+    target forwards (model-free drafters cost nothing). `only`: just that method, which must
+    then be available; `skip`: methods provided elsewhere (a drafter pool), neither built nor
+    required. The server's default method must be available unless skipped."""
+
+    def wanted(method: str) -> bool:
+        return (only is None or only == method) and method not in skip
+
+    required = only or config.spec.method
+    target_seconds: list[float] = []  # a one-token target forward, measured once if needed
+
+    def in_target_forwards(seconds: float) -> float:
+        if not target_seconds:
+            target_seconds.append(forward_times(target, [1], reps=5)[0])
+        return seconds / target_seconds[0]
+
     ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
     drafters: dict[str, Drafter] = {}
     costs: dict[str, float] = {}
-    if only in (None, "ngram"):
+    if wanted("ngram"):
         drafters["ngram"] = NgramDrafter(ngram)
-    if only in (None, "suffix"):
+    if wanted("suffix"):
         drafters["suffix"] = SuffixDrafter(ngram)
-    wants_draft_model = config.spec.method == "draft_model" or only == "draft_model"
-    if only in (None, "draft_model") and (spec.draft_model or spec.draft_layers):
+    if wanted("draft_model") and (spec.draft_model or spec.draft_layers):
         if spec.draft_model is not None:
             draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress)
         else:
@@ -79,11 +93,11 @@ def build_drafters(
             block_size=config.block_size,
             max_model_len=config.max_model_len,
         )
-        costs["draft_model"] = relative_token_cost(draft, target)
-    elif wants_draft_model:
+        costs["draft_model"] = in_target_forwards(forward_times(draft, [1], reps=5)[0])
+    elif required == "draft_model" and "draft_model" not in skip:
         raise ValueError("spec method draft_model needs --draft-model or --draft-layers")
     head_path = spec.eagle_head or (BUNDLED_HEAD if spec.model is None else None)
-    if only in (None, "eagle") and head_path is not None and Path(head_path).exists():
+    if wanted("eagle") and head_path is not None and Path(head_path).exists():
         eagle = EagleDrafter(
             EagleHead.load(Path(head_path)),
             target,
@@ -92,10 +106,10 @@ def build_drafters(
             max_model_len=config.max_model_len,
         )
         drafters["eagle"] = eagle
-        costs["eagle"] = eagle.token_seconds() / forward_times(target, [1], reps=5)[0]
-    elif spec.eagle_head is not None:
+        costs["eagle"] = in_target_forwards(eagle.token_seconds())
+    elif wanted("eagle") and spec.eagle_head is not None:
         raise FileNotFoundError(f"EAGLE head {spec.eagle_head} not found")
-    elif config.spec.method == "eagle" or only == "eagle":
+    elif required == "eagle" and "eagle" not in skip:
         raise ValueError("spec method eagle needs --eagle-head (built in for the bundled model)")
     return drafters, costs
 
@@ -107,7 +121,7 @@ def build_engine(
     remote_drafters: dict[str, tuple[Drafter, float]] | None = None,
     build_target: Callable[[Checkpoint, torch.dtype], TransformerLM] | None = None,
 ) -> LoadedEngine:
-    """The engine for `spec`; `remote_drafters` (method -> drafter, cost) replace the local
+    """The engine for `spec`; `remote_drafters` (method -> drafter, cost) stand in for the local
     drafters of those methods (the Ray runtime's drafter pool); `build_target` builds the
     target from the checkpoint (a tensor-parallel rank's slice) instead of the whole model."""
     checkpoint = load_checkpoint(spec.model, progress=progress)
@@ -117,25 +131,11 @@ def build_engine(
     else:
         target = build_target(checkpoint, dtype)
     remote = remote_drafters or {}
-    local_spec = spec
-    if "draft_model" in remote:
-        local_spec = replace(local_spec, draft_model=None, draft_layers=None)
     drafters, draft_costs = build_drafters(
-        local_spec,
-        replace(config, spec=replace(config.spec, method="none")),
-        checkpoint,
-        target,
-        progress,
+        spec, config, checkpoint, target, progress, skip=tuple(remote)
     )
-    if "eagle" in remote:
-        drafters.pop("eagle", None)
     for method, (drafter, cost) in remote.items():
         drafters[method], draft_costs[method] = drafter, cost
-    method = config.spec.method
-    if method == "draft_model" and method not in drafters:
-        raise ValueError("spec method draft_model needs --draft-model or --draft-layers")
-    if method == "eagle" and method not in drafters:
-        raise ValueError("spec method eagle needs --eagle-head (built in for the bundled model)")
     engine = LLMEngine(
         target,
         config,

@@ -305,13 +305,10 @@ class LLMEngine:
         """Features of the positions this forward computed and kept (not rejected drafts)."""
         kept = scheduled.num_new_tokens + (len(tokens) - 1 if tokens else 0)
         rows = {layer: output.hidden_of(layer, index)[:kept] for layer in layers}
-        self.speculator.observe_hidden(scheduled.seq, scheduled.seq.num_computed_tokens, rows)
-        if self.step_listeners:
-            seq = scheduled.seq
-            drafter = self.speculator.drafters.get(seq.spec_method)
-            if drafter is not None and drafter.hidden_layers:
-                size = rows[layers[0]].element_size() * rows[layers[0]].shape[-1]
-                self._feature_bytes[seq.request_id] = kept * size * len(drafter.hidden_layers)
+        seq = scheduled.seq
+        sent = self.speculator.observe_hidden(seq, seq.num_computed_tokens, rows)
+        if sent and self.step_listeners:
+            self._feature_bytes[seq.request_id] = sent
 
     def _cut_at_stop(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
         """Keep tokens up to the first stop condition; the reason, if one was met."""

@@ -125,14 +125,17 @@ class Speculator:
 
     def observe_hidden(
         self, seq: Sequence, first_position: int, hidden: dict[int, torch.Tensor]
-    ) -> None:
-        """Hand the drafter of `seq` the rows of its layers (`hidden`: layer -> rows)."""
+    ) -> int:
+        """Hand the drafter of `seq` the rows of its layers (`hidden`: layer -> rows); returns
+        the bytes handed over (0 when its drafter reads no features)."""
         if seq.spec_method == "none":
-            return
+            return 0
         drafter = self.drafters[seq.spec_method]
-        if drafter.hidden_layers:
-            rows = torch.cat([hidden[layer] for layer in drafter.hidden_layers], dim=-1)
-            drafter.observe_hidden(seq.request_id, first_position, rows)
+        if not drafter.hidden_layers:
+            return 0
+        rows = torch.cat([hidden[layer] for layer in drafter.hidden_layers], dim=-1)
+        drafter.observe_hidden(seq.request_id, first_position, rows)
+        return rows.numel() * rows.element_size()
 
     def commit(self, seq: Sequence, token_ids: list[int]) -> None:
         if seq.spec_method != "none":
@@ -152,15 +155,14 @@ class Speculator:
         by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
         for seq in seqs:
             seq.draft = EMPTY_DRAFT
+            if seq.spec_method == "none":
+                continue
+            # Every drafter in use is called, with no requests if need be: a remote drafter
+            # sends its buffered commits and features with the call, so they never pile up.
+            pairs = by_method.setdefault(seq.spec_method, [])
             k = self.num_draft_tokens(seq, load)
             if k > 0:
-                request = DraftRequest(seq.request_id, len(seq.token_ids), k)
-                by_method.setdefault(seq.spec_method, []).append((seq, request))
-        # Every drafter in use is called, with no requests if need be: a remote drafter sends
-        # its buffered commits and features with the call, so they never pile up.
-        for seq in seqs:
-            if seq.spec_method != "none":
-                by_method.setdefault(seq.spec_method, [])
+                pairs.append((seq, DraftRequest(seq.request_id, len(seq.token_ids), k)))
         for method, pairs in by_method.items():
             drafts = self.drafters[method].propose([req for _, req in pairs])
             for seq, req in pairs:
