@@ -14,7 +14,7 @@ RayCluster). A config is checked as a whole when it is built, and every error na
       verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
       drafter:  {replicas: 1, method: eagle, num_speculative_tokens: 4,
                  resources: {cpus: 1, custom: {grace_cpu: 1}}}
-    router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256}
+    router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256, requests_per_s: 0, burst: 0}
     redis: {url: null, tls: false, password_env: null}   # url null: embedded redis-server
     telemetry: {otlp_endpoint: null, service_name: outrider}
     ray: {address: null, dashboard_host: 127.0.0.1, dashboard_port: 8265}
@@ -118,6 +118,9 @@ class RouterSettings:
     port: int = 8000
     grpc_port: int = 50051
     max_queue: int = 256  # admitted but unfinished requests before 503
+    # Every API key's token bucket unless its line in the keys file says otherwise; 0: no limit.
+    requests_per_s: float = 0.0
+    burst: int = 0  # bucket size (0: one second's worth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +204,8 @@ class DeploymentConfig:
             "must differ from router.port",
         )
         _check(self.router.max_queue >= 1, "router.max_queue", "must be >= 1")
+        _check(self.router.requests_per_s >= 0, "router.requests_per_s", "must be >= 0")
+        _check(self.router.burst >= 0, "router.burst", "must be >= 0")
         _check(
             self.telemetry.exporter in ("none", "console", "memory"),
             "telemetry.exporter",

@@ -406,6 +406,10 @@ class VerifierActor:
         self._prefilled_by[request_id] = self.prefill_names[index]
         return Prefilled(kv, hidden or None)
 
+    def load(self) -> dict[str, Any]:
+        """Queue depth and KV usage, for the router's load-aware choice."""
+        return asdict(self.loop.load())
+
     def stats(self) -> dict[str, Any]:
         engine_stats = self.loop.engine.stats
         return {
@@ -429,15 +433,11 @@ class VerifierActor:
         self.rounds.start(request_id, trace_carrier)
         request_spec = RequestSpec(**spec)
         prefilled = await self._remote_prefill(request_id, prompt_ids, request_spec, trace_carrier)
-        outputs = self.loop.submit(
+        outputs = self.loop.stream(
             request_id, prompt_ids, SamplingParams(**params), request_spec, prefilled
         )
-        loop = asyncio.get_running_loop()
-        finished = False
         try:
-            while not finished:
-                out = await loop.run_in_executor(None, next, outputs)
-                finished = out.finished
+            async for out in outputs:
                 yield {
                     "token_ids": out.new_token_ids,
                     "text": out.text,
@@ -449,10 +449,11 @@ class VerifierActor:
                     "served_by": self._served_by(request_id) if out.finished else None,
                 }
         finally:
+            # Cancelled (the client is gone) or failed: closing the stream aborts the request
+            # in the engine and frees its blocks.
+            await outputs.aclose()
             self.rounds.finish(request_id)
             self._prefilled_by.pop(request_id, None)
-            if not finished:  # cancelled (client gone) or failed: free the request's blocks
-                self.loop.abort(request_id)
 
 
 @dataclass(slots=True)
@@ -467,6 +468,7 @@ class RequestStream:
     spec: dict[str, Any] | None = None
     served_by: dict[str, Any] | None = None
     text: list[str] = field(default_factory=list)
+    output_tokens: int = 0
 
     def outputs(self) -> Iterator[RequestOutput]:
         """The stream as the engine's own `RequestOutput`s (what the HTTP layer consumes)."""
@@ -490,21 +492,34 @@ class RequestStream:
     def _items(self) -> Iterator[dict[str, Any]]:
         import ray
 
-        output_tokens = 0
         try:
             for ref in self.generator:
-                item = ray.get(ref)
-                self.text.append(item["text"])
-                output_tokens = item["num_output_tokens"]
-                if item["finished"]:
-                    self.finish_reason, self.spec = item["finish_reason"], item["spec"]
-                    self.served_by = item["served_by"]
-                yield item
+                yield self._record(ray.get(ref))
         finally:
-            if self.span is not None:
-                self.span.set_attribute("outrider.output_tokens", output_tokens)
-                self.span.set_attribute("outrider.finish_reason", self.finish_reason or "abort")
-                self.span.end()
+            self._end_span()
+
+    async def items_async(self) -> AsyncIterator[dict[str, Any]]:
+        """The verifier's per-step dicts, for asyncio callers (the router)."""
+        try:
+            async for ref in self.generator:
+                yield self._record(await ref)
+        finally:
+            self._end_span()
+
+    def _record(self, item: dict[str, Any]) -> dict[str, Any]:
+        self.text.append(item["text"])
+        self.output_tokens = item["num_output_tokens"]
+        if item["finished"]:
+            self.finish_reason, self.spec = item["finish_reason"], item["spec"]
+            self.served_by = item["served_by"]
+        return item
+
+    def _end_span(self) -> None:
+        if self.span is not None:
+            self.span.set_attribute("outrider.output_tokens", self.output_tokens)
+            self.span.set_attribute("outrider.finish_reason", self.finish_reason or "abort")
+            self.span.end()
+            self.span = None
 
 
 def _setup_tracing(config: DeploymentConfig) -> None:
@@ -705,11 +720,16 @@ class Runtime:
         params: SamplingParams,
         spec: RequestSpec | None = None,
         request_id: str | None = None,
+        group: int | None = None,
     ) -> RequestStream:
-        with self._lock:  # round-robin over verifier groups (the router does better)
-            index = self._next % len(self.verifiers)
-            self._next += 1
+        """Start a request on verifier group `group` (round-robin when None; the router picks
+        by cached prefix and load)."""
+        with self._lock:
+            if group is None:
+                group = self._next % len(self.verifiers)
+                self._next += 1
             request_id = request_id or f"req-{next(self._ids)}-{time.time_ns()}"
+        index = group
         spec = spec or RequestSpec()
         span = telemetry.tracer().start_span("outrider.request")
         span.set_attributes(
@@ -731,6 +751,10 @@ class Runtime:
         import ray
 
         ray.cancel(stream.generator)
+
+    async def load(self) -> list[dict[str, Any]]:
+        """Each verifier group's queue depth and KV usage."""
+        return list(await asyncio.gather(*(v.load.remote() for v in self.verifiers)))
 
     def verifier_stats(self) -> list[dict[str, Any]]:
         import ray

@@ -4,18 +4,38 @@ Callers `submit` a request and read its `RequestOutput`s from a queue (one item 
 that produced something for it, the last one marked finished); `abort` stops a request and
 frees its blocks. Requests that arrive while others run join the next step (continuous
 batching). The engine itself is only ever touched by the loop thread.
+
+`stream` is the asyncio form of `submit`: outputs reach the caller's event loop through
+`call_soon_threadsafe`, so a server holds thousands of open requests without a thread each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from workers.engine.config import RequestSpec
 from workers.engine.llm_engine import LLMEngine, Prefilled, RequestOutput
 from workers.engine.sampling_params import SamplingParams
+
+
+class _Sink(Protocol):
+    def put(self, item: RequestOutput | Exception) -> None: ...
+
+
+class _AsyncSink:
+    """Hands items from the loop thread to an asyncio queue on the caller's event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,15 +44,24 @@ class _Submit:
     prompt_token_ids: Sequence[int]
     params: SamplingParams
     spec: RequestSpec | None
-    outputs: queue.Queue[RequestOutput | Exception]
+    outputs: _Sink
     prefilled: Prefilled | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoopLoad:
+    """How busy the engine is, for load-aware routing (read without a lock: a hint)."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # fraction of KV blocks held by requests
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._inbox: queue.Queue[_Submit | str] = queue.Queue()  # submissions and abort ids
-        self._streams: dict[str, queue.Queue[RequestOutput | Exception]] = {}
+        self._streams: dict[str, _Sink] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -51,6 +80,42 @@ class EngineLoop:
         self._inbox.put(_Submit(request_id, prompt_token_ids, params, spec, outputs, prefilled))
         self._wake.set()
         return self._iterate(outputs)
+
+    async def stream(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        spec: RequestSpec | None = None,
+        prefilled: Prefilled | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """`submit` for asyncio callers. Leaving the iteration early (the consumer was cancelled
+        or closed it) aborts the request and frees its blocks."""
+        sink = _AsyncSink()
+        self._inbox.put(_Submit(request_id, prompt_token_ids, params, spec, sink, prefilled))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await sink.queue.get()
+                if isinstance(item, Exception):
+                    finished = True  # rejected or failed: nothing left to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def load(self) -> LoopLoad:
+        engine: Any = self.engine
+        allocator = engine.allocator
+        held = allocator.num_blocks - allocator.num_free_blocks
+        return LoopLoad(
+            len(engine.scheduler.running),
+            len(engine.scheduler.waiting),
+            held / allocator.num_blocks,
+        )
 
     def ready(self) -> bool:
         return self._thread.is_alive()

@@ -1,0 +1,170 @@
+"""What the router dispatches to: verifier groups that stream a request's tokens.
+
+`RuntimeBackend` is the production path: the Ray runtime's verifier groups (each one an engine
+with its drafter and prefill pools behind it). `LocalBackend` is one in-process engine, for
+`outrider serve` without a cluster and for fast tests of the router itself; both stream through
+the same asyncio interface, and leaving a stream early aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from router import errors
+from workers.engine.config import RequestSpec
+from workers.engine.engine_loop import EngineLoop
+from workers.engine.llm_engine import RequestOutput
+from workers.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one engine step produced for one request."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    spec: dict[str, Any]  # SpecStats fields
+    served_by: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLoad:
+    running: int
+    waiting: int
+    kv_usage: float
+
+    @property
+    def queue_depth(self) -> int:
+        return self.running + self.waiting
+
+
+class Backend(Protocol):
+    groups: list[str]  # verifier group names, index = group
+
+    def stream(
+        self,
+        group: int,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: RequestSpec | None,
+    ) -> AsyncIterator[Step]: ...
+
+    async def load(self) -> list[GroupLoad]: ...
+
+    async def ready(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+def _step(out: RequestOutput) -> Step:
+    return Step(
+        out.new_token_ids,
+        out.text,
+        out.finished,
+        out.finish_reason,
+        out.num_prompt_tokens,
+        out.num_output_tokens,
+        asdict(out.spec),
+    )
+
+
+class LocalBackend:
+    """One in-process engine (an `EngineLoop`) as a single verifier group."""
+
+    def __init__(self, loop: EngineLoop, name: str = "local") -> None:
+        self.loop = loop
+        self.groups = [name]
+
+    async def stream(
+        self,
+        group: int,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: RequestSpec | None,
+    ) -> AsyncIterator[Step]:
+        outputs = self.loop.stream(request_id, prompt_ids, params, spec)
+        try:
+            async for out in outputs:
+                yield _step(out)
+        except ValueError as exc:  # the engine refused it (unknown method, too long)
+            raise errors.bad_request(str(exc)) from exc
+        except RuntimeError as exc:
+            raise errors.server_error(str(exc)) from exc
+        finally:
+            await outputs.aclose()
+
+    async def load(self) -> list[GroupLoad]:
+        load = self.loop.load()
+        return [GroupLoad(load.running, load.waiting, load.kv_usage)]
+
+    async def ready(self) -> bool:
+        return self.loop.ready()
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.loop.close)
+
+
+class RuntimeBackend:
+    """The Ray runtime's verifier groups."""
+
+    def __init__(self, runtime: Any, shutdown_on_close: bool = True) -> None:
+        self.runtime = runtime
+        self.groups = list(runtime.verifier_names)
+        self.shutdown_on_close = shutdown_on_close
+
+    async def stream(
+        self,
+        group: int,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: RequestSpec | None,
+    ) -> AsyncIterator[Step]:
+        import ray
+
+        stream = self.runtime.submit(prompt_ids, params, spec, request_id, group)
+        finished = False
+        try:
+            async for item in stream.items_async():
+                finished = item["finished"]
+                yield Step(**{k: item[k] for k in Step.__slots__})
+        except ValueError as exc:  # RayTaskError subclasses the actor's own exception type
+            raise errors.bad_request(_cause(exc)) from exc
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            raise errors.overloaded(f"verifier {self.groups[group]} is unavailable") from exc
+        except ray.exceptions.RayError as exc:
+            raise errors.server_error(_cause(exc)) from exc
+        finally:
+            if not finished:  # the client left (or the stream failed): free its KV blocks
+                self.runtime.abort(stream)
+
+    async def load(self) -> list[GroupLoad]:
+        return [GroupLoad(**item) for item in await self.runtime.load()]
+
+    async def ready(self) -> bool:
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(v.info.remote() for v in self.runtime.verifiers)), 2.0
+            )
+        except Exception:
+            return False
+        return True
+
+    async def close(self) -> None:
+        if self.shutdown_on_close:
+            await asyncio.get_running_loop().run_in_executor(None, self.runtime.shutdown)
+
+
+def _cause(exc: BaseException) -> str:
+    """The message of the exception a Ray task raised, without Ray's traceback wrapper."""
+    cause = getattr(exc, "cause", None)
+    return str(cause) if cause is not None else str(exc).strip().splitlines()[-1]

@@ -1,0 +1,130 @@
+"""The gRPC API (grpc.aio): `outrider.v1.Generation/Generate`, server-streaming, plus the standard
+`grpc.health.v1.Health` service.
+
+A request is turned into the same body the HTTP API validates, so both APIs accept and refuse
+exactly the same things; refusals map to gRPC status codes (see `router/errors.py`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from router.errors import RouterError
+from router.proto import codegen
+from router.protocol import ChatCompletionRequest, CompletionRequest, validate
+from router.service import RouterService, usage
+
+codegen.ensure()
+
+from router.proto import generate_pb2, generate_pb2_grpc  # noqa: E402
+
+SERVICE_NAME = "outrider.v1.Generation"
+
+
+def _body(request: Any) -> tuple[dict[str, Any], bool]:
+    """The request as an OpenAI-style body, and whether it is a chat request."""
+    body: dict[str, Any] = {"model": request.model or None}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    if request.stop:
+        body["stop"] = list(request.stop)
+    body["ignore_eos"] = request.ignore_eos
+    if request.HasField("speculative"):
+        s = request.speculative
+        spec: dict[str, Any] = {"enabled": not s.disabled}
+        if s.HasField("method"):
+            spec["method"] = s.method
+        if s.HasField("num_speculative_tokens"):
+            spec["num_speculative_tokens"] = s.num_speculative_tokens
+        body["speculative"] = spec
+    which = request.WhichOneof("input")
+    if which == "chat":
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        return body, True
+    if which == "prompt_token_ids":
+        body["prompt"] = list(request.prompt_token_ids.ids)
+    else:
+        body["prompt"] = request.prompt
+    return body, False
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):  # type: ignore[misc]
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+        await self.service.authorize(token.strip() if scheme.lower() == "bearer" else None)
+
+    async def ListModels(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            await self._authorize(context)
+        except RouterError as exc:
+            await _abort(context, exc)
+        return generate_pb2.ListModelsResponse(models=[self.service.model_name])
+
+    async def Generate(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        service = self.service
+        request_id = f"grpc-{uuid.uuid4().hex}"
+        try:
+            await self._authorize(context)
+            body, chat = _body(request)
+            if chat:
+                generate = service.builder.chat(validate(ChatCompletionRequest, body))
+            else:
+                generate = service.builder.completion(validate(CompletionRequest, body))
+            steps = service.generate(generate, request_id)
+            async for step in steps:
+                response = generate_pb2.GenerateResponse(
+                    request_id=request_id,
+                    token_ids=step.token_ids,
+                    text=step.text,
+                    finished=step.finished,
+                    finish_reason=step.finish_reason or "",
+                )
+                if step.finished:
+                    u = usage(generate, step)
+                    spec: dict[str, Any] = u["speculative"]  # type: ignore[assignment]
+                    response.usage.CopyFrom(
+                        generate_pb2.Usage(
+                            prompt_tokens=u["prompt_tokens"],
+                            completion_tokens=u["completion_tokens"],
+                            speculative=generate_pb2.SpeculativeStats(**spec),
+                        )
+                    )
+                yield response
+        except RouterError as exc:
+            service.metrics.requests.labels("grpc", "refused").inc()
+            await _abort(context, exc)
+        service.metrics.requests.labels("grpc", "ok").inc()
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
+    if exc.retry_after_s is not None:
+        context.set_trailing_metadata((("retry-after", exc.headers()["Retry-After"]),))
+    await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
+
+
+async def start_grpc(service: RouterService, host: str, port: int) -> tuple[Any, HealthServicer]:
+    """A started grpc.aio server with the Generation and Health services."""
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the gRPC port {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, health

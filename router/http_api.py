@@ -1,0 +1,242 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions and chat completions, streaming (SSE)
+or not, models, health, readiness, Prometheus metrics, and the request registry.
+
+Every error, including FastAPI's own (unknown route, wrong method), is an OpenAI error object
+with its status. Bodies are parsed here rather than by FastAPI so that invalid UTF-8, invalid
+JSON and wrong types all get a 400 naming the problem; the OpenAPI document still shows the
+request schemas.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from router import errors
+from router.backends import Step
+from router.errors import RouterError
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    parse_json,
+    validate,
+)
+from router.service import RouterService, usage
+
+
+def _body_schema(name: str) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}},
+        }
+    }
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _error(exc: RouterError) -> JSONResponse:
+    return JSONResponse(exc.body(), exc.status, headers=exc.headers())
+
+
+def create_app(service: RouterService) -> FastAPI:
+    app = FastAPI(
+        title="Outrider",
+        version="0.1.0",
+        summary="OpenAI-compatible API of a disaggregated speculative-decoding server",
+    )
+
+    @app.exception_handler(RouterError)
+    async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        error = RouterError(exc.status_code, str(exc.detail), kind, "INVALID_ARGUMENT")
+        return _error(error)
+
+    @app.get("/health", tags=["operations"])
+    async def health() -> dict[str, str]:
+        """The process is up."""
+        return {"status": "ok"}
+
+    @app.get("/ready", tags=["operations"], responses={503: {"description": "not ready"}})
+    async def ready() -> Response:
+        """Redis and every verifier group answer."""
+        if await service.ready():
+            return JSONResponse({"status": "ready"})
+        return _error(errors.overloaded("the pools or Redis are not reachable"))
+
+    @app.get("/metrics", tags=["operations"])
+    async def metrics() -> Response:
+        """Prometheus metrics of this replica."""
+        await service.load()
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", tags=["openai"])
+    async def models(request: Request) -> dict[str, Any]:
+        await service.authorize(_bearer(request))
+        model = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "outrider"}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/requests/{request_id}", tags=["outrider"])
+    async def request_status(request_id: str, request: Request) -> dict[str, Any]:
+        """A request's registry entry (any replica can answer): its verifier group, state and
+        committed token ids."""
+        await service.authorize(_bearer(request))
+        record = await service.state.lookup_request(request_id)
+        if record is None:
+            raise errors.not_found(f"no request {request_id!r}")
+        return {"id": request_id, **record}
+
+    @app.post("/v1/completions", tags=["openai"], openapi_extra=_body_schema("CompletionRequest"))
+    async def completions(request: Request) -> Response:
+        await service.authorize(_bearer(request))
+        body = validate(CompletionRequest, parse_json(await request.body()))
+        return await _serve(request, service.builder.completion(body))
+
+    @app.post(
+        "/v1/chat/completions",
+        tags=["openai"],
+        openapi_extra=_body_schema("ChatCompletionRequest"),
+    )
+    async def chat_completions(request: Request) -> Response:
+        await service.authorize(_bearer(request))
+        body = validate(ChatCompletionRequest, parse_json(await request.body()))
+        return await _serve(request, service.builder.chat(body))
+
+    async def _serve(request: Request, generate: GenerateRequest) -> Response:
+        request_id = f"{'chatcmpl' if generate.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        steps = service.generate(generate, request_id)
+        try:
+            first = await anext(steps)  # refusals surface here, before any 200 goes out
+        except RouterError:
+            service.metrics.requests.labels(_api(generate), "refused").inc()
+            raise
+        headers = {"X-Request-Id": request_id}
+        if generate.stream:
+            events = _events(service, generate, request_id, first, steps)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        text, last = [first.text], first
+        async for step in steps:
+            text.append(step.text)
+            last = step
+            if await request.is_disconnected():
+                await steps.aclose()  # aborts the request and frees its KV blocks
+                return Response(status_code=499)
+        service.metrics.requests.labels(_api(generate), "ok").inc()
+        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
+        if generate.chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+            choice["logprobs"] = None
+        envelope = _envelope(service, request_id, generate.chat, [choice])
+        envelope["usage"] = usage(generate, last)
+        return JSONResponse(envelope, headers=headers)
+
+    def _openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=app.routes
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = _openapi  # type: ignore[method-assign]
+    return app
+
+
+def _api(generate: GenerateRequest) -> str:
+    return "chat" if generate.chat else "completions"
+
+
+def _envelope(
+    service: RouterService, request_id: str, chat: bool, choices: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": service.model_name,
+        "choices": choices,
+    }
+
+
+async def _events(
+    service: RouterService,
+    generate: GenerateRequest,
+    request_id: str,
+    first: Step,
+    rest: AsyncIterator[Step],
+) -> AsyncIterator[bytes]:
+    """Server-sent events in OpenAI's chunk format. Cancelled when the client disconnects,
+    which closes `rest` and so aborts the request in its verifier."""
+    chat = generate.chat
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list[dict[str, Any]]) -> bytes:
+        event = _envelope(service, request_id, chat, choices)
+        event["object"] = kind
+        if generate.include_usage:
+            event["usage"] = None
+        return f"data: {json.dumps(event)}\n\n".encode()
+
+    async def steps() -> AsyncIterator[Step]:
+        yield first
+        async for step in rest:
+            yield step
+
+    if chat:
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+    last = first
+    try:
+        async for step in steps():
+            last = step
+            if not step.text and not step.finished:
+                continue
+            if chat:
+                delta = {"content": step.text} if step.text else {}
+                choice = {"index": 0, "delta": delta, "finish_reason": step.finish_reason}
+            else:
+                choice = {
+                    "index": 0,
+                    "text": step.text,
+                    "logprobs": None,
+                    "finish_reason": step.finish_reason,
+                }
+            yield chunk([choice])
+    except RouterError as exc:  # failed after the 200 went out: say so in the stream
+        service.metrics.requests.labels(_api(generate), "failed").inc()
+        yield f"data: {json.dumps(exc.body())}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+        return
+    finally:
+        await rest.aclose()
+    service.metrics.requests.labels(_api(generate), "ok").inc()
+    if generate.include_usage:
+        final = _envelope(service, request_id, chat, [])
+        final["object"] = kind
+        final["usage"] = usage(generate, last)
+        yield f"data: {json.dumps(final)}\n\n".encode()
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,1 @@
+"""The gRPC API's protocol (`generate.proto`) and the code grpcio-tools generates from it."""

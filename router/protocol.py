@@ -1,0 +1,213 @@
+"""OpenAI request bodies: their schemas (which the OpenAPI document shows), their validation,
+and their translation into what the engine takes.
+
+Validation is strict about types (`"max_tokens": "5"` is refused, not coerced) and names the
+offending field in the error's `param`, as OpenAI does. Unknown fields are ignored, as vLLM does,
+so clients that send newer OpenAI fields keep working.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from router import errors
+from workers.engine.config import RequestSpec
+from workers.engine.sampling_params import SamplingParams
+from workers.model.tokenizer import Tokenizer
+
+MAX_BODY_BYTES = 4 << 20  # JSON bodies beyond this are refused before parsing (413)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class SpeculativeOptions(_Strict):
+    """Outrider's extension: this request's speculation, over the server's default."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    enabled: bool = True
+    method: str | None = Field(None, description="ngram, suffix, draft_model or eagle")
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    n: int = Field(1, ge=1, le=1, description="only 1 is served")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    speculative: SpeculativeOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] = Field(description="text, or token ids")
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """A validated request in the engine's terms, whichever API it came from."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: RequestSpec | None
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as JSON: 413 when too large, 400 when not UTF-8 or not JSON."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise errors.too_large(f"request body over {MAX_BODY_BYTES} bytes")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise errors.bad_request(f"body is not valid UTF-8: {exc.reason}") from exc
+    except json.JSONDecodeError as exc:
+        raise errors.bad_request(f"body is not valid JSON: {exc}") from exc
+
+
+def validate(model: type[M], body: Any) -> M:
+    if not isinstance(body, dict):
+        raise errors.bad_request("body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise errors.bad_request(f"{param}: {first['msg']}", param) from exc
+
+
+def sampling_params(
+    body: _SamplingFields, max_tokens: int | None, default_max_tokens: int
+) -> SamplingParams:
+    stop = body.stop
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in stops):
+        raise errors.bad_request("stop strings must be non-empty", "stop")
+    top_k = body.top_k or 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens or default_max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, top_k),
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            ignore_eos=body.ignore_eos,
+            stop=stops,
+        )
+    except ValueError as exc:
+        raise errors.bad_request(str(exc)) from exc
+
+
+def request_spec(options: SpeculativeOptions | None) -> RequestSpec | None:
+    if options is None:
+        return None
+    try:
+        return RequestSpec(options.enabled, options.method, options.num_speculative_tokens)
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), "speculative") from exc
+
+
+def _message_text(message: ChatMessage) -> dict[str, str]:
+    content = message.content
+    text = content if isinstance(content, str) else "".join(p.text for p in content)
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": text}
+
+
+class RequestBuilder:
+    """Turns validated bodies into `GenerateRequest`s for one served model."""
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str, max_model_len: int) -> None:
+        self.tokenizer, self.model_name, self.max_model_len = tokenizer, model_name, max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.model_name):
+            raise errors.not_found(f"the model {model!r} does not exist", "model")
+
+    def completion(self, body: CompletionRequest) -> GenerateRequest:
+        self.check_model(body.model)
+        if body.echo:
+            raise errors.bad_request("echo is not supported", "echo")
+        if body.logprobs:
+            raise errors.bad_request("logprobs are not supported by this engine", "logprobs")
+        if isinstance(body.prompt, str):
+            if not body.prompt:
+                raise errors.bad_request("prompt must not be empty", "prompt")
+            prompt_ids = self.tokenizer.encode(body.prompt)
+        else:
+            prompt_ids = list(body.prompt)
+            vocab = self.tokenizer.vocab_size
+            if not prompt_ids or any(not 0 <= t < vocab for t in prompt_ids):
+                raise errors.bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return self._build(body, prompt_ids, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, False)
+
+    def chat(self, body: ChatCompletionRequest) -> GenerateRequest:
+        self.check_model(body.model)
+        if body.logprobs:
+            raise errors.bad_request("logprobs are not supported by this engine", "logprobs")
+        messages = [_message_text(m) for m in body.messages]
+        prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        remaining = max(1, self.max_model_len - len(prompt_ids))
+        return self._build(body, prompt_ids, max_tokens, remaining, True)
+
+    def _build(
+        self,
+        body: _SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        default_max_tokens: int,
+        chat: bool,
+    ) -> GenerateRequest:
+        params = sampling_params(body, max_tokens, default_max_tokens)
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise errors.bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"asks for {len(prompt_ids)} prompt + {params.max_tokens} completion tokens",
+                "messages" if chat else "prompt",
+            )
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return GenerateRequest(
+            prompt_ids, params, request_spec(body.speculative), body.stream, include_usage, chat
+        )

@@ -1,0 +1,158 @@
+"""One router replica: the HTTP API (uvicorn) and the gRPC API on one asyncio loop, over a
+backend (the Ray runtime, or one in-process engine) and Redis.
+
+`Router.serve()` runs until `stop()`; `RouterThread` runs a router on a background thread
+(tests, benchmarks). API keys come from a file (one per line: `<key> [name] [requests/s]
+[burst]`, `#` comments), are stored hashed in Redis, and switch authentication on; without any
+key in Redis the API is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from router.backends import Backend
+from router.protocol import RequestBuilder
+from router.service import RouterService, RoutingPolicy
+from router.state import SharedState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLine:
+    key: str
+    name: str
+    requests_per_s: float | None
+    burst: int | None
+
+
+def read_keys_file(path: str | Path) -> list[KeyLine]:
+    """Parse an API keys file; raises ValueError naming the bad line."""
+    keys = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) > 4:
+            raise ValueError(f"{path}:{number}: expected '<key> [name] [requests/s] [burst]'")
+        try:
+            rate = float(fields[2]) if len(fields) > 2 else None
+            burst = int(fields[3]) if len(fields) > 3 else None
+        except ValueError:
+            raise ValueError(f"{path}:{number}: requests/s and burst must be numbers") from None
+        name = fields[1] if len(fields) > 1 else f"key-{number}"
+        keys.append(KeyLine(fields[0], name, rate, burst))
+    return keys
+
+
+@dataclass(slots=True)
+class RouterOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = 50051  # None: no gRPC server
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str | None = None
+    max_queue: int = 256
+    block_size: int = 16
+    requests_per_s: float = 0.0  # default bucket for keys that do not set their own
+    burst: int = 0
+    api_keys: list[KeyLine] = field(default_factory=list)
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+
+
+class Router:
+    def __init__(self, backend: Backend, builder: RequestBuilder, options: RouterOptions) -> None:
+        self.backend, self.builder, self.options = backend, builder, options
+        self.service: RouterService | None = None
+        self.started = threading.Event()
+        self._http: uvicorn.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self) -> None:
+        import redis.asyncio as aioredis
+
+        from router.grpc_api import start_grpc
+        from router.http_api import create_app
+
+        opts = self.options
+        client = aioredis.Redis.from_url(opts.redis_url, password=opts.redis_password)
+        state = SharedState(client)
+        for line in opts.api_keys:
+            await state.add_key(
+                line.key,
+                line.name,
+                opts.requests_per_s if line.requests_per_s is None else line.requests_per_s,
+                opts.burst if line.burst is None else line.burst,
+            )
+        service = RouterService(
+            self.backend, self.builder, state, opts.block_size, opts.max_queue, opts.policy
+        )
+        self.service = service
+        config = uvicorn.Config(
+            create_app(service),
+            host=opts.host,
+            port=opts.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        self._http = uvicorn.Server(config)
+        self._loop = asyncio.get_running_loop()
+        grpc_server: Any = None
+        try:
+            if opts.grpc_port is not None:
+                grpc_server, _ = await start_grpc(service, opts.host, opts.grpc_port)
+            http = asyncio.create_task(self._http.serve())
+            while not self._http.started and not http.done():
+                await asyncio.sleep(0.02)
+            if not http.done():
+                self.started.set()
+            await http
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=2)
+            await service.drain()
+            await state.close()
+            self.started.set()  # a failed start must not leave a waiter hanging
+
+    def stop(self) -> None:
+        """Ask the servers to stop (from any thread); `serve` returns once they have."""
+        if self._http is not None:
+            self._http.should_exit = True
+
+
+class RouterThread:
+    """A router on its own thread and event loop."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="router", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.router.serve())
+        except BaseException as exc:
+            self.error = exc
+            self.router.started.set()
+
+    def start(self, timeout_s: float = 60.0) -> RouterThread:
+        self._thread.start()
+        if not self.router.started.wait(timeout_s):
+            raise TimeoutError("the router did not start")
+        if self.error is not None:
+            raise RuntimeError(f"the router failed to start: {self.error!r}") from self.error
+        return self
+
+    def stop(self) -> None:
+        self.router.stop()
+        self._thread.join(timeout=30)

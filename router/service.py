@@ -1,0 +1,225 @@
+"""The router's core, shared by the HTTP and gRPC front ends.
+
+Per request: authenticate (API key, hashed, in Redis), take from the key's rate-limit bucket
+(Redis, shared by every replica), admit (a bounded number of unfinished requests per replica,
+503 beyond it), pick a verifier group (longest cached prefix from the Redis prefix index, then
+the lighter of two random groups by queue depth and KV usage), register the request in Redis,
+stream its steps, and on the way record metrics, committed tokens and the blocks the group now
+holds. Leaving the stream early (client gone) aborts the request in its verifier.
+
+Conditional disaggregation is decided in the verifier, which knows what its prefix cache holds:
+prompts with fewer than `pools.prefill.min_remote_prompt_tokens` uncached tokens skip the
+prefill pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from router import errors
+from router.backends import Backend, GroupLoad, Step
+from router.metrics import RouterMetrics
+from router.protocol import GenerateRequest, RequestBuilder
+from router.state import ApiKey, SharedState
+from workers.engine.sequence import SpecStats
+
+log = logging.getLogger(__name__)
+
+LOAD_TTL_S = 0.1  # how long one poll of the verifiers' load is reused
+REGISTRY_FLUSH_S = 0.25  # committed tokens reach the registry at least this often
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    """Cache affinity gives way when the cached group is this much busier than the lightest."""
+
+    balance_threshold: int = 8
+    seed: int | None = None
+
+
+class RouterService:
+    def __init__(
+        self,
+        backend: Backend,
+        builder: RequestBuilder,
+        state: SharedState,
+        block_size: int,
+        max_queue: int = 256,
+        policy: RoutingPolicy | None = None,
+        replica: str | None = None,
+    ) -> None:
+        self.backend, self.builder, self.state = backend, builder, state
+        self.block_size, self.max_queue = block_size, max_queue
+        self.policy = policy or RoutingPolicy()
+        self.replica = replica or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.metrics = RouterMetrics()
+        self.in_flight = 0
+        self._random = random.Random(self.policy.seed)
+        self._load: list[GroupLoad] = []
+        self._load_at = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def model_name(self) -> str:
+        return self.builder.model_name
+
+    async def authorize(self, api_key: str | None) -> ApiKey | None:
+        """The caller's key (None when the deployment has no keys), its bucket drawn from."""
+        if not await self.state.auth_required():
+            return None
+        if not api_key:
+            raise errors.unauthorized("missing API key (Authorization: Bearer <key>)")
+        key = await self.state.lookup_key(api_key)
+        if key is None:
+            raise errors.unauthorized("invalid API key")
+        decision = await self.state.take(key)
+        if not decision.allowed:
+            raise errors.rate_limited(decision.retry_after_s)
+        return key
+
+    async def ready(self) -> bool:
+        return await self.state.ping() and await self.backend.ready()
+
+    async def load(self) -> list[GroupLoad]:
+        now = time.monotonic()
+        if now - self._load_at > LOAD_TTL_S:
+            self._load, self._load_at = await self.backend.load(), now
+            for name, load in zip(self.backend.groups, self._load, strict=True):
+                self.metrics.queue_depth.labels(name).set(load.queue_depth)
+                self.metrics.kv_usage.labels(name).set(load.kv_usage)
+        return self._load
+
+    async def choose_group(self, prompt_ids: Sequence[int]) -> tuple[int, str]:
+        """(group index, why): longest cached prefix, then power of two choices by load."""
+        groups = self.backend.groups
+        if len(groups) == 1:
+            return 0, "only"
+        cached, loads = await asyncio.gather(
+            self.state.cached_blocks(prompt_ids, self.block_size, groups), self.load()
+        )
+        score = [(g.queue_depth, g.kv_usage) for g in loads]
+        lightest = min(s[0] for s in score)
+        best = max(cached.values())
+        if best > 0:
+            holders = [i for i, name in enumerate(groups) if cached[name] == best]
+            fit = [i for i in holders if score[i][0] - lightest <= self.policy.balance_threshold]
+            if fit:
+                return self._two_choices(fit, score), "prefix"
+        return self._two_choices(list(range(len(groups))), score), "load"
+
+    def _two_choices(self, candidates: list[int], score: list[tuple[int, float]]) -> int:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._random.sample(candidates, 2)
+        return a if score[a] <= score[b] else b
+
+    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Step]:
+        """The request's steps; raises `RouterError` before the first one when refused."""
+        if self.in_flight >= self.max_queue:
+            raise errors.overloaded(
+                f"the server has {self.in_flight} requests in flight (limit {self.max_queue})"
+            )
+        self.in_flight += 1
+        self.metrics.in_flight.inc()
+        try:
+            async for step in self._generate(request, request_id):
+                yield step
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.dec()
+
+    async def _generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Step]:
+        start = time.perf_counter()
+        group, reason = await self.choose_group(request.prompt_ids)
+        name = self.backend.groups[group]
+        self.metrics.routed.labels(name, reason).inc()
+        await self.state.register(request_id, name, self.replica, len(request.prompt_ids))
+        self.metrics.prompt_tokens.inc(len(request.prompt_ids))
+        pending: list[int] = []
+        output_ids: list[int] = []
+        last = flushed = start
+        first = True
+        finish_reason = "abort"
+        try:
+            async for step in self.backend.stream(
+                group, request_id, request.prompt_ids, request.params, request.spec
+            ):
+                now = time.perf_counter()
+                if step.token_ids:
+                    if first:
+                        self.metrics.ttft.observe(now - start)
+                        self._background(
+                            self.state.record_prefix(request.prompt_ids, self.block_size, name)
+                        )
+                        first = False
+                    else:
+                        per_token = (now - last) / len(step.token_ids)
+                        for _ in step.token_ids:
+                            self.metrics.itl.observe(per_token)
+                    last = now
+                    pending += step.token_ids
+                    output_ids += step.token_ids
+                    self.metrics.generation_tokens.inc(len(step.token_ids))
+                if step.finished:
+                    finish_reason = step.finish_reason or "stop"
+                    self._finished(request, step, start, name, output_ids)
+                elif pending and now - flushed >= REGISTRY_FLUSH_S:
+                    await self.state.commit(request_id, pending)
+                    pending, flushed = [], now
+                yield step
+        finally:
+            usage = None if finish_reason == "abort" else {"finish_reason": finish_reason}
+            self._background(self.state.commit(request_id, pending, finish_reason, usage))
+
+    def _finished(
+        self,
+        request: GenerateRequest,
+        step: Step,
+        start: float,
+        group: str,
+        output_ids: list[int],
+    ) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - start)
+        spec = step.spec
+        self.metrics.drafted.inc(spec["drafted"])
+        self.metrics.accepted.inc(spec["accepted"])
+        if spec["verify_steps"]:
+            length = (spec["accepted"] + spec["verify_steps"]) / spec["verify_steps"]
+            self.metrics.acceptance_length.observe(length)
+        # The conversation so far is cached in that group now: the next turn should go there.
+        tokens = [*request.prompt_ids, *output_ids]
+        self._background(self.state.record_prefix(tokens, self.block_size, group))
+
+    def _background(self, work: object) -> None:
+        """Bookkeeping that must not delay tokens or fail the request."""
+        task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # A Redis hiccup on bookkeeping: the request itself has its tokens.
+            log.warning("router bookkeeping failed: %r", task.exception())
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def usage(request: GenerateRequest, step: Step) -> dict[str, object]:
+    """OpenAI's usage object, with Outrider's speculative statistics."""
+    prompt_tokens = step.num_prompt_tokens or len(request.prompt_ids)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": step.num_output_tokens,
+        "total_tokens": prompt_tokens + step.num_output_tokens,
+        "speculative": SpecStats(**step.spec).as_dict(),
+    }
