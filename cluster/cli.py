@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -13,7 +15,7 @@ import torch
 
 from cluster import k8s
 from cluster.config import ConfigError, DeploymentConfig, load_config
-from cluster.runtime import Runtime, RuntimeLoop
+from cluster.runtime import Runtime
 from workers.engine.config import SPEC_METHODS, EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
 from workers.engine.llm_engine import LLMEngine, RequestOutput
@@ -82,9 +84,24 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _add_engine_args(gen)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and gRPC")
+    api = serve.add_argument_group("router")
+    api.add_argument("--host", default=None, help="default 127.0.0.1 (the config's with --config)")
+    api.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    api.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 50051)")
+    api.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    api.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="shared Redis (default $REDIS_URL, else the config's, else an embedded redis-server)",
+    )
+    api.add_argument(
+        "--api-keys-file",
+        default=os.environ.get("OUTRIDER_API_KEYS_FILE"),
+        help="API keys, one per line: <key> [name] [requests/s] [burst] "
+        "(default $OUTRIDER_API_KEYS_FILE; none: the API is open)",
+    )
+    api.add_argument("--max-queue", type=int, default=None, help="requests in flight before 503")
     _add_engine_args(serve)
 
     k8s.add_parser(sub)
@@ -237,12 +254,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from router.simple_server import make_server_for, serve, serve_forever
+    from router.backends import Backend, LocalBackend, RuntimeBackend
+    from router.protocol import RequestBuilder
+    from router.redis_server import EmbeddedRedis, connect_url, password_from
+    from router.server import Router, RouterOptions, read_keys_file
+    from workers.engine.engine_loop import EngineLoop
 
+    config = _deployment(args)
+    keys = read_keys_file(args.api_keys_file) if args.api_keys_file else []
+    backend: Backend
     if _uses_cluster(args):
         runtime, tokenizer, name = _start_runtime(args)
-        loop = RuntimeLoop(runtime)
-        server = make_server_for(loop, tokenizer, name, args.host, args.port)
+        backend = RuntimeBackend(runtime)
         info = runtime.actor_info()
         names = [a["name"] for pool in info.values() for a in pool]
         print(f"Ray runtime up: {', '.join(names)}", flush=True)
@@ -253,10 +276,53 @@ def _serve(args: argparse.Namespace) -> int:
                 "(token authentication: the token is in ~/.ray/auth_token)",
                 flush=True,
             )
-        serve_forever(server, loop, name, args.host, args.port)
-        return 0
-    loaded = load(args)
-    serve(loaded, args.host, args.port)
+        block_size, max_model_len = config.engine.block_size, config.engine.max_model_len
+    else:
+        loaded = load(args)
+        backend = LocalBackend(EngineLoop(loaded.engine))
+        tokenizer, name = loaded.tokenizer, loaded.model_name
+        block_size = loaded.engine.config.block_size
+        max_model_len = loaded.engine.config.max_model_len
+    embedded: EmbeddedRedis | None = None
+    redis_url = args.redis_url or config.redis.url
+    if redis_url is None:
+        embedded = EmbeddedRedis().start()
+        redis_url = embedded.url
+        print(f"Redis: embedded redis-server on {redis_url}", flush=True)
+    configured = args.config is not None
+    host = args.host or (config.router.host if configured else "127.0.0.1")
+    port = args.port or config.router.port
+    options = RouterOptions(
+        host=host,
+        port=port,
+        grpc_port=None if args.no_grpc else (args.grpc_port or config.router.grpc_port),
+        redis_url=connect_url(redis_url, config.redis.tls),
+        redis_password=password_from(config.redis.password_env),
+        max_queue=args.max_queue or config.router.max_queue,
+        block_size=block_size,
+        requests_per_s=config.router.requests_per_s,
+        burst=config.router.burst,
+        api_keys=keys,
+    )
+    router = Router(backend, RequestBuilder(tokenizer, name, max_model_len), options)
+    print(f"Outrider is serving {name} on http://{host}:{port} (OpenAI API)", flush=True)
+    if options.grpc_port is not None:
+        print(f"  gRPC outrider.v1.Generation on {host}:{options.grpc_port}", flush=True)
+    auth = " -H 'Authorization: Bearer <key>'" if keys else ""
+    print(
+        f"  try: curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json'"
+        f"{auth} "
+        '-d \'{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}\'',
+        flush=True,
+    )
+    try:
+        asyncio.run(router.serve())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        asyncio.run(backend.close())
+        if embedded is not None:
+            embedded.stop()
     return 0
 
 

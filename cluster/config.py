@@ -14,7 +14,8 @@ RayCluster). A config is checked as a whole when it is built, and every error na
       verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
       drafter:  {replicas: 1, method: eagle, num_speculative_tokens: 4,
                  resources: {cpus: 1, custom: {grace_cpu: 1}}}
-    router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256, requests_per_s: 0, burst: 0}
+    router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256,
+             requests_per_s: 0, burst: 0}                 # per-key token bucket, 0: none
     redis: {url: null, tls: false, password_env: null}   # url null: embedded redis-server
     telemetry: {otlp_endpoint: null, service_name: outrider}
     ray: {address: null, dashboard_host: 127.0.0.1, dashboard_port: 8265}

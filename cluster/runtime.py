@@ -6,16 +6,16 @@ per pool and the named actors in it:
 - `drafter-<i>`: a `DrafterWorker` running the pool's drafting method (CPU, plus any custom
   resource such as `grace_cpu` that the config names, so drafters land on the Grace CPU beside
   a GPU on GB200 nodes). Restarted by Ray if it dies; its verifier re-adds its sequences.
-- `verifier-g<g>-r0`: a `VerifierWorker`: the engine (continuous batching, verification) with
-  model-free drafters in-process and the drafter pool behind `RemoteDrafter`s, features over
-  tensor links.
+- `prefill-<i>`: a `PrefillWorker` computing prompts' K/V (and EAGLE features) and sending them to
+  the verifier over a tensor link.
+- `verifier-g<g>-r0` (and `-r1`... for tensor parallelism): the engine (continuous batching,
+  verification) with model-free drafters in-process and the drafter pool behind
+  `RemoteDrafter`s.
 
-Clients call `submit` (a `RequestStream` of token lists, one item per engine step, from the
-verifier's streaming generator), and `abort` (`ray.cancel` on the stream, which aborts the request
-in the engine and frees its KV blocks).
-
-Not yet here (the issue's remaining parts, see docs/architecture.md): tensor parallelism over a
-verifier group's ranks and the prefill pool with KV transfer; verifiers prefill their own prompts.
+Clients (the router, `router/backends.py`) call `submit` for a `RequestStream` of per-step dicts
+from the verifier's streaming generator (sync or asyncio iteration), `abort` (`ray.cancel` on the
+stream, which aborts the request in the engine and frees its KV blocks) and `load` (each group's
+queue depth and KV usage, for routing).
 """
 
 from __future__ import annotations
@@ -816,51 +816,3 @@ class Runtime:
             [lookup(n) for n in rank_names],
             attached=True,
         )
-
-
-class RuntimeLoop:
-    """The runtime behind the same interface as `EngineLoop` (submit, abort, close), so the
-    HTTP server serves a disaggregated deployment exactly as it serves an in-process engine."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self._streams: dict[str, RequestStream] = {}
-        self._lock = threading.Lock()
-
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        spec: RequestSpec | None = None,
-    ) -> Iterator[RequestOutput]:
-        stream = self.runtime.submit(list(prompt_token_ids), params, spec, request_id)
-        with self._lock:
-            self._streams[request_id] = stream
-        return self._iterate(stream)
-
-    def _iterate(self, stream: RequestStream) -> Iterator[RequestOutput]:
-        try:
-            yield from stream.outputs()
-        finally:
-            with self._lock:
-                self._streams.pop(stream.request_id, None)
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            self.runtime.abort(stream)
-
-    def ready(self) -> bool:
-        """Every verifier group answers within a couple of seconds."""
-        import ray
-
-        try:
-            ray.get([v.info.remote() for v in self.runtime.verifiers], timeout=2.0)
-        except Exception:
-            return False
-        return True
-
-    def close(self) -> None:
-        self.runtime.shutdown()

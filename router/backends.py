@@ -9,7 +9,7 @@ the same asyncio interface, and leaving a stream early aborts the request and fr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -55,7 +55,7 @@ class Backend(Protocol):
         prompt_ids: list[int],
         params: SamplingParams,
         spec: RequestSpec | None,
-    ) -> AsyncIterator[Step]: ...
+    ) -> AsyncGenerator[Step, None]: ...
 
     async def load(self) -> list[GroupLoad]: ...
 
@@ -90,7 +90,7 @@ class LocalBackend:
         prompt_ids: list[int],
         params: SamplingParams,
         spec: RequestSpec | None,
-    ) -> AsyncIterator[Step]:
+    ) -> AsyncGenerator[Step, None]:
         outputs = self.loop.stream(request_id, prompt_ids, params, spec)
         try:
             async for out in outputs:
@@ -128,7 +128,7 @@ class RuntimeBackend:
         prompt_ids: list[int],
         params: SamplingParams,
         spec: RequestSpec | None,
-    ) -> AsyncIterator[Step]:
+    ) -> AsyncGenerator[Step, None]:
         import ray
 
         stream = self.runtime.submit(prompt_ids, params, spec, request_id, group)

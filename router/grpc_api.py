@@ -18,7 +18,8 @@ from grpc_health.v1._async import HealthServicer
 from router.errors import RouterError
 from router.proto import codegen
 from router.protocol import ChatCompletionRequest, CompletionRequest, validate
-from router.service import RouterService, usage
+from router.service import RouterService
+from workers.engine.sequence import SpecStats
 
 codegen.ensure()
 
@@ -55,7 +56,7 @@ def _body(request: Any) -> tuple[dict[str, Any], bool]:
     return body, False
 
 
-class GenerationServicer(generate_pb2_grpc.GenerationServicer):  # type: ignore[misc]
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, service: RouterService) -> None:
         self.service = service
 
@@ -71,9 +72,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):  # type: ignore[
             await _abort(context, exc)
         return generate_pb2.ListModelsResponse(models=[self.service.model_name])
 
-    async def Generate(
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         service = self.service
         request_id = f"grpc-{uuid.uuid4().hex}"
         try:
@@ -93,13 +92,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):  # type: ignore[
                     finish_reason=step.finish_reason or "",
                 )
                 if step.finished:
-                    u = usage(generate, step)
-                    spec: dict[str, Any] = u["speculative"]  # type: ignore[assignment]
                     response.usage.CopyFrom(
                         generate_pb2.Usage(
-                            prompt_tokens=u["prompt_tokens"],
-                            completion_tokens=u["completion_tokens"],
-                            speculative=generate_pb2.SpeculativeStats(**spec),
+                            prompt_tokens=len(generate.prompt_ids),
+                            completion_tokens=step.num_output_tokens,
+                            speculative=_spec_stats(SpecStats(**step.spec)),
                         )
                     )
                 yield response
@@ -107,6 +104,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):  # type: ignore[
             service.metrics.requests.labels("grpc", "refused").inc()
             await _abort(context, exc)
         service.metrics.requests.labels("grpc", "ok").inc()
+
+
+def _spec_stats(stats: SpecStats) -> Any:
+    return generate_pb2.SpeculativeStats(
+        drafted=stats.drafted,
+        accepted=stats.accepted,
+        verify_steps=stats.verify_steps,
+        mean_acceptance_length=stats.mean_acceptance_length,
+    )
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -188,7 +188,7 @@ async def _events(
     generate: GenerateRequest,
     request_id: str,
     first: Step,
-    rest: AsyncIterator[Step],
+    rest: AsyncGenerator[Step, None],
 ) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format. Cancelled when the client disconnects,
     which closes `rest` and so aborts the request in its verifier."""
@@ -208,7 +208,9 @@ async def _events(
             yield step
 
     if chat:
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        yield chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        )
     last = first
     try:
         async for step in steps():

@@ -15,7 +15,9 @@ class RouterMetrics:
             "outrider_requests", "Requests by API and outcome", ["api", "status"], registry=r
         )
         self.in_flight = Gauge(
-            "outrider_requests_in_flight", "Admitted, unfinished requests on this replica", registry=r
+            "outrider_requests_in_flight",
+            "Admitted, unfinished requests on this replica",
+            registry=r,
         )
         self.ttft = Histogram(
             "outrider_time_to_first_token_seconds",

@@ -20,8 +20,9 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router import errors
 from router.backends import Backend, GroupLoad, Step
@@ -64,7 +65,7 @@ class RouterService:
         self._random = random.Random(self.policy.seed)
         self._load: list[GroupLoad] = []
         self._load_at = 0.0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
     def model_name(self) -> str:
@@ -120,7 +121,9 @@ class RouterService:
         a, b = self._random.sample(candidates, 2)
         return a if score[a] <= score[b] else b
 
-    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Step]:
+    async def generate(
+        self, request: GenerateRequest, request_id: str
+    ) -> AsyncGenerator[Step, None]:
         """The request's steps; raises `RouterError` before the first one when refused."""
         if self.in_flight >= self.max_queue:
             raise errors.overloaded(
@@ -135,7 +138,9 @@ class RouterService:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
 
-    async def _generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Step]:
+    async def _generate(
+        self, request: GenerateRequest, request_id: str
+    ) -> AsyncGenerator[Step, None]:
         start = time.perf_counter()
         group, reason = await self.choose_group(request.prompt_ids)
         name = self.backend.groups[group]
@@ -197,13 +202,13 @@ class RouterService:
         tokens = [*request.prompt_ids, *output_ids]
         self._background(self.state.record_prefix(tokens, self.block_size, group))
 
-    def _background(self, work: object) -> None:
+    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         """Bookkeeping that must not delay tokens or fail the request."""
-        task = asyncio.ensure_future(work)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             # A Redis hiccup on bookkeeping: the request itself has its tokens.

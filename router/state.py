@@ -95,7 +95,9 @@ class SharedState:
             raise ValueError("an API key must not be empty")
         if requests_per_s < 0 or burst < 0:
             raise ValueError("rate limits must be >= 0")
-        record = ApiKey(name, key_digest(api_key), requests_per_s, burst or max(1, int(requests_per_s)))
+        record = ApiKey(
+            name, key_digest(api_key), requests_per_s, burst or max(1, int(requests_per_s))
+        )
         value = {"name": name, "requests_per_s": requests_per_s, "burst": record.burst}
         await self.redis.hset(self._k("keys"), record.digest, json.dumps(value))
         return record
@@ -125,9 +127,7 @@ class SharedState:
 
     # The request registry.
 
-    async def register(
-        self, request_id: str, group: str, replica: str, prompt_tokens: int
-    ) -> None:
+    async def register(self, request_id: str, group: str, replica: str, prompt_tokens: int) -> None:
         key = self._k("request", request_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,7 +88,7 @@ class EngineLoop:
         params: SamplingParams,
         spec: RequestSpec | None = None,
         prefilled: Prefilled | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """`submit` for asyncio callers. Leaving the iteration early (the consumer was cancelled
         or closed it) aborts the request and frees its blocks."""
         sink = _AsyncSink()

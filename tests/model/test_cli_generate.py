@@ -1,0 +1,71 @@
+"""`outrider generate` in a subprocess (the HTTP API is tested in tests/router/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The capital of France is"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "cluster.cli", "generate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+
+
+def test_generate_json_matches_the_engine(model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cli(PROMPT, "--temperature", "0", "--max-tokens", "12", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    keys = {"text", "prompt_token_ids", "token_ids", "finish_reason", "tokens_per_s", "spec"}
+    assert set(out) == keys
+    ids = checkpoint.tokenizer.encode(PROMPT)
+    engine = SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=256
+    )
+    expected = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0))
+    assert out["prompt_token_ids"] == ids
+    assert out["token_ids"] == expected.token_ids
+    assert out["text"] == checkpoint.tokenizer.decode(expected.token_ids)
+    assert out["finish_reason"] == "length" and out["tokens_per_s"] > 0
+    assert out["spec"] == {
+        "drafted": 0,
+        "accepted": 0,
+        "mean_acceptance_length": 1.0,
+        "verify_steps": 11,
+    }
+    assert "loading weights" in proc.stderr  # the progress bar
+
+
+def test_generate_with_speculation_gives_the_same_tokens(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    prompt = "A B C D E F G A B C D E F G A B C"
+    base = ["--temperature", "0", "--max-tokens", "16", "--json", "--ignore-eos"]
+    plain = json.loads(run_cli(prompt, *base).stdout)
+    for extra in (
+        ["--spec-method", "ngram"],
+        ["--spec-method", "draft_model", "--draft-layers", "10"],
+    ):
+        proc = run_cli(prompt, *base, *extra, "--num-spec-tokens", "3", "--no-adaptive")
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["token_ids"] == plain["token_ids"]
+        assert out["spec"]["drafted"] > 0  # it did speculate (whatever was accepted)
+        assert out["spec"]["verify_steps"] + out["spec"]["accepted"] == 15
+
+
+def test_generate_rejects_bad_parameters() -> None:
+    proc = run_cli(PROMPT, "--top-p", "0", "--json")
+    assert proc.returncode == 2
+    assert "top_p must be in (0, 1]" in proc.stderr
+    proc = run_cli(PROMPT, "--spec-method", "draft_model")
+    assert proc.returncode == 2
+    assert "needs --draft-model or --draft-layers" in proc.stderr

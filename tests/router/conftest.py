@@ -1,0 +1,47 @@
+"""Router fixtures: real redis-server processes and routers on loopback over a real engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from router.redis_server import EmbeddedRedis
+from tests.router.helpers import RunningRouter, start_router
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def local_engine(model_fp32, checkpoint):  # type: ignore[no-untyped-def]
+    """An in-process engine (fp32, ngram and draft-model drafters) behind an EngineLoop."""
+    from workers.drafting.ngram import NgramDrafter
+    from workers.engine.config import EngineConfig, SpecConfig
+    from workers.engine.engine_loop import EngineLoop
+    from workers.engine.llm_engine import LLMEngine
+
+    config = EngineConfig(max_model_len=256, spec=SpecConfig(method="none"))
+    engine = LLMEngine(
+        model_fp32,
+        config,
+        tokenizer=checkpoint.tokenizer,
+        eos_token_ids=checkpoint.config.eos_token_ids,
+        drafters={"ngram": NgramDrafter()},
+    )
+    loop = EngineLoop(engine)
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def open_router(local_engine, checkpoint, redis_server) -> Iterator[RunningRouter]:  # type: ignore[no-untyped-def]
+    """A router without API keys over the local engine (its own Redis database)."""
+    from router.backends import LocalBackend
+
+    running = start_router(LocalBackend(local_engine), checkpoint.tokenizer, redis_server, db=1)
+    yield running
+    running.stop()

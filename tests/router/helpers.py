@@ -1,0 +1,105 @@
+"""Starting routers on free loopback ports, and small HTTP helpers for the tests."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from router.redis_server import EmbeddedRedis, free_port
+from router.server import KeyLine, Router, RouterOptions, RouterThread
+
+MODEL = "smol"
+PROMPT = "The capital of France is"
+
+
+@dataclass
+class RunningRouter:
+    thread: RouterThread
+    port: int
+    grpc_port: int
+    redis_url: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def service(self) -> Any:
+        return self.thread.router.service
+
+    def stop(self) -> None:
+        self.thread.stop()
+
+
+def start_router(
+    backend: Any,
+    tokenizer: Any,
+    redis: EmbeddedRedis,
+    db: int = 0,
+    keys: list[KeyLine] | None = None,
+    max_queue: int = 64,
+    max_model_len: int = 256,
+    block_size: int = 16,
+) -> RunningRouter:
+    from router.protocol import RequestBuilder
+
+    port, grpc_port = free_port(), free_port()
+    url = f"redis://127.0.0.1:{redis.port}/{db}"
+    options = RouterOptions(
+        port=port,
+        grpc_port=grpc_port,
+        redis_url=url,
+        max_queue=max_queue,
+        block_size=block_size,
+        api_keys=keys or [],
+    )
+    router = Router(backend, RequestBuilder(tokenizer, MODEL, max_model_len), options)
+    return RunningRouter(RouterThread(router).start(), port, grpc_port, url)
+
+
+def post(
+    url: str, body: bytes | dict[str, Any], key: str | None = None
+) -> tuple[int, Any, str, dict[str, str]]:
+    """(status, JSON body or None for a stream, raw text, headers)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            raw = resp.read().decode()
+            parsed = None if raw.startswith("data:") else json.loads(raw)
+            return resp.status, parsed, raw, {k.lower(): v for k, v in resp.headers.items()}
+    except urllib.error.HTTPError as err:
+        return (
+            err.code,
+            json.loads(err.read().decode()),
+            "",
+            {k.lower(): v for k, v in err.headers.items()},
+        )
+
+
+def get(url: str, key: str | None = None) -> tuple[int, Any]:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    req = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw = resp.read()
+            ctype = resp.headers.get("Content-Type", "")
+            return resp.status, json.loads(raw) if "json" in ctype else raw.decode()
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read().decode())
+
+
+def sse_events(raw: str) -> list[Any]:
+    """The JSON events of an SSE body, then the literal "[DONE]"."""
+    events: list[Any] = []
+    for line in raw.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events

@@ -1,0 +1,287 @@
+"""The HTTP API on loopback (uvicorn, real Redis) over one in-process engine: the official
+`openai` client, SSE streaming, bad requests, disconnects, the extension fields, operations
+endpoints. The same router over the Ray runtime is in test_router_runtime.py."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.router.helpers import MODEL, PROMPT, get, post, sse_events
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(open_router) -> str:  # type: ignore[no-untyped-def]
+    return open_router.url
+
+
+def plain_greedy(model_fp32, checkpoint, prompt_ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    engine = SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=256
+    )
+    return engine.generate(prompt_ids, SamplingParams(max_tokens=n, temperature=0)).token_ids
+
+
+def test_openai_client_completions_and_chat_match_plain_decoding(
+    server: str, model_fp32, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    tok = checkpoint.tokenizer
+    expected = tok.decode(plain_greedy(model_fp32, checkpoint, tok.encode(PROMPT), 12))
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert whole.choices[0].text == expected
+    assert whole.usage.completion_tokens == 12
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == expected
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_ids = tok.encode(tok.apply_chat_template(messages))
+    expected_chat = tok.decode(plain_greedy(model_fp32, checkpoint, chat_ids, 10))
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0
+    )
+    assert reply.choices[0].message.content == expected_chat
+    assert reply.usage.prompt_tokens == len(chat_ids)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    events = list(stream)
+    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert text == expected_chat
+    assert events[0].choices[0].delta.role == "assistant"
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == 10
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_stream_and_whole_agree_with_usage_and_statistics(server: str) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0}
+    status, out, _, headers = post(server + "/v1/completions", body)
+    assert status == 200 and headers["x-request-id"] == out["id"]
+    usage = out["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        5,
+        10,
+        15,
+    )
+    assert usage["speculative"]["verify_steps"] == 9
+    _, _, raw, _ = post(server + "/v1/completions", {**body, "stream": True})
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == out["choices"][0]["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in e for e in events[:-1])  # only with include_usage
+
+
+def test_speculative_extension_field_and_statistics(server: str) -> None:
+    body = {"prompt": "A B C D A B C D A B C", "max_tokens": 12, "temperature": 0}
+    _, plain, _, _ = post(server + "/v1/completions", body)
+    _, spec, _, _ = post(server + "/v1/completions", {**body, "speculative": {"method": "ngram"}})
+    assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    stats = spec["usage"]["speculative"]
+    assert stats["drafted"] > 0 and stats["verify_steps"] == 11
+    assert plain["usage"]["speculative"]["drafted"] == 0
+    _, off, _, _ = post(server + "/v1/completions", {**body, "speculative": {"enabled": False}})
+    assert off["usage"]["speculative"]["drafted"] == 0
+
+
+def test_stop_string_across_tokens_and_multibyte_text_in_the_stream(server: str) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    _, whole, _, _ = post(server + "/v1/completions", body)
+    text = whole["choices"][0]["text"]  # " Paris.\n\nThe answer is: ..."
+    stop = text[2:5]  # starts inside the first token, ends in a later one
+    _, _, raw, _ = post(server + "/v1/completions", {**body, "stop": [stop], "stream": True})
+    events = sse_events(raw)[:-1]
+    assert "".join(e["choices"][0]["text"] for e in events) == text[:2]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    # Characters of several bytes arrive whole in every event, never split across two.
+    emoji = {"prompt": "Emoji: 🎉🎉🎉 and café, naïve, 東京. Again: 🎉", "max_tokens": 24}
+    _, _, raw, _ = post(server + "/v1/completions", {**emoji, "temperature": 0, "stream": True})
+    pieces = [e["choices"][0]["text"] for e in sse_events(raw)[:-1]]
+    assert all("\ufffd" not in p for p in pieces)
+    _, whole_emoji, _, _ = post(server + "/v1/completions", {**emoji, "temperature": 0})
+    assert "".join(pieces) == whole_emoji["choices"][0]["text"]
+
+
+BAD = [
+    (b"{not json", 400, "not valid JSON", None),
+    (b'{"prompt": "caf\xe9"}', 400, "not valid UTF-8", None),
+    (b"[1, 2]", 400, "JSON object", None),
+    ({"prompt": PROMPT, "max_tokens": -1}, 400, "greater than or equal to 1", "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": "5"}, 400, "valid integer", "max_tokens"),
+    ({"prompt": PROMPT, "temperature": "hot"}, 400, "valid number", "temperature"),
+    ({"prompt": PROMPT, "max_tokens": 1.5}, 400, "valid integer", "max_tokens"),
+    ({"prompt": PROMPT, "top_p": 0}, 400, "greater than 0", "top_p"),
+    ({"prompt": PROMPT, "n": 2}, 400, "less than or equal to 1", "n"),
+    ({"prompt": ""}, 400, "must not be empty", "prompt"),
+    ({"prompt": [1, 2, 10**9]}, 400, "token ids", "prompt"),
+    ({"max_tokens": 3}, 400, "Field required", "prompt"),
+    ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist", "model"),
+    ({"prompt": "word " * 400}, 400, "maximum context length is 256", "prompt"),
+    ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop.str"),
+    ({"prompt": PROMPT, "logprobs": 2}, 400, "logprobs", "logprobs"),
+    ({"prompt": PROMPT, "speculative": {"method": "magic"}}, 400, "speculative method", None),
+    ({"prompt": PROMPT, "speculative": {"method": "draft_model"}}, 400, "not available", None),
+    ({"prompt": PROMPT, "speculative": {"k": 3}}, 400, "Extra inputs", "speculative.k"),
+    (b"x" * (5 << 20), 413, "request body over", None),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message", "param"), BAD)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    server: str, body: Any, status: int, message: str, param: str | None
+) -> None:
+    code, out, _, _ = post(server + "/v1/completions", body)
+    assert code == status, out
+    assert message in out["error"]["message"]
+    assert out["error"]["type"] and out["error"]["code"] == status
+    if param is not None:
+        assert out["error"]["param"] == param
+    ok, _, _, _ = post(server + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+    assert ok == 200
+
+
+def test_bad_chat_requests(server: str) -> None:
+    url = server + "/v1/chat/completions"
+    for body, param in (
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content.str"),
+        ({"messages": "hi"}, "messages"),
+    ):
+        code, out, _, _ = post(url, body)
+        assert (code, out["error"]["param"]) == (400, param)
+
+
+def test_unknown_routes_and_methods_are_openai_errors(server: str) -> None:
+    code, out = get(server + "/v1/nothing")
+    assert code == 404 and out["error"]["type"] == "not_found_error"
+    code, out = get(server + "/v1/completions")  # GET on a POST route
+    assert code == 405 and "error" in out
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(open_router, local_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = local_engine.engine
+    body = json.dumps(
+        {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    ).encode()
+    with socket.create_connection(("127.0.0.1", open_router.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        time.sleep(0.3)  # a few tokens out
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()  # aborted long before 200 tokens
+    assert engine.allocator.num_free_blocks == engine.config.kv_blocks
+    status, out, _, _ = post(
+        open_router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 3}
+    )
+    assert status == 200 and out["usage"]["completion_tokens"] == 3
+
+
+def test_concurrent_requests_each_get_their_own_answer(server: str) -> None:
+    prompts = [PROMPT, "Once upon a time", "def fib(n):", "The best way to learn is"]
+    alone = [
+        post(server + "/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0})[1]
+        for p in prompts
+    ]
+    results: list[Any] = [None] * len(prompts)
+
+    def call(i: int) -> None:
+        body = {"prompt": prompts[i], "max_tokens": 8, "temperature": 0}
+        results[i] = post(server + "/v1/completions", body)[1]
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r["choices"][0]["text"] for r in results] == [a["choices"][0]["text"] for a in alone]
+
+
+def test_registry_reports_a_request_from_redis(open_router) -> None:  # type: ignore[no-untyped-def]
+    _, out, _, _ = post(open_router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 5})
+    open_router.service  # noqa: B018 - the service exists once started
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        code, record = get(f"{open_router.url}/v1/requests/{out['id']}")
+        if code == 200 and record["state"] == "finished":
+            break
+        time.sleep(0.05)
+    assert record["group"] == "local" and record["prompt_tokens"] == 5
+    assert len(record["token_ids"]) == 5 and record["finish_reason"] == "length"
+    code, missing = get(f"{open_router.url}/v1/requests/nope")
+    assert code == 404 and "nope" in missing["error"]["message"]
+
+
+def test_operations_endpoints(server: str) -> None:
+    assert get(server + "/health") == (200, {"status": "ok"})
+    assert get(server + "/ready") == (200, {"status": "ready"})
+    code, text = get(server + "/metrics")
+    assert code == 200
+    for name in (
+        "outrider_requests_total",
+        "outrider_time_to_first_token_seconds_bucket",
+        "outrider_inter_token_latency_seconds_bucket",
+        "outrider_spec_draft_tokens_total",
+        'outrider_verifier_queue_depth{group="local"}',
+        'outrider_verifier_kv_usage{group="local"}',
+    ):
+        assert name in text, name
+    code, doc = get(server + "/openapi.json")
+    assert code == 200
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/ready"} <= set(doc["paths"])
+    schema = doc["components"]["schemas"]["CompletionRequest"]
+    assert {"prompt", "max_tokens", "speculative"} <= set(schema["properties"])
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]["$ref"].endswith("ChatCompletionRequest")
+
+
+def test_admission_control_refuses_beyond_the_queue(local_engine, checkpoint, redis_server) -> None:  # type: ignore[no-untyped-def]
+    from router.backends import LocalBackend
+    from tests.router.helpers import start_router
+
+    running = start_router(
+        LocalBackend(local_engine), checkpoint.tokenizer, redis_server, db=3, max_queue=1
+    )
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", running.port, timeout=60)
+        long = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(long), {"Content-Type": "application/json"}
+        )
+        first = conn.getresponse()
+        assert first.status == 200
+        assert first.read(6) == b"data: "  # the stream is open: the request is admitted
+        code, out, _, headers = post(running.url + "/v1/completions", {"prompt": PROMPT})
+        assert code == 503 and out["error"]["type"] == "service_unavailable"
+        assert headers["retry-after"] == "1"
+        first.read()
+        conn.close()
+        assert post(running.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
+    finally:
+        running.stop()
