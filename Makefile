@@ -17,17 +17,19 @@ PORT ?= 8000
 # speculation changes no output, and adaptive k switches it off where it does not pay.
 SERVE_FLAGS ?= --cluster --dtype bfloat16 --spec-method ngram --num-spec-tokens 4
 
-serve: $(VENV)/.runtime
+GENERATED := router/proto/generate_pb2.py
+
+serve: $(VENV)/.runtime $(GENERATED)
 	$(VENV)/bin/outrider serve --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
 
-test: $(VENV)/.dev lint typecheck
+test: $(VENV)/.dev $(GENERATED) lint typecheck
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check cluster workers router kernels tests
 	$(VENV)/bin/ruff format --check cluster workers router kernels tests
 
-typecheck: $(VENV)/.dev
+typecheck: $(VENV)/.dev $(GENERATED)
 	$(VENV)/bin/mypy
 
 bench: $(VENV)/.dev
@@ -36,8 +38,12 @@ bench: $(VENV)/.dev
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_eagle
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_runtime
 
-install: $(VENV)/.runtime
-install-dev: $(VENV)/.dev
+install: $(VENV)/.runtime $(GENERATED)
+install-dev: $(VENV)/.dev $(GENERATED)
+
+# gRPC stubs from the .proto (grpcio-tools); not in git.
+$(GENERATED): router/proto/generate.proto $(VENV)/.runtime
+	$(PY) -m router.proto.codegen
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -1,0 +1,169 @@
+"""API keys and rate limits shared by two router replicas through one real Redis, and the gRPC
+API (a client built from the .proto) with its health service and status codes."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from router.server import KeyLine
+from tests.router.helpers import MODEL, PROMPT, RunningRouter, get, post, start_router
+
+grpc = pytest.importorskip("grpc")
+pytestmark = pytest.mark.slow
+
+LIMITED = "sk-limited-0123456789"
+OPEN = "sk-roomy-abcdef"
+
+
+@pytest.fixture(scope="module")
+def replicas(local_engine, checkpoint, redis_server) -> Iterator[list[RunningRouter]]:  # type: ignore[no-untyped-def]
+    """Two routers over the same engine and the same Redis database; keys from a keys file:
+    one limited to 3 requests then 0.5 per second, one effectively unlimited."""
+    from router.backends import LocalBackend
+
+    keys = [KeyLine(LIMITED, "limited", 0.5, 3), KeyLine(OPEN, "roomy", 1000.0, 1000)]
+    running = [
+        start_router(LocalBackend(local_engine), checkpoint.tokenizer, redis_server, 2, keys)
+        for _ in range(2)
+    ]
+    yield running
+    for r in running:
+        r.stop()
+
+
+def test_missing_and_wrong_keys_get_401(replicas) -> None:  # type: ignore[no-untyped-def]
+    url = replicas[0].url + "/v1/completions"
+    for key, message in ((None, "missing API key"), ("sk-wrong", "invalid API key")):
+        code, out, _, _ = post(url, {"prompt": PROMPT, "max_tokens": 1}, key)
+        assert code == 401 and message in out["error"]["message"]
+        assert out["error"]["type"] == "authentication_error"
+    assert get(replicas[1].url + "/v1/models")[0] == 401
+    assert get(replicas[1].url + "/v1/models", OPEN)[0] == 200
+    assert get(replicas[1].url + "/health")[0] == 200  # probes need no key
+
+
+def test_keys_are_stored_hashed(replicas) -> None:  # type: ignore[no-untyped-def]
+    import redis
+
+    client = redis.Redis.from_url(replicas[0].redis_url)
+    dump = json.dumps({k.decode(): v.decode() for k, v in client.hgetall("outrider:keys").items()})
+    assert LIMITED not in dump and OPEN not in dump
+    assert len(client.hkeys("outrider:keys")) == 2
+
+
+def test_two_replicas_share_one_rate_limit(replicas) -> None:  # type: ignore[no-untyped-def]
+    body = {"prompt": PROMPT, "max_tokens": 1}
+    codes = []
+    for i in range(4):  # alternate replicas: one bucket of 3 for the key, not 3 per replica
+        code, out, _, headers = post(replicas[i % 2].url + "/v1/completions", body, LIMITED)
+        codes.append(code)
+    assert codes == [200, 200, 200, 429]
+    assert out["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(headers["retry-after"]) <= 2
+    # Another key has its own bucket.
+    assert post(replicas[1].url + "/v1/completions", body, OPEN)[0] == 200
+    time.sleep(2.1)  # refills at 0.5/s: one more request
+    assert post(replicas[1].url + "/v1/completions", body, LIMITED)[0] == 200
+    assert post(replicas[0].url + "/v1/completions", body, LIMITED)[0] == 429
+
+
+def _stub(port: int) -> Any:
+    from router.proto import generate_pb2_grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    return generate_pb2_grpc.GenerationStub(channel), channel
+
+
+def test_grpc_streams_the_same_tokens_as_http(replicas) -> None:  # type: ignore[no-untyped-def]
+    from router.proto import generate_pb2
+
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    _, whole, _, _ = post(replicas[0].url + "/v1/completions", body, OPEN)
+    stub, channel = _stub(replicas[1].grpc_port)
+    with channel:
+        request = generate_pb2.GenerateRequest(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.0
+        )
+        responses = list(stub.Generate(request, metadata=[("authorization", f"Bearer {OPEN}")]))
+        assert "".join(r.text for r in responses) == whole["choices"][0]["text"]
+        assert responses[-1].finished and responses[-1].finish_reason == "length"
+        assert sum(len(r.token_ids) for r in responses) == 12
+        usage = responses[-1].usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (5, 12)
+        assert usage.speculative.verify_steps == 11
+        chat = generate_pb2.GenerateRequest(
+            chat=generate_pb2.ChatMessages(
+                messages=[generate_pb2.ChatMessage(role="user", content="Name a colour.")]
+            ),
+            max_tokens=6,
+            temperature=0.0,
+            speculative=generate_pb2.SpeculativeOptions(method="ngram"),
+        )
+        chat_text = "".join(
+            r.text for r in stub.Generate(chat, metadata=[("authorization", f"Bearer {OPEN}")])
+        )
+        http_chat = post(
+            replicas[0].url + "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Name a colour."}],
+                "max_tokens": 6,
+                "temperature": 0,
+            },
+            OPEN,
+        )[1]
+        assert chat_text == http_chat["choices"][0]["message"]["content"]
+        models = stub.ListModels(
+            generate_pb2.ListModelsRequest(), metadata=[("authorization", f"Bearer {OPEN}")]
+        )
+        assert list(models.models) == [MODEL]
+
+
+@pytest.mark.parametrize(
+    ("fields", "key", "code", "message"),
+    [
+        ({"prompt": PROMPT, "max_tokens": 0}, OPEN, "INVALID_ARGUMENT", "max_tokens"),
+        ({"prompt": PROMPT, "top_p": 1.5}, OPEN, "INVALID_ARGUMENT", "top_p"),
+        ({"prompt": "word " * 400}, OPEN, "INVALID_ARGUMENT", "maximum context length"),
+        ({"prompt": PROMPT, "model": "gpt-4"}, OPEN, "NOT_FOUND", "does not exist"),
+        ({"prompt": PROMPT}, None, "UNAUTHENTICATED", "missing API key"),
+        ({"prompt": PROMPT}, "sk-nope", "UNAUTHENTICATED", "invalid API key"),
+    ],
+)
+def test_grpc_refusals_have_status_codes(replicas, fields, key, code, message) -> None:  # type: ignore[no-untyped-def]
+    from router.proto import generate_pb2
+
+    stub, channel = _stub(replicas[0].grpc_port)
+    metadata = [] if key is None else [("authorization", f"Bearer {key}")]
+    with channel, pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(generate_pb2.GenerateRequest(**fields), metadata=metadata))
+    assert err.value.code() == getattr(grpc.StatusCode, code)
+    assert message in err.value.details()
+
+
+def test_grpc_rate_limit_is_resource_exhausted_and_health_serves(replicas) -> None:  # type: ignore[no-untyped-def]
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from router.proto import generate_pb2
+
+    stub, channel = _stub(replicas[0].grpc_port)
+    request = generate_pb2.GenerateRequest(prompt=PROMPT, max_tokens=1)
+    metadata = [("authorization", f"Bearer {LIMITED}")]
+    with channel:
+        codes = []
+        for _ in range(5):
+            try:
+                list(stub.Generate(request, metadata=metadata))
+                codes.append("OK")
+            except grpc.RpcError as exc:
+                codes.append(exc.code().name)
+                trailers = dict(exc.trailing_metadata() or ())
+        assert "RESOURCE_EXHAUSTED" in codes and "retry-after" in trailers
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "outrider.v1.Generation"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING

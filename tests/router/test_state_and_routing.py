@@ -1,0 +1,213 @@
+"""The Redis-backed state against a real redis-server, and the routing policy over a scripted
+backend (a fake of one piece: the verifier groups' load)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Iterator
+from typing import Any
+
+import pytest
+
+from router import errors
+from router.backends import GroupLoad, Step
+from router.protocol import GenerateRequest
+from router.redis_server import EmbeddedRedis
+from router.service import RouterService, RoutingPolicy
+from router.state import SharedState, key_digest
+from workers.engine.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+@pytest.fixture
+def state(redis_server: EmbeddedRedis) -> Iterator[Any]:
+    """A `SharedState` factory on a flushed database; each test runs in its own event loop."""
+    import redis.asyncio as aioredis
+
+    url = f"redis://127.0.0.1:{redis_server.port}/5"
+
+    async def make() -> SharedState:
+        client = aioredis.Redis.from_url(url)
+        await client.flushdb()
+        return SharedState(client)
+
+    yield make
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_token_bucket_refills_at_its_rate(state) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> list[Any]:
+        s = await state()
+        key = await s.add_key("sk-1", "one", requests_per_s=20.0, burst=2)
+        first = [(await s.take(key)).allowed for _ in range(3)]
+        refused = await s.take(key)
+        await asyncio.sleep(0.06)  # 1.2 tokens back
+        again = (await s.take(key)).allowed
+        unlimited = await s.add_key("sk-2", "two")
+        free = [(await s.take(unlimited)).allowed for _ in range(50)]
+        await s.close()
+        return [first, refused, again, all(free)]
+
+    first, refused, again, free = run(scenario())
+    assert first == [True, True, False]
+    assert not refused.allowed and 0 < refused.retry_after_s <= 0.05 + 1e-6
+    assert again and free
+
+
+def test_keys_lookup_by_digest_only(state) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> tuple[Any, ...]:
+        s = await state()
+        assert not await s.auth_required()
+        await s.add_key("sk-secret", "svc", 5.0, 10)
+        found = await s.lookup_key("sk-secret")
+        missing = await s.lookup_key("sk-other")
+        stored = await s.redis.hkeys("outrider:keys")
+        removed = await s.remove_key("sk-secret")
+        await s.close()
+        return found, missing, stored, removed
+
+    found, missing, stored, removed = run(scenario())
+    assert (found.name, found.requests_per_s, found.burst) == ("svc", 5.0, 10)
+    assert missing is None and removed
+    assert stored == [key_digest("sk-secret").encode()]
+
+
+def test_registry_appends_committed_tokens(state) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> Any:
+        s = await state()
+        await s.register("r1", "verifier-g1-r0", "replica-a", 7)
+        await s.commit("r1", [5, 6])
+        await s.commit("r1", [7], "stop", {"finish_reason": "stop"})
+        record = await s.lookup_request("r1")
+        await s.close()
+        return record
+
+    record = run(scenario())
+    assert record["group"] == "verifier-g1-r0" and record["replica"] == "replica-a"
+    assert record["token_ids"] == [5, 6, 7] and record["state"] == "finished"
+    assert record["prompt_tokens"] == 7 and record["usage"] == {"finish_reason": "stop"}
+
+
+def test_prefix_index_finds_the_longest_cached_prefix_per_group(state) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> list[dict[str, int]]:
+        s = await state()
+        shared = list(range(100, 112))  # three blocks
+        await s.record_prefix([*shared, 1, 2, 3, 4], BLOCK, "g0")  # four blocks
+        await s.record_prefix(shared[:8], BLOCK, "g1")  # two blocks
+        groups = ["g0", "g1", "g2"]
+        out = [
+            await s.cached_blocks([*shared, 1, 2, 3, 4, 9], BLOCK, groups),
+            await s.cached_blocks([*shared[:8], 0, 0, 0, 0], BLOCK, groups),
+            await s.cached_blocks([0, *shared], BLOCK, groups),  # shifted: nothing matches
+        ]
+        await s.close()
+        return out
+
+    deep, shallow, shifted = run(scenario())
+    assert deep == {"g0": 4, "g1": 2, "g2": 0}
+    assert shallow == {"g0": 2, "g1": 2, "g2": 0}
+    assert shifted == {"g0": 0, "g1": 0, "g2": 0}
+
+
+class ScriptedBackend:
+    """Verifier groups with set loads, each answering with one token."""
+
+    def __init__(self, loads: list[GroupLoad]) -> None:
+        self.loads = loads
+        self.groups = [f"g{i}" for i in range(len(loads))]
+        self.served: list[int] = []
+
+    async def stream(self, group: int, *args: Any) -> AsyncGenerator[Step, None]:
+        self.served.append(group)
+        await asyncio.sleep(0)
+        yield Step(
+            [1],
+            "x",
+            True,
+            "length",
+            3,
+            1,
+            {
+                "drafted": 0,
+                "accepted": 0,
+                "verify_steps": 0,
+                "verify_steps_with_rejection": 0,
+                "accepted_per_position": [],
+                "drafted_per_position": [],
+            },
+        )
+
+    async def load(self) -> list[GroupLoad]:
+        return self.loads
+
+    async def ready(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        pass
+
+
+def _service(s: SharedState, backend: ScriptedBackend, **kw: Any) -> RouterService:
+    return RouterService(backend, None, s, BLOCK, policy=RoutingPolicy(seed=0), **kw)  # type: ignore[arg-type]
+
+
+def _request(ids: list[int]) -> GenerateRequest:
+    return GenerateRequest(ids, SamplingParams(max_tokens=1), None, False, False, False)
+
+
+def test_routing_prefers_the_cached_prefix_then_the_lighter_group(state) -> None:  # type: ignore[no-untyped-def]
+    prompt = list(range(40))
+
+    async def scenario() -> tuple[Any, ...]:
+        s = await state()
+        loads = [GroupLoad(3, 0, 0.2), GroupLoad(0, 0, 0.0), GroupLoad(9, 4, 0.9)]
+        backend = ScriptedBackend(loads)
+        service = _service(s, backend)
+        # Nothing cached: two random choices, the lighter wins; never the heaviest group.
+        cold = [(await service.choose_group(prompt))[0] for _ in range(30)]
+        await s.record_prefix(prompt[:32], BLOCK, "g0")
+        warm = await service.choose_group(prompt)
+        # The cached group is far busier than the lightest: affinity gives way.
+        loads[0] = GroupLoad(12, 3, 0.8)
+        service._load_at = 0.0
+        busy = await service.choose_group(prompt)
+        # A served request records its blocks for the next one.
+        steps = [st async for st in service.generate(_request(list(range(500, 520))), "q1")]
+        await service.drain()
+        after = await s.cached_blocks(list(range(500, 520)), BLOCK, backend.groups)
+        await s.close()
+        return cold, warm, busy, steps, backend.served, after
+
+    cold, warm, busy, steps, served, after = run(scenario())
+    assert 2 not in cold and set(cold) <= {0, 1}
+    assert warm == (0, "prefix")
+    assert busy[1] == "load" and busy[0] != 0
+    assert steps[-1].finished
+    assert after[backend_name(served[-1])] == 5  # 20 prompt tokens + 1 output: 5 blocks
+
+
+def backend_name(index: int) -> str:
+    return f"g{index}"
+
+
+def test_admission_control_and_refusals_before_any_token(state) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> tuple[Any, ...]:
+        s = await state()
+        service = _service(s, ScriptedBackend([GroupLoad(0, 0, 0.0)]), max_queue=1)
+        first = service.generate(_request([1, 2, 3]), "a")
+        step = await anext(first)  # admitted, still open
+        with pytest.raises(errors.RouterError) as refused:
+            await anext(service.generate(_request([1, 2, 3]), "b"))
+        await first.aclose()
+        again = [st async for st in service.generate(_request([1, 2, 3]), "c")]
+        await service.drain()
+        await s.close()
+        return step, refused.value, again
+
+    step, refused, again = run(scenario())
+    assert step.finished and refused.status == 503 and refused.grpc_code == "UNAVAILABLE"
+    assert refused.headers() == {"Retry-After": "1"} and len(again) == 1
