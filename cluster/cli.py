@@ -167,10 +167,12 @@ def _deployment(args: argparse.Namespace) -> DeploymentConfig:
     return config.with_overrides(overrides)
 
 
-def _start_runtime(args: argparse.Namespace) -> tuple[Runtime, Tokenizer, str]:
+def _start_runtime(
+    args: argparse.Namespace, config: DeploymentConfig | None = None
+) -> tuple[Runtime, Tokenizer, str]:
     from workers.model.loader import BUNDLED_MODEL_NAME, load_checkpoint
 
-    config = _deployment(args)
+    config = config or _deployment(args)
     runtime = Runtime.start(config)
     tokenizer = load_checkpoint(config.model).tokenizer
     return runtime, tokenizer, config.model or BUNDLED_MODEL_NAME
@@ -254,17 +256,26 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from cluster.ngram_pool import follow
     from router.backends import Backend, LocalBackend, RuntimeBackend
     from router.protocol import RequestBuilder
-    from router.redis_server import EmbeddedRedis, connect_url, password_from
+    from router.redis_server import EmbeddedRedis
     from router.server import Router, RouterOptions, read_keys_file
     from workers.engine.engine_loop import EngineLoop
 
     config = _deployment(args)
     keys = read_keys_file(args.api_keys_file) if args.api_keys_file else []
+    embedded: EmbeddedRedis | None = None
+    if args.redis_url is None and config.redis.url is None:
+        embedded = EmbeddedRedis().start()
+        print(f"Redis: embedded redis-server on {embedded.url}", flush=True)
+    # Verifiers follow the shared n-gram pool in the same Redis as the router.
+    config = config.with_overrides({"redis.url": args.redis_url or (embedded and embedded.url)})
+    redis_url = config.redis.connection_url()
+    assert redis_url is not None
     backend: Backend
     if _uses_cluster(args):
-        runtime, tokenizer, name = _start_runtime(args)
+        runtime, tokenizer, name = _start_runtime(args, config)
         backend = RuntimeBackend(runtime)
         info = runtime.actor_info()
         names = [a["name"] for pool in info.values() for a in pool]
@@ -280,15 +291,10 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         loaded = load(args)
         backend = LocalBackend(EngineLoop(loaded.engine))
+        follow(loaded.engine.speculator.drafters, redis_url, config.redis.password())
         tokenizer, name = loaded.tokenizer, loaded.model_name
         block_size = loaded.engine.config.block_size
         max_model_len = loaded.engine.config.max_model_len
-    embedded: EmbeddedRedis | None = None
-    redis_url = args.redis_url or config.redis.url
-    if redis_url is None:
-        embedded = EmbeddedRedis().start()
-        redis_url = embedded.url
-        print(f"Redis: embedded redis-server on {redis_url}", flush=True)
     configured = args.config is not None
     host = args.host or (config.router.host if configured else "127.0.0.1")
     port = args.port or config.router.port
@@ -296,8 +302,8 @@ def _serve(args: argparse.Namespace) -> int:
         host=host,
         port=port,
         grpc_port=None if args.no_grpc else (args.grpc_port or config.router.grpc_port),
-        redis_url=connect_url(redis_url, config.redis.tls),
-        redis_password=password_from(config.redis.password_env),
+        redis_url=redis_url,
+        redis_password=config.redis.password(),
         max_queue=args.max_queue or config.router.max_queue,
         block_size=block_size,
         requests_per_s=config.router.requests_per_s,

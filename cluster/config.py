@@ -24,6 +24,7 @@ RayCluster). A config is checked as a whole when it is built, and every error na
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -129,6 +130,16 @@ class RedisSettings:
     url: str | None = None  # None: an embedded redis-server child process
     tls: bool = False
     password_env: str | None = None  # environment variable holding the password (not the URL)
+
+    def connection_url(self, url: str | None = None) -> str | None:
+        """`url` (default: the configured one) with TLS on when asked for (rediss://)."""
+        url = url or self.url
+        if url is not None and self.tls and url.startswith("redis://"):
+            return "rediss://" + url[len("redis://") :]
+        return url
+
+    def password(self) -> str | None:
+        return os.environ.get(self.password_env) if self.password_env else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from cluster import telemetry
+from cluster import ngram_pool, telemetry
 from cluster.config import DeploymentConfig, Resources, from_dict
 from cluster.links import TensorLink, backend_for
 from cluster.prefill import PrefillWorker, plan_for, receive
@@ -290,6 +290,11 @@ class VerifierActor:
         if world > 1:
             self._join_group(loaded.engine, world)
         self.tokenizer = loaded.tokenizer
+        self.ngram_pool = ngram_pool.follow(
+            loaded.engine.speculator.drafters,
+            deployment.redis.connection_url(),
+            deployment.redis.password(),
+        )
         loaded.engine.step_listeners.append(self.rounds)
         self.loop = EngineLoop(loaded.engine)
         self.dtype = deployment.dtype

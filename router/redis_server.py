@@ -8,7 +8,6 @@ free port, with persistence off, and dies with its parent's `stop()` (or the pro
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import socket
 import subprocess
@@ -96,14 +95,3 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def connect_url(url: str, tls: bool = False) -> str:
-    """`url` with TLS on when the config asks for it (rediss://)."""
-    if tls and url.startswith("redis://"):
-        return "rediss://" + url[len("redis://") :]
-    return url
-
-
-def password_from(env: str | None) -> str | None:
-    return os.environ.get(env) if env else None

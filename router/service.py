@@ -201,6 +201,8 @@ class RouterService:
         # The conversation so far is cached in that group now: the next turn should go there.
         tokens = [*request.prompt_ids, *output_ids]
         self._background(self.state.record_prefix(tokens, self.block_size, group))
+        if output_ids:
+            self._background(self.state.share_sequence(tokens))
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         """Bookkeeping that must not delay tokens or fail the request."""

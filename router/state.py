@@ -5,6 +5,8 @@
   reads Redis's clock, so every replica draws from the same bucket atomically.
 - The request registry: request id -> verifier group, replica, state, committed token ids, so
   any replica can report on (or resume from) a request another one is serving.
+- The shared n-gram pool: finished sequences appended to a capped stream that engines with an
+  `ngram` drafter follow (cluster/ngram_pool.py), so drafting learns across requests.
 - The prefix index: KV block hash -> verifier groups that computed that block recently. Hashes
   are the engine's own chained block hashes, so the router asks "who holds the longest prefix of
   this prompt" without talking to the verifiers. Entries expire: it is a hint, never a promise
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cluster import ngram_pool
 from workers.kv_cache.block_allocator import block_hashes
 
 NAMESPACE = "outrider"
@@ -177,6 +180,10 @@ class SharedState:
             record["usage"] = json.loads(record["usage"])
         record["token_ids"] = [int(t) for t in tokens]
         return record
+
+    async def share_sequence(self, token_ids: Sequence[int]) -> None:
+        """Offer a finished sequence to every engine's shared n-gram pool."""
+        await ngram_pool.publish(self.redis, token_ids)
 
     # The prefix index.
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.common import GREEDY, TEXTS, deployment, run_all
+from tests.cluster.common import GREEDY, deployment, run_all
 from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
 
@@ -109,31 +109,3 @@ def test_cancel_frees_the_request(eagle_runtime, prompts) -> None:  # type: igno
     # The engine keeps serving.
     short = SamplingParams(max_tokens=4, temperature=0)
     assert len([t for c in eagle_runtime.submit(prompts[1], short) for t in c]) == 4
-
-
-def test_http_server_over_the_runtime(eagle_runtime, checkpoint, prompts, expected) -> None:  # type: ignore[no-untyped-def]
-    """The OpenAI-compatible server serves the disaggregated runtime as it serves an engine."""
-    import threading
-
-    from cluster.runtime import RuntimeLoop
-    from router.simple_server import make_server_for
-    from tests.model.test_cli_and_server import post
-
-    httpd = make_server_for(
-        RuntimeLoop(eagle_runtime), checkpoint.tokenizer, "smol", "127.0.0.1", 0
-    )
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions"
-        body = {"model": "smol", "prompt": TEXTS[0], "max_tokens": 24, "temperature": 0}
-        status, out, _ = post(url, {**body, "speculative": {"method": "eagle"}})
-        assert status == 200
-        assert out["choices"][0]["text"] == checkpoint.tokenizer.decode(expected[0])
-        assert out["usage"]["speculative"]["verify_steps"] > 0
-        status, _, raw = post(url, {**body, "stream": True})
-        assert status == 200 and raw.rstrip().endswith("data: [DONE]")
-        status, err, _ = post(url, {**body, "speculative": {"method": "nonsense"}})
-        assert status == 400 and "speculative" in err["error"]["message"]
-    finally:
-        httpd.shutdown()

@@ -17,8 +17,10 @@ def redis_server() -> Iterator[EmbeddedRedis]:
 
 
 @pytest.fixture(scope="module")
-def local_engine(model_fp32, checkpoint):  # type: ignore[no-untyped-def]
-    """An in-process engine (fp32, ngram and draft-model drafters) behind an EngineLoop."""
+def local_engine(model_fp32, checkpoint, redis_server):  # type: ignore[no-untyped-def]
+    """An in-process engine (fp32, an ngram drafter following the shared n-gram pool of the
+    open router's Redis database) behind an EngineLoop."""
+    from cluster.ngram_pool import follow
     from workers.drafting.ngram import NgramDrafter
     from workers.engine.config import EngineConfig, SpecConfig
     from workers.engine.engine_loop import EngineLoop
@@ -32,9 +34,13 @@ def local_engine(model_fp32, checkpoint):  # type: ignore[no-untyped-def]
         eos_token_ids=checkpoint.config.eos_token_ids,
         drafters={"ngram": NgramDrafter()},
     )
+    url = f"redis://127.0.0.1:{redis_server.port}/1"
+    follower = follow(engine.speculator.drafters, url, None)
     loop = EngineLoop(engine)
     yield loop
     loop.close()
+    assert follower is not None
+    follower.stop()
 
 
 @pytest.fixture(scope="module")

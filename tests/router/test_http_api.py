@@ -285,3 +285,23 @@ def test_admission_control_refuses_beyond_the_queue(local_engine, checkpoint, re
         assert post(running.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
     finally:
         running.stop()
+
+
+def test_ngram_drafting_learns_from_earlier_requests_through_redis(server, local_engine) -> None:  # type: ignore[no-untyped-def]
+    pool = local_engine.engine.speculator.drafters["ngram"].pool
+    body = {
+        "messages": [{"role": "user", "content": "Describe the history of the bicycle."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "speculative": {"method": "ngram", "num_speculative_tokens": 4},
+    }
+    learned = pool.sequences
+    _, first, _, _ = post(server + "/v1/chat/completions", body)
+    deadline = time.monotonic() + 10
+    while pool.sequences == learned and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _, second, _, _ = post(server + "/v1/chat/completions", body)
+    text = second["choices"][0]["message"]["content"]
+    assert text == first["choices"][0]["message"]["content"]  # drafts never change the output
+    before, after = first["usage"]["speculative"], second["usage"]["speculative"]
+    assert after["accepted"] >= 12 and after["accepted"] > before["accepted"]

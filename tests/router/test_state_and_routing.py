@@ -4,6 +4,7 @@ backend (a fake of one piece: the verifier groups' load)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
@@ -211,3 +212,53 @@ def test_admission_control_and_refusals_before_any_token(state) -> None:  # type
     step, refused, again = run(scenario())
     assert step.finished and refused.status == 503 and refused.grpc_code == "UNAVAILABLE"
     assert refused.headers() == {"Retry-After": "1"} and len(again) == 1
+
+
+def test_shared_ngram_pool_learns_across_requests_through_redis(redis_server) -> None:  # type: ignore[no-untyped-def]
+    import redis
+
+    from cluster.ngram_pool import STREAM, PoolFollower, decode, encode
+    from workers.drafting.base import DraftRequest
+    from workers.drafting.ngram import NgramDrafter, SharedNgramPool
+
+    assert decode(encode([0, 7, 49151, 2**31])) == [0, 7, 49151, 2**31]
+    url = f"redis://127.0.0.1:{redis_server.port}/7"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+
+    async def publish() -> None:
+        import redis.asyncio as aioredis
+
+        s = SharedState(aioredis.Redis.from_url(url))
+        await s.share_sequence([10, 11, 12, 13, 14, 15, 16, 17])
+        await s.close()
+
+    asyncio.run(publish())  # a router finished a request
+    pool = SharedNgramPool(min_n=3, max_n=4, continuation=4)
+    follower = PoolFollower(url, None, pool).start()
+    try:
+        deadline = time.monotonic() + 10
+        while pool.sequences < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.sequences == 1 and client.xlen(STREAM) == 1
+    finally:
+        follower.stop()
+    drafter = NgramDrafter()
+    params = SamplingParams(max_tokens=8)
+    drafter.add("r", [1, 2, 11, 12, 13], params)  # its own tokens hold no repeat
+    ask = [DraftRequest("r", 5, 3)]
+    assert drafter.propose(ask)["r"].token_ids == []
+    drafter.pool = pool
+    assert drafter.propose(ask)["r"].token_ids == [14, 15, 16]  # what followed elsewhere
+    drafter.add("s", [11, 12, 13, 9, 8, 11, 12, 13], params)
+    assert drafter.propose([DraftRequest("s", 8, 3)])["s"].token_ids == [9, 8, 11]  # its own first
+    assert pool.lookup([11, 12], 3) == []  # shorter than min_n: too weak to share
+
+
+def test_shared_ngram_pool_is_bounded() -> None:
+    from workers.drafting.ngram import SharedNgramPool
+
+    pool = SharedNgramPool(min_n=2, max_n=2, continuation=2, capacity=5)
+    pool.learn(list(range(20)))
+    assert len(pool) == 5
+    assert pool.lookup([16, 17], 2) == [18, 19] and pool.lookup([1, 2], 2) == []

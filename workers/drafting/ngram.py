@@ -11,11 +11,17 @@ taking the most frequent continuation of the longest known context, so a draft c
 the end of any single earlier match and prefers what repeats most over what came last.
 
 Both are deterministic (q is one-hot) and cost microseconds, so the verifier gets k for free.
+
+`SharedNgramPool` lets `NgramDrafter` learn across requests: finished sequences (fed in from
+Redis by the runtime, see cluster/ngram_pool.py) are indexed by their n-grams, and when a
+sequence's own tokens hold no match the drafter proposes what followed the same n-gram in
+another request (two users asking the same question, boilerplate every answer repeats).
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+import threading
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,11 +70,70 @@ class _TokenDrafter(Drafter):
         raise NotImplementedError
 
 
+class SharedNgramPool:
+    """n-grams of other requests' sequences -> the tokens that followed them (most recent wins),
+    bounded (least recently written n-grams go first). Thread-safe: a follower thread learns while
+    the engine thread drafts."""
+
+    def __init__(
+        self,
+        min_n: int = 3,
+        max_n: int = 4,
+        continuation: int = 16,
+        capacity: int = 200_000,
+    ) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n, self.continuation, self.capacity = (
+            min_n,
+            max_n,
+            continuation,
+            capacity,
+        )
+        self._table: OrderedDict[tuple[int, ...], tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.sequences = 0  # learned so far
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def learn(self, tokens: Sequence[int]) -> None:
+        tokens = list(tokens)
+        with self._lock:
+            for end in range(self.min_n, len(tokens)):
+                follow = tuple(tokens[end : end + self.continuation])
+                for n in range(self.min_n, min(self.max_n, end) + 1):
+                    key = tuple(tokens[end - n : end])
+                    self._table[key] = follow
+                    self._table.move_to_end(key)
+            while len(self._table) > self.capacity:
+                self._table.popitem(last=False)
+            self.sequences += 1
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest known suffix of `tokens`."""
+        if k <= 0:
+            return []
+        with self._lock:
+            for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+                follow = self._table.get(tuple(tokens[-n:]))
+                if follow:
+                    return list(follow[:k])
+        return []
+
+
 class NgramDrafter(_TokenDrafter):
     method = "ngram"
 
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        super().__init__(config)
+        self.pool: SharedNgramPool | None = None  # set by the runtime when Redis shares one
+
     def _draft(self, request_id: str, tokens: list[int], k: int) -> list[int]:
-        return prompt_lookup(tokens, k, self.config.min_n, self.config.max_n)
+        own = prompt_lookup(tokens, k, self.config.min_n, self.config.max_n)
+        if own or self.pool is None:
+            return own
+        return self.pool.lookup(tokens, k)
 
 
 def prompt_lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -1,0 +1,174 @@
+"""The router over the real Ray runtime (two verifier groups and a prefill worker on a local Ray
+cluster), real Redis and real HTTP/gRPC servers on loopback: the official `openai` client gets
+exactly what `outrider generate` prints, gRPC streams the same tokens, a repeated prefix goes
+back to the group that cached it, and a client that leaves mid-stream frees its KV blocks in
+the verifier."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.router.helpers import MODEL, RunningRouter, get, post, start_router
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+QUESTION = "What is the capital of France?"
+SYSTEM = "You answer in one short sentence. " * 6  # a shared prefix over several KV blocks
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Iterator[Any]:
+    from cluster.config import from_dict
+    from cluster.runtime import Runtime
+
+    config = from_dict(
+        {
+            "dtype": "float32",
+            "engine": {"max_model_len": 512},
+            "speculative": {"method": "ngram", "num_speculative_tokens": 4},
+            "pools": {
+                "prefill": {"replicas": 1, "min_remote_prompt_tokens": 24},
+                "verifier": {"groups": 2, "resources": {"cpus": 1}},
+                "drafter": {"replicas": 0},
+            },
+            "telemetry": {"exporter": "memory"},
+        }
+    )
+    started = Runtime.start(config, num_cpus=4)
+    yield started
+    started.shutdown()
+
+
+@pytest.fixture(scope="module")
+def router(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # type: ignore[no-untyped-def]
+    from router.backends import RuntimeBackend
+
+    backend = RuntimeBackend(runtime, shutdown_on_close=False)
+    running = start_router(backend, checkpoint.tokenizer, redis_server, db=6, max_model_len=512)
+    yield running
+    running.stop()
+
+
+def outrider_generate(prompt: str, *flags: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "cluster.cli", "generate", prompt, "--json", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+def test_openai_client_matches_outrider_generate(router) -> None:  # type: ignore[no-untyped-def]
+    greedy = ["--temperature", "0", "--max-tokens", "20", "--spec-method", "ngram"]
+    expected = outrider_generate(PROMPT, *greedy)["text"]
+    expected_chat = outrider_generate(QUESTION, "--chat", *greedy)["text"]
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused")
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    assert whole.choices[0].text == expected
+    assert whole.usage.speculative["verify_steps"] > 0  # statistics ride along in usage
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == expected
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0
+    )
+    assert reply.choices[0].message.content == expected_chat
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected_chat
+
+
+def test_grpc_streams_the_same_tokens(router) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from router.proto import generate_pb2, generate_pb2_grpc
+
+    _, whole, _, _ = post(
+        router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        request = generate_pb2.GenerateRequest(prompt=PROMPT, max_tokens=16, temperature=0.0)
+        responses = list(stub.Generate(request))
+    assert "".join(r.text for r in responses) == whole["choices"][0]["text"]
+    assert responses[-1].usage.completion_tokens == 16
+
+
+def _group_of(router: RunningRouter, request_id: str) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        code, record = get(f"{router.url}/v1/requests/{request_id}")
+        if code == 200 and record["state"] == "finished":
+            return str(record["group"])
+        time.sleep(0.05)
+    raise AssertionError(f"{request_id} never finished in the registry")
+
+
+def test_a_shared_prefix_goes_back_to_the_group_that_cached_it(router) -> None:  # type: ignore[no-untyped-def]
+    url = router.url + "/v1/chat/completions"
+    before = _routed(router)
+    groups = []
+    for question in ("Name a river.", "Name a mountain.", "Name a city.", "Name a sea."):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        code, out, _, _ = post(url, {"messages": messages, "max_tokens": 4, "temperature": 0})
+        assert code == 200
+        groups.append(_group_of(router, out["id"]))
+        time.sleep(0.1)  # the prefix index is written just after the first token
+    assert len(set(groups)) == 1, groups
+    after = _routed(router)
+    assert after.get((groups[0], "prefix"), 0) - before.get((groups[0], "prefix"), 0) >= 3
+    # Both groups are reported to Prometheus.
+    _, metrics = get(router.url + "/metrics")
+    assert 'outrider_verifier_queue_depth{group="verifier-g1-r0"}' in metrics
+
+
+def _routed(router: RunningRouter) -> dict[tuple[str, str], float]:
+    """outrider_routed_total by (group, reason), from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, text = get(router.url + "/metrics")
+    counts = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "outrider_routed_total":
+                counts[(sample.labels["group"], sample.labels["reason"])] = sample.value
+    return counts
+
+
+def _idle(runtime) -> bool:  # type: ignore[no-untyped-def]
+    loads = ray.get([v.load.remote() for v in runtime.verifiers])
+    return all(x["running"] == 0 and x["waiting"] == 0 and x["kv_usage"] == 0 for x in loads)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(router, runtime) -> None:  # type: ignore[no-untyped-def]
+    assert _idle(runtime)
+    body = json.dumps(
+        {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    ).encode()
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        time.sleep(0.5)
+        assert not _idle(runtime)  # it holds blocks in a verifier now
+    deadline = time.monotonic() + 60
+    while not _idle(runtime) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _idle(runtime)
+    assert get(router.url + "/ready") == (200, {"status": "ready"})
