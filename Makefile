@@ -37,6 +37,7 @@ bench: $(VENV)/.dev
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_spec
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_eagle
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_runtime
+	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_router
 
 install: $(VENV)/.runtime $(GENERATED)
 install-dev: $(VENV)/.dev $(GENERATED)

@@ -48,3 +48,14 @@ def test_bench_eagle_quick_run(tmp_path: Path) -> None:
     assert "<!-- bench_eagle:start -->" in text
     assert "| chat | eagle, k=4 |" in text and "| summary | none |" in text
     assert "eagle mean acceptance length at k = 4" in text
+
+
+def test_bench_router_quick_run(tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    cmd = [sys.executable, "-m", "tests.benchmarks.bench_router", "--quick", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert "<!-- bench_router:start -->" in text
+    assert "| 1 | direct |" in text and "| 2 | HTTP (openai client) |" in text
+    assert "| 2 | gRPC |" in text

@@ -107,6 +107,17 @@ def test_grpc_streams_the_same_tokens(router) -> None:  # type: ignore[no-untype
     assert responses[-1].usage.completion_tokens == 16
 
 
+def test_the_verifier_refusing_a_request_is_a_400_and_the_groups_keep_serving(router) -> None:  # type: ignore[no-untyped-def]
+    """The engine's own refusal (no draft model in this deployment) crosses Ray as the actor's
+    exception and reaches the client as an OpenAI 400."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "speculative": {"method": "draft_model"}}
+    code, out, _, _ = post(router.url + "/v1/completions", body)
+    assert code == 400 and "not available" in out["error"]["message"], out
+    assert "Traceback" not in out["error"]["message"]
+    for _ in range(2):  # both groups, whichever the router picks
+        assert post(router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
+
+
 def _group_of(router: RunningRouter, request_id: str) -> str:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -1,0 +1,236 @@
+"""What the router costs: the same requests straight into the engine, through the HTTP API
+(the official `openai` client, streaming) and through the gRPC API, side by side.
+
+    python -m tests.benchmarks.bench_router [--runs 3] [--quick]
+
+One in-process engine (bundled model, bf16, ngram speculation) behind `LocalBackend`, a router
+with the embedded Redis on loopback (API keys on, so every request pays the key lookup and the
+rate-limit script). For each concurrency level, rounds interleave the three paths; each request
+is a greedy chat completion. Reports median time to first token, median request latency and
+aggregate tokens/s, and the router's overhead over the direct path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
+
+KEY = "sk-bench"
+QUESTIONS = [
+    "Explain what a hash table is.",
+    "Give three tips for writing clear emails.",
+    "Why is the sky blue?",
+    "Describe how a bicycle gear works.",
+    "What is the difference between weather and climate?",
+    "Summarise the plot of Romeo and Juliet.",
+    "How do vaccines train the immune system?",
+    "Write a short note inviting a friend to dinner.",
+]
+
+
+async def _direct(loop: Any, prompt: list[int], params: Any, rid: str) -> tuple[float, int]:
+    start = time.perf_counter()
+    ttft, n = 0.0, 0
+    async for out in loop.stream(rid, prompt, params):
+        if out.new_token_ids and not n:
+            ttft = time.perf_counter() - start
+        n += len(out.new_token_ids)
+    return ttft, n
+
+
+async def _http(client: Any, question: str, max_tokens: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    ttft, n = 0.0, 0
+    stream = await client.chat.completions.create(
+        model="bench",
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and not ttft:
+            ttft = time.perf_counter() - start
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+    return ttft, n
+
+
+async def _grpc(stub: Any, pb2: Any, question: str, max_tokens: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    ttft, n = 0.0, 0
+    request = pb2.GenerateRequest(
+        chat=pb2.ChatMessages(messages=[pb2.ChatMessage(role="user", content=question)]),
+        max_tokens=max_tokens,
+        temperature=0.0,
+    )
+    async for response in stub.Generate(request, metadata=[("authorization", f"Bearer {KEY}")]):
+        if response.token_ids and not n:
+            ttft = time.perf_counter() - start
+        n += len(response.token_ids)
+    return ttft, n
+
+
+async def _round(
+    path: str, concurrency: int, ctx: dict[str, Any], max_tokens: int
+) -> tuple[list[float], list[float], int, float]:
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(concurrency)]
+    start = time.perf_counter()
+
+    async def one(i: int, q: str) -> tuple[float, int, float]:
+        t0 = time.perf_counter()
+        if path == "direct":
+            tok = ctx["tokenizer"]
+            ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+            ttft, n = await _direct(ctx["loop"], ids, ctx["params"], f"d-{time.time_ns()}-{i}")
+        elif path == "HTTP (openai client)":
+            ttft, n = await _http(ctx["client"], q, max_tokens)
+        else:
+            ttft, n = await _grpc(ctx["stub"], ctx["pb2"], q, max_tokens)
+        return ttft, n, time.perf_counter() - t0
+
+    results = await asyncio.gather(*(one(i, q) for i, q in enumerate(questions)))
+    wall = time.perf_counter() - start
+    return [r[0] for r in results], [r[2] for r in results], sum(r[1] for r in results), wall
+
+
+async def _measure(ctx: dict[str, Any], levels: list[int], runs: int, max_tokens: int) -> Any:
+    import grpc
+
+    from router.proto import generate_pb2, generate_pb2_grpc
+
+    paths = ["direct", "HTTP (openai client)", "gRPC"]
+    stats: dict[tuple[str, int], dict[str, list[float]]] = {
+        (p, c): {"ttft": [], "latency": [], "tps": []} for p in paths for c in levels
+    }
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{ctx['grpc_port']}") as channel:
+        ctx["stub"], ctx["pb2"] = generate_pb2_grpc.GenerationStub(channel), generate_pb2
+        for round_ in range(runs + 1):  # round 0 warms up
+            for c in levels:
+                for path in paths:
+                    ttft, latency, tokens, wall = await _round(path, c, ctx, max_tokens)
+                    if round_:
+                        s = stats[(path, c)]
+                        s["ttft"] += ttft
+                        s["latency"] += latency
+                        s["tps"].append(tokens / wall)
+            print(f"[bench_router] round {round_}/{runs}", file=sys.stderr)
+    return paths, stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
+    args = parser.parse_args()
+    levels = [1, 8]
+    if args.quick:
+        args.runs, args.max_tokens, levels = 1, 4, [1, 2]
+
+    import openai
+
+    from router.backends import LocalBackend
+    from router.protocol import RequestBuilder
+    from router.redis_server import EmbeddedRedis, free_port
+    from router.server import KeyLine, Router, RouterOptions, RouterThread
+    from workers.engine.config import EngineConfig, SpecConfig
+    from workers.engine.engine_loop import EngineLoop
+    from workers.engine.factory import ModelSpec, build_engine
+    from workers.engine.sampling_params import SamplingParams
+
+    loaded = build_engine(
+        ModelSpec(dtype="bfloat16"),
+        EngineConfig(max_model_len=1024, max_num_seqs=16, spec=SpecConfig(method="ngram")),
+        progress=False,
+    )
+    loop = EngineLoop(loaded.engine)
+    redis = EmbeddedRedis().start()
+    port, grpc_port = free_port(), free_port()
+    options = RouterOptions(
+        port=port,
+        grpc_port=grpc_port,
+        redis_url=redis.url,
+        api_keys=[KeyLine(KEY, "bench", 0.0, 0)],
+    )
+    builder = RequestBuilder(loaded.tokenizer, "bench", 1024)
+    thread = RouterThread(Router(LocalBackend(loop), builder, options)).start()
+    ctx: dict[str, Any] = {
+        "loop": loop,
+        "tokenizer": loaded.tokenizer,
+        "params": SamplingParams(max_tokens=args.max_tokens, temperature=0),
+        "grpc_port": grpc_port,
+    }
+    try:
+
+        async def run() -> Any:
+            ctx["client"] = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0
+            )
+            return await _measure(ctx, levels, args.runs, args.max_tokens)
+
+        paths, stats = asyncio.run(run())
+    finally:
+        thread.stop()
+        redis.stop()
+        loop.close()
+
+    rows = []
+    for c in levels:
+        base = stats[("direct", c)]
+        for path in paths:
+            s = stats[(path, c)]
+            ttft, lat = statistics.median(s["ttft"]), statistics.median(s["latency"])
+            overhead = (
+                ""
+                if path == "direct"
+                else f"{(lat - statistics.median(base['latency'])) * 1000:+.0f} ms"
+            )
+            rows.append(
+                [
+                    c,
+                    path,
+                    f"{ttft * 1000:.0f} ms",
+                    f"{lat * 1000:.0f} ms",
+                    overhead,
+                    f"{statistics.median(s['tps']):.1f}",
+                ]
+            )
+    body = "\n\n".join(
+        [
+            "## Router overhead\n\n`python -m tests.benchmarks.bench_router`",
+            f"Machine: {machine_line()}. Bundled model in one in-process engine (bf16, ngram "
+            f"speculation, adaptive k), greedy chat completions of up to {args.max_tokens} "
+            "tokens, `c` requests at once, medians over "
+            f"{args.runs} interleaved rounds. HTTP and gRPC go through the router on loopback "
+            "with API keys and the rate-limit script in the embedded Redis, registry and "
+            "prefix-index writes; the engine, the router and the clients share the machine's "
+            "two cores.",
+            table(
+                [
+                    "c",
+                    "path",
+                    "time to first token",
+                    "request latency",
+                    "router overhead (latency)",
+                    "tokens/s (all requests)",
+                ],
+                rows,
+            ),
+        ]
+    )
+    print(body)
+    write_section("bench_router", body, args.output)
+
+
+if __name__ == "__main__":
+    main()
