@@ -10,6 +10,7 @@ request schemas.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -32,6 +33,8 @@ from router.protocol import (
     validate,
 )
 from router.service import RouterService, usage
+
+log = logging.getLogger(__name__)
 
 
 def _body_schema(name: str) -> dict[str, Any]:
@@ -69,6 +72,11 @@ def create_app(service: RouterService) -> FastAPI:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         error = RouterError(exc.status_code, str(exc.detail), kind, "INVALID_ARGUMENT")
         return _error(error)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return _error(errors.server_error(f"internal error: {type(exc).__name__}"))
 
     @app.get("/health", tags=["operations"])
     async def health() -> dict[str, str]:

@@ -24,6 +24,8 @@ from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from router import errors
 from router.backends import Backend, GroupLoad, Step
 from router.metrics import RouterMetrics
@@ -73,6 +75,12 @@ class RouterService:
 
     async def authorize(self, api_key: str | None) -> ApiKey | None:
         """The caller's key (None when the deployment has no keys), its bucket drawn from."""
+        try:
+            return await self._authorize(api_key)
+        except RedisError as exc:
+            raise errors.overloaded(f"shared state (Redis) is unavailable: {exc}") from exc
+
+    async def _authorize(self, api_key: str | None) -> ApiKey | None:
         if not await self.state.auth_required():
             return None
         if not api_key:
@@ -91,7 +99,13 @@ class RouterService:
     async def load(self) -> list[GroupLoad]:
         now = time.monotonic()
         if now - self._load_at > LOAD_TTL_S:
-            self._load, self._load_at = await self.backend.load(), now
+            try:
+                self._load = await self.backend.load()
+            except Exception as exc:  # a group is down: route on what was last known
+                log.warning("verifier load unavailable: %r", exc)
+                if len(self._load) != len(self.backend.groups):
+                    self._load = [GroupLoad(0, 0, 0.0) for _ in self.backend.groups]
+            self._load_at = now
             for name, load in zip(self.backend.groups, self._load, strict=True):
                 self.metrics.queue_depth.labels(name).set(load.queue_depth)
                 self.metrics.kv_usage.labels(name).set(load.kv_usage)
@@ -102,9 +116,11 @@ class RouterService:
         groups = self.backend.groups
         if len(groups) == 1:
             return 0, "only"
-        cached, loads = await asyncio.gather(
-            self.state.cached_blocks(prompt_ids, self.block_size, groups), self.load()
-        )
+        loads = await self.load()
+        try:
+            cached = await self.state.cached_blocks(prompt_ids, self.block_size, groups)
+        except RedisError:  # no prefix hints: route by load alone
+            cached = dict.fromkeys(groups, 0)
         score = [(g.queue_depth, g.kv_usage) for g in loads]
         lightest = min(s[0] for s in score)
         best = max(cached.values())
@@ -145,7 +161,10 @@ class RouterService:
         group, reason = await self.choose_group(request.prompt_ids)
         name = self.backend.groups[group]
         self.metrics.routed.labels(name, reason).inc()
-        await self.state.register(request_id, name, self.replica, len(request.prompt_ids))
+        try:
+            await self.state.register(request_id, name, self.replica, len(request.prompt_ids))
+        except RedisError as exc:
+            raise errors.overloaded(f"shared state (Redis) is unavailable: {exc}") from exc
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         pending: list[int] = []
         output_ids: list[int] = []

@@ -305,3 +305,21 @@ def test_ngram_drafting_learns_from_earlier_requests_through_redis(server, local
     assert text == first["choices"][0]["message"]["content"]  # drafts never change the output
     before, after = first["usage"]["speculative"], second["usage"]["speculative"]
     assert after["accepted"] >= 12 and after["accepted"] > before["accepted"]
+
+
+def test_without_redis_requests_get_503_and_readiness_fails(local_engine, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from router.backends import LocalBackend
+    from router.redis_server import EmbeddedRedis
+    from tests.router.helpers import start_router
+
+    redis = EmbeddedRedis().start()
+    running = start_router(LocalBackend(local_engine), checkpoint.tokenizer, redis)
+    try:
+        assert post(running.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})[0] == 200
+        redis.stop()
+        code, out, _, _ = post(running.url + "/v1/completions", {"prompt": PROMPT})
+        assert code == 503 and "Redis" in out["error"]["message"]
+        assert get(running.url + "/ready")[0] == 503
+        assert get(running.url + "/health") == (200, {"status": "ok"})
+    finally:
+        running.stop()
