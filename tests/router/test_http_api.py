@@ -98,7 +98,7 @@ def test_speculative_extension_field_and_statistics(server: str) -> None:
     _, spec, _, _ = post(server + "/v1/completions", {**body, "speculative": {"method": "ngram"}})
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
     stats = spec["usage"]["speculative"]
-    assert stats["drafted"] > 0 and stats["verify_steps"] == 11
+    assert stats["drafted"] > 0 and stats["verify_steps"] + stats["accepted"] == 11
     assert plain["usage"]["speculative"]["drafted"] == 0
     _, off, _, _ = post(server + "/v1/completions", {**body, "speculative": {"enabled": False}})
     assert off["usage"]["speculative"]["drafted"] == 0
@@ -136,7 +136,7 @@ BAD = [
     ({"prompt": [1, 2, 10**9]}, 400, "token ids", "prompt"),
     ({"max_tokens": 3}, 400, "Field required", "prompt"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist", "model"),
-    ({"prompt": "word " * 400}, 400, "maximum context length is 256", "prompt"),
+    ({"prompt": "word " * 600}, 400, "maximum context length is", "prompt"),
     ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop.str"),
     ({"prompt": PROMPT, "logprobs": 2}, 400, "logprobs", "logprobs"),
     ({"prompt": PROMPT, "speculative": {"method": "magic"}}, 400, "speculative method", None),
@@ -307,7 +307,9 @@ def test_ngram_drafting_learns_from_earlier_requests_through_redis(server, local
     assert after["accepted"] >= 12 and after["accepted"] > before["accepted"]
 
 
-def test_without_redis_requests_get_503_and_readiness_fails(local_engine, checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_without_redis_requests_get_503_unavailable_and_readiness_fails(
+    local_engine, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
     from router.backends import LocalBackend
     from router.redis_server import EmbeddedRedis
     from tests.router.helpers import start_router
@@ -321,5 +323,14 @@ def test_without_redis_requests_get_503_and_readiness_fails(local_engine, checkp
         assert code == 503 and "Redis" in out["error"]["message"]
         assert get(running.url + "/ready")[0] == 503
         assert get(running.url + "/health") == (200, {"status": "ok"})
+        import grpc
+
+        from router.proto import generate_pb2, generate_pb2_grpc
+
+        with grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(generate_pb2.GenerateRequest(prompt=PROMPT)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         running.stop()

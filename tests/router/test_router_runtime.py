@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.router.helpers import MODEL, RunningRouter, get, post, start_router
+from tests.router.test_http_api import BAD
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -183,3 +184,46 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(router, runtime) ->
         time.sleep(0.1)
     assert _idle(runtime)
     assert get(router.url + "/ready") == (200, {"status": "ready"})
+
+
+KEY = "sk-runtime-shared"
+
+
+@pytest.fixture(scope="module")
+def keyed_replicas(runtime, checkpoint, redis_server) -> Iterator[list[RunningRouter]]:  # type: ignore[no-untyped-def]
+    """Two more router replicas over the same pools, sharing one Redis database with one key
+    limited to 3 requests (then 0.5 per second)."""
+    from router.backends import RuntimeBackend
+    from router.server import KeyLine
+
+    replicas = [
+        start_router(
+            RuntimeBackend(runtime, shutdown_on_close=False),
+            checkpoint.tokenizer,
+            redis_server,
+            db=8,
+            keys=[KeyLine(KEY, "shared", 0.5, 3)],
+            max_model_len=512,
+        )
+        for _ in range(2)
+    ]
+    yield replicas
+    for r in replicas:
+        r.stop()
+
+
+def test_two_replicas_over_the_runtime_share_one_rate_limit(keyed_replicas) -> None:  # type: ignore[no-untyped-def]
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    assert post(keyed_replicas[0].url + "/v1/completions", body)[0] == 401
+    codes = [post(r.url + "/v1/completions", body, KEY)[0] for r in keyed_replicas * 2]
+    assert codes == [200, 200, 200, 429]
+
+
+@pytest.mark.parametrize(("body", "status", "message", "param"), BAD)
+def test_bad_requests_over_the_runtime(router, body, status, message, param) -> None:  # type: ignore[no-untyped-def]
+    code, out, _, _ = post(router.url + "/v1/completions", body)
+    assert code == status, out
+    assert message in out["error"]["message"]
+    if param is not None:
+        assert out["error"]["param"] == param
+    assert post(router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})[0] == 200
