@@ -10,6 +10,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict
 
 import torch
 
@@ -242,7 +243,7 @@ def _generate(args: argparse.Namespace) -> int:
             "spec": final.spec.as_dict(),
         }
         if stream is not None:
-            result["served_by"] = stream.served_by
+            result["served_by"] = asdict(stream.served_by) if stream.served_by else None
         print(json.dumps(result))
     else:
         served = "" if stream is None else f", served by {stream.served_by}"

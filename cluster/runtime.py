@@ -36,6 +36,7 @@ from cluster.links import TensorLink, backend_for
 from cluster.prefill import PrefillWorker, plan_for, receive
 from cluster.remote_drafting import DrafterWorker, RemoteDrafter, ShardedDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.engine_loop import LoopLoad
 from workers.engine.llm_engine import Prefilled, RequestOutput
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.engine.sampling_params import SamplingParams
@@ -340,10 +341,10 @@ class VerifierActor:
             **_where(),
         }
 
-    def _served_by(self, request_id: str) -> dict[str, Any]:
+    def _served_by(self, request_id: str) -> ServedBy:
         drafter = None if self.drafters is None else self.drafters.owner_name(request_id)
         prefill = self._prefilled_by.pop(request_id, None)
-        return {"prefill": prefill, "verifier": [self.name, *self.rank_names], "drafter": drafter}
+        return ServedBy(prefill, [self.name, *self.rank_names], drafter)
 
     def _prefill_link(self, index: int) -> TensorLink:
         """The link to prefill worker `index`, (re)built when missing or broken."""
@@ -411,9 +412,9 @@ class VerifierActor:
         self._prefilled_by[request_id] = self.prefill_names[index]
         return Prefilled(kv, hidden or None)
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> LoopLoad:
         """Queue depth and KV usage, for the router's load-aware choice."""
-        return asdict(self.loop.load())
+        return self.loop.load()
 
     def stats(self) -> dict[str, Any]:
         engine_stats = self.loop.engine.stats
@@ -430,35 +431,41 @@ class VerifierActor:
         self,
         request_id: str,
         prompt_ids: list[int],
-        params: dict[str, Any],
-        spec: dict[str, Any],
+        params: SamplingParams,
+        spec: RequestSpec,
         trace_carrier: dict[str, str] | None = None,
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Streams one dict per engine step that produced tokens for the request."""
+    ) -> AsyncIterator[StepMessage]:
+        """Streams one message per engine step that produced something for the request."""
         self.rounds.start(request_id, trace_carrier)
-        request_spec = RequestSpec(**spec)
-        prefilled = await self._remote_prefill(request_id, prompt_ids, request_spec, trace_carrier)
-        outputs = self.loop.stream(
-            request_id, prompt_ids, SamplingParams(**params), request_spec, prefilled
-        )
+        prefilled = await self._remote_prefill(request_id, prompt_ids, spec, trace_carrier)
+        outputs = self.loop.stream(request_id, prompt_ids, params, spec, prefilled)
         try:
             async for out in outputs:
-                yield {
-                    "token_ids": out.new_token_ids,
-                    "text": out.text,
-                    "finished": out.finished,
-                    "finish_reason": out.finish_reason,
-                    "num_prompt_tokens": out.num_prompt_tokens,
-                    "num_output_tokens": out.num_output_tokens,
-                    "spec": asdict(out.spec),
-                    "served_by": self._served_by(request_id) if out.finished else None,
-                }
+                served_by = self._served_by(request_id) if out.finished else None
+                yield StepMessage(out, served_by)
         finally:
             # Cancelled (the client is gone) or failed: closing the stream aborts the request
             # in the engine and frees its blocks.
             await outputs.aclose()
             self.rounds.finish(request_id)
             self._prefilled_by.pop(request_id, None)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedBy:
+    """The actors that served a request."""
+
+    prefill: str | None  # None: the verifier prefilled it itself
+    verifier: list[str]  # the group's ranks
+    drafter: str | None  # None: drafted in-process (model-free methods) or not at all
+
+
+@dataclass(frozen=True, slots=True)
+class StepMessage:
+    """Verifier -> client: what one engine step produced for one request."""
+
+    output: RequestOutput
+    served_by: ServedBy | None = None  # with the last step
 
 
 @dataclass(slots=True)
@@ -470,31 +477,22 @@ class RequestStream:
     generator: Any  # Ray's ObjectRefGenerator
     span: Any = None  # the request's span, ended with the stream
     finish_reason: str | None = None
-    spec: dict[str, Any] | None = None
-    served_by: dict[str, Any] | None = None
+    spec: SpecStats | None = None
+    served_by: ServedBy | None = None
     text: list[str] = field(default_factory=list)
     output_tokens: int = 0
 
     def outputs(self) -> Iterator[RequestOutput]:
-        """The stream as the engine's own `RequestOutput`s (what the HTTP layer consumes)."""
-        for item in self._items():
-            yield RequestOutput(
-                self.request_id,
-                item["token_ids"],
-                item["text"],
-                item["finished"],
-                item["finish_reason"],
-                item["num_prompt_tokens"],
-                item["num_output_tokens"],
-                SpecStats(**item["spec"]),
-            )
+        """The stream as the engine's own `RequestOutput`s."""
+        for message in self._items():
+            yield message.output
 
     def __iter__(self) -> Iterator[list[int]]:
-        for item in self._items():
-            if item["token_ids"]:
-                yield item["token_ids"]
+        for message in self._items():
+            if message.output.new_token_ids:
+                yield message.output.new_token_ids
 
-    def _items(self) -> Iterator[dict[str, Any]]:
+    def _items(self) -> Iterator[StepMessage]:
         import ray
 
         try:
@@ -503,21 +501,22 @@ class RequestStream:
         finally:
             self._end_span()
 
-    async def items_async(self) -> AsyncIterator[dict[str, Any]]:
-        """The verifier's per-step dicts, for asyncio callers (the router)."""
+    async def items_async(self) -> AsyncIterator[StepMessage]:
+        """The verifier's messages, for asyncio callers (the router)."""
         try:
             async for ref in self.generator:
                 yield self._record(await ref)
         finally:
             self._end_span()
 
-    def _record(self, item: dict[str, Any]) -> dict[str, Any]:
-        self.text.append(item["text"])
-        self.output_tokens = item["num_output_tokens"]
-        if item["finished"]:
-            self.finish_reason, self.spec = item["finish_reason"], item["spec"]
-            self.served_by = item["served_by"]
-        return item
+    def _record(self, message: StepMessage) -> StepMessage:
+        out = message.output
+        self.text.append(out.text)
+        self.output_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason, self.spec = out.finish_reason, out.spec
+            self.served_by = message.served_by
+        return message
 
     def _end_span(self) -> None:
         if self.span is not None:
@@ -748,7 +747,7 @@ class Runtime:
         generator = (
             self.verifiers[index]
             .generate.options(num_returns="streaming")
-            .remote(request_id, list(prompt_ids), asdict(params), asdict(spec), carrier)
+            .remote(request_id, list(prompt_ids), params, spec, carrier)
         )
         return RequestStream(request_id, self.verifier_names[index], generator, span)
 
@@ -757,7 +756,7 @@ class Runtime:
 
         ray.cancel(stream.generator)
 
-    async def load(self) -> list[dict[str, Any]]:
+    async def load(self) -> list[LoopLoad]:
         """Each verifier group's queue depth and KV usage."""
         return list(await asyncio.gather(*(v.load.remote() for v in self.verifiers)))
 

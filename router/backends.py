@@ -10,39 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
-from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from router import errors
 from workers.engine.config import RequestSpec
-from workers.engine.engine_loop import EngineLoop
+from workers.engine.engine_loop import EngineLoop, LoopLoad
 from workers.engine.llm_engine import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """What one engine step produced for one request."""
-
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    spec: dict[str, Any]  # SpecStats fields
-    served_by: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class GroupLoad:
-    running: int
-    waiting: int
-    kv_usage: float
-
-    @property
-    def queue_depth(self) -> int:
-        return self.running + self.waiting
+# What one engine step produced for one request: the engine's own output, whichever backend.
+Step = RequestOutput
 
 
 class Backend(Protocol):
@@ -57,23 +34,11 @@ class Backend(Protocol):
         spec: RequestSpec | None,
     ) -> AsyncGenerator[Step, None]: ...
 
-    async def load(self) -> list[GroupLoad]: ...
+    async def load(self) -> list[LoopLoad]: ...
 
     async def ready(self) -> bool: ...
 
     async def close(self) -> None: ...
-
-
-def _step(out: RequestOutput) -> Step:
-    return Step(
-        out.new_token_ids,
-        out.text,
-        out.finished,
-        out.finish_reason,
-        out.num_prompt_tokens,
-        out.num_output_tokens,
-        asdict(out.spec),
-    )
 
 
 class LocalBackend:
@@ -94,7 +59,7 @@ class LocalBackend:
         outputs = self.loop.stream(request_id, prompt_ids, params, spec)
         try:
             async for out in outputs:
-                yield _step(out)
+                yield out
         except ValueError as exc:  # the engine refused it (unknown method, too long)
             raise errors.bad_request(str(exc)) from exc
         except RuntimeError as exc:
@@ -102,9 +67,8 @@ class LocalBackend:
         finally:
             await outputs.aclose()
 
-    async def load(self) -> list[GroupLoad]:
-        load = self.loop.load()
-        return [GroupLoad(load.running, load.waiting, load.kv_usage)]
+    async def load(self) -> list[LoopLoad]:
+        return [self.loop.load()]
 
     async def ready(self) -> bool:
         return self.loop.ready()
@@ -134,9 +98,9 @@ class RuntimeBackend:
         stream = self.runtime.submit(prompt_ids, params, spec, request_id, group)
         finished = False
         try:
-            async for item in stream.items_async():
-                finished = item["finished"]
-                yield Step(**{k: item[k] for k in Step.__slots__})
+            async for message in stream.items_async():
+                finished = message.output.finished
+                yield message.output
         except ValueError as exc:  # RayTaskError subclasses the actor's own exception type
             raise errors.bad_request(_cause(exc)) from exc
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
@@ -147,8 +111,8 @@ class RuntimeBackend:
             if not finished:  # the client left (or the stream failed): free its KV blocks
                 self.runtime.abort(stream)
 
-    async def load(self) -> list[GroupLoad]:
-        return [GroupLoad(**item) for item in await self.runtime.load()]
+    async def load(self) -> list[LoopLoad]:
+        return list(await self.runtime.load())
 
     async def ready(self) -> bool:
         try:

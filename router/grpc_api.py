@@ -86,7 +86,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             async for step in steps:
                 response = generate_pb2.GenerateResponse(
                     request_id=request_id,
-                    token_ids=step.token_ids,
+                    token_ids=step.new_token_ids,
                     text=step.text,
                     finished=step.finished,
                     finish_reason=step.finish_reason or "",
@@ -96,7 +96,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         generate_pb2.Usage(
                             prompt_tokens=len(generate.prompt_ids),
                             completion_tokens=step.num_output_tokens,
-                            speculative=_spec_stats(SpecStats(**step.spec)),
+                            speculative=_spec_stats(step.spec),
                         )
                     )
                 yield response

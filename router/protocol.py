@@ -32,53 +32,65 @@ class SpeculativeOptions(_Strict):
     """Outrider's extension: this request's speculation, over the server's default."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    enabled: bool = True
-    method: str | None = Field(None, description="ngram, suffix, draft_model or eagle")
-    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
+    enabled: bool = Field(True, description="false: no speculation for this request")
+    method: str | None = Field(
+        None, description="ngram, suffix, draft_model or eagle (those the deployment has)"
+    )
+    num_speculative_tokens: int | None = Field(
+        None, ge=0, le=16, description="most draft tokens per step (adaptive k may use fewer)"
+    )
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="a last chunk with empty choices and usage")
 
 
 class _SamplingFields(_Strict):
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 is served")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    speculative: SpeculativeOptions | None = None
-    user: str | None = None
+    model: str | None = Field(None, description="the served model's id (GET /v1/models)")
+    max_tokens: int | None = Field(None, ge=1, description="most tokens to generate")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass; default 1")
+    top_k: int | None = Field(None, ge=-1, description="keep the k likeliest; -1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below min_p x top")
+    seed: int | None = Field(None, description="seeded sampling, independent of the batch")
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = Field(
+        None, description="the text ends before the first of these that appears"
+    )
+    n: int = Field(1, ge=1, le=1, description="choices per request: only 1 is served")
+    stream: bool = Field(False, description="server-sent events")
+    stream_options: StreamOptions | None = Field(None, description="with stream: usage chunk")
+    ignore_eos: bool = Field(False, description="keep generating past EOS (vLLM's extension)")
+    speculative: SpeculativeOptions | None = Field(
+        None, description="Outrider's extension: per-request speculation"
+    )
+    user: str | None = Field(None, description="an end-user id (accepted, not used)")
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(description="text, or token ids")
-    echo: bool = False
-    logprobs: int | None = None
+    echo: bool = Field(False, description="not served: must be false")
+    logprobs: int | None = Field(None, description="not served: must be null or 0")
 
 
 class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+    type: Literal["text"] = Field(description="only text parts are served")
+    text: str = Field(description="the part's text")
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
+    role: Literal["system", "user", "assistant", "developer"] = Field(
+        description="developer counts as system"
+    )
+    content: str | list[TextPart] = Field(description="text, or text parts joined")
+    name: str | None = Field(None, description="accepted, not used")
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="OpenAI's newer name for max_tokens (wins over it)"
+    )
+    logprobs: bool = Field(False, description="not served: must be false")
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,11 +27,11 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from router import errors
-from router.backends import Backend, GroupLoad, Step
+from router.backends import Backend, Step
 from router.metrics import RouterMetrics
 from router.protocol import GenerateRequest, RequestBuilder
 from router.state import ApiKey, SharedState
-from workers.engine.sequence import SpecStats
+from workers.engine.engine_loop import LoopLoad
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class RouterService:
         self.metrics = RouterMetrics()
         self.in_flight = 0
         self._random = random.Random(self.policy.seed)
-        self._load: list[GroupLoad] = []
+        self._load: list[LoopLoad] = []
         self._load_at = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -96,7 +96,7 @@ class RouterService:
     async def ready(self) -> bool:
         return await self.state.ping() and await self.backend.ready()
 
-    async def load(self) -> list[GroupLoad]:
+    async def load(self) -> list[LoopLoad]:
         now = time.monotonic()
         if now - self._load_at > LOAD_TTL_S:
             try:
@@ -104,7 +104,7 @@ class RouterService:
             except Exception as exc:  # a group is down: route on what was last known
                 log.warning("verifier load unavailable: %r", exc)
                 if len(self._load) != len(self.backend.groups):
-                    self._load = [GroupLoad(0, 0, 0.0) for _ in self.backend.groups]
+                    self._load = [LoopLoad(0, 0, 0.0) for _ in self.backend.groups]
             self._load_at = now
             for name, load in zip(self.backend.groups, self._load, strict=True):
                 self.metrics.queue_depth.labels(name).set(load.queue_depth)
@@ -176,7 +176,7 @@ class RouterService:
                 group, request_id, request.prompt_ids, request.params, request.spec
             ):
                 now = time.perf_counter()
-                if step.token_ids:
+                if step.new_token_ids:
                     if first:
                         self.metrics.ttft.observe(now - start)
                         self._background(
@@ -184,13 +184,13 @@ class RouterService:
                         )
                         first = False
                     else:
-                        per_token = (now - last) / len(step.token_ids)
-                        for _ in step.token_ids:
+                        per_token = (now - last) / len(step.new_token_ids)
+                        for _ in step.new_token_ids:
                             self.metrics.itl.observe(per_token)
                     last = now
-                    pending += step.token_ids
-                    output_ids += step.token_ids
-                    self.metrics.generation_tokens.inc(len(step.token_ids))
+                    pending += step.new_token_ids
+                    output_ids += step.new_token_ids
+                    self.metrics.generation_tokens.inc(len(step.new_token_ids))
                 if step.finished:
                     finish_reason = step.finish_reason or "stop"
                     self._finished(request, step, start, name, output_ids)
@@ -212,11 +212,10 @@ class RouterService:
     ) -> None:
         self.metrics.e2e.observe(time.perf_counter() - start)
         spec = step.spec
-        self.metrics.drafted.inc(spec["drafted"])
-        self.metrics.accepted.inc(spec["accepted"])
-        if spec["verify_steps"]:
-            length = (spec["accepted"] + spec["verify_steps"]) / spec["verify_steps"]
-            self.metrics.acceptance_length.observe(length)
+        self.metrics.drafted.inc(spec.drafted)
+        self.metrics.accepted.inc(spec.accepted)
+        if spec.verify_steps:
+            self.metrics.acceptance_length.observe(spec.mean_acceptance_length)
         # The conversation so far is cached in that group now: the next turn should go there.
         tokens = [*request.prompt_ids, *output_ids]
         self._background(self.state.record_prefix(tokens, self.block_size, group))
@@ -247,5 +246,5 @@ def usage(request: GenerateRequest, step: Step) -> dict[str, object]:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": step.num_output_tokens,
         "total_tokens": prompt_tokens + step.num_output_tokens,
-        "speculative": SpecStats(**step.spec).as_dict(),
+        "speculative": step.spec.as_dict(),
     }

@@ -43,9 +43,9 @@ def test_eagle_pool_with_remote_prefill_is_exact_and_drafts(
     assert [p["name"] for p in info["prefill"]] == ["prefill-0"]
     stream = eagle_runtime.submit(prompts[1], GREEDY, RequestSpec(method="eagle"))
     assert [t for c in stream for t in c] == expected[1]
-    assert stream.served_by["prefill"] == "prefill-0"
-    assert stream.served_by["verifier"] == ["verifier-g0-r0"]
-    assert stream.served_by["drafter"] in ("drafter-0", "drafter-1")
+    assert stream.served_by.prefill == "prefill-0"
+    assert stream.served_by.verifier == ["verifier-g0-r0"]
+    assert stream.served_by.drafter in ("drafter-0", "drafter-1")
     assert {d["pid"] for d in info["drafters"]}.isdisjoint({v["pid"] for v in info["verifiers"]})
 
 

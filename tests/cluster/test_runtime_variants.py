@@ -40,8 +40,8 @@ def test_tensor_parallel_verifier_is_exact(prompts, expected) -> None:  # type: 
         assert info["verifiers"][0]["ranks"] == ["verifier-g0-r1"]
         stream = runtime.submit(prompts[2], GREEDY, RequestSpec(method="eagle"))
         assert [t for c in stream for t in c] == expected[2]
-        assert stream.served_by["verifier"] == ["verifier-g0-r0", "verifier-g0-r1"]
-        assert stream.served_by["prefill"] is None  # a TP group prefills itself
+        assert stream.served_by.verifier == ["verifier-g0-r0", "verifier-g0-r1"]
+        assert stream.served_by.prefill is None  # a TP group prefills itself
         (stats,) = runtime.verifier_stats()
         assert stats["spec"]["accepted"] > 0
     finally:

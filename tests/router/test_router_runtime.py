@@ -162,7 +162,7 @@ def _routed(router: RunningRouter) -> dict[tuple[str, str], float]:
 
 def _idle(runtime) -> bool:  # type: ignore[no-untyped-def]
     loads = ray.get([v.load.remote() for v in runtime.verifiers])
-    return all(x["running"] == 0 and x["waiting"] == 0 and x["kv_usage"] == 0 for x in loads)
+    return all(x.queue_depth == 0 and x.kv_usage == 0 for x in loads)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(router, runtime) -> None:  # type: ignore[no-untyped-def]

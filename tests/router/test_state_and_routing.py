@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 
 from router import errors
-from router.backends import GroupLoad, Step
+from router.backends import Step
 from router.protocol import GenerateRequest
 from router.redis_server import EmbeddedRedis
 from router.service import RouterService, RoutingPolicy
 from router.state import SharedState, key_digest
+from workers.engine.engine_loop import LoopLoad
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import SpecStats
 
 BLOCK = 4
 
@@ -117,7 +119,7 @@ def test_prefix_index_finds_the_longest_cached_prefix_per_group(state) -> None: 
 class ScriptedBackend:
     """Verifier groups with set loads, each answering with one token."""
 
-    def __init__(self, loads: list[GroupLoad]) -> None:
+    def __init__(self, loads: list[LoopLoad]) -> None:
         self.loads = loads
         self.groups = [f"g{i}" for i in range(len(loads))]
         self.served: list[int] = []
@@ -125,24 +127,9 @@ class ScriptedBackend:
     async def stream(self, group: int, *args: Any) -> AsyncGenerator[Step, None]:
         self.served.append(group)
         await asyncio.sleep(0)
-        yield Step(
-            [1],
-            "x",
-            True,
-            "length",
-            3,
-            1,
-            {
-                "drafted": 0,
-                "accepted": 0,
-                "verify_steps": 0,
-                "verify_steps_with_rejection": 0,
-                "accepted_per_position": [],
-                "drafted_per_position": [],
-            },
-        )
+        yield Step("q", [1], "x", True, "length", 3, 1, SpecStats())
 
-    async def load(self) -> list[GroupLoad]:
+    async def load(self) -> list[LoopLoad]:
         return self.loads
 
     async def ready(self) -> bool:
@@ -165,7 +152,7 @@ def test_routing_prefers_the_cached_prefix_then_the_lighter_group(state) -> None
 
     async def scenario() -> tuple[Any, ...]:
         s = await state()
-        loads = [GroupLoad(3, 0, 0.2), GroupLoad(0, 0, 0.0), GroupLoad(9, 4, 0.9)]
+        loads = [LoopLoad(3, 0, 0.2), LoopLoad(0, 0, 0.0), LoopLoad(9, 4, 0.9)]
         backend = ScriptedBackend(loads)
         service = _service(s, backend)
         # Nothing cached: two random choices, the lighter wins; never the heaviest group.
@@ -173,7 +160,7 @@ def test_routing_prefers_the_cached_prefix_then_the_lighter_group(state) -> None
         await s.record_prefix(prompt[:32], BLOCK, "g0")
         warm = await service.choose_group(prompt)
         # The cached group is far busier than the lightest: affinity gives way.
-        loads[0] = GroupLoad(12, 3, 0.8)
+        loads[0] = LoopLoad(12, 3, 0.8)
         service._load_at = 0.0
         busy = await service.choose_group(prompt)
         # A served request records its blocks for the next one.
@@ -198,7 +185,7 @@ def backend_name(index: int) -> str:
 def test_admission_control_and_refusals_before_any_token(state) -> None:  # type: ignore[no-untyped-def]
     async def scenario() -> tuple[Any, ...]:
         s = await state()
-        service = _service(s, ScriptedBackend([GroupLoad(0, 0, 0.0)]), max_queue=1)
+        service = _service(s, ScriptedBackend([LoopLoad(0, 0, 0.0)]), max_queue=1)
         first = service.generate(_request([1, 2, 3]), "a")
         step = await anext(first)  # admitted, still open
         with pytest.raises(errors.RouterError) as refused:

@@ -56,6 +56,10 @@ class LoopLoad:
     waiting: int
     kv_usage: float  # fraction of KV blocks held by requests
 
+    @property
+    def queue_depth(self) -> int:
+        return self.running + self.waiting
+
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
