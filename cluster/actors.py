@@ -1,0 +1,208 @@
+"""The bodies of the pools' Ray actors other than the verifier's engine: drafters, prefill
+workers and the ranks > 0 of a tensor-parallel verifier group, with the helpers every actor uses
+(its engine config from the deployment config, its CPU threads, where it runs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cluster import telemetry
+from cluster.config import DeploymentConfig, from_dict
+from cluster.links import TensorLink
+from cluster.prefill import PrefillWorker
+from cluster.remote_drafting import DrafterWorker
+from workers.engine.config import EngineConfig, SpecConfig
+from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
+from workers.kv_cache import PagedKVCache
+from workers.model.tensor_parallel import build_sharded_model
+
+RAY_NAMESPACE = "outrider"
+DRAFT_DEADLINE_S = 1.0
+
+
+def engine_config(config: DeploymentConfig) -> EngineConfig:
+    spec = SpecConfig(
+        method=config.speculative.method,
+        num_speculative_tokens=config.speculative.num_speculative_tokens,
+        adaptive=config.speculative.adaptive,
+    )
+    return EngineConfig(
+        max_model_len=config.engine.max_model_len,
+        max_num_seqs=config.engine.max_num_seqs,
+        block_size=config.engine.block_size,
+        spec=spec,
+    )
+
+
+def model_spec(config: DeploymentConfig) -> Any:
+    from workers.engine.factory import ModelSpec
+
+    drafter = config.pools.drafter
+    return ModelSpec(config.model, config.dtype, drafter.draft_model, drafter.draft_layers)
+
+
+def use_assigned_cpus() -> None:
+    """Torch threads = the CPUs Ray gave this actor (at least one)."""
+    import ray
+    import torch
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+    torch.set_num_threads(max(1, int(cpus)))
+
+
+def where() -> dict[str, Any]:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"node_id": ctx.get_node_id(), "pid": os.getpid()}
+
+
+def start_tracing(config: DeploymentConfig) -> None:
+    t = config.telemetry
+    telemetry.setup_tracing(t.exporter, t.otlp_endpoint, t.service_name)
+
+
+class DrafterActor:
+    """Ray actor body of a drafter (wrapped with `ray.remote` in `Runtime`)."""
+
+    def __init__(self, config: dict[str, Any], name: str) -> None:
+        import torch
+
+        from workers.engine.factory import build_drafters
+        from workers.model.loader import build_model, load_checkpoint, parse_dtype
+
+        torch.set_num_threads(1)
+        deployment = from_dict(config)
+        method = deployment.pools.drafter.method
+        spec = model_spec(deployment)
+
+        def make() -> Any:
+            checkpoint = load_checkpoint(deployment.model)
+            target = build_model(checkpoint, dtype=parse_dtype(deployment.dtype))
+            settings = engine_config(deployment)
+            drafters, costs = build_drafters(
+                spec, settings, checkpoint, target, progress=False, only=method
+            )
+            self.cost = costs.get(method, 0.0)
+            return drafters[method]
+
+        self.cost = 0.0
+        self.worker = DrafterWorker(make, name)
+
+    def info(self) -> dict[str, Any]:
+        return {**self.worker.info(), "cost": self.cost, **where()}
+
+    def open_link(self, address: Any) -> int:
+        return self.worker.open_link(address)
+
+    def step(self, message: Any) -> Any:
+        return self.worker.step(message)
+
+
+class PrefillActor:
+    """Ray actor body of a prefill worker."""
+
+    def __init__(self, config: dict[str, Any], name: str) -> None:
+
+        from workers.model.loader import build_model, load_checkpoint, parse_dtype
+
+        use_assigned_cpus()
+        deployment = from_dict(config)
+        self.name = name
+        model = build_model(load_checkpoint(deployment.model), dtype=parse_dtype(deployment.dtype))
+        self.worker = PrefillWorker(
+            model, deployment.engine.max_model_len, deployment.engine.block_size
+        )
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, **where()}
+
+    def open_link(self, address: Any) -> None:
+        self.worker.open_link(address)
+
+    def prefill(self, token_ids: list[int], hidden_layers: list[int]) -> dict[str, Any]:
+        return self.worker.prefill(token_ids, hidden_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the other ranks of a verifier group replay each step (plain data)."""
+
+    block_copies: list[tuple[int, int]]
+    seqs: list[SeqForward]
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: before each forward, the batch plan goes to the other ranks (in order,
+    one Ray call each, not awaited); the forward's all-reduces keep the ranks in step."""
+
+    def __init__(self, runner: ModelRunner, ranks: list[Any]) -> None:
+        super().__init__(runner.model, runner.kv_cache)
+        self.ranks = ranks
+        self._copies: list[tuple[int, int]] = []
+        self._pending: list[Any] = []
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self._copies += copies
+        super().copy_blocks(copies)
+
+    def forward(
+        self,
+        seqs: Sequence[SeqForward],
+        hidden_layers: Sequence[int] = (),
+        return_final_hidden: bool = False,
+    ) -> RunnerOutput:
+        import ray
+
+        # The other ranks need no logits: only rank 0 samples.
+        plan = StepPlan(self._copies, [replace(s, num_logits=0) for s in seqs])
+        self._copies = []
+        self._pending = [r for r in self._pending if not _done(r)]
+        self._pending += [rank.step.remote(plan) for rank in self.ranks]
+        if len(self._pending) > 64 * len(self.ranks):  # a rank fell far behind, or failed
+            ray.get(self._pending.pop(0), timeout=60)
+        return super().forward(seqs, hidden_layers, return_final_hidden)
+
+
+def _done(ref: Any) -> bool:
+    import ray
+
+    ready, _ = ray.wait([ref], timeout=0)
+    if ready:
+        ray.get(ref)  # raises what the rank raised
+    return bool(ready)
+
+
+class VerifierRankActor:
+    """Ray actor body of rank r > 0 of a tensor-parallel verifier group: its slice of the
+    target and of the KV cache; it replays rank 0's batch plans."""
+
+    def __init__(self, config: dict[str, Any], name: str, rank: int, world: int) -> None:
+
+        from workers.model.loader import load_checkpoint, parse_dtype
+
+        use_assigned_cpus()
+        deployment = from_dict(config)
+        self.name, self.rank, self.world = name, rank, world
+        checkpoint = load_checkpoint(deployment.model)
+        model = build_sharded_model(checkpoint, rank, world, None, parse_dtype(deployment.dtype))
+        blocks = engine_config(deployment).kv_blocks
+        block_size = deployment.engine.block_size
+        cache = PagedKVCache(model.config, blocks, block_size, model.dtype, model.device)
+        self.runner = ModelRunner(model, cache)
+        self.link: TensorLink | None = None
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "rank": self.rank, **where()}
+
+    def join_group(self, address: Any) -> None:
+        self.link = TensorLink.join(address, timeout_s=60.0, rank=self.rank)
+        self.runner.model.reduce = self.link.all_reduce
+
+    def step(self, plan: StepPlan) -> None:
+        self.runner.copy_blocks(plan.block_copies)
+        self.runner.forward(plan.seqs)
