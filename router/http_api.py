@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -112,6 +113,22 @@ def create_app(service: RouterService) -> FastAPI:
             raise errors.not_found(f"no request {request_id!r}")
         return {"id": request_id, **record}
 
+    @app.post("/v1/requests/{request_id}/resume", tags=["outrider"])
+    async def resume(request_id: str, request: Request) -> Response:
+        """Finish a request another replica started (its replica died, or its client left):
+        the answer, in the original API's format, carries the whole text: the tokens already
+        committed, then the rest. Body (optional): `{"stream": true}`."""
+        await service.authorize(_bearer(request))
+        raw = await request.body()
+        body = parse_json(raw) if raw.strip() else {}
+        stream = body.get("stream", False) if isinstance(body, dict) else None
+        if not isinstance(stream, bool):
+            raise errors.bad_request('body must be {"stream": <bool>} or empty', "stream")
+        generate, committed = await service.resume(request_id, stream)
+        prefix = service.builder.tokenizer.decode(committed)
+        resumed = {"from": request_id, "committed_tokens": len(committed)}
+        return await _serve(request, generate, prefix, resumed)
+
     @app.post("/v1/completions", tags=["openai"], openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
         await service.authorize(_bearer(request))
@@ -128,7 +145,12 @@ def create_app(service: RouterService) -> FastAPI:
         body = validate(ChatCompletionRequest, parse_json(await request.body()))
         return await _serve(request, service.builder.chat(body))
 
-    async def _serve(request: Request, generate: GenerateRequest) -> Response:
+    async def _serve(
+        request: Request,
+        generate: GenerateRequest,
+        prefix: str = "",
+        resumed: dict[str, Any] | None = None,
+    ) -> Response:
         request_id = f"{'chatcmpl' if generate.chat else 'cmpl'}-{uuid.uuid4().hex}"
         steps = service.generate(generate, request_id)
         try:
@@ -138,9 +160,9 @@ def create_app(service: RouterService) -> FastAPI:
             raise
         headers = {"X-Request-Id": request_id}
         if generate.stream:
-            events = _events(service, generate, request_id, first, steps)
+            events = _events(service, generate, request_id, first, steps, prefix)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        text, last = [first.text], first
+        text, last = [prefix, first.text], first
         async for step in steps:
             text.append(step.text)
             last = step
@@ -156,6 +178,8 @@ def create_app(service: RouterService) -> FastAPI:
             choice["logprobs"] = None
         envelope = _envelope(service, request_id, generate.chat, [choice])
         envelope["usage"] = usage(generate, last)
+        if resumed is not None:
+            envelope["resumed"] = resumed
         return JSONResponse(envelope, headers=headers)
 
     def _openapi() -> dict[str, Any]:
@@ -197,6 +221,7 @@ async def _events(
     request_id: str,
     first: Step,
     rest: AsyncGenerator[Step, None],
+    prefix: str = "",
 ) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format. Cancelled when the client disconnects,
     which closes `rest` and so aborts the request in its verifier."""
@@ -211,6 +236,8 @@ async def _events(
         return f"data: {json.dumps(event)}\n\n".encode()
 
     async def steps() -> AsyncIterator[Step]:
+        if prefix:  # a resumed request: what was committed before, as one step
+            yield replace(first, new_token_ids=[], text=prefix, finished=False, finish_reason=None)
         yield first
         async for step in rest:
             yield step

@@ -15,13 +15,14 @@ prefill pool.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -31,7 +32,9 @@ from router.backends import Backend, Step
 from router.metrics import RouterMetrics
 from router.protocol import GenerateRequest, RequestBuilder
 from router.state import ApiKey, SharedState
+from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
+from workers.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +165,9 @@ class RouterService:
         name = self.backend.groups[group]
         self.metrics.routed.labels(name, reason).inc()
         try:
-            await self.state.register(request_id, name, self.replica, len(request.prompt_ids))
+            await self.state.register(
+                request_id, name, self.replica, request.prompt_ids, _settings(request)
+            )
         except RedisError as exc:
             raise errors.overloaded(f"shared state (Redis) is unavailable: {exc}") from exc
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -202,6 +207,39 @@ class RouterService:
             usage = None if finish_reason == "abort" else {"finish_reason": finish_reason}
             self._background(self.state.commit(request_id, pending, finish_reason, usage))
 
+    async def resume(self, request_id: str, stream: bool) -> tuple[GenerateRequest, list[int]]:
+        """The rest of a request another replica started and did not finish (its replica died,
+        or its client left): the same settings over its prompt plus the tokens it committed,
+        and those tokens. Greedy requests resume exactly where they stopped."""
+        record = await self.state.lookup_request(request_id)
+        prompt_ids = await self.state.lookup_prompt(request_id)
+        if record is None or prompt_ids is None:
+            raise errors.not_found(f"no request {request_id!r} in the registry")
+        reason = record.get("finish_reason")
+        if record["state"] == "finished" and reason != "abort":
+            raise errors.bad_request(
+                f"request {request_id!r} finished ({reason}): nothing to resume"
+            )
+        settings = record["settings"]
+        raw = settings["params"]
+        params = SamplingParams(
+            **{**raw, "stop": tuple(raw["stop"]), "stop_token_ids": tuple(raw["stop_token_ids"])}
+        )
+        committed = record["token_ids"]
+        left = params.max_tokens - len(committed)
+        if left < 1:
+            raise errors.bad_request(f"request {request_id!r} has no tokens left to generate")
+        spec = None if settings["spec"] is None else RequestSpec(**settings["spec"])
+        resumed = GenerateRequest(
+            [*prompt_ids, *committed],
+            replace(params, max_tokens=left),
+            spec,
+            stream,
+            settings["include_usage"],
+            settings["chat"],
+        )
+        return resumed, committed
+
     def _finished(
         self,
         request: GenerateRequest,
@@ -237,6 +275,19 @@ class RouterService:
     async def drain(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _settings(request: GenerateRequest) -> str:
+    """What a replica needs besides the prompt to resume `request`."""
+    spec = None if request.spec is None else asdict(request.spec)
+    return json.dumps(
+        {
+            "params": asdict(request.params),
+            "spec": spec,
+            "chat": request.chat,
+            "include_usage": request.include_usage,
+        }
+    )
 
 
 def usage(request: GenerateRequest, step: Step) -> dict[str, object]:

@@ -130,7 +130,16 @@ class SharedState:
 
     # The request registry.
 
-    async def register(self, request_id: str, group: str, replica: str, prompt_tokens: int) -> None:
+    async def register(
+        self,
+        request_id: str,
+        group: str,
+        replica: str,
+        prompt_ids: Sequence[int],
+        settings: str,
+    ) -> None:
+        """A new request: where it runs, and what it takes to resume it (its prompt and its
+        settings as JSON) on another replica."""
         key = self._k("request", request_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(
@@ -139,11 +148,14 @@ class SharedState:
                     "group": group,
                     "replica": replica,
                     "state": "running",
-                    "prompt_tokens": prompt_tokens,
+                    "prompt_tokens": len(prompt_ids),
                     "started": time.time(),
+                    "settings": settings,
                 },
             )
-            pipe.expire(key, REGISTRY_TTL_S)
+            pipe.set(self._k("request", request_id, "prompt"), ngram_pool.encode(prompt_ids))
+            for name in (key, self._k("request", request_id, "prompt")):
+                pipe.expire(name, REGISTRY_TTL_S)
             await pipe.execute()
 
     async def commit(
@@ -176,10 +188,15 @@ class SharedState:
         record: dict[str, Any] = {k.decode(): v.decode() for k, v in fields.items()}
         record["prompt_tokens"] = int(record["prompt_tokens"])
         record["started"] = float(record["started"])
-        if "usage" in record:
-            record["usage"] = json.loads(record["usage"])
+        for name in ("usage", "settings"):
+            if name in record:
+                record[name] = json.loads(record[name])
         record["token_ids"] = [int(t) for t in tokens]
         return record
+
+    async def lookup_prompt(self, request_id: str) -> list[int] | None:
+        raw = await self.redis.get(self._k("request", request_id, "prompt"))
+        return None if raw is None else ngram_pool.decode(raw)
 
     async def share_sequence(self, token_ids: Sequence[int]) -> None:
         """Offer a finished sequence to every engine's shared n-gram pool."""

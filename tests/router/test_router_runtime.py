@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.router.helpers import MODEL, RunningRouter, get, post, start_router
+from tests.router.helpers import MODEL, RunningRouter, get, post, sse_events, start_router
 from tests.router.test_http_api import BAD
 
 ray = pytest.importorskip("ray")
@@ -54,6 +54,17 @@ def runtime() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def router(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # type: ignore[no-untyped-def]
+    from router.backends import RuntimeBackend
+
+    backend = RuntimeBackend(runtime, shutdown_on_close=False)
+    running = start_router(backend, checkpoint.tokenizer, redis_server, db=6, max_model_len=512)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def router_b(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # type: ignore[no-untyped-def]
+    """A second replica over the same pools and the same Redis database as `router`."""
     from router.backends import RuntimeBackend
 
     backend = RuntimeBackend(runtime, shutdown_on_close=False)
@@ -227,3 +238,48 @@ def test_bad_requests_over_the_runtime(router, body, status, message, param) -> 
     if param is not None:
         assert out["error"]["param"] == param
     assert post(router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})[0] == 200
+
+
+def _leave_mid_stream(router: RunningRouter, body: dict[str, Any]) -> str:
+    """Start a stream, read its first event, hang up; the request's id."""
+    payload = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", router.port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        received = b""
+        while b"data: " not in received.partition(b"\r\n\r\n")[2]:
+            received += sock.recv(4096)
+    head = received.partition(b"\r\n\r\n")[0].decode()
+    return next(
+        line.split(":", 1)[1].strip()
+        for line in head.splitlines()
+        if line.lower().startswith("x-request-id:")
+    )
+
+
+def test_another_replica_resumes_a_request_whose_client_left(router, router_b) -> None:  # type: ignore[no-untyped-def]
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    _, whole, _, _ = post(router.url + "/v1/completions", body)
+    request_id = _leave_mid_stream(router, body)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # replica A records the abort in Redis
+        _, record = get(f"{router_b.url}/v1/requests/{request_id}")
+        if record.get("state") == "finished":
+            break
+        time.sleep(0.05)
+    assert record["finish_reason"] == "abort" and 0 < len(record["token_ids"]) < 40
+    code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")
+    assert code == 200, out
+    assert out["resumed"] == {"from": request_id, "committed_tokens": len(record["token_ids"])}
+    assert out["choices"][0]["text"] == whole["choices"][0]["text"]
+    assert out["usage"]["completion_tokens"] == 40 - len(record["token_ids"])
+    _, _, raw, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", {"stream": True})
+    events = [e for e in sse_events(raw) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
+    # A finished request has nothing to resume; an unknown one is not there.
+    code, err, _, _ = post(f"{router_b.url}/v1/requests/{out['id']}/resume", b"")
+    assert code == 400 and "nothing to resume" in err["error"]["message"]
+    assert post(f"{router_b.url}/v1/requests/nope/resume", b"")[0] == 404

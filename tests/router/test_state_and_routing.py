@@ -82,14 +82,16 @@ def test_keys_lookup_by_digest_only(state) -> None:  # type: ignore[no-untyped-d
 def test_registry_appends_committed_tokens(state) -> None:  # type: ignore[no-untyped-def]
     async def scenario() -> Any:
         s = await state()
-        await s.register("r1", "verifier-g1-r0", "replica-a", 7)
+        await s.register("r1", "verifier-g1-r0", "replica-a", [1, 2, 3, 4, 5, 6, 7], "{}")
         await s.commit("r1", [5, 6])
         await s.commit("r1", [7], "stop", {"finish_reason": "stop"})
         record = await s.lookup_request("r1")
+        prompt = await s.lookup_prompt("r1")
         await s.close()
-        return record
+        return record, prompt
 
-    record = run(scenario())
+    record, prompt = run(scenario())
+    assert prompt == [1, 2, 3, 4, 5, 6, 7] and record["settings"] == {}
     assert record["group"] == "verifier-g1-r0" and record["replica"] == "replica-a"
     assert record["token_ids"] == [5, 6, 7] and record["state"] == "finished"
     assert record["prompt_tokens"] == 7 and record["usage"] == {"finish_reason": "stop"}
