@@ -1,11 +1,12 @@
 """The prefill pool: workers that compute a prompt's K/V (and hidden states) for a verifier.
 
-A verifier sends the prompt minus its last token; the worker runs it through the target in
-chunks over its own scratch paged cache, then sends over the pair's `TensorLink` the K/V of every
-position (`[num_layers, 2, n, kv_heads, head_dim]`) and, when the request's drafter reads target
-features, those layers' hidden states. The verifier writes the K/V straight into the request's
-cache blocks (`LLMEngine.add_request(prefilled=...)`) and computes only the last prompt token
-itself, which yields the first output token as usual. Nothing goes through the object store.
+A verifier sends the prompt; the worker runs it through the target in chunks over its own
+scratch paged cache, then sends over the pair's `TensorLink` the K/V of every position
+(`[num_layers, 2, n, kv_heads, head_dim]`), when the request's drafter reads target features
+those layers' hidden states, and the last position's logits (`[vocab]`, fp32). The verifier
+writes the K/V straight into the request's cache blocks (`LLMEngine.add_request(prefilled=...)`)
+and samples the first output token from the logits with the request's own sampling settings and
+generator, so the first token costs it no forward. Nothing goes through the object store.
 """
 
 from __future__ import annotations
@@ -34,7 +35,15 @@ class PrefillPlan:
     kv_shape: tuple[int, ...]
     hidden_layers: tuple[int, ...]
     hidden_size: int
+    vocab_size: int
     dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    kv: torch.Tensor  # [num_layers, 2, num_tokens, num_kv_heads, head_dim]
+    hidden: dict[int, torch.Tensor]  # layer -> [num_tokens, hidden_size]
+    logits: torch.Tensor  # [vocab] fp32, of the last position
 
 
 def plan_for(model_config: Any, num_tokens: int, layers: Sequence[int], dtype: str) -> PrefillPlan:
@@ -45,17 +54,24 @@ def plan_for(model_config: Any, num_tokens: int, layers: Sequence[int], dtype: s
         model_config.num_kv_heads,
         model_config.head_dim,
     )
-    return PrefillPlan(num_tokens, kv_shape, tuple(layers), model_config.hidden_size, dtype)
+    return PrefillPlan(
+        num_tokens,
+        kv_shape,
+        tuple(layers),
+        model_config.hidden_size,
+        model_config.vocab_size,
+        dtype,
+    )
 
 
-def receive(link: TensorLink, plan: PrefillPlan) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """The verifier's side: the K/V, then the hidden states of each layer of the plan."""
+def receive(link: TensorLink, plan: PrefillPlan) -> PrefillResult:
+    """The verifier's side: the K/V, the hidden states of each layer of the plan, the logits."""
     dtype = getattr(torch, plan.dtype)
     kv = link.recv(plan.kv_shape, dtype)
     hidden = {
         layer: link.recv((plan.num_tokens, plan.hidden_size), dtype) for layer in plan.hidden_layers
     }
-    return kv, hidden
+    return PrefillResult(kv, hidden, link.recv((plan.vocab_size,), torch.float32))
 
 
 class PrefillWorker:
@@ -73,9 +89,7 @@ class PrefillWorker:
         self.link = TensorLink.join(address, timeout_s=LINK_TIMEOUT_S)
 
     @torch.inference_mode()
-    def compute(
-        self, token_ids: Sequence[int], hidden_layers: Sequence[int]
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def compute(self, token_ids: Sequence[int], hidden_layers: Sequence[int]) -> PrefillResult:
         n = len(token_ids)
         if not 0 < n <= self.num_blocks * self.block_size:
             raise ValueError(f"cannot prefill {n} tokens here")
@@ -83,27 +97,29 @@ class PrefillWorker:
         hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
         for start in range(0, n, PREFILL_CHUNK):
             chunk = list(token_ids[start : start + PREFILL_CHUNK])
+            last = start + len(chunk) == n
             out = self.runner.forward(
-                [SeqForward(chunk, start, blocks, num_logits=0)], hidden_layers=hidden_layers
+                [SeqForward(chunk, start, blocks, num_logits=int(last))],
+                hidden_layers=hidden_layers,
             )
             for layer in hidden_layers:
                 hidden[layer].append(out.output.hidden_states[layer])
+        logits = out.logits_of(0)[-1].float()
         slots = torch.arange(n, device=self.model.device)  # blocks 0.. in order: slot = position
         kv = self.runner.kv_cache.read_slots(slots)
-        return kv, {layer: torch.cat(rows) for layer, rows in hidden.items()}
+        return PrefillResult(kv, {layer: torch.cat(rows) for layer, rows in hidden.items()}, logits)
 
     def prefill(self, token_ids: Sequence[int], hidden_layers: Sequence[int]) -> dict[str, Any]:
         """Compute and send over the link (the verifier is receiving); returns timings."""
         if self.link is None:
             raise RuntimeError("no link to a verifier")
         start = time.perf_counter()
-        kv, hidden = self.compute(token_ids, hidden_layers)
+        result = self.compute(token_ids, hidden_layers)
         computed = time.perf_counter()
-        self.link.send(kv)
-        moved = kv.numel() * kv.element_size()
-        for layer in hidden_layers:
-            self.link.send(hidden[layer])
-            moved += hidden[layer].numel() * hidden[layer].element_size()
+        tensors = [result.kv, *(result.hidden[layer] for layer in hidden_layers), result.logits]
+        for tensor in tensors:
+            self.link.send(tensor.contiguous())
+        moved = sum(t.numel() * t.element_size() for t in tensors)
         return {
             "compute_s": computed - start,
             "transfer_s": time.perf_counter() - computed,

@@ -165,9 +165,9 @@ class VerifierActor:
     async def _remote_prefill(
         self, request_id: str, prompt_ids: list[int], spec: RequestSpec, carrier: Any
     ) -> Prefilled | None:
-        """The prompt but its last token, computed by a prefill worker; None to prefill here
-        (no worker, or fewer than `min_remote_prompt_tokens` tokens left to compute once the
-        prefix cache has given what it holds)."""
+        """The whole prompt computed by a prefill worker (its K/V, features, last logits); None
+        to prefill here (no worker, or fewer than `min_remote_prompt_tokens` tokens left to
+        compute once the prefix cache has given what it holds)."""
         engine = self.loop.engine
         uncached = len(prompt_ids) - 1 - engine.cached_prefix_tokens(prompt_ids)
         if not self.prefill_actors or uncached < max(1, self.min_remote_prompt):
@@ -181,7 +181,7 @@ class VerifierActor:
         layers = tuple(drafter.hidden_layers) if drafter is not None else ()
         index = self._next_prefill % len(self.prefill_actors)
         self._next_prefill += 1
-        plan = plan_for(engine.runner.model.config, len(prompt_ids) - 1, layers, self.dtype)
+        plan = plan_for(engine.runner.model.config, len(prompt_ids), layers, self.dtype)
         span = telemetry.tracer().start_span(
             "outrider.kv_transfer", context=telemetry.extract(carrier)
         )
@@ -189,8 +189,8 @@ class VerifierActor:
         try:
             async with self.prefill_locks[index]:
                 link = await loop.run_in_executor(None, self._prefill_link, index)
-                ref: Any = self.prefill_actors[index].prefill.remote(prompt_ids[:-1], layers)
-                kv, hidden = await loop.run_in_executor(None, receive, link, plan)
+                ref: Any = self.prefill_actors[index].prefill.remote(prompt_ids, layers)
+                result = await loop.run_in_executor(None, receive, link, plan)
                 timing = await ref
         except Exception:
             self.prefill_stats["failures"] += 1
@@ -213,7 +213,7 @@ class VerifierActor:
         self.prefill_stats["compute_s"] += timing["compute_s"]
         self.prefill_stats["transfer_s"] += timing["transfer_s"]
         self._prefilled_by[request_id] = self.prefill_names[index]
-        return Prefilled(kv, hidden or None)
+        return Prefilled(result.kv, result.hidden or None, result.logits)
 
     def load(self) -> LoopLoad:
         """Queue depth and KV usage, for the router's load-aware choice."""

@@ -146,6 +146,8 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             aborted = self._drain_inbox()
+            # First tokens sampled from a prefill worker's logits go out before the next forward.
+            self._deliver(self.engine.take_outputs())
             if not (self.engine.has_unfinished_requests() or aborted):
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
@@ -155,12 +157,15 @@ class EngineLoop:
             except Exception as exc:  # a bug must not hang every client: fail the running ones
                 self._fail_all(exc)
                 continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put(out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
 
     def _drain_inbox(self) -> bool:
         """Take in submissions and aborts; whether anything was aborted."""

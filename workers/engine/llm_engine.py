@@ -24,7 +24,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
-from workers.engine.verification import verify
+from workers.engine.verification import sample_one, verify
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
 from workers.kv_cache.block_allocator import block_hashes
 from workers.model.tokenizer import Tokenizer
@@ -47,12 +47,15 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class Prefilled:
-    """A prompt prefix computed elsewhere (a prefill worker): the K/V of its first n tokens,
-    `[num_layers, 2, n, num_kv_heads, head_dim]`, and optionally those positions' hidden states
-    of some layers (for a feature-reading drafter)."""
+    """A prompt computed elsewhere (a prefill worker): the K/V of its first n tokens,
+    `[num_layers, 2, n, num_kv_heads, head_dim]`, optionally those positions' hidden states of
+    some layers (for a feature-reading drafter), and, when n is the whole prompt, the logits of
+    its last position (`[vocab]`, fp32), from which the engine samples the first token without a
+    forward of its own."""
 
     kv: torch.Tensor
     hidden: dict[int, torch.Tensor] | None = None
+    logits: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -153,10 +156,8 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
-        if prefilled is not None and not 0 < prefilled.kv.shape[2] < len(prompt_token_ids):
-            raise ValueError(
-                f"a prefilled prefix must be shorter than the prompt, got {prefilled.kv.shape[2]}"
-            )
+        if prefilled is not None:
+            _check_prefilled(prefilled, len(prompt_token_ids))
         method, max_spec_tokens = self.speculator.resolve(spec)
         seq = Sequence(
             request_id=request_id,
@@ -173,22 +174,27 @@ class LLMEngine:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.speculator.add(seq)
         if prefilled is not None:
-            self._load_prefilled(seq, prefilled)
+            logits = self._load_prefilled(seq, prefilled)
+            if logits is not None:  # the whole prompt came: its first token needs no forward
+                self._append(seq, [sample_one(seq, logits)])
+                if seq.finished:
+                    return
         self.scheduler.add(seq)
 
-    def _load_prefilled(self, seq: Sequence, prefilled: Prefilled) -> None:
-        """Write a remote prefill's K/V into fresh blocks; without room, the prompt is simply
-        prefilled here instead."""
+    def _load_prefilled(self, seq: Sequence, prefilled: Prefilled) -> torch.Tensor | None:
+        """Write a remote prefill's K/V into fresh blocks (without room, the prompt is simply
+        prefilled here instead); the last position's logits when it brought them."""
         n = prefilled.kv.shape[2]
         try:
             seq.block_table.prepare_write(0, n)
         except NoFreeBlocksError:
-            return
+            return None
         slots = torch.tensor(seq.block_table.slots(0, n), device=self.runner.model.device)
         self.runner.kv_cache.write_slots(slots, prefilled.kv)
         seq.num_computed_tokens = n
         if prefilled.hidden:
             self.speculator.observe_hidden(seq, 0, prefilled.hidden)
+        return prefilled.logits
 
     def cached_prefix_tokens(self, prompt_token_ids: Seq[int]) -> int:
         """Prompt tokens a new request would find in the prefix cache now (a hint)."""
@@ -278,6 +284,11 @@ class LLMEngine:
         if scheduled.decoding:  # a verify step (the first token after prefill is not one)
             seq.stats.record(num_drafted, num_accepted)
             self.stats.record(num_drafted, num_accepted)
+        self._append(seq, tokens)
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+        """Commit tokens whose K/V (all but the last) is in the cache: stop conditions, rollback
+        of rejected slots, prefix-cache registration, text, outputs, drafters."""
         tokens, reason = self._cut_at_stop(seq, tokens)
         seq.token_ids += tokens
         seq.draft = EMPTY_DRAFT
@@ -344,7 +355,22 @@ class LLMEngine:
         out.finished, out.finish_reason = True, reason
         del self._seqs[seq.request_id]
 
+    def take_outputs(self) -> list[RequestOutput]:
+        """Outputs produced outside a step (a remote prefill's first token), delivered at once
+        instead of after the next forward."""
+        return self._drain_outputs()
+
     def _drain_outputs(self) -> list[RequestOutput]:
         outputs = list(self._outputs.values())
         self._outputs.clear()
         return outputs
+
+
+def _check_prefilled(prefilled: Prefilled, num_prompt_tokens: int) -> None:
+    n = prefilled.kv.shape[2]
+    if prefilled.logits is None and not 0 < n < num_prompt_tokens:
+        raise ValueError(f"a prefilled prefix must be shorter than the prompt, got {n}")
+    if prefilled.logits is not None and n != num_prompt_tokens:
+        raise ValueError(
+            f"prefilled logits come with the whole prompt's K/V ({num_prompt_tokens}), got {n}"
+        )

@@ -10,6 +10,7 @@ from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from kernels.sampling import logits_to_probs
 from workers.engine.model_runner import RunnerOutput
 from workers.engine.scheduler import ScheduledSeq
+from workers.engine.sequence import Sequence as Sequence_
 
 
 def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int] | None]:
@@ -54,3 +55,20 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     for n, i in enumerate(rows):
         committed[i] = [t for t in sampled[n].tolist() if t != PLACEHOLDER_TOKEN_ID]
     return committed
+
+
+def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
+    """The token a forward with these last-position logits (`[vocab]`) would commit for `seq`
+    without a draft: the same transform and the same draw from the sequence's generator as
+    `verify` makes for a row with k = 0."""
+    p = seq.params
+    probs = logits_to_probs(
+        logits.float().view(1, -1),
+        torch.tensor([p.temperature], dtype=torch.float32),
+        torch.tensor([p.top_k], dtype=torch.long),
+        torch.tensor([p.top_p], dtype=torch.float32),
+        torch.tensor([p.min_p], dtype=torch.float32),
+    ).view(1, 1, -1)
+    drafts = torch.full((1, 0), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    sampled = rejection_sample(drafts, [0], [None], probs, [p.greedy], [seq.generator])
+    return int(sampled[0, 0])
