@@ -231,10 +231,11 @@ def main() -> None:
             "### Remote prefill",
             "Long prompts, each new to the prefix cache, `max_tokens` 1, no speculation: median "
             "time to the first token when the verifier prefills and when the prefill worker does "
-            "(all but the last prompt token; K/V into the verifier's blocks and EAGLE's three "
-            "feature layers, over a gloo link on loopback). The overhead is the transfer, the "
-            "extra Ray round trip, writing the K/V into the blocks and the verifier's own forward "
-            "of the last prompt token.",
+            "(the whole prompt: K/V into the verifier's blocks, EAGLE's three feature layers and "
+            "the last position's logits, over a gloo link on loopback; the verifier samples the "
+            "first token from those logits without a forward). The overhead is the transfer, "
+            "the extra Ray round trip and writing the K/V into the blocks; compute on the worker "
+            "is a mean over all prompts, the warm-up included.",
             ttft_table,
             "### Goals",
             table(
