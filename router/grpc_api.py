@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 
 from router.errors import RouterError
 from router.proto import codegen
@@ -121,11 +121,11 @@ async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
     await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
 
 
-async def start_grpc(service: RouterService, host: str, port: int) -> tuple[Any, HealthServicer]:
+async def start_grpc(service: RouterService, host: str, port: int) -> tuple[Any, Any]:
     """A started grpc.aio server with the Generation and Health services."""
     server = grpc.aio.server()
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
-    health = HealthServicer()
+    health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

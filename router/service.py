@@ -70,6 +70,9 @@ class RouterService:
         self._random = random.Random(self.policy.seed)
         self._load: list[LoopLoad] = []
         self._load_at = 0.0
+        # Requests this replica sent to each group since the last poll: a burst that arrives
+        # between polls spreads out instead of all landing on the group that looked lightest.
+        self._sent_since_poll: list[int] = []
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
@@ -109,6 +112,7 @@ class RouterService:
                 if len(self._load) != len(self.backend.groups):
                     self._load = [LoopLoad(0, 0, 0.0) for _ in self.backend.groups]
             self._load_at = now
+            self._sent_since_poll = [0] * len(self.backend.groups)
             for name, load in zip(self.backend.groups, self._load, strict=True):
                 self.metrics.queue_depth.labels(name).set(load.queue_depth)
                 self.metrics.kv_usage.labels(name).set(load.kv_usage)
@@ -124,15 +128,23 @@ class RouterService:
             cached = await self.state.cached_blocks(prompt_ids, self.block_size, groups)
         except RedisError:  # no prefix hints: route by load alone
             cached = dict.fromkeys(groups, 0)
-        score = [(g.queue_depth, g.kv_usage) for g in loads]
+        score = [
+            (g.queue_depth + sent, g.kv_usage)
+            for g, sent in zip(loads, self._sent_since_poll, strict=True)
+        ]
+        choice, reason = self._pick(score, [cached[name] for name in groups])
+        self._sent_since_poll[choice] += 1
+        return choice, reason
+
+    def _pick(self, score: list[tuple[int, float]], cached: list[int]) -> tuple[int, str]:
         lightest = min(s[0] for s in score)
-        best = max(cached.values())
+        best = max(cached)
         if best > 0:
-            holders = [i for i, name in enumerate(groups) if cached[name] == best]
+            holders = [i for i, depth in enumerate(cached) if depth == best]
             fit = [i for i in holders if score[i][0] - lightest <= self.policy.balance_threshold]
             if fit:
                 return self._two_choices(fit, score), "prefix"
-        return self._two_choices(list(range(len(groups))), score), "load"
+        return self._two_choices(list(range(len(score))), score), "load"
 
     def _two_choices(self, candidates: list[int], score: list[tuple[int, float]]) -> int:
         if len(candidates) == 1:

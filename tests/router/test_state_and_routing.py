@@ -158,7 +158,7 @@ def test_routing_prefers_the_cached_prefix_then_the_lighter_group(state) -> None
         backend = ScriptedBackend(loads)
         service = _service(s, backend)
         # Nothing cached: two random choices, the lighter wins; never the heaviest group.
-        cold = [(await service.choose_group(prompt))[0] for _ in range(30)]
+        cold = [(await service.choose_group(prompt))[0] for _ in range(8)]
         await s.record_prefix(prompt[:32], BLOCK, "g0")
         warm = await service.choose_group(prompt)
         # The cached group is far busier than the lightest: affinity gives way.
@@ -251,3 +251,15 @@ def test_shared_ngram_pool_is_bounded() -> None:
     pool.learn(list(range(20)))
     assert len(pool) == 5
     assert pool.lookup([16, 17], 2) == [18, 19] and pool.lookup([1, 2], 2) == []
+
+
+def test_a_burst_between_load_polls_spreads_over_equal_groups(state) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> list[int]:
+        s = await state()
+        backend = ScriptedBackend([LoopLoad(2, 0, 0.1), LoopLoad(2, 0, 0.1), LoopLoad(2, 0, 0.1)])
+        service = _service(s, backend)
+        picks = [(await service.choose_group([7] * 5))[0] for _ in range(30)]  # one poll
+        await s.close()
+        return [picks.count(g) for g in range(3)]
+
+    assert run(scenario()) == [10, 10, 10]
