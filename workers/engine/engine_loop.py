@@ -81,8 +81,7 @@ class EngineLoop:
     ) -> Iterator[RequestOutput]:
         """Outputs of the request as the engine produces them; raises ValueError if rejected."""
         outputs: queue.Queue[RequestOutput | Exception] = queue.Queue()
-        self._inbox.put(_Submit(request_id, prompt_token_ids, params, spec, outputs, prefilled))
-        self._wake.set()
+        self._enqueue(_Submit(request_id, prompt_token_ids, params, spec, outputs, prefilled))
         return self._iterate(outputs)
 
     async def stream(
@@ -96,8 +95,7 @@ class EngineLoop:
         """`submit` for asyncio callers. Leaving the iteration early (the consumer was cancelled
         or closed it) aborts the request and frees its blocks."""
         sink = _AsyncSink()
-        self._inbox.put(_Submit(request_id, prompt_token_ids, params, spec, sink, prefilled))
-        self._wake.set()
+        self._enqueue(_Submit(request_id, prompt_token_ids, params, spec, sink, prefilled))
         finished = False
         try:
             while not finished:
@@ -125,7 +123,11 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(request_id)
+        self._enqueue(request_id)
+
+    def _enqueue(self, item: _Submit | str) -> None:
+        """Hand a submission (or an abort id) to the loop thread and wake it."""
+        self._inbox.put(item)
         self._wake.set()
 
     def close(self) -> None:

@@ -228,7 +228,7 @@ class LLMEngine:
                 self._commit(scheduled, tokens)
             if self.step_listeners:
                 self._report(batch.seqs, results, start_ns, drafted - start, drafted)
-        return self._drain_outputs()
+        return self.take_outputs()
 
     def _report(
         self,
@@ -356,11 +356,8 @@ class LLMEngine:
         del self._seqs[seq.request_id]
 
     def take_outputs(self) -> list[RequestOutput]:
-        """Outputs produced outside a step (a remote prefill's first token), delivered at once
-        instead of after the next forward."""
-        return self._drain_outputs()
-
-    def _drain_outputs(self) -> list[RequestOutput]:
+        """What requests produced since the last call: a step's outputs, or, between steps, a
+        remote prefill's first token (delivered at once instead of after the next forward)."""
         outputs = list(self._outputs.values())
         self._outputs.clear()
         return outputs
