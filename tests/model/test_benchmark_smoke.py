@@ -13,6 +13,15 @@ from tests.benchmarks.report import write_section
 pytestmark = pytest.mark.slow
 
 
+def quick_run(script: str, tmp_path: Path) -> str:
+    """Run `tests.benchmarks.<script> --quick` into a scratch report; the report's text."""
+    out = tmp_path / "benchmarks.md"
+    cmd = [sys.executable, "-m", f"tests.benchmarks.{script}", "--quick", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out.read_text()
+
+
 def test_write_section_replaces_only_its_own_block(tmp_path: Path) -> None:
     report = tmp_path / "b.md"
     write_section("a", "first", report)
@@ -24,11 +33,7 @@ def test_write_section_replaces_only_its_own_block(tmp_path: Path) -> None:
 
 
 def test_bench_forward_quick_run(tmp_path: Path) -> None:
-    out = tmp_path / "benchmarks.md"
-    cmd = [sys.executable, "-m", "tests.benchmarks.bench_forward", "--quick", "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = out.read_text()
+    text = quick_run("bench_forward", tmp_path)
     assert "<!-- bench_forward:start -->" in text
     for heading in (
         "Decode speed vs transformers",
@@ -40,22 +45,14 @@ def test_bench_forward_quick_run(tmp_path: Path) -> None:
 
 
 def test_bench_eagle_quick_run(tmp_path: Path) -> None:
-    out = tmp_path / "benchmarks.md"
-    cmd = [sys.executable, "-m", "tests.benchmarks.bench_eagle", "--quick", "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = out.read_text()
+    text = quick_run("bench_eagle", tmp_path)
     assert "<!-- bench_eagle:start -->" in text
     assert "| chat | eagle, k=4 |" in text and "| summary | none |" in text
     assert "eagle mean acceptance length at k = 4" in text
 
 
 def test_bench_router_quick_run(tmp_path: Path) -> None:
-    out = tmp_path / "benchmarks.md"
-    cmd = [sys.executable, "-m", "tests.benchmarks.bench_router", "--quick", "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = out.read_text()
+    text = quick_run("bench_router", tmp_path)
     assert "<!-- bench_router:start -->" in text
     assert "| 1 | direct |" in text and "| 2 | HTTP (openai client) |" in text
     assert "| 2 | gRPC |" in text

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +96,20 @@ def get(url: str, key: str | None = None) -> tuple[int, Any]:
             return resp.status, json.loads(raw) if "json" in ctype else raw.decode()
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read().decode())
+
+
+@contextmanager
+def raw_completion_stream(port: int, body: dict[str, Any]) -> Iterator[socket.socket]:
+    """A streaming completion posted over a bare socket, which the caller reads from and then
+    drops (closing it is the client leaving mid-stream)."""
+    payload = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        yield sock
 
 
 def sse_events(raw: str) -> list[Any]:

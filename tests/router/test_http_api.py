@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 import time
 from typing import Any
 
 import pytest
 
-from tests.router.helpers import MODEL, PROMPT, get, post, sse_events
+from tests.router.helpers import MODEL, PROMPT, get, post, raw_completion_stream, sse_events
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
 
@@ -181,15 +180,8 @@ def test_unknown_routes_and_methods_are_openai_errors(server: str) -> None:
 
 def test_a_client_that_leaves_mid_stream_frees_its_blocks(open_router, local_engine) -> None:  # type: ignore[no-untyped-def]
     engine = local_engine.engine
-    body = json.dumps(
-        {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
-    ).encode()
-    with socket.create_connection(("127.0.0.1", open_router.port)) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True}
+    with raw_completion_stream(open_router.port, body) as sock:
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
         time.sleep(0.3)  # a few tokens out
     deadline = time.monotonic() + 60

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,15 @@ from typing import Any
 
 import pytest
 
-from tests.router.helpers import MODEL, RunningRouter, get, post, sse_events, start_router
+from tests.router.helpers import (
+    MODEL,
+    RunningRouter,
+    get,
+    post,
+    raw_completion_stream,
+    sse_events,
+    start_router,
+)
 from tests.router.test_http_api import BAD
 
 ray = pytest.importorskip("ray")
@@ -52,12 +59,19 @@ def runtime() -> Iterator[Any]:
     started.shutdown()
 
 
-@pytest.fixture(scope="module")
-def router(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # type: ignore[no-untyped-def]
+def runtime_router(runtime, checkpoint, redis_server, db: int, **options) -> RunningRouter:  # type: ignore[no-untyped-def]
+    """A router replica over the runtime's pools (which outlive it)."""
     from router.backends import RuntimeBackend
 
     backend = RuntimeBackend(runtime, shutdown_on_close=False)
-    running = start_router(backend, checkpoint.tokenizer, redis_server, db=6, max_model_len=512)
+    return start_router(
+        backend, checkpoint.tokenizer, redis_server, db=db, max_model_len=512, **options
+    )
+
+
+@pytest.fixture(scope="module")
+def router(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # type: ignore[no-untyped-def]
+    running = runtime_router(runtime, checkpoint, redis_server, db=6)
     yield running
     running.stop()
 
@@ -65,10 +79,7 @@ def router(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # typ
 @pytest.fixture(scope="module")
 def router_b(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # type: ignore[no-untyped-def]
     """A second replica over the same pools and the same Redis database as `router`."""
-    from router.backends import RuntimeBackend
-
-    backend = RuntimeBackend(runtime, shutdown_on_close=False)
-    running = start_router(backend, checkpoint.tokenizer, redis_server, db=6, max_model_len=512)
+    running = runtime_router(runtime, checkpoint, redis_server, db=6)
     yield running
     running.stop()
 
@@ -178,15 +189,8 @@ def _idle(runtime) -> bool:  # type: ignore[no-untyped-def]
 
 def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(router, runtime) -> None:  # type: ignore[no-untyped-def]
     assert _idle(runtime)
-    body = json.dumps(
-        {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    ).encode()
-    with socket.create_connection(("127.0.0.1", router.port)) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    with raw_completion_stream(router.port, body) as sock:
         assert sock.recv(64).startswith(b"HTTP/1.1 200")
         time.sleep(0.5)
         assert not _idle(runtime)  # it holds blocks in a verifier now
@@ -204,19 +208,11 @@ KEY = "sk-runtime-shared"
 def keyed_replicas(runtime, checkpoint, redis_server) -> Iterator[list[RunningRouter]]:  # type: ignore[no-untyped-def]
     """Two more router replicas over the same pools, sharing one Redis database with one key
     limited to 3 requests (then 0.5 per second)."""
-    from router.backends import RuntimeBackend
     from router.server import KeyLine
 
+    keys = [KeyLine(KEY, "shared", 0.5, 3)]
     replicas = [
-        start_router(
-            RuntimeBackend(runtime, shutdown_on_close=False),
-            checkpoint.tokenizer,
-            redis_server,
-            db=8,
-            keys=[KeyLine(KEY, "shared", 0.5, 3)],
-            max_model_len=512,
-        )
-        for _ in range(2)
+        runtime_router(runtime, checkpoint, redis_server, db=8, keys=keys) for _ in range(2)
     ]
     yield replicas
     for r in replicas:
@@ -242,13 +238,7 @@ def test_bad_requests_over_the_runtime(router, body, status, message, param) -> 
 
 def _leave_mid_stream(router: RunningRouter, body: dict[str, Any]) -> str:
     """Start a stream, read its first event, hang up; the request's id."""
-    payload = json.dumps({**body, "stream": True}).encode()
-    with socket.create_connection(("127.0.0.1", router.port)) as sock:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
+    with raw_completion_stream(router.port, body) as sock:
         received = b""
         while b"data: " not in received.partition(b"\r\n\r\n")[2]:
             received += sock.recv(4096)

@@ -249,6 +249,20 @@ def test_waiting_requests_count_toward_the_speculation_cutoff(model: Transformer
     assert any(drafted > 0 for queued, drafted in drafted_while_queued if queued < 3)
 
 
+def run_counting_prompt_tokens(eng: LLMEngine, outputs: dict[str, list[int]]) -> int:
+    """Step `eng` to the end, appending each request's tokens to `outputs`; how many prompt
+    tokens the engine itself computed on the way."""
+    computed_prompt_tokens = 0
+    while eng.has_unfinished_requests():
+        scheduled = eng.scheduler.running + list(eng.scheduler.waiting)
+        computed_prompt_tokens += sum(
+            s.num_uncomputed_tokens for s in scheduled if not s.output_token_ids
+        )
+        for out in eng.step():
+            outputs[out.request_id] += out.new_token_ids
+    return computed_prompt_tokens
+
+
 def test_a_remote_prefill_lands_in_the_cache_and_changes_nothing(model: TransformerLM) -> None:
     """A prefill worker's K/V (and hidden states) for all but the last prompt token, written
     into the engine's blocks, give the same tokens as prefilling here."""
@@ -266,14 +280,7 @@ def test_a_remote_prefill_lands_in_the_cache_and_changes_nothing(model: Transfor
         assert kv.shape == (2, 2, len(p) - 1, 2, 8) and result.hidden[1].shape == (len(p) - 1, 32)
         eng.add_request(f"r{i}", p, params, prefilled=Prefilled(kv))
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
-    computed_prompt_tokens = 0
-    while eng.has_unfinished_requests():
-        scheduled = eng.scheduler.running + list(eng.scheduler.waiting)
-        computed_prompt_tokens += sum(
-            s.num_uncomputed_tokens for s in scheduled if not s.output_token_ids
-        )
-        for out in eng.step():
-            outputs[out.request_id] += out.new_token_ids
+    computed_prompt_tokens = run_counting_prompt_tokens(eng, outputs)
     assert [outputs[f"r{i}"] for i in range(len(ps))] == expected
     assert computed_prompt_tokens == len(ps)  # only each prompt's last token ran here
     with pytest.raises(ValueError, match="shorter than the prompt"):
@@ -307,14 +314,7 @@ def test_a_whole_remote_prefill_samples_the_first_token_without_a_forward(
         first[out.request_id] = out.new_token_ids
     assert all(len(first[f"r{i}"]) == 1 for i in range(len(ps)))
     outputs = {rid: list(tokens) for rid, tokens in first.items()}
-    computed_prompt_tokens = 0
-    while eng.has_unfinished_requests():
-        scheduled = eng.scheduler.running + list(eng.scheduler.waiting)
-        computed_prompt_tokens += sum(
-            s.num_uncomputed_tokens for s in scheduled if not s.output_token_ids
-        )
-        for out in eng.step():
-            outputs[out.request_id] += out.new_token_ids
+    computed_prompt_tokens = run_counting_prompt_tokens(eng, outputs)
     assert [outputs[f"r{i}"] for i in range(len(ps))] == expected
     assert computed_prompt_tokens == 0
     one = SamplingParams(max_tokens=1, temperature=0)
