@@ -183,10 +183,9 @@ class RouterService:
         except RedisError as exc:
             raise errors.overloaded(f"shared state (Redis) is unavailable: {exc}") from exc
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
-        pending: list[int] = []
         output_ids: list[int] = []
+        num_registered = 0  # of output_ids, already in the registry
         last = flushed = start
-        first = True
         finish_reason = "abort"
         try:
             async for step in self.backend.stream(
@@ -194,30 +193,29 @@ class RouterService:
             ):
                 now = time.perf_counter()
                 if step.new_token_ids:
-                    if first:
+                    if not output_ids:
                         self.metrics.ttft.observe(now - start)
                         self._background(
                             self.state.record_prefix(request.prompt_ids, self.block_size, name)
                         )
-                        first = False
                     else:
                         per_token = (now - last) / len(step.new_token_ids)
                         for _ in step.new_token_ids:
                             self.metrics.itl.observe(per_token)
                     last = now
-                    pending += step.new_token_ids
                     output_ids += step.new_token_ids
                     self.metrics.generation_tokens.inc(len(step.new_token_ids))
                 if step.finished:
                     finish_reason = step.finish_reason or "stop"
                     self._finished(request, step, start, name, output_ids)
-                elif pending and now - flushed >= REGISTRY_FLUSH_S:
-                    await self.state.commit(request_id, pending)
-                    pending, flushed = [], now
+                elif len(output_ids) > num_registered and now - flushed >= REGISTRY_FLUSH_S:
+                    await self.state.commit(request_id, output_ids[num_registered:])
+                    num_registered, flushed = len(output_ids), now
                 yield step
         finally:
             usage = None if finish_reason == "abort" else {"finish_reason": finish_reason}
-            self._background(self.state.commit(request_id, pending, finish_reason, usage))
+            rest = output_ids[num_registered:]
+            self._background(self.state.commit(request_id, rest, finish_reason, usage))
 
     async def resume(self, request_id: str, stream: bool) -> tuple[GenerateRequest, list[int]]:
         """The rest of a request another replica started and did not finish (its replica died,
