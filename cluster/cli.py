@@ -171,11 +171,11 @@ def _deployment(args: argparse.Namespace) -> DeploymentConfig:
 def _start_runtime(
     args: argparse.Namespace, config: DeploymentConfig | None = None
 ) -> tuple[Runtime, Tokenizer, str]:
-    from workers.model.loader import BUNDLED_MODEL_NAME, load_checkpoint
+    from workers.model.loader import BUNDLED_MODEL_NAME, load_tokenizer
 
     config = config or _deployment(args)
     runtime = Runtime.start(config)
-    tokenizer = load_checkpoint(config.model).tokenizer
+    tokenizer = load_tokenizer(config.model)
     return runtime, tokenizer, config.model or BUNDLED_MODEL_NAME
 
 

@@ -13,6 +13,7 @@ from workers.model.loader import (
     build_model,
     bundled_model_path,
     load_checkpoint,
+    load_tokenizer,
     resolve_model_path,
     save_safetensors_dir,
 )
@@ -50,6 +51,18 @@ def test_safetensors_dir_loads_the_same_weights(checkpoint, model_fp32, tmp_path
     assert again.tokenizer.chat_template == checkpoint.tokenizer.chat_template
     ids = checkpoint.tokenizer.encode(TEXTS[0])
     assert torch.equal(all_logits(build_model(again), ids), all_logits(model_fp32, ids))
+
+
+def test_tokenizer_alone_is_the_checkpoints(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`load_tokenizer` (what a router loads, no weights) from the GGUF and from an HF folder."""
+    save_safetensors_dir(checkpoint, tmp_path / "smol")
+    for tokenizer in (load_tokenizer(), load_tokenizer(tmp_path / "smol")):
+        for text in TEXTS:
+            assert tokenizer.encode(text) == checkpoint.tokenizer.encode(text)
+        assert tokenizer.eos_token_ids == checkpoint.tokenizer.eos_token_ids
+        assert tokenizer.chat_template == checkpoint.tokenizer.chat_template
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        load_tokenizer(tmp_path)
 
 
 def test_safetensors_dir_is_real_hf_layout(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

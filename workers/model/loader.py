@@ -66,15 +66,28 @@ def load_checkpoint(model: str | Path | None = None, *, progress: bool = False) 
     path = resolve_model_path(model)
     if path.is_dir():
         return _load_safetensors_dir(path, progress)
-    if path.suffix != ".gguf":
-        raise ValueError(f"{path} is not a .gguf file or a model folder")
-    reader = GGUFReader(path)
+    reader = _gguf_reader(path)
     config = read_config(reader)
     weights = read_weights(reader, config, progress)
     return Checkpoint(config, weights, load_gguf_tokenizer(path, reader))
 
 
-def _load_safetensors_dir(path: Path, progress: bool) -> Checkpoint:
+def load_tokenizer(model: str | Path | None = None) -> Tokenizer:
+    """The model's tokenizer alone, without reading its weights (what a router needs)."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config = _read_hf_config(path)
+        return Tokenizer.from_directory(path, eos_token_ids=config.eos_token_ids)
+    return load_gguf_tokenizer(path, _gguf_reader(path))
+
+
+def _gguf_reader(path: Path) -> GGUFReader:
+    if path.suffix != ".gguf":
+        raise ValueError(f"{path} is not a .gguf file or a model folder")
+    return GGUFReader(path)
+
+
+def _read_hf_config(path: Path) -> ModelConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
@@ -82,7 +95,11 @@ def _load_safetensors_dir(path: Path, progress: bool) -> Checkpoint:
     gen_file = path / "generation_config.json"
     if gen_file.is_file() and (eos := json.loads(gen_file.read_text()).get("eos_token_id")):
         raw["eos_token_id"] = eos  # generation_config lists every stop token; config.json one
-    config = ModelConfig.from_hf_config(raw)
+    return ModelConfig.from_hf_config(raw)
+
+
+def _load_safetensors_dir(path: Path, progress: bool) -> Checkpoint:
+    config = _read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
