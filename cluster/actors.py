@@ -91,7 +91,7 @@ class DrafterActor:
             return drafters[method]
 
         self.cost = 0.0
-        self.worker = DrafterWorker(make, name)
+        self.worker = DrafterWorker(make, name, deployment.pools.drafter.draft_ahead)
 
     def info(self) -> dict[str, Any]:
         return {**self.worker.info(), "cost": self.cost, **where()}

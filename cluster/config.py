@@ -12,7 +12,7 @@ RayCluster). A config is checked as a whole when it is built, and every error na
     pools:
       prefill:  {replicas: 1, resources: {cpus: 1, gpus: 0}}
       verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
-      drafter:  {replicas: 1, method: eagle, num_speculative_tokens: 4,
+      drafter:  {replicas: 1, method: eagle, num_speculative_tokens: 4, draft_ahead: true,
                  resources: {cpus: 1, custom: {grace_cpu: 1}}}
     router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256,
              requests_per_s: 0, burst: 0}                 # per-key token bucket, 0: none
@@ -90,6 +90,7 @@ class DrafterPool:
     num_speculative_tokens: int = 4
     draft_model: str | None = None  # for method draft_model: a smaller model, same tokenizer
     draft_layers: int | None = None  # or the target's first N layers as the draft model
+    draft_ahead: bool = True  # prepare the next proposal while the verifier checks this one
     resources: Resources = field(default_factory=Resources)
 
 

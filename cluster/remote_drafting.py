@@ -7,6 +7,11 @@ tensor over the pair's `TensorLink`, never through the object store. The proposa
 at most `deadline_s`: a late or failed drafter means k = 0 for its sequences this step (the
 engine verifies without drafts), never a stalled verifier.
 
+While the verifier checks a proposal, a drafter that can (`Drafter.drafts_ahead`: the model
+drafters) prepares the next one on a thread of its actor, guessing that the whole draft is
+accepted (workers/drafting/base.py); the next call waits for that thread first, and a right
+guess is answered without drafting. The drafter's core would idle otherwise.
+
 A drafter that died (its actor restarted by Ray, or replaced) comes back empty. The proxy notices
 (a failed call, or the restarted actor's new incarnation number), rebuilds the link and re-adds
 every live sequence with its whole token history; a feature-reading drafter then starts its
@@ -16,6 +21,8 @@ ever change speed.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
@@ -28,6 +35,7 @@ from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.engine.sampling_params import SamplingParams
 
 MAX_SERVED_RECORDS = 10_000
+log = logging.getLogger(__name__)
 
 # Events, in the order the engine produced them (per sequence that order matters).
 Event = (
@@ -54,16 +62,21 @@ class StepMessage:
 class DraftReply:
     drafts: dict[str, tuple[list[int], torch.Tensor | None]]
     seconds: float  # drafting time inside the actor
+    ahead_served: int = 0  # proposals of this step that were drafted ahead
 
 
 class DrafterWorker:
     """The drafter actor's state: one `Drafter` and the link its features arrive on."""
 
-    def __init__(self, make_drafter: Callable[[], Drafter], name: str) -> None:
+    def __init__(
+        self, make_drafter: Callable[[], Drafter], name: str, draft_ahead: bool = True
+    ) -> None:
         self.drafter = make_drafter()
         self.name = name
+        self.draft_ahead = draft_ahead and self.drafter.drafts_ahead
         self.link: TensorLink | None = None
         self.incarnation = int(time.time_ns())  # a restarted actor gets a new one
+        self._ahead: threading.Thread | None = None
 
     def info(self) -> dict[str, Any]:
         return {
@@ -71,6 +84,7 @@ class DrafterWorker:
             "method": self.drafter.method,
             "hidden_layers": list(self.drafter.hidden_layers),
             "incarnation": self.incarnation,
+            "draft_ahead": self.draft_ahead,
         }
 
     def open_link(self, address: LinkAddress) -> int:
@@ -78,6 +92,7 @@ class DrafterWorker:
         return self.incarnation
 
     def step(self, message: StepMessage) -> DraftReply:
+        self._finish_ahead()
         if message.incarnation != self.incarnation:
             raise DrafterRestarted(f"{self.name} restarted; the verifier must re-add its sequences")
         features = None
@@ -101,11 +116,30 @@ class DrafterWorker:
             elif kind == "remove":
                 self.drafter.remove(rid)
         start = time.perf_counter()
+        served = self.drafter.ahead_served
         drafts = self.drafter.propose(message.requests) if message.requests else {}
-        return DraftReply(
+        reply = DraftReply(
             {rid: (d.token_ids, d.probs) for rid, d in drafts.items()},
             time.perf_counter() - start,
+            self.drafter.ahead_served - served,
         )
+        if self.draft_ahead and drafts:
+            self._ahead = threading.Thread(
+                target=self._draft_ahead, args=(message.requests,), name="draft-ahead"
+            )
+            self._ahead.start()
+        return reply
+
+    def _draft_ahead(self, requests: list[DraftRequest]) -> None:
+        try:
+            self.drafter.draft_ahead(requests)
+        except Exception:  # a lost guess costs nothing; the next proposal drafts afresh
+            log.exception("%s: drafting ahead failed", self.name)
+
+    def _finish_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead.join()
+            self._ahead = None
 
 
 class DrafterRestarted(RuntimeError):
@@ -189,6 +223,7 @@ class RemoteStats:
     failures: int = 0  # calls that raised (a dead or restarted drafter)
     reconnects: int = 0
     feature_bytes: int = 0
+    ahead_served: int = 0  # proposals the drafter had drafted ahead
 
 
 class RemoteDrafter(Drafter):
@@ -280,6 +315,7 @@ class RemoteDrafter(Drafter):
         except ray.exceptions.RayError:
             self._lost()
             return {}
+        self.stats.ahead_served += reply.ahead_served
         return {
             rid: Draft(tokens, probs)
             for rid, (tokens, probs) in reply.drafts.items()

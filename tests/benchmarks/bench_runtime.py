@@ -4,9 +4,10 @@
 
 Single stream, bf16, greedy, the held-out chat prompts. For each drafter method: the in-process
 engine (drafting and verifying on the same cores, one after the other) and the Ray runtime (the
-verifier actor on one core, the drafter actor on the other, features over a gloo link). Also the
-fraction of verify steps that went without a draft because the drafter missed its deadline, and
-the feature bytes moved per step. Writes the `bench_runtime` section of docs/benchmarks.md.
+verifier actor on one core, the drafter actor on the other, features over a gloo link), with the
+drafter drafting ahead and without. Also the fraction of verify steps that went without a draft
+because the drafter missed its deadline, the proposals served from drafting ahead, and the
+feature bytes moved per step. Writes the `bench_runtime` section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_s
 from workers.eagle.prompts import held_out_prompts
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import ModelSpec, build_engine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 
 METHODS = ("draft_model", "eagle")
@@ -33,7 +35,7 @@ DRAFT_LAYERS = 12
 K = 4
 
 
-def deployment(method: str, prefill: int = 0) -> object:
+def deployment(method: str, prefill: int = 0, draft_ahead: bool = True) -> object:
     return from_dict(
         {
             "dtype": "bfloat16",
@@ -45,6 +47,7 @@ def deployment(method: str, prefill: int = 0) -> object:
                     "replicas": 1,
                     "method": method,
                     "draft_layers": DRAFT_LAYERS,
+                    "draft_ahead": draft_ahead,
                     "resources": {"cpus": 1},
                 },
             },
@@ -124,6 +127,39 @@ def prefill_section(tok, runs: int, quick: bool) -> tuple[str, float]:
     return text_table, overhead
 
 
+def compare(
+    engine: LLMEngine,
+    config: object,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    runs: int,
+) -> tuple[list[float], list[float], dict]:
+    """Tokens/s of the in-process engine and of a runtime built from `config`, interleaved per
+    prompt after a warm-up round; and the runtime's verifier stats."""
+    method = config.pools.drafter.method  # type: ignore[attr-defined]
+    runtime = Runtime.start(config, num_cpus=2)  # type: ignore[arg-type]
+    local_tps: list[float] = []
+    remote_tps: list[float] = []
+    try:
+        for round_ in range(runs + 1):
+            for prompt in prompts:
+                start = time.perf_counter()
+                done = engine.generate([prompt], params, RequestSpec(method=method))
+                local_s = time.perf_counter() - start
+                start = time.perf_counter()
+                stream = runtime.submit(prompt, params, RequestSpec(method=method))
+                n = sum(len(c) for c in stream)
+                remote_s = time.perf_counter() - start
+                if round_:
+                    local_tps.append(len(done[0].token_ids) / local_s)
+                    remote_tps.append(n / remote_s)
+            print(f"[bench_runtime] {method}: round {round_}/{runs}", file=sys.stderr)
+        (stats,) = runtime.verifier_stats()
+    finally:
+        runtime.shutdown()
+    return local_tps, remote_tps, stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -170,41 +206,29 @@ def main() -> None:
             tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
             for p in held_out_prompts()["chat"][: 1 if args.quick else 3]
         ]
-        runtime = Runtime.start(deployment(method), num_cpus=2)  # type: ignore[arg-type]
-        local_tps: list[float] = []
-        remote_tps: list[float] = []
-        try:
-            for round_ in range(args.runs + 1):
-                for prompt in prompts:
-                    start = time.perf_counter()
-                    done = local.engine.generate([prompt], params, RequestSpec(method=method))
-                    local_s = time.perf_counter() - start
-                    start = time.perf_counter()
-                    stream = runtime.submit(prompt, params, RequestSpec(method=method))
-                    n = sum(len(c) for c in stream)
-                    remote_s = time.perf_counter() - start
-                    if round_:
-                        local_tps.append(len(done[0].token_ids) / local_s)
-                        remote_tps.append(n / remote_s)
-                print(f"[bench_runtime] {method}: round {round_}/{args.runs}", file=sys.stderr)
-            (stats,) = runtime.verifier_stats()
-        finally:
-            runtime.shutdown()
-        remote = stats["remote_drafting"]
-        steps = max(1, remote["steps"])
-        lo, hi = statistics.median(local_tps), statistics.median(remote_tps)
-        ratios[method] = hi / lo
-        rows.append(
-            [
-                method,
-                f"{lo:.1f}",
-                f"{hi:.1f}",
-                f"{hi / lo:.2f}x",
-                f"{stats['spec']['mean_acceptance_length']:.2f}",
-                f"{remote['late'] / steps:.1%}",
-                f"{remote['feature_bytes'] / steps / 1024:.1f}",
-            ]
-        )
+        # One Ray runtime at a time: each is measured interleaved with the in-process engine,
+        # and compared with it.
+        for ahead in (False, True):
+            local_tps, remote_tps, stats = compare(
+                local.engine, deployment(method, draft_ahead=ahead), prompts, params, args.runs
+            )
+            remote = stats["remote_drafting"]
+            steps = max(1, remote["steps"])
+            lo, hi = statistics.median(local_tps), statistics.median(remote_tps)
+            ratios[(method, ahead)] = hi / lo
+            rows.append(
+                [
+                    method,
+                    "yes" if ahead else "no",
+                    f"{lo:.1f}",
+                    f"{hi:.1f}",
+                    f"{hi / lo:.2f}x",
+                    f"{stats['spec']['mean_acceptance_length']:.2f}",
+                    f"{remote['late'] / steps:.1%}",
+                    f"{remote['ahead_served'] / steps:.1%}",
+                    f"{remote['feature_bytes'] / steps / 1024:.1f}",
+                ]
+            )
     ttft_table, ttft_overhead = prefill_section(tok, args.runs, args.quick)
     body = "\n\n".join(
         [
@@ -214,16 +238,21 @@ def main() -> None:
             f"{args.runs} interleaved runs per prompt. In-process: the engine with its drafter on "
             "one core (torch threads = 1). Runtime: the verifier actor (1 CPU) and one drafter "
             f"actor (1 CPU), features over a gloo link; draft_model is the first {DRAFT_LAYERS} "
-            "layers. Drafting is not yet overlapped with verification (a step still waits for "
-            "its drafts), so the runtime pays the Ray call and link per step on top.",
+            "layers. Drafting ahead: while the verifier checks a draft, the drafter prepares the "
+            "next one on the guess that the whole draft is accepted and its own bonus token is "
+            "right; `served ahead` is the share of steps whose draft was ready that way. The "
+            "in-process engine is measured interleaved with each runtime; each runtime is "
+            "compared with the in-process runs beside it.",
             table(
                 [
                     "drafter",
+                    "drafting ahead",
                     "in-process tokens/s",
                     "runtime tokens/s",
                     "runtime vs in-process",
                     "mean acceptance length",
                     "steps without a draft (late)",
+                    "served ahead",
                     "feature KiB per step",
                 ],
                 rows,
@@ -244,7 +273,7 @@ def main() -> None:
                     [
                         "runtime vs in-process with a model drafter",
                         ">= 1.15x",
-                        ", ".join(f"{m} {r:.2f}x" for m, r in ratios.items()),
+                        ", ".join(f"{m} {r:.2f}x" for (m, ahead), r in ratios.items() if ahead),
                     ],
                     ["remote-prefill TTFT overhead", "<= 10%", f"{ttft_overhead:+.0%}"],
                 ],

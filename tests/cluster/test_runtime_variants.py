@@ -1,5 +1,5 @@
-"""Runtime variants, each on its own Ray runtime: a draft-model pool, and a tensor-parallel
-verifier group (TP = 2 over gloo)."""
+"""Runtime variants, each on its own Ray runtime: a draft-model pool drafting ahead, and a
+tensor-parallel verifier group (TP = 2 over gloo)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,19 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 
-def test_draft_model_pool_is_exact(prompts, expected) -> None:  # type: ignore[no-untyped-def]
+def test_draft_model_pool_is_exact_and_drafts_ahead(prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    """The target's full depth as the draft model: whole drafts are accepted, so the drafter's
+    guesses while the verifier works come true and proposals are served from drafting ahead."""
     from cluster.runtime import Runtime
 
-    runtime = Runtime.start(deployment("draft_model", drafters=1, draft_layers=8), num_cpus=2)
+    runtime = Runtime.start(deployment("draft_model", drafters=1, draft_layers=30), num_cpus=2)
     try:
         assert run_all(runtime, prompts, "draft_model") == expected
         assert run_all(runtime, prompts[:1], "ngram") == expected[:1]  # in-verifier drafter
         (stats,) = runtime.verifier_stats()
         assert stats["spec"]["drafted"] > 0
+        assert stats["remote_drafting"]["ahead_served"] > 0
+        assert [d["draft_ahead"] for d in runtime.actor_info()["drafters"]] == [True]
     finally:
         runtime.shutdown()
 

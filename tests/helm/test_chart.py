@@ -129,6 +129,11 @@ def test_grace_drafters_select_arm64_nodes_and_advertise_the_resource(chart) -> 
     config = from_dict(yaml.safe_load(one(objects, "ConfigMap")["data"]["outrider.yaml"]))
     assert config.pools.drafter.resources.custom == {"grace_cpu": 1.0, "outrider_drafter": 1.0}
     assert config.pools.drafter.replicas == 4  # 2 pods x 2 actors
+    assert config.pools.drafter.draft_ahead  # the chart's default
+    values = load_values(CHART / "ci" / "grace-values.yaml")
+    values["drafter"] = {**values["drafter"], "draftAhead": False}
+    off = one(render(chart, values), "ConfigMap")["data"]["outrider.yaml"]
+    assert not from_dict(yaml.safe_load(off)).pools.drafter.draft_ahead
     assert "prefill" not in worker_groups(objects)  # prefill replicas 0: verifiers prefill
     # Without grace, drafters are not pinned to arm64.
     cpu = render(chart, load_values(CHART / "ci" / "cpu-values.yaml"))
@@ -207,6 +212,7 @@ def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> N
         ({"verifier": {"tensorParallelSize": 3}}, "/verifier/tensorParallelSize"),
         ({"router": {"service": {"type": "Ingress"}}}, "/router/service/type"),
         ({"drafter": {"replicas": -1}}, "/drafter/replicas"),
+        ({"drafter": {"draftAhead": "yes"}}, "/drafter/draftAhead"),
         ({"speculative": {"method": "medusa"}}, "/speculative/method"),
         ({"dtype": "int4"}, "/dtype"),
         ({"replicaCount": 3}, "replicaCount"),

@@ -5,10 +5,12 @@ sampling independent of what else is in the batch."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import pytest
+import torch
 
-from workers.drafting.base import Drafter
+from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
@@ -120,6 +122,51 @@ def test_greedy_identical_to_plain_decoding(
     if method == "self_draft":
         assert engine.stats.accepted == engine.stats.drafted  # a model always agrees with itself
     assert engine.allocator.num_free_blocks == engine.config.kv_blocks
+
+
+class AheadEveryStep(Drafter):
+    """A drafter that drafts ahead after every proposal, as a drafter actor does while the
+    verifier works (cluster/remote_drafting.py), here in step with the engine."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.method = inner.method
+        self.hidden_layers = inner.hidden_layers
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.inner.add(request_id, prompt_token_ids, params)
+
+    def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
+        self.inner.observe_hidden(request_id, first_position, hidden)
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.inner.commit(request_id, token_ids)
+
+    def remove(self, request_id: str) -> None:
+        self.inner.remove(request_id)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        drafts = self.inner.propose(requests)
+        self.inner.draft_ahead(requests)
+        return drafts
+
+
+@pytest.mark.parametrize("method", ["self_draft", "draft_model", "eagle"])
+def test_drafting_ahead_stays_exact(
+    method: str,
+    model_fp32,
+    checkpoint,
+    draft_net,
+    prompt_ids,
+    expected,  # type: ignore[no-untyped-def]
+) -> None:
+    inner = make_drafter(method, draft_net, model_fp32)
+    engine = make_engine(model_fp32, checkpoint, AheadEveryStep(inner))
+    got = run_staggered(engine, prompt_ids[:4], GREEDY, RequestSpec(method=inner.method))
+    assert got == expected[:4]
+    assert inner.ahead_prepared > 0
+    if method == "self_draft":  # whole drafts accepted, the guessed bonus token right
+        assert inner.ahead_served > 0
 
 
 @pytest.mark.parametrize("batch", [1, 8])

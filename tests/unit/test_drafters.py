@@ -1,10 +1,12 @@
-"""Model-free drafters and adaptive k."""
+"""Drafters: the model-free ones, adaptive k, and drafting ahead with a draft model."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.factories import random_hf_weights, tiny_config
 from workers.drafting.base import DraftRequest, DraftStateError
+from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter, prompt_lookup
 from workers.engine.config import SpecConfig
 from workers.engine.sampling_params import SamplingParams
@@ -14,6 +16,7 @@ from workers.engine.speculator import (
     best_num_draft_tokens,
     expected_tokens,
 )
+from workers.model.transformer import TransformerLM
 
 
 def test_prompt_lookup_continues_the_latest_longest_match() -> None:
@@ -83,3 +86,62 @@ def test_step_costs_charge_verification_drafting_and_overhead() -> None:
     assert free[1:] == pytest.approx([c + SPEC_STEP_OVERHEAD for c in (1.2, 1.3, 1.3, 1.3)])
     model = spec.step_costs("draft_model", 2)
     assert model[2] == pytest.approx(1.3 + 2 * 0.4 + SPEC_STEP_OVERHEAD)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> TransformerLM:
+    config = tiny_config()
+    model = TransformerLM(config)
+    model.load_hf_weights(random_hf_weights(config, seed=5))
+    return model.eval()
+
+
+def test_draft_model_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(
+    tiny_model: TransformerLM,
+) -> None:
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [5, 17, 33, 8, 60, 2, 71]
+    drafter = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    longer = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    for d in (drafter, longer):
+        d.add("a", prompt, greedy)
+    draft = drafter.propose([DraftRequest("a", 7, 3)])["a"].token_ids
+    drafter.draft_ahead([DraftRequest("a", 7, 3)])
+    # The guess (the draft plus the model's own next token) and the draft after it are what
+    # one draft of 2k + 1 tokens holds.
+    whole = longer.propose([DraftRequest("a", 7, 7)])["a"].token_ids
+    assert draft == whole[:3]
+    seq = drafter._seqs["a"]
+    assert seq.guess == whole[:4] and seq.prepared is not None
+    assert seq.prepared.token_ids == whole[4:]
+    assert drafter.ahead_prepared == 1 and drafter.ahead_served == 0
+
+    drafter.commit("a", whole[:4])  # the verifier accepted everything, bonus as guessed
+    assert drafter.propose([DraftRequest("a", 11, 3)])["a"].token_ids == whole[4:]
+    assert drafter.ahead_served == 1
+    # Wrong guess next time: the prepared draft goes, the next proposal is a fresh one.
+    drafter.draft_ahead([DraftRequest("a", 11, 3)])
+    wrong = [whole[4], (whole[5] + 1) % 97]
+    drafter.commit("a", wrong)
+    fresh = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    fresh.add("b", prompt + whole[:5] + wrong[1:], greedy)
+    request = [DraftRequest("a", 13, 3)]
+    assert drafter.propose(request)["a"] == fresh.propose([DraftRequest("b", 13, 3)])["b"]
+    assert drafter.ahead_served == 1
+    drafter.remove("a")
+    assert drafter.allocator.num_free_blocks == drafter.allocator.num_blocks
+
+
+def test_sampled_drafting_ahead_returns_q_for_each_prepared_token(
+    tiny_model: TransformerLM,
+) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
+    drafter = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    drafter.add("a", [5, 17, 33, 8], params)
+    draft = drafter.propose([DraftRequest("a", 4, 2)])["a"]
+    drafter.draft_ahead([DraftRequest("a", 4, 2)])
+    seq = drafter._seqs["a"]
+    assert seq.guess is not None and seq.guess[:2] == draft.token_ids
+    assert seq.prepared is not None and seq.prepared.probs is not None
+    assert seq.prepared.probs.shape == (2, 97)
+    assert all(seq.prepared.probs[i, t] > 0 for i, t in enumerate(seq.prepared.token_ids))

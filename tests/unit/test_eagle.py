@@ -206,3 +206,41 @@ def test_draft_vocabulary_keeps_the_most_predicted_tokens(target) -> None:  # ty
     data = tiny_data(target, head)
     data.top_ids[:, 0] = torch.tensor([5, 5, 5, 9, 9, 2] * 6)
     assert draft_vocabulary(data, 3).tolist() == [2, 5, 9]
+
+
+def test_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    features = features_for(target, head, 24)
+    prompt = list(range(10, 20))
+    drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    longer = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    for d in (drafter, longer):
+        d.add("a", prompt, GREEDY)
+        d.observe_hidden("a", 0, features[:9])
+    draft = drafter.propose(request_for("a", 10, 3))["a"].token_ids
+    drafter.draft_ahead(request_for("a", 10, 3))
+    # Drafting ahead runs on the head's own features, so the guess and the draft after it are
+    # what one draft of 2k + 1 tokens holds.
+    whole = longer.propose(request_for("a", 10, 7))["a"].token_ids
+    assert draft == whole[:3]
+    seq = drafter._seqs["a"]
+    assert seq.guess == whole[:4] and seq.prepared is not None
+    assert seq.prepared.token_ids == whole[4:]
+
+    # The verifier accepted the draft and its bonus token was the guess: served as prepared.
+    drafter.observe_hidden("a", 9, features[9:13])
+    drafter.commit("a", whole[:4])
+    assert drafter.propose(request_for("a", 14, 3))["a"].token_ids == whole[4:]
+    assert (drafter.ahead_prepared, drafter.ahead_served) == (1, 1)
+    # Drafting ahead again uses the target's features that came meanwhile; a wrong guess is
+    # dropped and the proposal equals a fresh drafter's that was told everything.
+    drafter.draft_ahead(request_for("a", 14, 3))
+    drafter.observe_hidden("a", 13, features[13:15])
+    wrong = [whole[4], 42 if whole[5] != 42 else 43]
+    drafter.commit("a", wrong)
+    fresh = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    fresh.add("b", prompt + whole[:5] + wrong[1:], GREEDY)
+    fresh.observe_hidden("b", 0, features[:15])
+    got = drafter.propose(request_for("a", 16, 3))["a"].token_ids
+    assert got == fresh.propose(request_for("b", 16, 3))["b"].token_ids
+    assert (drafter.ahead_prepared, drafter.ahead_served) == (2, 1)

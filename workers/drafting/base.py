@@ -79,6 +79,19 @@ class Drafter(ABC):
     def remove(self, request_id: str) -> None:
         """Stop following a sequence and free what it held."""
 
+    # Drafting ahead (optional): a drafter in its own process calls `draft_ahead` after it has
+    # answered a proposal, while the verifier checks it. The drafter guesses the outcome (its
+    # whole draft accepted, then its own choice of the bonus token) and drafts the proposal that
+    # would come next. When the commit equals the guess, the next `propose` serves that draft at
+    # once; otherwise it is discarded. Drafts stay drafts, so the output never depends on this.
+    drafts_ahead: bool = False
+    ahead_prepared: int = 0  # proposals drafted ahead so far
+    ahead_served: int = 0  # of those, served because the guess was right
+
+    def draft_ahead(self, requests: Sequence[DraftRequest]) -> None:  # noqa: B027
+        """Prepare the next proposal of each sequence just drafted for (`requests`: the same
+        requests `propose` got)."""
+
 
 def draft_generator(params: SamplingParams, offset: int) -> torch.Generator | None:
     """A seeded request's generator for a drafter's own draws: seeded from the request's seed

@@ -7,6 +7,10 @@ proposal first feeds what is missing (the prompt the first time, then the recove
 token) before drafting k tokens one forward at a time, batched over sequences. Drafts are drawn
 from the draft model's distribution after the same temperature/top-k/top-p/min-p transform the
 target uses, and that distribution (q) is returned for the rejection test.
+
+Drafting ahead (base.py): the cache continues past the last draft with the model's own choice of
+the bonus token and the next k tokens; a commit equal to that guess leaves the cache holding
+exactly what the next proposal needs, so the prepared draft is served as it is.
 """
 
 from __future__ import annotations
@@ -34,10 +38,15 @@ class _DraftSeq:
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)  # committed
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the draft cache holds
+    draft: list[int] = field(default_factory=list)  # the last proposal
+    guess: list[int] | None = None  # the commit a prepared draft assumes
+    prepared: Draft | None = None  # drafted ahead on that guess
+    ready: Draft | None = None  # a prepared draft whose guess came true
 
 
 class DraftModelDrafter(Drafter):
     method = "draft_model"
+    drafts_ahead = True
 
     def __init__(
         self, model: TransformerLM, num_blocks: int, block_size: int = 16, max_model_len: int = 0
@@ -47,6 +56,7 @@ class DraftModelDrafter(Drafter):
         self.allocator = BlockAllocator(num_blocks)
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self._seqs: dict[str, _DraftSeq] = {}
+        self.ahead_prepared = self.ahead_served = 0
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         table = BlockTable(self.allocator, self.runner.block_size)
@@ -56,12 +66,11 @@ class DraftModelDrafter(Drafter):
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         seq = self._seqs[request_id]
         seq.tokens.extend(token_ids)
-        common = 0
-        for mine, theirs in zip(seq.cached, seq.tokens, strict=False):
-            if mine != theirs:
-                break
-            common += 1
-        self._rollback(seq, common)
+        hit = seq.guess is not None and list(token_ids) == seq.guess
+        seq.ready = seq.prepared if hit else None
+        seq.guess = seq.prepared = None
+        keep = seq.tokens + (seq.ready.token_ids if seq.ready is not None else [])
+        self._rollback(seq, _common_prefix(seq.cached, keep))
 
     def remove(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -70,44 +79,78 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
         drafts: dict[str, Draft] = {}
-        active: list[tuple[str, _DraftSeq, int]] = []
+        active: list[tuple[str, _DraftSeq, list[int], int]] = []
         for req in requests:
             seq = self._seqs[req.request_id]
             check_view(req, len(seq.tokens))
             k = min(req.k, self.max_model_len - len(seq.tokens))
+            ready, seq.ready = seq.ready, None
             drafts[req.request_id] = Draft([])
-            if k > 0:
-                active.append((req.request_id, seq, k))
+            if k > 0 and ready is not None:
+                drafts[req.request_id] = ready.truncated(k)
+                self.ahead_served += 1
+            elif k > 0:
+                active.append((req.request_id, seq, [], k))
         if active:
             drafts.update(self._draft(active))
+        for req in requests:
+            self._seqs[req.request_id].draft = drafts[req.request_id].token_ids
         return drafts
 
-    def _draft(self, active: list[tuple[str, _DraftSeq, int]]) -> dict[str, Draft]:
-        # First forward: whatever committed tokens the cache lacks; then one drafted token each.
-        pending = {rid: seq.tokens[len(seq.cached) :] for rid, seq, _ in active}
-        for rid, seq, _ in active:
-            if not pending[rid]:  # the cache holds every committed token: re-feed the last one
-                self._rollback(seq, len(seq.cached) - 1)
-                pending[rid] = seq.tokens[-1:]
-        tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in active}
-        probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _ in active}
+    @torch.inference_mode()
+    def draft_ahead(self, requests: Sequence[DraftRequest]) -> None:
+        active: list[tuple[str, _DraftSeq, list[int], int]] = []
+        for req in requests:
+            seq = self._seqs.get(req.request_id)
+            if seq is None or not seq.draft:
+                continue
+            # The guess commits the draft and a bonus token; k more must still fit.
+            k = min(req.k, self.max_model_len - len(seq.tokens) - len(seq.draft) - 1)
+            if k > 0:
+                active.append((req.request_id, seq, seq.draft, k + 1))
+        if not active:
+            return
+        drafts = self._draft(active)
+        for rid, seq, draft, _ in active:
+            ahead = drafts[rid]
+            if len(ahead.token_ids) < 2:  # out of draft cache: nothing worth keeping
+                continue
+            seq.guess = draft + ahead.token_ids[:1]
+            seq.prepared = Draft(
+                ahead.token_ids[1:], None if ahead.probs is None else ahead.probs[1:]
+            )
+            self.ahead_prepared += 1
+
+    def _draft(self, active: list[tuple[str, _DraftSeq, list[int], int]]) -> dict[str, Draft]:
+        """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
+        and then the `forced` ones (a previous draft, when drafting ahead)."""
+        # First forward: whatever of the context the cache lacks (at least its last token, for
+        # its logits); then one drafted token each.
+        pending: dict[str, list[int]] = {}
+        for rid, seq, forced, _ in active:
+            context = seq.tokens + forced
+            common = min(_common_prefix(seq.cached, context), len(context) - 1)
+            self._rollback(seq, common)
+            pending[rid] = context[common:]
+        tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
+        probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
         running = list(active)
         while running:
             try:
-                logits = self._forward([(seq, pending[rid]) for rid, seq, _ in running])
+                logits = self._forward([(seq, pending[rid]) for rid, seq, _, _ in running])
             except NoFreeBlocksError:
                 break  # out of draft cache: propose what we have; the verifier copes with less
-            for row, (rid, seq, _) in enumerate(running):
+            for row, (rid, seq, _, _) in enumerate(running):
                 seq.cached.extend(pending[rid])
                 token, q = self._sample(seq, logits[row : row + 1])
                 tokens[rid].append(token)
                 if q is not None:
                     probs[rid].append(q)
                 pending[rid] = [token]
-            running = [(rid, seq, k) for rid, seq, k in running if len(tokens[rid]) < k]
+            running = [entry for entry in running if len(tokens[entry[0]]) < entry[3]]
         return {
             rid: Draft(tokens[rid], torch.cat(probs[rid]) if probs[rid] else None)
-            for rid, _, _ in active
+            for rid, _, _, _ in active
         }
 
     def _forward(self, batch: list[tuple[_DraftSeq, list[int]]]) -> torch.Tensor:
@@ -136,3 +179,12 @@ class DraftModelDrafter(Drafter):
     def _rollback(seq: _DraftSeq, num_tokens: int) -> None:
         del seq.cached[num_tokens:]
         seq.table.truncate(num_tokens)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -13,6 +13,10 @@ last output drafts the first token), then drafts one token per forward, batched 
 with the head's own output standing in for the target feature. Drafts follow the same
 temperature/top-k/top-p/min-p transform as the target, and q is returned for rejection sampling;
 tokens outside the draft vocabulary have q = 0.
+
+Drafting ahead (base.py) redoes the last proposal's rows (the tokens are given, not drawn), then
+draws the bonus-token guess and k more, all from the head's own features: the target's features
+for those positions exist only after the verify step being waited for.
 """
 
 from __future__ import annotations
@@ -50,10 +54,15 @@ class _EagleSeq:
     rows: int = 0  # cache rows made from target features (the rest are draft rows)
     cached: int = 0  # cache rows written, feature rows then the last proposal's draft rows
     last_input: torch.Tensor | None = None  # head input of the last feature row, to redo it
+    draft: list[int] = field(default_factory=list)  # the last proposal
+    guess: list[int] | None = None  # the commit a prepared draft assumes
+    prepared: Draft | None = None  # drafted ahead on that guess
+    ready: Draft | None = None  # a prepared draft whose guess came true
 
 
 class EagleDrafter(Drafter):
     method = "eagle"
+    drafts_ahead = True
 
     def __init__(
         self,
@@ -78,6 +87,7 @@ class EagleDrafter(Drafter):
         self.vocab = head.draft_vocab
         self.full_vocab_size = target.config.vocab_size
         self._seqs: dict[str, _EagleSeq] = {}
+        self.ahead_prepared = self.ahead_served = 0
 
     # -- the Drafter boundary ------------------------------------------------------------------
 
@@ -104,7 +114,11 @@ class EagleDrafter(Drafter):
             seq.base, seq.features_end, seq.pending = end - recent.shape[0], end, [recent]
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self._seqs[request_id].tokens.extend(token_ids)
+        seq = self._seqs[request_id]
+        seq.tokens.extend(token_ids)
+        hit = seq.guess is not None and list(token_ids) == seq.guess
+        seq.ready = seq.prepared if hit else None
+        seq.guess = seq.prepared = None
 
     def remove(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -114,18 +128,52 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
         drafts: dict[str, Draft] = {}
-        active: list[tuple[str, _EagleSeq, int]] = []
+        active: list[tuple[str, _EagleSeq, list[int], int]] = []
         for req in requests:
             seq = self._seqs[req.request_id]
             check_view(req, len(seq.tokens))
             drafts[req.request_id] = Draft([])
             k = min(req.k, self.max_model_len - len(seq.tokens))
-            # Drafting needs the feature of every position before the last committed token.
-            if k > 0 and seq.base is not None and seq.features_end == len(seq.tokens) - 1:
-                active.append((req.request_id, seq, k))
+            ready, seq.ready = seq.ready, None
+            if k > 0 and ready is not None:
+                drafts[req.request_id] = ready.truncated(k)
+                self.ahead_served += 1
+            elif k > 0 and self._can_draft(seq):
+                active.append((req.request_id, seq, [], k))
         if active:
             drafts.update(self._draft(active))
+        for req in requests:
+            self._seqs[req.request_id].draft = drafts[req.request_id].token_ids
         return drafts
+
+    @torch.inference_mode()
+    def draft_ahead(self, requests: Sequence[DraftRequest]) -> None:
+        active: list[tuple[str, _EagleSeq, list[int], int]] = []
+        for req in requests:
+            seq = self._seqs.get(req.request_id)
+            if seq is None or not seq.draft or not self._can_draft(seq):
+                continue
+            # The guess commits the draft and a bonus token; k more must still fit.
+            k = min(req.k, self.max_model_len - len(seq.tokens) - len(seq.draft) - 1)
+            if k > 0:
+                active.append((req.request_id, seq, seq.draft, k + 1))
+        if not active:
+            return
+        drafts = self._draft(active)
+        for rid, seq, draft, _ in active:
+            ahead = drafts[rid]
+            if len(ahead.token_ids) < 2:  # out of head cache: nothing worth keeping
+                continue
+            seq.guess = draft + ahead.token_ids[:1]
+            seq.prepared = Draft(
+                ahead.token_ids[1:], None if ahead.probs is None else ahead.probs[1:]
+            )
+            self.ahead_prepared += 1
+
+    @staticmethod
+    def _can_draft(seq: _EagleSeq) -> bool:
+        """Drafting needs the feature of every position before the last committed token."""
+        return seq.base is not None and seq.features_end == len(seq.tokens) - 1
 
     @torch.inference_mode()
     def token_seconds(self, context: int = 128, reps: int = 10) -> float:
@@ -150,13 +198,16 @@ class EagleDrafter(Drafter):
 
     # -- drafting ------------------------------------------------------------------------------
 
-    def _draft(self, active: list[tuple[str, _EagleSeq, int]]) -> dict[str, Draft]:
+    def _draft(self, active: list[tuple[str, _EagleSeq, list[int], int]]) -> dict[str, Draft]:
+        """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
+        and then the `forced` ones (a previous draft, when drafting ahead)."""
         head = self.head
-        tokens: dict[str, list[int]] = {rid: [] for rid, _, _ in active}
-        probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _ in active}
-        # Step 1: rows for newly verified positions (or the last one again); drafts token 1.
-        batch: list[tuple[str, _EagleSeq, int, torch.Tensor]] = []
-        for rid, seq, k in active:
+        tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
+        probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
+        # Step 1: rows for newly verified positions (or the last one again); its output gives
+        # the first token after the committed ones.
+        batch: list[tuple[str, _EagleSeq, list[int], int, torch.Tensor]] = []
+        for rid, seq, forced, n in active:
             assert seq.base is not None
             self._truncate(seq, seq.rows)  # drop the last proposal's draft rows
             if seq.pending:
@@ -170,39 +221,49 @@ class EagleDrafter(Drafter):
                 x = seq.last_input
             else:
                 continue
-            batch.append((rid, seq, k, x))
+            batch.append((rid, seq, forced, n, x))
         try:
-            a = self._forward([(seq, x) for _, seq, _, x in batch])
+            a = self._forward([(seq, x) for _, seq, _, _, x in batch])
         except NoFreeBlocksError:  # out of head cache: these sequences start over later
-            for _, seq, _, _ in batch:
+            for _, seq, _, _, _ in batch:
                 self._reset(seq)
-            return {rid: Draft([]) for rid, _, _ in active}
-        for _, seq, _, x in batch:
+            return {rid: Draft([]) for rid, _, _, _ in active}
+        for _, seq, _, _, x in batch:
             seq.rows += x.shape[0]
             seq.pending, seq.last_input = [], x[-1:]
-        # Steps 2..k: the head's own output stands in for the target feature.
+        # Then one row per token: the head's own output stands in for the target feature. The
+        # forced tokens are fed as they are; after them, tokens are drawn.
+        fed = dict.fromkeys(tokens, 0)  # forced tokens fed so far
         while True:
-            logits = head.draft_logits(a)
-            next_batch: list[tuple[str, _EagleSeq, int, torch.Tensor]] = []
-            for row, (rid, seq, k, _) in enumerate(batch):
-                token, q = self._sample(seq, logits[row : row + 1])
-                tokens[rid].append(token)
-                if q is not None:
-                    probs[rid].append(q)
-                if len(tokens[rid]) < k:
+            rows = [r for r, (rid, _, forced, _, _) in enumerate(batch) if fed[rid] >= len(forced)]
+            drawing = {row: i for i, row in enumerate(rows)}  # batch row -> row of logits
+            logits = head.draft_logits(a[rows]) if rows else None
+            next_batch: list[tuple[str, _EagleSeq, list[int], int, torch.Tensor]] = []
+            for row, (rid, seq, forced, n, _) in enumerate(batch):
+                if fed[rid] < len(forced):
+                    token = forced[fed[rid]]
+                    fed[rid] += 1
+                else:
+                    assert logits is not None
+                    i = drawing[row]
+                    token, q = self._sample(seq, logits[i : i + 1])
+                    tokens[rid].append(token)
+                    if q is not None:
+                        probs[rid].append(q)
+                if len(tokens[rid]) < n:
                     token_ids = torch.tensor([token], device=a.device)
                     x = head.layer_input(a[row : row + 1], token_ids)
-                    next_batch.append((rid, seq, k, x))
+                    next_batch.append((rid, seq, forced, n, x))
             batch = next_batch
             if not batch:
                 break
             try:
-                a = self._forward([(seq, x) for _, seq, _, x in batch])
+                a = self._forward([(seq, x) for _, seq, _, _, x in batch])
             except NoFreeBlocksError:
                 break  # propose what we have; these rows are rolled back next time anyway
         return {
             rid: Draft(tokens[rid], torch.cat(probs[rid]) if probs[rid] else None)
-            for rid, _, _ in active
+            for rid, _, _, _ in active
         }
 
     def _forward(self, batch: list[tuple[_EagleSeq, torch.Tensor]]) -> torch.Tensor:
