@@ -9,8 +9,9 @@ engine verifies without drafts), never a stalled verifier.
 
 While the verifier checks a proposal, a drafter that can (`Drafter.drafts_ahead`: the model
 drafters) prepares the next one on a thread of its actor, guessing that the whole draft is
-accepted (workers/drafting/base.py); the next call waits for that thread first, and a right
-guess is answered without drafting. The drafter's core would idle otherwise.
+accepted (workers/drafting/base.py); the next call stops that thread at its next forward and
+waits for it, and a right guess is answered without drafting. The drafter's core would idle
+otherwise.
 
 A drafter that died (its actor restarted by Ray, or replaced) comes back empty. The proxy notices
 (a failed call, or the restarted actor's new incarnation number), rebuilds the link and re-adds
@@ -77,6 +78,7 @@ class DrafterWorker:
         self.link: TensorLink | None = None
         self.incarnation = int(time.time_ns())  # a restarted actor gets a new one
         self._ahead: threading.Thread | None = None
+        self._stop_ahead = threading.Event()
 
     def info(self) -> dict[str, Any]:
         return {
@@ -132,14 +134,17 @@ class DrafterWorker:
 
     def _draft_ahead(self, requests: list[DraftRequest]) -> None:
         try:
-            self.drafter.draft_ahead(requests)
+            self.drafter.draft_ahead(requests, self._stop_ahead.is_set)
         except Exception:  # a lost guess costs nothing; the next proposal drafts afresh
             log.exception("%s: drafting ahead failed", self.name)
 
     def _finish_ahead(self) -> None:
+        """Stop drafting ahead (it ends at its next forward) and wait for it."""
         if self._ahead is not None:
+            self._stop_ahead.set()
             self._ahead.join()
             self._ahead = None
+            self._stop_ahead.clear()
 
 
 class DrafterRestarted(RuntimeError):

@@ -128,8 +128,26 @@ def test_draft_model_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(
     request = [DraftRequest("a", 13, 3)]
     assert drafter.propose(request)["a"] == fresh.propose([DraftRequest("b", 13, 3)])["b"]
     assert drafter.ahead_served == 1
+    # That draft followed a rejection: no drafting ahead until a draft is accepted whole.
+    drafter.draft_ahead(request)
+    assert drafter.ahead_prepared == 2 and drafter._seqs["a"].guess is None
     drafter.remove("a")
     assert drafter.allocator.num_free_blocks == drafter.allocator.num_blocks
+
+
+def test_drafting_ahead_stops_when_asked(tiny_model: TransformerLM) -> None:
+    drafter = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    drafter.add("a", [5, 17, 33, 8], SamplingParams(temperature=0.0))
+    request = [DraftRequest("a", 4, 3)]
+    draft = drafter.propose(request)["a"].token_ids
+    drafter.draft_ahead(request, stop=lambda: True)  # the next step is already here
+    assert drafter.ahead_prepared == 0 and drafter._seqs["a"].guess is None
+    # The cache still serves the next proposal correctly.
+    drafter.commit("a", [draft[0], 0])
+    fresh = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    fresh.add("b", [5, 17, 33, 8, draft[0], 0], SamplingParams(temperature=0.0))
+    got = drafter.propose([DraftRequest("a", 6, 3)])["a"]
+    assert got == fresh.propose([DraftRequest("b", 6, 3)])["b"]
 
 
 def test_sampled_drafting_ahead_returns_q_for_each_prepared_token(

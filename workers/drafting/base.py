@@ -14,7 +14,7 @@ feature rows), so the drafter can live in another process or on another machine.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,13 +84,19 @@ class Drafter(ABC):
     # whole draft accepted, then its own choice of the bonus token) and drafts the proposal that
     # would come next. When the commit equals the guess, the next `propose` serves that draft at
     # once; otherwise it is discarded. Drafts stay drafts, so the output never depends on this.
+    # Only sequences whose last draft was accepted whole are drafted ahead for (a wrong guess
+    # costs the drafter's time, and acceptance comes in runs), and `stop` (checked between
+    # forwards) ends the work when the next step arrives, so it never delays a proposal by more
+    # than one draft forward.
     drafts_ahead: bool = False
     ahead_prepared: int = 0  # proposals drafted ahead so far
     ahead_served: int = 0  # of those, served because the guess was right
 
-    def draft_ahead(self, requests: Sequence[DraftRequest]) -> None:  # noqa: B027
+    def draft_ahead(  # noqa: B027
+        self, requests: Sequence[DraftRequest], stop: Callable[[], bool] = lambda: False
+    ) -> None:
         """Prepare the next proposal of each sequence just drafted for (`requests`: the same
-        requests `propose` got)."""
+        requests `propose` got), unless `stop()` turns true first."""
 
 
 def draft_generator(params: SamplingParams, offset: int) -> torch.Generator | None:

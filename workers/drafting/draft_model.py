@@ -15,7 +15,7 @@ exactly what the next proposal needs, so the prepared draft is served as it is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,7 @@ class _DraftSeq:
     tokens: list[int] = field(default_factory=list)  # committed
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the draft cache holds
     draft: list[int] = field(default_factory=list)  # the last proposal
+    whole: bool = True  # the last proposal was accepted whole (or none was made yet)
     guess: list[int] | None = None  # the commit a prepared draft assumes
     prepared: Draft | None = None  # drafted ahead on that guess
     ready: Draft | None = None  # a prepared draft whose guess came true
@@ -66,9 +67,10 @@ class DraftModelDrafter(Drafter):
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         seq = self._seqs[request_id]
         seq.tokens.extend(token_ids)
+        seq.whole = list(token_ids[: len(seq.draft)]) == seq.draft
         hit = seq.guess is not None and list(token_ids) == seq.guess
         seq.ready = seq.prepared if hit else None
-        seq.guess = seq.prepared = None
+        seq.guess, seq.prepared, seq.draft = None, None, []
         keep = seq.tokens + (seq.ready.token_ids if seq.ready is not None else [])
         self._rollback(seq, _common_prefix(seq.cached, keep))
 
@@ -98,11 +100,13 @@ class DraftModelDrafter(Drafter):
         return drafts
 
     @torch.inference_mode()
-    def draft_ahead(self, requests: Sequence[DraftRequest]) -> None:
+    def draft_ahead(
+        self, requests: Sequence[DraftRequest], stop: Callable[[], bool] = lambda: False
+    ) -> None:
         active: list[tuple[str, _DraftSeq, list[int], int]] = []
         for req in requests:
             seq = self._seqs.get(req.request_id)
-            if seq is None or not seq.draft:
+            if seq is None or not seq.draft or not seq.whole:
                 continue
             # The guess commits the draft and a bonus token; k more must still fit.
             k = min(req.k, self.max_model_len - len(seq.tokens) - len(seq.draft) - 1)
@@ -110,7 +114,7 @@ class DraftModelDrafter(Drafter):
                 active.append((req.request_id, seq, seq.draft, k + 1))
         if not active:
             return
-        drafts = self._draft(active)
+        drafts = self._draft(active, stop)
         for rid, seq, draft, _ in active:
             ahead = drafts[rid]
             if len(ahead.token_ids) < 2:  # out of draft cache: nothing worth keeping
@@ -121,9 +125,14 @@ class DraftModelDrafter(Drafter):
             )
             self.ahead_prepared += 1
 
-    def _draft(self, active: list[tuple[str, _DraftSeq, list[int], int]]) -> dict[str, Draft]:
+    def _draft(
+        self,
+        active: list[tuple[str, _DraftSeq, list[int], int]],
+        stop: Callable[[], bool] = lambda: False,
+    ) -> dict[str, Draft]:
         """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
-        and then the `forced` ones (a previous draft, when drafting ahead)."""
+        and then the `forced` ones (a previous draft, when drafting ahead). Drafts come back
+        short when `stop()` turns true (checked between forwards)."""
         # First forward: whatever of the context the cache lacks (at least its last token, for
         # its logits); then one drafted token each.
         pending: dict[str, list[int]] = {}
@@ -135,7 +144,7 @@ class DraftModelDrafter(Drafter):
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
         running = list(active)
-        while running:
+        while running and not stop():
             try:
                 logits = self._forward([(seq, pending[rid]) for rid, seq, _, _ in running])
             except NoFreeBlocksError:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +55,7 @@ class _EagleSeq:
     cached: int = 0  # cache rows written, feature rows then the last proposal's draft rows
     last_input: torch.Tensor | None = None  # head input of the last feature row, to redo it
     draft: list[int] = field(default_factory=list)  # the last proposal
+    whole: bool = True  # the last proposal was accepted whole (or none was made yet)
     guess: list[int] | None = None  # the commit a prepared draft assumes
     prepared: Draft | None = None  # drafted ahead on that guess
     ready: Draft | None = None  # a prepared draft whose guess came true
@@ -116,9 +117,10 @@ class EagleDrafter(Drafter):
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         seq = self._seqs[request_id]
         seq.tokens.extend(token_ids)
+        seq.whole = list(token_ids[: len(seq.draft)]) == seq.draft
         hit = seq.guess is not None and list(token_ids) == seq.guess
         seq.ready = seq.prepared if hit else None
-        seq.guess = seq.prepared = None
+        seq.guess, seq.prepared, seq.draft = None, None, []
 
     def remove(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -147,11 +149,13 @@ class EagleDrafter(Drafter):
         return drafts
 
     @torch.inference_mode()
-    def draft_ahead(self, requests: Sequence[DraftRequest]) -> None:
+    def draft_ahead(
+        self, requests: Sequence[DraftRequest], stop: Callable[[], bool] = lambda: False
+    ) -> None:
         active: list[tuple[str, _EagleSeq, list[int], int]] = []
         for req in requests:
             seq = self._seqs.get(req.request_id)
-            if seq is None or not seq.draft or not self._can_draft(seq):
+            if seq is None or not seq.draft or not seq.whole or not self._can_draft(seq):
                 continue
             # The guess commits the draft and a bonus token; k more must still fit.
             k = min(req.k, self.max_model_len - len(seq.tokens) - len(seq.draft) - 1)
@@ -159,7 +163,7 @@ class EagleDrafter(Drafter):
                 active.append((req.request_id, seq, seq.draft, k + 1))
         if not active:
             return
-        drafts = self._draft(active)
+        drafts = self._draft(active, stop)
         for rid, seq, draft, _ in active:
             ahead = drafts[rid]
             if len(ahead.token_ids) < 2:  # out of head cache: nothing worth keeping
@@ -198,9 +202,14 @@ class EagleDrafter(Drafter):
 
     # -- drafting ------------------------------------------------------------------------------
 
-    def _draft(self, active: list[tuple[str, _EagleSeq, list[int], int]]) -> dict[str, Draft]:
+    def _draft(
+        self,
+        active: list[tuple[str, _EagleSeq, list[int], int]],
+        stop: Callable[[], bool] = lambda: False,
+    ) -> dict[str, Draft]:
         """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
-        and then the `forced` ones (a previous draft, when drafting ahead)."""
+        and then the `forced` ones (a previous draft, when drafting ahead). Drafts come back
+        short when `stop()` turns true (checked between forwards)."""
         head = self.head
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
@@ -255,7 +264,7 @@ class EagleDrafter(Drafter):
                     x = head.layer_input(a[row : row + 1], token_ids)
                     next_batch.append((rid, seq, forced, n, x))
             batch = next_batch
-            if not batch:
+            if not batch or stop():
                 break
             try:
                 a = self._forward([(seq, x) for _, seq, _, _, x in batch])
