@@ -1,10 +1,11 @@
-"""Small builders shared by tests: a tiny random model config and paged-cache helpers."""
+"""Small builders shared by tests: a tiny random model (config, weights) and paged-cache helpers."""
 
 from __future__ import annotations
 
 import torch
 
 from workers.model.config import ModelConfig
+from workers.model.transformer import TransformerLM
 
 
 def tiny_config(architecture: str = "llama", **overrides: object) -> ModelConfig:
@@ -57,6 +58,14 @@ def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
             for x, n in (("q", q), ("k", kv), ("v", kv)):
                 w[p + f"self_attn.{x}_proj.bias"] = rand(n)
     return w
+
+
+def tiny_model(seed: int, **overrides: object) -> TransformerLM:
+    """A tiny llama with random weights, in eval mode."""
+    config = tiny_config(**overrides)
+    model = TransformerLM(config)
+    model.load_hf_weights(random_hf_weights(config, seed=seed))
+    return model.eval()
 
 
 def scattered_block_ids(num_tokens: int, block_size: int, num_blocks: int, seed: int) -> list[int]:

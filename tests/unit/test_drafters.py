@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.factories import random_hf_weights, tiny_config
+from tests.factories import tiny_model
 from workers.drafting.base import DraftRequest, DraftStateError
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter, prompt_lookup
@@ -89,20 +89,17 @@ def test_step_costs_charge_verification_drafting_and_overhead() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_model() -> TransformerLM:
-    config = tiny_config()
-    model = TransformerLM(config)
-    model.load_hf_weights(random_hf_weights(config, seed=5))
-    return model.eval()
+def draft_net() -> TransformerLM:
+    return tiny_model(seed=5)
 
 
 def test_draft_model_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(
-    tiny_model: TransformerLM,
+    draft_net: TransformerLM,
 ) -> None:
     greedy = SamplingParams(temperature=0.0)
     prompt = [5, 17, 33, 8, 60, 2, 71]
-    drafter = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
-    longer = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    drafter = DraftModelDrafter(draft_net, num_blocks=32, block_size=4)
+    longer = DraftModelDrafter(draft_net, num_blocks=32, block_size=4)
     for d in (drafter, longer):
         d.add("a", prompt, greedy)
     draft = drafter.propose([DraftRequest("a", 7, 3)])["a"].token_ids
@@ -112,8 +109,8 @@ def test_draft_model_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(
     whole = longer.propose([DraftRequest("a", 7, 7)])["a"].token_ids
     assert draft == whole[:3]
     seq = drafter._seqs["a"]
-    assert seq.guess == whole[:4] and seq.prepared is not None
-    assert seq.prepared.token_ids == whole[4:]
+    assert seq.ahead.guess == whole[:4] and seq.ahead.prepared is not None
+    assert seq.ahead.prepared.token_ids == whole[4:]
     assert drafter.ahead_prepared == 1 and drafter.ahead_served == 0
 
     drafter.commit("a", whole[:4])  # the verifier accepted everything, bonus as guessed
@@ -123,43 +120,45 @@ def test_draft_model_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(
     drafter.draft_ahead([DraftRequest("a", 11, 3)])
     wrong = [whole[4], (whole[5] + 1) % 97]
     drafter.commit("a", wrong)
-    fresh = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    fresh = DraftModelDrafter(draft_net, num_blocks=32, block_size=4)
     fresh.add("b", prompt + whole[:5] + wrong[1:], greedy)
     request = [DraftRequest("a", 13, 3)]
     assert drafter.propose(request)["a"] == fresh.propose([DraftRequest("b", 13, 3)])["b"]
     assert drafter.ahead_served == 1
     # That draft followed a rejection: no drafting ahead until a draft is accepted whole.
     drafter.draft_ahead(request)
-    assert drafter.ahead_prepared == 2 and drafter._seqs["a"].guess is None
+    assert drafter.ahead_prepared == 2 and drafter._seqs["a"].ahead.guess is None
     drafter.remove("a")
     assert drafter.allocator.num_free_blocks == drafter.allocator.num_blocks
 
 
-def test_drafting_ahead_stops_when_asked(tiny_model: TransformerLM) -> None:
-    drafter = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+def test_drafting_ahead_stops_when_asked(draft_net: TransformerLM) -> None:
+    drafter = DraftModelDrafter(draft_net, num_blocks=32, block_size=4)
     drafter.add("a", [5, 17, 33, 8], SamplingParams(temperature=0.0))
     request = [DraftRequest("a", 4, 3)]
     draft = drafter.propose(request)["a"].token_ids
     drafter.draft_ahead(request, stop=lambda: True)  # the next step is already here
-    assert drafter.ahead_prepared == 0 and drafter._seqs["a"].guess is None
+    assert drafter.ahead_prepared == 0 and drafter._seqs["a"].ahead.guess is None
     # The cache still serves the next proposal correctly.
     drafter.commit("a", [draft[0], 0])
-    fresh = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    fresh = DraftModelDrafter(draft_net, num_blocks=32, block_size=4)
     fresh.add("b", [5, 17, 33, 8, draft[0], 0], SamplingParams(temperature=0.0))
     got = drafter.propose([DraftRequest("a", 6, 3)])["a"]
     assert got == fresh.propose([DraftRequest("b", 6, 3)])["b"]
 
 
 def test_sampled_drafting_ahead_returns_q_for_each_prepared_token(
-    tiny_model: TransformerLM,
+    draft_net: TransformerLM,
 ) -> None:
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
-    drafter = DraftModelDrafter(tiny_model, num_blocks=32, block_size=4)
+    drafter = DraftModelDrafter(draft_net, num_blocks=32, block_size=4)
     drafter.add("a", [5, 17, 33, 8], params)
     draft = drafter.propose([DraftRequest("a", 4, 2)])["a"]
     drafter.draft_ahead([DraftRequest("a", 4, 2)])
     seq = drafter._seqs["a"]
-    assert seq.guess is not None and seq.guess[:2] == draft.token_ids
-    assert seq.prepared is not None and seq.prepared.probs is not None
-    assert seq.prepared.probs.shape == (2, 97)
-    assert all(seq.prepared.probs[i, t] > 0 for i, t in enumerate(seq.prepared.token_ids))
+    assert seq.ahead.guess is not None and seq.ahead.guess[:2] == draft.token_ids
+    assert seq.ahead.prepared is not None and seq.ahead.prepared.probs is not None
+    assert seq.ahead.prepared.probs.shape == (2, 97)
+    assert all(
+        seq.ahead.prepared.probs[i, t] > 0 for i, t in enumerate(seq.ahead.prepared.token_ids)
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.factories import random_hf_weights, tiny_config
+from tests.factories import tiny_model
 from workers.drafting.base import DraftRequest
 from workers.drafting.eagle import EagleDrafter
 from workers.eagle.data import EagleData, draft_vocabulary
@@ -20,10 +20,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def target() -> TransformerLM:
-    config = tiny_config()
-    model = TransformerLM(config)
-    model.load_hf_weights(random_hf_weights(config, seed=3))
-    return model.eval()
+    return tiny_model(seed=3)
 
 
 def make_head(target: TransformerLM, draft_vocab: int = 64, seed: int = 0) -> EagleHead:
@@ -224,8 +221,8 @@ def test_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(target) -> No
     whole = longer.propose(request_for("a", 10, 7))["a"].token_ids
     assert draft == whole[:3]
     seq = drafter._seqs["a"]
-    assert seq.guess == whole[:4] and seq.prepared is not None
-    assert seq.prepared.token_ids == whole[4:]
+    assert seq.ahead.guess == whole[:4] and seq.ahead.prepared is not None
+    assert seq.ahead.prepared.token_ids == whole[4:]
 
     # The verifier accepted the draft and its bonus token was the guess: served as prepared.
     drafter.observe_hidden("a", 9, features[9:13])

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from tests.factories import random_hf_weights, tiny_config
+from tests.factories import tiny_model
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
@@ -22,10 +22,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model() -> TransformerLM:
-    config = tiny_config(max_position_embeddings=512)
-    net = TransformerLM(config)
-    net.load_hf_weights(random_hf_weights(config, seed=4))
-    return net.eval()
+    return tiny_model(seed=4, max_position_embeddings=512)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -14,8 +14,9 @@ feature rows), so the drafter can live in another process or on another machine.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -97,6 +98,90 @@ class Drafter(ABC):
     ) -> None:
         """Prepare the next proposal of each sequence just drafted for (`requests`: the same
         requests `propose` got), unless `stop()` turns true first."""
+
+
+@dataclass(slots=True)
+class AheadState:
+    """One sequence's drafting-ahead bookkeeping."""
+
+    draft: list[int] = field(default_factory=list)  # the last proposal
+    whole: bool = True  # the last proposal was accepted whole (or none was made yet)
+    guess: list[int] | None = None  # the commit a prepared draft assumes
+    prepared: Draft | None = None  # drafted ahead on that guess
+    ready: Draft | None = None  # a prepared draft whose guess came true
+
+    def committed(self, token_ids: Sequence[int]) -> None:
+        self.whole = list(token_ids[: len(self.draft)]) == self.draft
+        hit = self.guess is not None and list(token_ids) == self.guess
+        self.ready = self.prepared if hit else None
+        self.guess, self.prepared, self.draft = None, None, []
+
+    def keep(self, ahead: Draft) -> bool:
+        """Keep a draft made ahead (the bonus-token guess, then the next proposal); False when
+        it was cut short before the proposal's first token."""
+        if len(ahead.token_ids) < 2:
+            return False
+        self.guess = self.draft + ahead.token_ids[:1]
+        probs = None if ahead.probs is None else ahead.probs[1:]
+        self.prepared = Draft(ahead.token_ids[1:], probs)
+        return True
+
+
+class AheadSequence(Protocol):
+    tokens: list[int]  # committed
+    ahead: AheadState
+
+
+class DraftsAhead(Drafter):
+    """A drafter that drafts ahead: its sequences carry an `AheadState`, and its `_draft` drafts
+    after given (`forced`) tokens. Subclasses call `_committed` from `commit` and `_proposal`
+    and `_proposed` around `propose`."""
+
+    drafts_ahead = True
+    max_model_len: int
+    _seqs: Mapping[str, AheadSequence]
+
+    @abstractmethod
+    def _draft(
+        self, active: list[tuple[str, Any, list[int], int]], stop: Callable[[], bool]
+    ) -> dict[str, Draft]:
+        """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
+        and then the `forced` ones (a previous draft, when drafting ahead; none for a
+        proposal). Drafts come back short when `stop()` turns true (checked between forwards)."""
+
+    def _can_draft(self, seq: Any) -> bool:
+        return True
+
+    def _ready(self, seq: AheadSequence, k: int) -> Draft | None:
+        """The prepared draft to serve now, if the last commit was the guess."""
+        ready, seq.ahead.ready = seq.ahead.ready, None
+        if ready is None or k <= 0:
+            return None
+        self.ahead_served += 1
+        return ready.truncated(k)
+
+    def _proposed(self, drafts: dict[str, Draft]) -> None:
+        for rid, draft in drafts.items():
+            self._seqs[rid].ahead.draft = draft.token_ids
+
+    @torch.inference_mode()
+    def draft_ahead(
+        self, requests: Sequence[DraftRequest], stop: Callable[[], bool] = lambda: False
+    ) -> None:
+        active: list[tuple[str, Any, list[int], int]] = []
+        for req in requests:
+            seq = self._seqs.get(req.request_id)
+            if seq is None or not (seq.ahead.draft and seq.ahead.whole) or not self._can_draft(seq):
+                continue
+            # The guess commits the draft and a bonus token; k more must still fit.
+            draft = seq.ahead.draft
+            k = min(req.k, self.max_model_len - len(seq.tokens) - len(draft) - 1)
+            if k > 0:
+                active.append((req.request_id, seq, draft, k + 1))
+        if active:
+            drafts = self._draft(active, stop)
+            for rid, seq, _, _ in active:
+                self.ahead_prepared += seq.ahead.keep(drafts[rid])
 
 
 def draft_generator(params: SamplingParams, offset: int) -> torch.Generator | None:

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.sampling import logits_to_probs, sample_from_probs
-from workers.drafting.base import Draft, Drafter, DraftRequest, check_view, draft_generator
+from workers.drafting.base import (
+    AheadState,
+    Draft,
+    DraftRequest,
+    DraftsAhead,
+    check_view,
+    draft_generator,
+)
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
@@ -38,16 +45,11 @@ class _DraftSeq:
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)  # committed
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the draft cache holds
-    draft: list[int] = field(default_factory=list)  # the last proposal
-    whole: bool = True  # the last proposal was accepted whole (or none was made yet)
-    guess: list[int] | None = None  # the commit a prepared draft assumes
-    prepared: Draft | None = None  # drafted ahead on that guess
-    ready: Draft | None = None  # a prepared draft whose guess came true
+    ahead: AheadState = field(default_factory=AheadState)
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(DraftsAhead):
     method = "draft_model"
-    drafts_ahead = True
 
     def __init__(
         self, model: TransformerLM, num_blocks: int, block_size: int = 16, max_model_len: int = 0
@@ -57,7 +59,6 @@ class DraftModelDrafter(Drafter):
         self.allocator = BlockAllocator(num_blocks)
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self._seqs: dict[str, _DraftSeq] = {}
-        self.ahead_prepared = self.ahead_served = 0
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         table = BlockTable(self.allocator, self.runner.block_size)
@@ -67,11 +68,9 @@ class DraftModelDrafter(Drafter):
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         seq = self._seqs[request_id]
         seq.tokens.extend(token_ids)
-        seq.whole = list(token_ids[: len(seq.draft)]) == seq.draft
-        hit = seq.guess is not None and list(token_ids) == seq.guess
-        seq.ready = seq.prepared if hit else None
-        seq.guess, seq.prepared, seq.draft = None, None, []
-        keep = seq.tokens + (seq.ready.token_ids if seq.ready is not None else [])
+        seq.ahead.committed(token_ids)
+        ready = seq.ahead.ready
+        keep = seq.tokens + (ready.token_ids if ready is not None else [])
         self._rollback(seq, _common_prefix(seq.cached, keep))
 
     def remove(self, request_id: str) -> None:
@@ -86,53 +85,22 @@ class DraftModelDrafter(Drafter):
             seq = self._seqs[req.request_id]
             check_view(req, len(seq.tokens))
             k = min(req.k, self.max_model_len - len(seq.tokens))
-            ready, seq.ready = seq.ready, None
+            ready = self._ready(seq, k)
             drafts[req.request_id] = Draft([])
-            if k > 0 and ready is not None:
-                drafts[req.request_id] = ready.truncated(k)
-                self.ahead_served += 1
+            if ready is not None:
+                drafts[req.request_id] = ready
             elif k > 0:
                 active.append((req.request_id, seq, [], k))
         if active:
             drafts.update(self._draft(active))
-        for req in requests:
-            self._seqs[req.request_id].draft = drafts[req.request_id].token_ids
+        self._proposed(drafts)
         return drafts
-
-    @torch.inference_mode()
-    def draft_ahead(
-        self, requests: Sequence[DraftRequest], stop: Callable[[], bool] = lambda: False
-    ) -> None:
-        active: list[tuple[str, _DraftSeq, list[int], int]] = []
-        for req in requests:
-            seq = self._seqs.get(req.request_id)
-            if seq is None or not seq.draft or not seq.whole:
-                continue
-            # The guess commits the draft and a bonus token; k more must still fit.
-            k = min(req.k, self.max_model_len - len(seq.tokens) - len(seq.draft) - 1)
-            if k > 0:
-                active.append((req.request_id, seq, seq.draft, k + 1))
-        if not active:
-            return
-        drafts = self._draft(active, stop)
-        for rid, seq, draft, _ in active:
-            ahead = drafts[rid]
-            if len(ahead.token_ids) < 2:  # out of draft cache: nothing worth keeping
-                continue
-            seq.guess = draft + ahead.token_ids[:1]
-            seq.prepared = Draft(
-                ahead.token_ids[1:], None if ahead.probs is None else ahead.probs[1:]
-            )
-            self.ahead_prepared += 1
 
     def _draft(
         self,
         active: list[tuple[str, _DraftSeq, list[int], int]],
         stop: Callable[[], bool] = lambda: False,
     ) -> dict[str, Draft]:
-        """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
-        and then the `forced` ones (a previous draft, when drafting ahead). Drafts come back
-        short when `stop()` turns true (checked between forwards)."""
         # First forward: whatever of the context the cache lacks (at least its last token, for
         # its logits); then one drafted token each.
         pending: dict[str, list[int]] = {}

@@ -30,7 +30,14 @@ import torch
 
 from kernels.attention import AttentionBackend, SdpaAttention
 from kernels.sampling import logits_to_probs, sample_from_probs
-from workers.drafting.base import Draft, Drafter, DraftRequest, check_view, draft_generator
+from workers.drafting.base import (
+    AheadState,
+    Draft,
+    DraftRequest,
+    DraftsAhead,
+    check_view,
+    draft_generator,
+)
 from workers.eagle.head import EagleHead
 from workers.engine.model_runner import SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
@@ -54,16 +61,11 @@ class _EagleSeq:
     rows: int = 0  # cache rows made from target features (the rest are draft rows)
     cached: int = 0  # cache rows written, feature rows then the last proposal's draft rows
     last_input: torch.Tensor | None = None  # head input of the last feature row, to redo it
-    draft: list[int] = field(default_factory=list)  # the last proposal
-    whole: bool = True  # the last proposal was accepted whole (or none was made yet)
-    guess: list[int] | None = None  # the commit a prepared draft assumes
-    prepared: Draft | None = None  # drafted ahead on that guess
-    ready: Draft | None = None  # a prepared draft whose guess came true
+    ahead: AheadState = field(default_factory=AheadState)
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(DraftsAhead):
     method = "eagle"
-    drafts_ahead = True
 
     def __init__(
         self,
@@ -88,7 +90,6 @@ class EagleDrafter(Drafter):
         self.vocab = head.draft_vocab
         self.full_vocab_size = target.config.vocab_size
         self._seqs: dict[str, _EagleSeq] = {}
-        self.ahead_prepared = self.ahead_served = 0
 
     # -- the Drafter boundary ------------------------------------------------------------------
 
@@ -117,10 +118,7 @@ class EagleDrafter(Drafter):
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         seq = self._seqs[request_id]
         seq.tokens.extend(token_ids)
-        seq.whole = list(token_ids[: len(seq.draft)]) == seq.draft
-        hit = seq.guess is not None and list(token_ids) == seq.guess
-        seq.ready = seq.prepared if hit else None
-        seq.guess, seq.prepared, seq.draft = None, None, []
+        seq.ahead.committed(token_ids)
 
     def remove(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -136,46 +134,17 @@ class EagleDrafter(Drafter):
             check_view(req, len(seq.tokens))
             drafts[req.request_id] = Draft([])
             k = min(req.k, self.max_model_len - len(seq.tokens))
-            ready, seq.ready = seq.ready, None
-            if k > 0 and ready is not None:
-                drafts[req.request_id] = ready.truncated(k)
-                self.ahead_served += 1
+            ready = self._ready(seq, k)
+            if ready is not None:
+                drafts[req.request_id] = ready
             elif k > 0 and self._can_draft(seq):
                 active.append((req.request_id, seq, [], k))
         if active:
             drafts.update(self._draft(active))
-        for req in requests:
-            self._seqs[req.request_id].draft = drafts[req.request_id].token_ids
+        self._proposed(drafts)
         return drafts
 
-    @torch.inference_mode()
-    def draft_ahead(
-        self, requests: Sequence[DraftRequest], stop: Callable[[], bool] = lambda: False
-    ) -> None:
-        active: list[tuple[str, _EagleSeq, list[int], int]] = []
-        for req in requests:
-            seq = self._seqs.get(req.request_id)
-            if seq is None or not seq.draft or not seq.whole or not self._can_draft(seq):
-                continue
-            # The guess commits the draft and a bonus token; k more must still fit.
-            k = min(req.k, self.max_model_len - len(seq.tokens) - len(seq.draft) - 1)
-            if k > 0:
-                active.append((req.request_id, seq, seq.draft, k + 1))
-        if not active:
-            return
-        drafts = self._draft(active, stop)
-        for rid, seq, draft, _ in active:
-            ahead = drafts[rid]
-            if len(ahead.token_ids) < 2:  # out of head cache: nothing worth keeping
-                continue
-            seq.guess = draft + ahead.token_ids[:1]
-            seq.prepared = Draft(
-                ahead.token_ids[1:], None if ahead.probs is None else ahead.probs[1:]
-            )
-            self.ahead_prepared += 1
-
-    @staticmethod
-    def _can_draft(seq: _EagleSeq) -> bool:
+    def _can_draft(self, seq: _EagleSeq) -> bool:
         """Drafting needs the feature of every position before the last committed token."""
         return seq.base is not None and seq.features_end == len(seq.tokens) - 1
 
@@ -207,9 +176,6 @@ class EagleDrafter(Drafter):
         active: list[tuple[str, _EagleSeq, list[int], int]],
         stop: Callable[[], bool] = lambda: False,
     ) -> dict[str, Draft]:
-        """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
-        and then the `forced` ones (a previous draft, when drafting ahead). Drafts come back
-        short when `stop()` turns true (checked between forwards)."""
         head = self.head
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
