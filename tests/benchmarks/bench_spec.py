@@ -428,7 +428,11 @@ def main() -> None:
             f"template, up to {args.max_tokens} new tokens, k <= {K} (adaptive), medians of "
             f"{args.runs} interleaved runs. draft_model is the target's first {DRAFT_LAYERS} "
             "layers (the bundled model has no smaller sibling); adaptive k turns it off where it "
-            "does not pay.",
+            "does not pay. Greedy bf16 output depends on how many tokens a forward scores (bf16 "
+            "logits tie), and adaptive k follows the verify costs the engine measures at "
+            "start-up, so a prompt's text, and with it the acceptance, can differ from one "
+            "process to the next; the code edit is the sensitive one (its copy of the code "
+            "holds in some runs and drifts in others).",
             "### Goals",
             table(["goal", "target", "measured"], goals),
             "### Single stream",
