@@ -133,9 +133,10 @@ class AheadSequence(Protocol):
 
 
 class DraftsAhead(Drafter):
-    """A drafter that drafts ahead: its sequences carry an `AheadState`, and its `_draft` drafts
-    after given (`forced`) tokens. Subclasses call `_committed` from `commit` and `_proposal`
-    and `_proposed` around `propose`."""
+    """A drafter that drafts ahead: its sequences carry their committed `tokens` and an
+    `AheadState` (`commit` must call `ahead.committed`), and its `_draft` drafts after given
+    (`forced`) tokens. `propose` serves a prepared draft when the last commit was its guess and
+    drafts the others with `_draft`."""
 
     drafts_ahead = True
     max_model_len: int
@@ -150,19 +151,29 @@ class DraftsAhead(Drafter):
         proposal). Drafts come back short when `stop()` turns true (checked between forwards)."""
 
     def _can_draft(self, seq: Any) -> bool:
+        """Whether the drafter has what drafting for `seq` needs (default: always)."""
         return True
 
-    def _ready(self, seq: AheadSequence, k: int) -> Draft | None:
-        """The prepared draft to serve now, if the last commit was the guess."""
-        ready, seq.ahead.ready = seq.ahead.ready, None
-        if ready is None or k <= 0:
-            return None
-        self.ahead_served += 1
-        return ready.truncated(k)
-
-    def _proposed(self, drafts: dict[str, Draft]) -> None:
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        drafts: dict[str, Draft] = {}
+        active: list[tuple[str, Any, list[int], int]] = []
+        for req in requests:
+            seq = self._seqs[req.request_id]
+            check_view(req, len(seq.tokens))
+            k = min(req.k, self.max_model_len - len(seq.tokens))
+            ready, seq.ahead.ready = seq.ahead.ready, None
+            drafts[req.request_id] = EMPTY_DRAFT
+            if ready is not None and k > 0:  # the last commit was the guess
+                drafts[req.request_id] = ready.truncated(k)
+                self.ahead_served += 1
+            elif k > 0 and self._can_draft(seq):
+                active.append((req.request_id, seq, [], k))
+        if active:
+            drafts.update(self._draft(active, lambda: False))
         for rid, draft in drafts.items():
             self._seqs[rid].ahead.draft = draft.token_ids
+        return drafts
 
     @torch.inference_mode()
     def draft_ahead(

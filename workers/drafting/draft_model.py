@@ -24,9 +24,7 @@ from kernels.sampling import logits_to_probs, sample_from_probs
 from workers.drafting.base import (
     AheadState,
     Draft,
-    DraftRequest,
     DraftsAhead,
-    check_view,
     draft_generator,
 )
 from workers.engine.model_runner import ModelRunner, SeqForward
@@ -78,28 +76,10 @@ class DraftModelDrafter(DraftsAhead):
         if seq is not None:
             seq.table.release()
 
-    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
-        drafts: dict[str, Draft] = {}
-        active: list[tuple[str, _DraftSeq, list[int], int]] = []
-        for req in requests:
-            seq = self._seqs[req.request_id]
-            check_view(req, len(seq.tokens))
-            k = min(req.k, self.max_model_len - len(seq.tokens))
-            ready = self._ready(seq, k)
-            drafts[req.request_id] = Draft([])
-            if ready is not None:
-                drafts[req.request_id] = ready
-            elif k > 0:
-                active.append((req.request_id, seq, [], k))
-        if active:
-            drafts.update(self._draft(active))
-        self._proposed(drafts)
-        return drafts
-
     def _draft(
         self,
         active: list[tuple[str, _DraftSeq, list[int], int]],
-        stop: Callable[[], bool] = lambda: False,
+        stop: Callable[[], bool],
     ) -> dict[str, Draft]:
         # First forward: whatever of the context the cache lacks (at least its last token, for
         # its logits); then one drafted token each.

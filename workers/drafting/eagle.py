@@ -35,7 +35,6 @@ from workers.drafting.base import (
     Draft,
     DraftRequest,
     DraftsAhead,
-    check_view,
     draft_generator,
 )
 from workers.eagle.head import EagleHead
@@ -125,25 +124,6 @@ class EagleDrafter(DraftsAhead):
         if seq is not None:
             seq.table.release()
 
-    @torch.inference_mode()
-    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
-        drafts: dict[str, Draft] = {}
-        active: list[tuple[str, _EagleSeq, list[int], int]] = []
-        for req in requests:
-            seq = self._seqs[req.request_id]
-            check_view(req, len(seq.tokens))
-            drafts[req.request_id] = Draft([])
-            k = min(req.k, self.max_model_len - len(seq.tokens))
-            ready = self._ready(seq, k)
-            if ready is not None:
-                drafts[req.request_id] = ready
-            elif k > 0 and self._can_draft(seq):
-                active.append((req.request_id, seq, [], k))
-        if active:
-            drafts.update(self._draft(active))
-        self._proposed(drafts)
-        return drafts
-
     def _can_draft(self, seq: _EagleSeq) -> bool:
         """Drafting needs the feature of every position before the last committed token."""
         return seq.base is not None and seq.features_end == len(seq.tokens) - 1
@@ -174,7 +154,7 @@ class EagleDrafter(DraftsAhead):
     def _draft(
         self,
         active: list[tuple[str, _EagleSeq, list[int], int]],
-        stop: Callable[[], bool] = lambda: False,
+        stop: Callable[[], bool],
     ) -> dict[str, Draft]:
         head = self.head
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
