@@ -153,8 +153,9 @@ class SharedState:
                     "settings": settings,
                 },
             )
-            pipe.set(self._k("request", request_id, "prompt"), ngram_pool.encode(prompt_ids))
-            for name in (key, self._k("request", request_id, "prompt")):
+            prompt_key = self._k("request", request_id, "prompt")
+            pipe.set(prompt_key, ngram_pool.encode(prompt_ids))
+            for name in (key, prompt_key):
                 pipe.expire(name, REGISTRY_TTL_S)
             await pipe.execute()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.config import from_dict
+from cluster.config import DeploymentConfig, from_dict
 from cluster.runtime import Runtime
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 from workers.eagle.prompts import held_out_prompts
@@ -35,7 +35,7 @@ DRAFT_LAYERS = 12
 K = 4
 
 
-def deployment(method: str, prefill: int = 0, draft_ahead: bool = True) -> object:
+def deployment(method: str, prefill: int = 0, draft_ahead: bool = True) -> DeploymentConfig:
     return from_dict(
         {
             "dtype": "bfloat16",
@@ -88,12 +88,12 @@ def prefill_section(tok, runs: int, quick: bool) -> tuple[str, float]:
             tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts
         ]
 
-    local_rt = Runtime.start(deployment("eagle", prefill=0), num_cpus=3)  # type: ignore[arg-type]
+    local_rt = Runtime.start(deployment("eagle", prefill=0), num_cpus=3)
     try:
         local = time_to_first_token(local_rt, prompts("local"))
     finally:
         local_rt.shutdown()
-    remote_rt = Runtime.start(deployment("eagle", prefill=1), num_cpus=3)  # type: ignore[arg-type]
+    remote_rt = Runtime.start(deployment("eagle", prefill=1), num_cpus=3)
     try:
         remote = time_to_first_token(remote_rt, prompts("remote"))
         (stats,) = remote_rt.verifier_stats()
@@ -129,15 +129,15 @@ def prefill_section(tok, runs: int, quick: bool) -> tuple[str, float]:
 
 def compare(
     engine: LLMEngine,
-    config: object,
+    config: DeploymentConfig,
     prompts: list[list[int]],
     params: SamplingParams,
     runs: int,
 ) -> tuple[list[float], list[float], dict]:
     """Tokens/s of the in-process engine and of a runtime built from `config`, interleaved per
     prompt after a warm-up round; and the runtime's verifier stats."""
-    method = config.pools.drafter.method  # type: ignore[attr-defined]
-    runtime = Runtime.start(config, num_cpus=2)  # type: ignore[arg-type]
+    method = config.pools.drafter.method
+    runtime = Runtime.start(config, num_cpus=2)
     local_tps: list[float] = []
     remote_tps: list[float] = []
     try:
