@@ -10,6 +10,13 @@ import pytest
 import torch
 
 from workers.eagle.head import BUNDLED_HEAD, EagleHead, head_metadata
+from workers.eagle.prompts import held_out_prompts, training_prompts
+from workers.eagle.self_instruct import (
+    keep_turn,
+    load_self_instruct_prompts,
+    sample_user_turns,
+    user_turn_prefix,
+)
 from workers.eagle.train import main, sha256_of
 
 pytestmark = pytest.mark.slow
@@ -41,3 +48,25 @@ def test_shipped_head_matches_its_manifest_and_the_bundled_model(checkpoint) -> 
     assert max(head.config.target_layers) < checkpoint.config.num_layers
     assert int(head.draft_vocab.max()) < checkpoint.config.vocab_size
     assert all(torch.isfinite(p).all() for p in head.parameters())
+
+
+def test_the_target_writes_user_turns(checkpoint, model_fp32) -> None:  # type: ignore[no-untyped-def]
+    tokenizer = checkpoint.tokenizer
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).startswith(
+        user_turn_prefix(tokenizer) + "hi"
+    )
+    turns = sample_user_turns(
+        model_fp32, tokenizer, count=3, seed=5, max_tokens=48, chunk=8, progress=False
+    )
+    assert 1 <= len(turns) <= 3
+    assert len({t.lower() for t in turns}) == len(turns)
+    assert all(keep_turn(t, True, []) and "<|im_" not in t for t in turns)
+
+
+def test_shipped_self_instruct_prompts_are_distinct_and_held_out_stays_out() -> None:
+    prompts = load_self_instruct_prompts()
+    assert len(prompts) >= 1000
+    assert len({" ".join(p.lower().split()) for p in prompts}) == len(prompts)
+    held_out = [p for kind in held_out_prompts().values() for p in kind]
+    assert all(keep_turn(p, True, held_out) for p in prompts)
+    assert not set(prompts) & set(training_prompts(0))

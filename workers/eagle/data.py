@@ -2,7 +2,9 @@
 
 1. The target answers every training prompt (chat template) with our engine, batched: half of
    the prompts greedily, half sampled at temperature 0.8 with a per-prompt seed, so the head sees
-   both the target's favourite continuations and some variety.
+   both the target's favourite continuations and some variety. The prompts come from two
+   sources (`PROMPT_SOURCES`): the templates of `prompts.py` and the user turns the target wrote
+   itself (`self_instruct.py`); each source's data is cached on its own and the two are joined.
 2. Each prompt + answer is run through the target again in one forward that keeps the hidden
    states of the head's three target layers and the top-k of the target's next-token
    distribution at every position.
@@ -13,6 +15,7 @@ under $OUTRIDER_CACHE_DIR/eagle/.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +69,23 @@ class EagleData:
         )
 
     @classmethod
+    def concat(cls, parts: Sequence[EagleData]) -> EagleData:
+        layers = {p.target_layers for p in parts}
+        if len(layers) != 1:
+            raise ValueError(f"cannot join data of different target layers: {sorted(layers)}")
+        starts = torch.tensor([0] + [int(p.offsets[-1]) for p in parts]).cumsum(0)
+        shifted = [p.offsets[1:] + start for p, start in zip(parts, starts[:-1], strict=True)]
+        return cls(
+            token_ids=torch.cat([p.token_ids for p in parts]),
+            offsets=torch.cat([starts[:1], *shifted]),
+            prompt_lens=torch.cat([p.prompt_lens for p in parts]),
+            features=torch.cat([p.features for p in parts]),
+            top_ids=torch.cat([p.top_ids for p in parts]),
+            top_logprobs=torch.cat([p.top_logprobs for p in parts]),
+            target_layers=parts[0].target_layers,
+        )
+
+    @classmethod
     def load(cls, path: Path) -> EagleData:
         raw = torch.load(path, weights_only=True)
         raw["target_layers"] = tuple(raw["target_layers"])
@@ -83,7 +103,7 @@ def generate_answers(
     """(prompt ids, answer ids) per prompt, from the target with our batched engine."""
     engine = LLMEngine(
         target,
-        EngineConfig(max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=1024),
+        EngineConfig(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=1024),
         tokenizer=tokenizer,
         eos_token_ids=tokenizer.eos_token_ids,
     )
@@ -98,7 +118,7 @@ def generate_answers(
         for i in range(len(prompts))
     ]
     answers: list[tuple[list[int], list[int]]] = []
-    batch = 64  # generate() runs a batch to completion; the engine batches within it
+    batch = 256  # generate() runs a chunk to completion; the engine batches within it
     for start in tqdm(range(0, len(prompts), batch), desc="generate", disable=not progress):
         done = engine.generate(prompt_ids[start : start + batch], params[start : start + batch])
         answers += [(c.prompt_token_ids, c.token_ids) for c in done]
@@ -154,10 +174,30 @@ def draft_vocabulary(data: EagleData, size: int) -> torch.Tensor:
     return counts.argsort(descending=True)[:size].sort().values
 
 
-def default_data_path(seed: int, max_tokens: int) -> Path:
+PROMPT_SOURCES = ("templates", "self-instruct")
+
+
+def source_prompts(source: str, seed: int) -> list[str]:
+    """The training prompts of one source, in a seeded order."""
+    from workers.eagle.prompts import training_prompts
+    from workers.eagle.self_instruct import load_self_instruct_prompts
+
+    if source == "templates":
+        return training_prompts(seed)
+    if source == "self-instruct":
+        return load_self_instruct_prompts()
+    raise ValueError(f"unknown prompt source {source!r}; expected one of {PROMPT_SOURCES}")
+
+
+def default_data_path(seed: int, max_tokens: int, source: str = "templates") -> Path:
+    """Where one source's data is cached; the self-instruct name carries a hash of its prompts,
+    so a new prompt file never reuses old data."""
     from workers.model.gguf_loader import cache_root
 
-    return cache_root() / "eagle" / f"data-seed{seed}-max{max_tokens}.pt"
+    if source == "templates":
+        return cache_root() / "eagle" / f"data-seed{seed}-max{max_tokens}.pt"
+    digest = hashlib.sha256("\0".join(source_prompts(source, seed)).encode()).hexdigest()[:12]
+    return cache_root() / "eagle" / f"data-{source}-{digest}-seed{seed}-max{max_tokens}.pt"
 
 
 def build_data(
@@ -168,10 +208,9 @@ def build_data(
     max_tokens: int,
     limit: int | None = None,
     progress: bool = True,
+    source: str = "templates",
 ) -> EagleData:
-    from workers.eagle.prompts import training_prompts
-
-    prompts = training_prompts(seed)[:limit]
+    prompts = source_prompts(source, seed)[:limit]
     torch.manual_seed(seed)
     answers = generate_answers(target, tokenizer, prompts, max_tokens, seed, progress)
     return teacher_force(target, answers, target_layers, progress)

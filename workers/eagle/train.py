@@ -32,7 +32,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from workers.eagle.data import EagleData, build_data, default_data_path, draft_vocabulary
+from workers.eagle.data import (
+    PROMPT_SOURCES,
+    EagleData,
+    build_data,
+    default_data_path,
+    draft_vocabulary,
+)
 from workers.eagle.head import BUNDLED_HEAD, EagleConfig, EagleHead
 from workers.model.loader import build_model, load_checkpoint
 from workers.model.transformer import TransformerLM
@@ -397,7 +403,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--max-answer-tokens", type=int, default=192)
-    parser.add_argument("--limit", type=int, default=None, help="use only this many prompts")
+    parser.add_argument(
+        "--prompts",
+        default=",".join(PROMPT_SOURCES),
+        help=f"comma-separated prompt sources, of {', '.join(PROMPT_SOURCES)}",
+    )
+    parser.add_argument(
+        "--limit", type=int, default=None, help="use only this many prompts of each source"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--fp32", action="store_true", help="train in fp32 (default: bf16 autocast, ~2x faster)"
@@ -412,23 +425,29 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = load_checkpoint()
     target = build_model(checkpoint, dtype=torch.bfloat16)
     config = EagleConfig.for_target(checkpoint.config, draft_vocab_size=args.draft_vocab)
-    data_path = default_data_path(args.seed, args.max_answer_tokens)
-    if args.limit is None and data_path.exists():
-        data = EagleData.load(data_path)
-        if data.target_layers != config.target_layers:
-            raise SystemExit(f"{data_path} holds other target layers; delete it to rebuild")
-    else:
-        data = build_data(
-            target,
-            checkpoint.tokenizer,
-            config.target_layers,
-            args.seed,
-            args.max_answer_tokens,
-            args.limit,
-            progress,
-        )
-        if args.limit is None:
-            data.save(data_path)
+    parts = []
+    for source in args.prompts.split(","):
+        data_path = default_data_path(args.seed, args.max_answer_tokens, source)
+        if args.limit is None and data_path.exists():
+            part = EagleData.load(data_path)
+            if part.target_layers != config.target_layers:
+                raise SystemExit(f"{data_path} holds other target layers; delete it to rebuild")
+        else:
+            part = build_data(
+                target,
+                checkpoint.tokenizer,
+                config.target_layers,
+                args.seed,
+                args.max_answer_tokens,
+                args.limit,
+                progress,
+                source,
+            )
+            if args.limit is None:
+                part.save(data_path)
+        parts.append(part)
+    data = EagleData.concat(parts)
+    del parts
     fp32_target = build_model(checkpoint, dtype=torch.float32)  # embedding and LM head rows
     head, summary = train(
         fp32_target,
