@@ -19,18 +19,21 @@ from pathlib import Path
 
 import torch
 
+from kernels.linear import linear
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter
+from workers.eagle.data import teacher_force
 from workers.eagle.head import BUNDLED_HEAD, EagleHead, head_metadata
 from workers.eagle.prompts import held_out_prompts
+from workers.eagle.trees import acceptance_length, acceptance_ranks, best_tree, chain, level_widths
 from workers.engine.calibration import forward_times, relative_token_cost, verify_costs
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import Completion, LLMEngine
 from workers.engine.sampling_params import SamplingParams
-from workers.model.loader import build_model, load_checkpoint, truncate_layers
+from workers.model.loader import Checkpoint, build_model, load_checkpoint, truncate_layers
 
 K = 4
 DRAFT_LAYERS = 12
@@ -114,6 +117,89 @@ def stats(results: list[Result]) -> tuple[float, float, list[float]]:
     )
 
 
+TREE_DEPTH = 6  # unrolled steps the tree analysis looks at
+TREE_SIZES = (8, 16, 32)
+
+
+def tree_section(
+    checkpoint: Checkpoint,
+    head_path: Path,
+    answers: dict[str, list[tuple[list[int], list[int]]]],
+    eagle_cost: float,
+    reps: int,
+) -> str:
+    """Offline acceptance of static draft trees on the held-out answers (workers/eagle/trees.py),
+    with each prompt's tree shaped by the other prompts, and the cost such a step would have."""
+    target32 = build_model(checkpoint, dtype=torch.float32)
+    head = EagleHead.load(head_path)
+    head.attach(target32)
+    head.eval()
+    bf16 = build_model(checkpoint, dtype=torch.bfloat16)
+    ranks: list[tuple[str, torch.Tensor]] = []  # (kind, chains of one prompt)
+    for kind, pairs in answers.items():
+        data = teacher_force(bf16, pairs, head.config.target_layers, progress=False)
+        vocab = checkpoint.config.vocab_size
+        ranks += [(kind, r) for r in acceptance_ranks(head, data, TREE_DEPTH, vocab)]
+    kinds = list(answers)
+    trees = {"chain, k = 4": chain(4)} | {
+        f"best tree of {n}": best_tree(torch.cat([r for _, r in ranks]), n) for n in TREE_SIZES
+    }
+    counts = sorted({1} | {len(t) + 1 for t in trees.values()})
+    with torch.inference_mode():
+        verify = dict(zip(counts, forward_times(bf16, counts, reps), strict=True))
+        assert head.lm_head is not None
+        lm_head = head.lm_head.to(torch.bfloat16)
+        widths = sorted({1} | {w for t in trees.values() for w in level_widths(t)})
+        lm_s = {w: lm_head_seconds(lm_head, w, reps) for w in widths}
+    table_rows = []
+    for name, tree in trees.items():
+        lengths = {}
+        for kind in kinds:  # leave one prompt out: its tree comes from the others' chains
+            tokens = chains = 0.0
+            for i, (k, r) in enumerate(ranks):
+                if k != kind or not len(r):
+                    continue
+                others = torch.cat([o for j, (_, o) in enumerate(ranks) if j != i])
+                shape = tree if name.startswith("chain") else best_tree(others, len(tree))
+                tokens += acceptance_length(shape, r) * len(r)
+                chains += len(r)
+            lengths[kind] = tokens / max(chains, 1.0)
+        verify_cost = verify[len(tree) + 1] / verify[1]
+        draft_cost = sum(eagle_cost * lm_s[w] / lm_s[1] for w in level_widths(tree))
+        table_rows.append(
+            [
+                name,
+                "-".join(str(w) for w in level_widths(tree)),
+                *(f"{lengths[k]:.2f}" for k in kinds),
+                f"{verify_cost:.2f}",
+                f"{draft_cost:.2f}",
+                *(f"{lengths[k] / (verify_cost + draft_cost):.2f}x" for k in kinds),
+            ]
+        )
+    return table(
+        [
+            "draft",
+            "nodes per depth",
+            *(f"{k} acceptance length" for k in kinds),
+            "verify cost",
+            "draft cost",
+            *(f"{k} ideal vs none" for k in kinds),
+        ],
+        table_rows,
+    )
+
+
+def lm_head_seconds(lm_head: torch.Tensor, rows: int, reps: int) -> float:
+    """Median time of the draft-vocabulary logits for `rows` rows (bf16)."""
+    x = torch.randn(rows, lm_head.shape[1], dtype=lm_head.dtype)
+    times = []
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        linear(x, lm_head)  # what the head uses (a GEMV for one row)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -152,6 +238,7 @@ def main() -> None:
     if args.quick:
         prompts = {kind: ps[:1] for kind, ps in prompts.items()}
     rows, goals = [], {}
+    answers: dict[str, list[tuple[list[int], list[int]]]] = {}
     with torch.inference_mode():
         for kind, ids in prompts.items():
             results: dict[str, list[Result]] = {label: [] for label, _, _ in CONFIGS}
@@ -161,6 +248,9 @@ def main() -> None:
                     if round_:
                         results[label].append(result)
                 print(f"[bench_eagle] {kind}: round {round_}/{args.runs}", file=sys.stderr)
+            answers[kind] = [
+                (c.prompt_token_ids, c.token_ids) for c in results["none"][0].completions
+            ]
             base = statistics.median(r.tokens / r.seconds for r in results["none"])
             for label, method, _ in CONFIGS:
                 tps = statistics.median(r.tokens / r.seconds for r in results[label])
@@ -177,6 +267,7 @@ def main() -> None:
                         " / ".join(f"{a:.2f}" for a in by_pos),
                     ]
                 )
+    trees = tree_section(checkpoint, args.head, answers, eagle_cost, reps=3 if args.quick else 20)
     meta = head_metadata(args.head)
     lengths = [goals[(kind, "eagle, k=4")][1] for kind in prompts]
     goal_rows = [
@@ -218,6 +309,17 @@ def main() -> None:
                 ],
                 rows,
             ),
+            "### Draft trees (offline)",
+            "Would verifying a tree of drafts in one forward pay? Along an accepted path the head "
+            "reads the target's own tokens, so a tree's greedy acceptance follows from the rank "
+            "of the target's token among the head's drafts at each step (workers/eagle/trees.py). "
+            "Measured on the greedy answers of the `none` runs above; each prompt's tree is the "
+            "most travelled rank paths of the other prompts (leave one out). `verify cost`: a "
+            "forward over the tree's nodes + 1 tokens in one-token forwards (a causal forward: "
+            "what a tree mask adds is not measured); `draft cost`: one head forward per depth, "
+            "scaled by its LM head's cost at that width; `ideal`: acceptance length over the "
+            "two. The engine drafts chains; trees are not built.",
+            trees,
         ]
     )
     print(body)

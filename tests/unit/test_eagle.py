@@ -11,7 +11,9 @@ from workers.drafting.base import DraftRequest
 from workers.drafting.eagle import EagleDrafter
 from workers.eagle.data import EagleData, draft_vocabulary
 from workers.eagle.head import EagleConfig, EagleHead, head_metadata
+from workers.eagle.self_instruct import keep_turn
 from workers.eagle.train import acceptance, batch_loss, make_batch, unrolled_outputs
+from workers.eagle.trees import acceptance_length, acceptance_ranks, best_tree, chain, level_widths
 from workers.engine.sampling_params import SamplingParams
 from workers.model.transformer import TransformerLM
 
@@ -203,6 +205,55 @@ def test_draft_vocabulary_keeps_the_most_predicted_tokens(target) -> None:  # ty
     data = tiny_data(target, head)
     data.top_ids[:, 0] = torch.tensor([5, 5, 5, 9, 9, 2] * 6)
     assert draft_vocabulary(data, 3).tolist() == [2, 5, 9]
+
+
+def test_data_of_two_sources_joins_sequence_by_sequence(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    a, b = tiny_data(target, head, seqs=3, length=12), tiny_data(target, head, seqs=2, length=5)
+    joined = EagleData.concat([a, b])
+    assert joined.num_sequences == 5
+    for s in range(5):
+        part, t = (a, s) if s < 3 else (b, s - 3)
+        assert torch.equal(joined.token_ids[joined.sequence(s)], part.token_ids[part.sequence(t)])
+        assert torch.equal(joined.features[joined.sequence(s)], part.features[part.sequence(t)])
+        assert joined.prompt_lens[s] == part.prompt_lens[t]
+    other = tiny_data(target, head)
+    other.target_layers = (0,)
+    with pytest.raises(ValueError, match="target layers"):
+        EagleData.concat([a, other])
+
+
+def test_tree_acceptance_follows_the_ranks_of_the_target_tokens() -> None:
+    ranks = torch.tensor([[0, 0, 0], [1, 0, 5], [0, 2, 0], [9, 0, 0]])
+    assert acceptance_length(chain(3), ranks) == (4 + 1 + 2 + 1) / 4
+    tree = best_tree(ranks, 3)
+    assert tree == [(0,), (1,), (0, 0)]  # (0,) twice; then ties: parents, lower ranks first
+    assert acceptance_length(tree, ranks) == (3 + 2 + 2 + 1) / 4
+    assert level_widths(tree) == [2, 1]
+    big = best_tree(ranks, 50)
+    assert all(len(p) == 1 or p[:-1] in big for p in big)
+    assert not any(9 in p for p in big)  # beyond max_rank: never drafted
+
+
+def test_chain_acceptance_from_ranks_matches_the_training_measure(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target, draft_vocab=97)
+    data = tiny_data(target, head, seqs=3, length=16)
+    to_draft = torch.arange(97)
+    ranks = torch.cat(acceptance_ranks(head, data, 3, vocab_size=97))
+    with torch.no_grad():
+        _, stats = batch_loss(head, make_batch(data, [0, 1, 2], to_draft), depth=3)
+    _, mean_len = acceptance([stats], depth=3)
+    assert acceptance_length(chain(3), ranks) == pytest.approx(mean_len)
+    assert len(ranks) == 3 * (16 - 1 - 3 - 2)  # rows 3..14 answer rows, 10 chains fit
+
+
+def test_self_instruct_keeps_finished_english_turns_far_from_held_out_prompts() -> None:
+    held_out = ["Can you explain how airplanes stay in the air?"]
+    assert keep_turn("How do I plan a week of cheap dinners?", True, held_out)
+    assert not keep_turn("How do I plan a week of cheap dinners?", False, held_out)  # cut off
+    assert not keep_turn("Hi there", True, held_out)  # too short
+    assert not keep_turn("富僽香設 永丹有一封勋工 称不远怒", True, held_out)
+    assert not keep_turn("Please explain how airplanes stay up in the air.", True, held_out)
 
 
 def test_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(target) -> None:  # type: ignore[no-untyped-def]
