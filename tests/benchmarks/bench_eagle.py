@@ -296,7 +296,8 @@ def main() -> None:
             "### Goals",
             table(["goal", "target", "measured"], goal_rows),
             "### Results",
-            "`acceptance by position`: how often the i-th draft token was accepted when reached.",
+            "`acceptance by position`: of the steps that drafted an i-th token, the share in "
+            "which it was accepted (so every draft before it was accepted too).",
             table(
                 [
                     "prompts",
