@@ -34,6 +34,7 @@ from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import Completion, LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import Checkpoint, build_model, load_checkpoint, truncate_layers
+from workers.model.transformer import TransformerLM
 
 K = 4
 DRAFT_LAYERS = 12
@@ -123,6 +124,7 @@ TREE_SIZES = (8, 16, 32)
 
 def tree_section(
     checkpoint: Checkpoint,
+    target: TransformerLM,  # bf16, the benchmark's
     head_path: Path,
     answers: dict[str, list[tuple[list[int], list[int]]]],
     eagle_cost: float,
@@ -134,11 +136,10 @@ def tree_section(
     head = EagleHead.load(head_path)
     head.attach(target32)
     head.eval()
-    bf16 = build_model(checkpoint, dtype=torch.bfloat16)
+    vocab = checkpoint.config.vocab_size
     ranks: list[tuple[str, torch.Tensor]] = []  # (kind, chains of one prompt)
     for kind, pairs in answers.items():
-        data = teacher_force(bf16, pairs, head.config.target_layers, progress=False)
-        vocab = checkpoint.config.vocab_size
+        data = teacher_force(target, pairs, head.config.target_layers, progress=False)
         ranks += [(kind, r) for r in acceptance_ranks(head, data, TREE_DEPTH, vocab)]
     kinds = list(answers)
     trees = {"chain, k = 4": chain(4)} | {
@@ -146,7 +147,7 @@ def tree_section(
     }
     counts = sorted({1} | {len(t) + 1 for t in trees.values()})
     with torch.inference_mode():
-        verify = dict(zip(counts, forward_times(bf16, counts, reps), strict=True))
+        verify = dict(zip(counts, forward_times(target, counts, reps), strict=True))
         assert head.lm_head is not None
         lm_head = head.lm_head.to(torch.bfloat16)
         widths = sorted({1} | {w for t in trees.values() for w in level_widths(t)})
@@ -159,8 +160,10 @@ def tree_section(
             for i, (k, r) in enumerate(ranks):
                 if k != kind or not len(r):
                     continue
-                others = torch.cat([o for j, (_, o) in enumerate(ranks) if j != i])
-                shape = tree if name.startswith("chain") else best_tree(others, len(tree))
+                shape = tree
+                if not name.startswith("chain"):
+                    others = torch.cat([o for j, (_, o) in enumerate(ranks) if j != i])
+                    shape = best_tree(others, len(tree))
                 tokens += acceptance_length(shape, r) * len(r)
                 chains += len(r)
             lengths[kind] = tokens / max(chains, 1.0)
@@ -267,7 +270,9 @@ def main() -> None:
                         " / ".join(f"{a:.2f}" for a in by_pos),
                     ]
                 )
-    trees = tree_section(checkpoint, args.head, answers, eagle_cost, reps=3 if args.quick else 20)
+    trees = tree_section(
+        checkpoint, target, args.head, answers, eagle_cost, reps=3 if args.quick else 20
+    )
     meta = head_metadata(args.head)
     lengths = [goals[(kind, "eagle, k=4")][1] for kind in prompts]
     goal_rows = [

@@ -73,6 +73,8 @@ class EagleData:
         layers = {p.target_layers for p in parts}
         if len(layers) != 1:
             raise ValueError(f"cannot join data of different target layers: {sorted(layers)}")
+        if len(parts) == 1:
+            return parts[0]  # no copy of a few GB for nothing
         starts = torch.tensor([0] + [int(p.offsets[-1]) for p in parts]).cumsum(0)
         shifted = [p.offsets[1:] + start for p, start in zip(parts, starts[:-1], strict=True)]
         return cls(

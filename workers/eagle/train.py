@@ -425,29 +425,31 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = load_checkpoint()
     target = build_model(checkpoint, dtype=torch.bfloat16)
     config = EagleConfig.for_target(checkpoint.config, draft_vocab_size=args.draft_vocab)
-    parts = []
-    for source in args.prompts.split(","):
+
+    def source_data(source: str) -> EagleData:
+        """One source's data, from the cache or built (and cached unless `--limit`)."""
         data_path = default_data_path(args.seed, args.max_answer_tokens, source)
         if args.limit is None and data_path.exists():
             part = EagleData.load(data_path)
             if part.target_layers != config.target_layers:
                 raise SystemExit(f"{data_path} holds other target layers; delete it to rebuild")
-        else:
-            part = build_data(
-                target,
-                checkpoint.tokenizer,
-                config.target_layers,
-                args.seed,
-                args.max_answer_tokens,
-                args.limit,
-                progress,
-                source,
-            )
-            if args.limit is None:
-                part.save(data_path)
-        parts.append(part)
-    data = EagleData.concat(parts)
-    del parts
+            return part
+        part = build_data(
+            target,
+            checkpoint.tokenizer,
+            config.target_layers,
+            args.seed,
+            args.max_answer_tokens,
+            args.limit,
+            progress,
+            source,
+        )
+        if args.limit is None:
+            part.save(data_path)
+        return part
+
+    # The parts live only in this expression: after the join, one copy of the data remains.
+    data = EagleData.concat([source_data(source) for source in args.prompts.split(",")])
     fp32_target = build_model(checkpoint, dtype=torch.float32)  # embedding and LM head rows
     head, summary = train(
         fp32_target,

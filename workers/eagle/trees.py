@@ -47,9 +47,9 @@ def acceptance_ranks(
         rows = batch.answer_rows[0]
         t = label.shape[0]
         ranks = torch.full((depth, t), OUTSIDE, dtype=torch.int64)
+        inside = label >= 0
         for j, a in enumerate(outputs):
             logits = head.draft_logits(a[0]).float()  # [T, draft vocab]
-            inside = label >= 0
             own = logits.gather(-1, label.clamp(min=0)[:, None])
             ranks[j] = torch.where(inside, (logits > own).sum(-1), OUTSIDE)
         # The chain starting at row s reads row s + j at step j.
