@@ -28,7 +28,7 @@ from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.eagle.data import teacher_force
 from workers.eagle.head import BUNDLED_HEAD, EagleHead, head_metadata
 from workers.eagle.prompts import held_out_prompts
-from workers.eagle.trees import acceptance_length, acceptance_ranks, best_tree, chain, level_widths
+from workers.eagle.trees import acceptance_ranks, best_tree, chain, level_widths, walk
 from workers.engine.calibration import forward_times, relative_token_cost, verify_costs
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import Completion, LLMEngine
@@ -156,7 +156,7 @@ def tree_section(
     for name, tree in trees.items():
         lengths = {}
         for kind in kinds:  # leave one prompt out: its tree comes from the others' chains
-            tokens = chains = 0.0
+            tokens = steps = 0
             for i, (k, r) in enumerate(ranks):
                 if k != kind or not len(r):
                     continue
@@ -164,9 +164,9 @@ def tree_section(
                 if not name.startswith("chain"):
                     others = torch.cat([o for j, (_, o) in enumerate(ranks) if j != i])
                     shape = best_tree(others, len(tree))
-                tokens += acceptance_length(shape, r) * len(r)
-                chains += len(r)
-            lengths[kind] = tokens / max(chains, 1.0)
+                t, n = walk(shape, r)
+                tokens, steps = tokens + t, steps + n
+            lengths[kind] = tokens / max(steps, 1)
         verify_cost = verify[len(tree) + 1] / verify[1]
         draft_cost = sum(eagle_cost * lm_s[w] / lm_s[1] for w in level_widths(tree))
         table_rows.append(
@@ -319,8 +319,11 @@ def main() -> None:
             "Would verifying a tree of drafts in one forward pay? Along an accepted path the head "
             "reads the target's own tokens, so a tree's greedy acceptance follows from the rank "
             "of the target's token among the head's drafts at each step (workers/eagle/trees.py). "
-            "Measured on the greedy answers of the `none` runs above; each prompt's tree is the "
-            "most travelled rank paths of the other prompts (leave one out). `verify cost`: a "
+            "Measured on the greedy answers of the `none` runs above, stepping through each "
+            "answer as the engine does (a step starts where the last one's accepted drafts "
+            "ended; averaging over every start instead overstates it, as steps start right after "
+            "a miss); each prompt's tree is the most travelled rank paths of the other prompts "
+            "(leave one out). `verify cost`: a "
             "forward over the tree's nodes + 1 tokens in one-token forwards (a causal forward: "
             "what a tree mask adds is not measured); `draft cost`: one head forward per depth, "
             "scaled by its LM head's cost at that width; `ideal`: acceptance length over the "

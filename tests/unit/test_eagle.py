@@ -13,7 +13,14 @@ from workers.eagle.data import EagleData, draft_vocabulary
 from workers.eagle.head import EagleConfig, EagleHead, head_metadata
 from workers.eagle.self_instruct import keep_turn
 from workers.eagle.train import acceptance, batch_loss, make_batch, unrolled_outputs
-from workers.eagle.trees import acceptance_length, acceptance_ranks, best_tree, chain, level_widths
+from workers.eagle.trees import (
+    acceptance_length,
+    acceptance_ranks,
+    best_tree,
+    chain,
+    level_widths,
+    walk,
+)
 from workers.engine.sampling_params import SamplingParams
 from workers.model.transformer import TransformerLM
 
@@ -233,6 +240,17 @@ def test_tree_acceptance_follows_the_ranks_of_the_target_tokens() -> None:
     big = best_tree(ranks, 50)
     assert all(len(p) == 1 or p[:-1] in big for p in big)
     assert not any(9 in p for p in big)  # beyond max_rank: never drafted
+
+
+def test_walking_a_sequence_starts_each_step_where_the_last_ended() -> None:
+    # Chains at consecutive starts of one answer.
+    ranks = torch.tensor([[0, 1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0], [2, 0, 0], [0, 0, 1]])
+    # Start 0 accepts 1 (2 tokens), start 2 none (1), start 3 all three (4), then past the end.
+    assert walk(chain(3), ranks) == (7, 3)
+    assert acceptance_length(chain(3), ranks) == 1 + (1 + 3 + 0 + 3 + 0 + 2) / 6
+    # A tree holding rank path (1,) too accepts start 2's second candidate: 2 tokens, then
+    # start 4 (none accepted), start 5 (two).
+    assert walk([(0,), (1,), (0, 0)], ranks) == (2 + 2 + 1 + 3, 4)
 
 
 def test_chain_acceptance_from_ranks_matches_the_training_measure(target) -> None:  # type: ignore[no-untyped-def]

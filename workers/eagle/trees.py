@@ -11,9 +11,10 @@ target's token among the head's draft logits at that step (`acceptance_ranks`).
 A static tree is a set of rank paths closed under prefixes: `(0,)` is the top candidate of the
 first step, `(1, 0)` the second candidate's top continuation. A chain of k drafts starting at
 some position is accepted to depth d when the target's rank path of length d is in the tree, so
-its mean acceptance length is 1 + the sum, over the tree's nodes, of how often the target's
-path passes through the node. The best tree of n nodes is the n most travelled paths
-(`best_tree`): a child is never travelled more than its parent, so they form a tree.
+its mean acceptance length over all starts is 1 + the sum, over the tree's nodes, of how often
+the target's path passes through the node. The best tree of n nodes is the n most travelled paths
+(`best_tree`): a child is never travelled more than its parent, so they form a tree. What the
+engine gets is `walk`: it steps through a sequence, each step starting where the last ended.
 """
 
 from __future__ import annotations
@@ -91,18 +92,37 @@ def chain(k: int) -> list[RankPath]:
     return [(0,) * d for d in range(1, k + 1)]
 
 
+def accepted_depth(nodes: set[RankPath], ranks: Sequence[int]) -> int:
+    """How many of a chain's drafts a tree accepts: the longest rank path in it."""
+    d = 0
+    while d < len(ranks) and tuple(ranks[: d + 1]) in nodes:
+        d += 1
+    return d
+
+
 def acceptance_length(tree: Iterable[RankPath], ranks: torch.Tensor) -> float:
-    """Mean tokens per verify step (accepted drafts + the target's own token) with this tree."""
+    """Mean tokens per verify step (accepted drafts + the target's own token) over every chain,
+    each start weighted alike (what training measures)."""
     nodes = set(tree)
     if len(ranks) == 0:
         return 1.0
-    total = 0
-    for row in ranks.tolist():
-        d = 0
-        while d < len(row) and tuple(row[: d + 1]) in nodes:
-            d += 1
-        total += 1 + d
-    return total / len(ranks)
+    return 1 + sum(accepted_depth(nodes, row) for row in ranks.tolist()) / len(ranks)
+
+
+def walk(tree: Iterable[RankPath], ranks: torch.Tensor) -> tuple[int, int]:
+    """(tokens, verify steps) as the engine goes through one sequence: each step starts where
+    the last one's accepted drafts and the target's own token ended. `ranks` are the sequence's
+    chains at consecutive starts (`acceptance_ranks`).
+
+    This is lower than `acceptance_length`: a step starts right after the head was wrong, and
+    the head is more often wrong again there than at a position picked at random."""
+    nodes = set(tree)
+    rows = ranks.tolist()
+    tokens = steps = start = 0
+    while start < len(rows):
+        advance = 1 + accepted_depth(nodes, rows[start])
+        tokens, steps, start = tokens + advance, steps + 1, start + advance
+    return tokens, steps
 
 
 def level_widths(tree: Sequence[RankPath]) -> list[int]:
