@@ -220,7 +220,7 @@ def main() -> None:
     target = build_model(checkpoint, dtype=torch.bfloat16)
     draft = build_model(truncate_layers(checkpoint, DRAFT_LAYERS), dtype=torch.bfloat16)
     with torch.inference_mode():
-        verify = verify_costs(target, K, reps=5 if args.quick else 20)
+        verify = verify_costs(target, K + 1, reps=5 if args.quick else 20)  # [k]: k drafts
         one_token_s = forward_times(target, [1], reps=5 if args.quick else 20)[0]
     eagle = EagleDrafter(EagleHead.load(args.head), target, num_blocks=512, max_model_len=1024)
     eagle_cost = eagle.token_seconds(reps=5 if args.quick else 30) / one_token_s

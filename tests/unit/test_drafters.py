@@ -10,12 +10,9 @@ from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter, prompt_lookup
 from workers.engine.config import SpecConfig
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.speculator import (
-    SPEC_STEP_OVERHEAD,
-    Speculator,
-    best_num_draft_tokens,
-    expected_tokens,
-)
+from workers.engine.sequence import Sequence
+from workers.engine.speculator import SPEC_STEP_OVERHEAD, Speculator, expected_tokens
+from workers.kv_cache import BlockAllocator, BlockTable
 from workers.model.transformer import TransformerLM
 
 
@@ -56,36 +53,88 @@ def test_suffix_drafter_prefers_the_most_frequent_continuation_and_runs_on() -> 
     assert longer.propose([DraftRequest("r", 10, 1)])["r"].token_ids == [3]
 
 
-def test_expected_tokens_and_best_k() -> None:
+def decoding(acceptance: float, method: str = "ngram", k_max: int = 8) -> Sequence:
+    """A decoding sequence whose drafts so far were accepted at about this rate."""
+    seq = Sequence(
+        "r", [1, 2, 3], SamplingParams(max_tokens=100), method, k_max,
+        BlockTable(BlockAllocator(4), 16), None, 0, token_ids=[1, 2, 3],
+    )  # fmt: skip
+    # 1000 steps of one draft each: the prior hardly matters.
+    seq.stats.accepted = round(1000 * acceptance)
+    seq.stats.verify_steps_with_rejection = 1000 - seq.stats.accepted
+    seq.stats.verify_steps = 1000
+    return seq
+
+
+def chooser(costs: list[float], draft_cost: float = 0.0) -> Speculator:
+    """`costs[n - 1]`: a forward over n new tokens."""
+    return Speculator(
+        SpecConfig(disable_batch_size=64),
+        {},
+        max_model_len=1000,
+        verify_costs=tuple(costs),
+        draft_costs={"draft_model": draft_cost},
+    )
+
+
+def test_expected_tokens() -> None:
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-    cheap = [1 + 0.05 * k for k in range(9)]
-    assert best_num_draft_tokens(0.95, cheap) == 8
-    assert best_num_draft_tokens(0.02, cheap) == 0
-    assert 0 < best_num_draft_tokens(0.5, cheap) < 8
-    costly = [1 + 0.5 * k for k in range(9)]
-    assert best_num_draft_tokens(0.6, costly) < best_num_draft_tokens(0.6, cheap)
+
+
+def test_one_sequence_drafts_the_k_with_most_tokens_per_cost() -> None:
+    cheap = chooser([1 + 0.05 * n for n in range(9)])
+    assert cheap.num_draft_tokens([decoding(0.95)], 1) == [8]
+    assert cheap.num_draft_tokens([decoding(0.02)], 1) == [0]
+    assert 0 < cheap.num_draft_tokens([decoding(0.5)], 1)[0] < 8
+    costly = chooser([1 + 0.5 * n for n in range(9)])
+    assert costly.num_draft_tokens([decoding(0.6)], 1) < cheap.num_draft_tokens([decoding(0.6)], 1)
+    # A draft model's tokens cost too.
+    drafted = chooser([1 + 0.05 * n for n in range(9)], draft_cost=0.3)
+    assert drafted.num_draft_tokens([decoding(0.6, "draft_model")], 1) < cheap.num_draft_tokens(
+        [decoding(0.6)], 1
+    )
     # A CPU in bf16: leaving the one-row path costs 25% at once, then tokens are nearly free.
     # Low acceptance must not draft at all; moderate acceptance drafts long.
-    cpu = [1.0] + [1.25 + 0.01 * k for k in range(1, 9)]
-    assert best_num_draft_tokens(0.2, cpu) == 0
-    assert best_num_draft_tokens(0.6, cpu) >= 4
+    cpu = chooser([1.0] + [1.25 + 0.01 * n for n in range(1, 9)])
+    assert cpu.num_draft_tokens([decoding(0.2)], 1) == [0]
+    assert cpu.num_draft_tokens([decoding(0.6)], 1)[0] >= 4
+    # Never past the request's own k or its max_tokens.
+    assert cpu.num_draft_tokens([decoding(0.95, k_max=3)], 1) == [3]
 
 
-def test_step_costs_charge_verification_drafting_and_overhead() -> None:
-    spec = Speculator(
-        SpecConfig(),
-        {},
-        max_model_len=100,
-        verify_costs=(1.0, 1.2, 1.3),
-        draft_costs={"draft_model": 0.4},
-    )
-    free = spec.step_costs("ngram", 4)
-    assert free[0] == 1.0
-    assert free[1:] == pytest.approx([c + SPEC_STEP_OVERHEAD for c in (1.2, 1.3, 1.3, 1.3)])
-    model = spec.step_costs("draft_model", 2)
-    assert model[2] == pytest.approx(1.3 + 2 * 0.4 + SPEC_STEP_OVERHEAD)
+def test_a_batch_drafts_less_as_its_forward_grows() -> None:
+    # Flat up to 8 tokens, then every token costs an eighth more.
+    costs = [1.0] * 8 + [n / 8 for n in range(9, 65)]
+    spec = chooser(costs)
+    alone = spec.num_draft_tokens([decoding(0.5)], 1)[0]
+    four = spec.num_draft_tokens([decoding(0.5) for _ in range(4)], 4)
+    assert sum(four) < 4 * alone
+    # Low acceptance: worth a draft alone, not when it lengthens three others' forward too.
+    assert spec.num_draft_tokens([decoding(0.3)], 1)[0] > 0
+    assert spec.num_draft_tokens([decoding(0.3) for _ in range(8)], 8) == [0] * 8
+    # A predictable sequence keeps drafting beside unpredictable ones.
+    mixed = spec.num_draft_tokens([decoding(0.9), decoding(0.05), decoding(0.05)], 3)
+    assert mixed[0] > 0 and mixed[1:] == [0, 0]
+    # A seeded sampled request drafts as it would alone; the others share what is left.
+    seeded = decoding(0.5)
+    seeded.params = SamplingParams(max_tokens=100, temperature=0.8, seed=7)
+    batch = spec.num_draft_tokens([seeded] + [decoding(0.5) for _ in range(3)], 4)
+    assert batch[0] == alone and sum(batch[1:]) < sum(four[1:])
+    # From disable_batch_size unfinished requests on, nobody drafts.
+    small = Speculator(SpecConfig(disable_batch_size=4), {}, 1000, tuple(costs))
+    assert small.num_draft_tokens([decoding(0.9)], 4) == [0]
+
+
+def test_step_costs_charge_the_forward_drafting_and_overhead() -> None:
+    spec = chooser([1.0, 1.2, 1.3], draft_cost=0.4)
+    assert spec.forward_cost(1) == 1.0 and spec.forward_cost(3) == 1.3
+    assert spec.forward_cost(6) == pytest.approx(2.6)  # beyond the table: in proportion
+    assert spec.step_cost(["ngram"], [0]) == 1.0
+    assert spec.step_cost(["ngram", "ngram"], [1, 0]) == pytest.approx(1.3 + SPEC_STEP_OVERHEAD)
+    both = spec.step_cost(["draft_model", "ngram"], [2, 0])
+    assert both == pytest.approx(spec.forward_cost(4) + 2 * 0.4 + SPEC_STEP_OVERHEAD)
 
 
 @pytest.fixture(scope="module")

@@ -198,17 +198,19 @@ def test_drafts_never_run_past_the_context(model: TransformerLM) -> None:
 def test_calibrated_verify_costs_have_the_right_shape(model: TransformerLM) -> None:
     from workers.engine.calibration import verify_costs
 
-    costs = verify_costs(model, max_drafts=6, reps=1)
-    assert len(costs) == 7 and costs[0] == 1.0
+    costs = verify_costs(model, max_tokens=11, reps=1)
+    assert len(costs) == 11 and costs[0] == 1.0
     assert all(c >= 1.0 for c in costs)
-    # Measured at 2 and 7 tokens (k = 1 and 6), interpolated in between.
-    low, high = sorted((costs[1], costs[6]))
-    assert all(low <= c <= high for c in costs[2:6])
+    # Measured at 1, 2, 4, 8 and 11 tokens, linear in between.
+    for lo, hi in ((2, 4), (4, 8), (8, 11)):
+        low, high = sorted((costs[lo - 1], costs[hi - 1]))
+        assert all(low - 1e-9 <= c <= high + 1e-9 for c in costs[lo:hi])
     spec = SpecConfig(method="ngram", num_speculative_tokens=6)
     eng = LLMEngine(
         model, EngineConfig(max_model_len=512, spec=spec), drafters={"ngram": NgramDrafter()}
     )
-    assert len(eng.speculator.verify_costs) == 7  # measured at start-up
+    # Measured at start-up, up to the largest speculating batch: 7 sequences of 1 + 6 tokens.
+    assert len(eng.speculator.verify_costs) == 7 * 7
     fixed = SpecConfig(method="ngram", verify_costs=(1.0, 1.1))
     eng = LLMEngine(
         model, EngineConfig(max_model_len=512, spec=fixed), drafters={"ngram": NgramDrafter()}

@@ -49,20 +49,20 @@ def forward_times(
 
 
 @torch.inference_mode()
-def verify_costs(model: TransformerLM, max_drafts: int, reps: int = 3) -> tuple[float, ...]:
-    """Cost of verifying 0..max_drafts drafts (a forward over k + 1 tokens) in one-token
-    forwards. Measures 1, 2 and max_drafts + 1 tokens and interpolates between the last two."""
-    counts = sorted({1, min(2, max_drafts + 1), max_drafts + 1})
+def verify_costs(model: TransformerLM, max_tokens: int, reps: int = 3) -> tuple[float, ...]:
+    """Cost of a forward over n = 1..max_tokens new tokens in one-token forwards (entry n - 1):
+    verifying k drafts of one sequence is n = k + 1, a batch's step the sum over its sequences.
+    Measured at 1, 2, 4, 8, ... and max_tokens, linear in between."""
+    counts = sorted(
+        {1, max_tokens} | {2**i for i in range(max_tokens.bit_length()) if 2**i < max_tokens}
+    )
     times = dict(zip(counts, forward_times(model, counts, reps), strict=True))
     base = times[1]
-    costs = [1.0]
-    for k in range(1, max_drafts + 1):
-        lo, hi = counts[-2], counts[-1]
-        t = (
-            times[hi]
-            if hi == lo
-            else times[lo] + (times[hi] - times[lo]) * (k + 1 - lo) / (hi - lo)
-        )
+    costs = []
+    for n in range(1, max_tokens + 1):
+        hi = next(c for c in counts if c >= n)
+        lo = max(c for c in counts if c <= n)
+        t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
         costs.append(max(1.0, t / base))
     return tuple(costs)
 

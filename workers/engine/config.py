@@ -16,8 +16,10 @@ class SpecConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True  # choose k per request from its measured acceptance
-    # Cost of a verify step with k = 0, 1, 2, ... drafts in one-token forwards (a longer k costs
-    # the last entry). None: the engine measures it at start-up (workers/engine/calibration.py).
+    # Cost of a forward over n = 1, 2, 3, ... new tokens (entry n - 1) in one-token forwards:
+    # one sequence verifying k drafts is n = k + 1, a batch's step the sum over its sequences.
+    # Beyond the last entry, in proportion. None: the engine measures it at start-up
+    # (workers/engine/calibration.py).
     verify_costs: tuple[float, ...] | None = None
     # Verification stops being nearly free once the batch is this large: speculate no more.
     disable_batch_size: int = 8

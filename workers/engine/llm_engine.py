@@ -134,7 +134,10 @@ class LLMEngine:
             return spec.verify_costs
         if not (spec.adaptive and has_drafters):
             return (1.0,)  # k is not chosen by cost: nothing to measure
-        return verify_costs(model, max(spec.num_speculative_tokens, 1))
+        # A step's forward holds every decoding sequence's token and drafts; speculation stops
+        # at disable_batch_size sequences.
+        per_seq = max(spec.num_speculative_tokens, 1) + 1
+        return verify_costs(model, min(max(spec.disable_batch_size - 1, 1) * per_seq, 256))
 
     def add_request(
         self,

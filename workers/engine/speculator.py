@@ -1,15 +1,18 @@
 """Which drafter drafts for whom, and how many tokens (adaptive k).
 
 With per-token acceptance rate a, a draft of k tokens yields E(k) = (1 - a^(k+1)) / (1 - a)
-committed tokens per verify step. The step costs verify(k) one-token forwards (a forward over
-k + 1 tokens, measured at start-up: workers/engine/calibration.py) plus k draft tokens at the
-drafter's cost (zero for n-gram drafters, measured for a draft model). Each request gets the k
-in 0..k_max that maximizes E(k) / cost(k) for its own measured a (a prior of 1/2 until it has
-history). Verification is only nearly free while the batch is small: from `disable_batch_size`
-unfinished requests on (decoding, prefilling or waiting), nobody speculates, so speculation never
-makes a large load slower. A
-request held at k = 0 still tries one draft token now and then (rarely for a draft model,
-which must first catch up on everything committed since its last draft).
+committed tokens per verify step. A step is one forward over every decoding sequence's last
+token and drafts, so its cost depends on the batch's total: a forward over n new tokens costs
+verify(n) one-token forwards (measured at start-up: workers/engine/calibration.py), plus each
+draft token at its drafter's cost (zero for n-gram drafters, measured for a draft model) and a
+fixed host overhead per speculating sequence. The engine picks the k of every sequence (each in
+0..its k_max) that maximizes the batch's committed tokens per unit of cost, each sequence judged
+by its own measured a (a prior of 1/2 until it has history). For one
+sequence that is the k maximizing E(k) / cost(k); in a batch, one sequence's drafts also make
+everyone's forward longer, so k shrinks as the batch grows. From `disable_batch_size`
+unfinished requests on (decoding, prefilling or waiting), nobody speculates at all. A request
+held at k = 0 still tries one draft token now and then (rarely for a draft model, which must
+first catch up on everything committed since its last draft).
 """
 
 from __future__ import annotations
@@ -39,12 +42,6 @@ def expected_tokens(acceptance: float, k: int) -> float:
     if acceptance >= 1.0:
         return float(k + 1)
     return (1 - acceptance ** (k + 1)) / (1 - acceptance)
-
-
-def best_num_draft_tokens(acceptance: float, step_costs: list[float]) -> int:
-    """The k with the most committed tokens per unit of cost; `step_costs[k]` is the cost of a
-    verify step with k drafts (drafting included)."""
-    return max(range(len(step_costs)), key=lambda k: expected_tokens(acceptance, k) / step_costs[k])
 
 
 class Speculator:
@@ -78,38 +75,82 @@ class Speculator:
             raise ValueError(f"speculative method {method!r} is not available on this server")
         return method, k
 
-    def step_costs(self, method: str, k_max: int) -> list[float]:
-        """Cost of a verify step with 0..k_max drafts from `method`, in one-token forwards."""
-        per_draft = self.draft_costs.get(method, 0.0)
-        last = len(self.verify_costs) - 1
-        return [1.0] + [
-            self.verify_costs[min(k, last)] + k * per_draft + SPEC_STEP_OVERHEAD
-            for k in range(1, k_max + 1)
-        ]
+    def forward_cost(self, num_tokens: int) -> float:
+        """A forward over `num_tokens` new tokens, in one-token forwards (beyond the measured
+        range, in proportion to the longest measured forward)."""
+        costs = self.verify_costs
+        if num_tokens <= len(costs):
+            return costs[max(num_tokens, 1) - 1]
+        return costs[-1] * num_tokens / len(costs)
 
-    def num_draft_tokens(self, seq: Sequence, batch_size: int) -> int:
-        """How many tokens to draft for `seq` this step."""
-        if seq.spec_method == "none" or batch_size >= self.config.disable_batch_size:
+    def step_cost(self, methods: list[str], ks: list[int]) -> float:
+        """One step of a batch whose sequence i drafts ks[i] tokens with methods[i]: the forward
+        over every sequence's token and drafts, the drafting, and the host overhead."""
+        cost = self.forward_cost(len(ks) + sum(ks))
+        for method, k in zip(methods, ks, strict=True):
+            if k:
+                cost += k * self.draft_costs.get(method, 0.0) + SPEC_STEP_OVERHEAD
+        return cost
+
+    def max_draft_tokens(self, seq: Sequence, load: int) -> int:
+        """The most tokens `seq` may draft this step (0: it does not speculate)."""
+        if seq.spec_method == "none" or load >= self.config.disable_batch_size:
             return 0
-        room = min(
-            seq.params.max_tokens - len(seq.output_token_ids) - 1,  # never draft past max_tokens
-            self.max_model_len - len(seq.token_ids),  # nor past the context
-            seq.max_spec_tokens,
+        return max(
+            0,
+            min(
+                seq.params.max_tokens - len(seq.output_token_ids) - 1,  # not past max_tokens
+                self.max_model_len - len(seq.token_ids),  # nor past the context
+                seq.max_spec_tokens,
+            ),
         )
-        if room <= 0:
-            return 0
-        if not self.config.adaptive:
-            return room
-        stats = seq.stats
-        rejected = stats.verify_steps_with_rejection
-        acceptance = (stats.accepted + _PRIOR_ACCEPTED) / (
-            stats.accepted + rejected + _PRIOR_ACCEPTED + _PRIOR_REJECTED
-        )
-        k = best_num_draft_tokens(acceptance, self.step_costs(seq.spec_method, room))
-        explore = EXPLORE_EVERY_STEPS.get(seq.spec_method, DEFAULT_EXPLORE_EVERY_STEPS)
-        if k == 0 and stats.verify_steps % explore == explore - 1:
-            return 1
-        return k
+
+    def num_draft_tokens(self, seqs: list[Sequence], load: int) -> list[int]:
+        """How many tokens each decoding sequence drafts this step."""
+        rooms = [self.max_draft_tokens(seq, load) for seq in seqs]
+        if not self.config.adaptive or not any(rooms):
+            return rooms
+        acceptance = [_acceptance(seq) for seq in seqs]
+        methods = [seq.spec_method for seq in seqs]
+        ks, limits = [0] * len(seqs), list(rooms)
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None and not seq.params.greedy and rooms[i]:
+                # A seeded sampled request drafts as if it were alone, so that what it draws
+                # does not depend on what else is in the batch.
+                ks[i] = limits[i] = self._allocate([acceptance[i]], [methods[i]], [rooms[i]], [0])[
+                    0
+                ]
+        ks = self._allocate(acceptance, methods, limits, ks)
+        for i, seq in enumerate(seqs):
+            explore = EXPLORE_EVERY_STEPS.get(seq.spec_method, DEFAULT_EXPLORE_EVERY_STEPS)
+            if rooms[i] and not ks[i] and seq.stats.verify_steps % explore == explore - 1:
+                ks[i] = 1
+        return ks
+
+    def _allocate(
+        self, acceptance: list[float], methods: list[str], rooms: list[int], start: list[int]
+    ) -> list[int]:
+        """Draft lengths from `start` up to `rooms` with the most committed tokens per cost.
+
+        Draft tokens go one at a time to the sequence whose next draft adds the most expected
+        tokens (a^(k+1)); for each total this gives the most committed tokens, so the best total
+        on that path is the best allocation up to the per-sequence costs."""
+
+        def rate(ks: list[int]) -> float:
+            committed = sum(expected_tokens(a, k) for a, k in zip(acceptance, ks, strict=True))
+            return committed / self.step_cost(methods, ks)
+
+        ks = list(start)
+        best, best_rate = list(ks), rate(ks)
+        while True:
+            growing = [i for i, room in enumerate(rooms) if ks[i] < room]
+            if not growing:
+                return best
+            i = max(growing, key=lambda i: acceptance[i] ** (ks[i] + 1))
+            ks[i] += 1
+            r = rate(ks)
+            if r > best_rate * (1 + 1e-9):
+                best, best_rate = list(ks), r
 
     def add(self, seq: Sequence) -> None:
         if seq.spec_method != "none":
@@ -153,17 +194,23 @@ class Speculator:
         seqs = list(decoding)
         load = len(seqs) if batch_size is None else batch_size
         by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
-        for seq in seqs:
+        for seq, k in zip(seqs, self.num_draft_tokens(seqs, load), strict=True):
             seq.draft = EMPTY_DRAFT
             if seq.spec_method == "none":
                 continue
             # Every drafter in use is called, with no requests if need be: a remote drafter
             # sends its buffered commits and features with the call, so they never pile up.
             pairs = by_method.setdefault(seq.spec_method, [])
-            k = self.num_draft_tokens(seq, load)
             if k > 0:
                 pairs.append((seq, DraftRequest(seq.request_id, len(seq.token_ids), k)))
         for method, pairs in by_method.items():
             drafts = self.drafters[method].propose([req for _, req in pairs])
             for seq, req in pairs:
                 seq.draft = drafts.get(seq.request_id, EMPTY_DRAFT).truncated(req.k)
+
+
+def _acceptance(seq: Sequence) -> float:
+    """The sequence's per-token acceptance rate so far, under the prior."""
+    stats = seq.stats
+    accepted, rejected = stats.accepted, stats.verify_steps_with_rejection
+    return (accepted + _PRIOR_ACCEPTED) / (accepted + rejected + _PRIOR_ACCEPTED + _PRIOR_REJECTED)
