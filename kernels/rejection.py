@@ -51,14 +51,22 @@ def rejection_sample(
     return output
 
 
+def greedy_accept(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) -> list[int]:
+    """A greedy row's committed tokens: the drafts while they equal the target's argmax, then
+    the argmax where they first differ (or the bonus after the last). Needs no probabilities,
+    so a greedy row never pays for the sampling transform."""
+    k = len(draft_token_ids)
+    if len(target_argmax) != k + 1:
+        raise ValueError("greedy_accept needs the target's argmax at k + 1 positions")
+    num_accepted = next((j for j in range(k) if draft_token_ids[j] != target_argmax[j]), k)
+    return [*draft_token_ids[:num_accepted], target_argmax[num_accepted]]
+
+
 def _greedy_row(
     drafts: torch.Tensor,  # [k]
     target_argmax: torch.Tensor,  # [k + 1]
 ) -> list[int]:
-    k = drafts.shape[0]
-    mismatch = (drafts != target_argmax[:k]).nonzero()
-    num_accepted = int(mismatch[0]) if len(mismatch) else k
-    return [*drafts[:num_accepted].tolist(), int(target_argmax[num_accepted])]
+    return greedy_accept(drafts.tolist(), target_argmax.tolist())
 
 
 def _random_row(

@@ -298,12 +298,22 @@ def concurrency(
             batch.append(same_kind[i // len(kinds) % len(same_kind)])
         results = run_methods(engine, batch, runs, max_tokens, f"{n} concurrent", True)
         base = median_tps(results["none"])
+        base_steps = last_request_steps(results["none"])
         for method in METHODS:
             tps = median_tps(results[method])
             length, k_mean, _ = merged_stats(results[method])
             speedups[(n, method)] = tps / base
+            bound = base_steps / last_request_steps(results[method])
             rows.append(
-                [n, method, f"{tps:.1f}", f"{tps / base:.2f}x", f"{length:.2f}", f"{k_mean:.2f}"]
+                [
+                    n,
+                    method,
+                    f"{tps:.1f}",
+                    f"{tps / base:.2f}x",
+                    f"{length:.2f}",
+                    f"{k_mean:.2f}",
+                    f"{bound:.2f}x",
+                ]
             )
     text = table(
         [
@@ -313,10 +323,16 @@ def concurrency(
             "vs none",
             "mean acceptance length",
             "drafts/step",
+            "last request bound",
         ],
         rows,
     )
     return text, speedups
+
+
+def last_request_steps(runs: list[Run]) -> float:
+    """Median over runs of the most steps any one request took (its first token included)."""
+    return statistics.median(max(c.spec.verify_steps + 1 for c in r.completions) for r in runs)
 
 
 def transformers_section(
@@ -509,8 +525,12 @@ def main() -> None:
             single,
             "### Concurrent requests",
             "Requests cycle over the three kinds (and within a kind over its prompts) and start "
-            "together. Speculation switches off "
-            "from 8 unfinished requests (`disable_batch_size`).",
+            "together, and the run ends when the last one finishes, so a method can be no "
+            "faster than that request's own speed-up: `last request bound` is the most steps any "
+            "request took without speculation over the most with the method (a server that "
+            "refills finished slots is not held back this way). Adaptive k weighs each "
+            "sequence's drafts against the whole batch's forward; speculation switches off from "
+            "8 unfinished requests (`disable_batch_size`).",
             multi,
             "### Against transformers",
             "transformers runs the same dense bf16 weights (`generate`, `prompt_lookup_num_tokens"

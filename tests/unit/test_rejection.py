@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept, rejection_sample
 from kernels.sampling import logits_to_probs
 
 P = PLACEHOLDER_TOKEN_ID
@@ -134,3 +134,11 @@ def test_inputs_must_agree_in_shape() -> None:
         rejection_sample(
             torch.zeros(1, 2, dtype=torch.long), [2], [None], torch.ones(1, 2, 3), [True], [None]
         )
+
+
+def test_greedy_accept_needs_only_the_argmax() -> None:
+    assert greedy_accept([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert greedy_accept([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # stops at the first mismatch
+    assert greedy_accept([], [3]) == [3]  # no draft: the argmax
+    with pytest.raises(ValueError):
+        greedy_accept([5], [5])

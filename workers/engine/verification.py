@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept, rejection_sample
 from kernels.sampling import logits_to_probs
 from workers.engine.model_runner import RunnerOutput
 from workers.engine.scheduler import ScheduledSeq
@@ -17,10 +17,20 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     """Committed tokens of each scheduled sequence (None for a prefill chunk that samples none).
 
     A sequence without a draft simply samples one token (k = 0: the bonus token); one with a
-    draft gets its accepted prefix plus a recovered or bonus token.
+    draft gets its accepted prefix plus a recovered or bonus token. Greedy rows are decided by
+    the argmax of their logits alone; the rest go through the sampling transform and
+    `rejection_sample` together.
     """
-    rows = [i for i, s in enumerate(batch) if s.samples]
     committed: list[list[int] | None] = [None] * len(batch)
+    rows = []  # sampled rows: they need the target's probabilities
+    for i, s in enumerate(batch):
+        if not s.samples:
+            continue
+        if s.seq.params.greedy:  # the argmax decides: no transform, no probabilities
+            argmax = output.logits_of(i).argmax(dim=-1).tolist()
+            committed[i] = greedy_accept(s.draft.token_ids, argmax)
+        else:
+            rows.append(i)
     if not rows:
         return committed
     ks = [len(batch[i].draft.token_ids) for i in rows]
@@ -62,6 +72,8 @@ def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
     without a draft: the same transform and the same draw from the sequence's generator as
     `verify` makes for a row with k = 0."""
     p = seq.params
+    if p.greedy:
+        return int(logits.argmax())
     probs = logits_to_probs(
         logits.float().view(1, -1),
         torch.tensor([p.temperature], dtype=torch.float32),
