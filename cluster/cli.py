@@ -50,6 +50,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram to match")
     spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to match")
     spec.add_argument("--no-adaptive", action="store_true", help="always draft the full k")
+    spec.add_argument(
+        "--no-eagle-lookup",
+        action="store_true",
+        help="EAGLE drafts with its head only (default: prompt lookup first where text repeats)",
+    )
     ray_group = parser.add_argument_group("disaggregated runtime (Ray)")
     ray_group.add_argument(
         "--cluster", action="store_true", help="run on the Ray runtime: verifier and drafter pools"
@@ -134,6 +139,7 @@ def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         adaptive=not args.no_adaptive,
+        eagle_prompt_lookup=not args.no_eagle_lookup,
     )
     config = EngineConfig(
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, spec=spec

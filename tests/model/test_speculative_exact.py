@@ -63,8 +63,11 @@ def make_drafter(method: str, draft_net, model_fp32) -> Drafter:  # type: ignore
         return NgramDrafter(NgramConfig(1, 4))
     if method == "suffix":
         return SuffixDrafter(NgramConfig(1, 4))
-    if method == "eagle":
-        return EagleDrafter(EagleHead.load(BUNDLED_HEAD), model_fp32, num_blocks=1024)
+    if method in ("eagle", "eagle_lookup"):
+        lookup = NgramConfig(2, 4) if method == "eagle_lookup" else None
+        return EagleDrafter(
+            EagleHead.load(BUNDLED_HEAD), model_fp32, num_blocks=1024, lookup=lookup
+        )
     net = model_fp32 if method == "self_draft" else draft_net
     return DraftModelDrafter(net, num_blocks=1024)
 
@@ -151,7 +154,7 @@ class AheadEveryStep(Drafter):
         return drafts
 
 
-@pytest.mark.parametrize("method", ["self_draft", "draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["self_draft", "draft_model", "eagle", "eagle_lookup"])
 def test_drafting_ahead_stays_exact(
     method: str,
     model_fp32,
@@ -169,16 +172,17 @@ def test_drafting_ahead_stays_exact(
         assert inner.ahead_served > 0
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize(("batch", "drafter"), [(1, "eagle"), (8, "eagle"), (8, "eagle_lookup")])
 def test_eagle_greedy_identical_to_plain_decoding(
     batch: int,
+    drafter: str,
     model_fp32,
     checkpoint,
     draft_net,
     prompt_ids,
     expected,  # type: ignore[no-untyped-def]
 ) -> None:
-    engine = make_engine(model_fp32, checkpoint, make_drafter("eagle", draft_net, model_fp32))
+    engine = make_engine(model_fp32, checkpoint, make_drafter(drafter, draft_net, model_fp32))
     got = run_staggered(engine, prompt_ids[:batch], GREEDY, RequestSpec(method="eagle"))
     assert got == expected[:batch]
     assert engine.stats.accepted > 0  # quality is measured by bench_eagle, not asserted here
@@ -200,10 +204,12 @@ def test_eagle_exact_through_prefix_caching_and_preemption(
         model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
     )
     want = [plain.generate(p, GREEDY).token_ids for p in prompts]
-    drafter = make_drafter("eagle", draft_net, model_fp32)
+    drafter = make_drafter("eagle_lookup", draft_net, model_fp32)
+    assert isinstance(drafter, EagleDrafter)
     engine = make_engine(model_fp32, checkpoint, drafter, num_kv_blocks=24, block_size=16)
     assert run_staggered(engine, prompts, GREEDY, RequestSpec(method="eagle"), gap=3) == want
     assert engine.stats.accepted > 0
+    assert drafter.looked_up > 0  # the repeated preamble: prompt lookup took turns with the head
     assert drafter.allocator.num_free_blocks == drafter.allocator.num_blocks
 
 

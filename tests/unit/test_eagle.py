@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from tests.factories import tiny_model
-from workers.drafting.base import DraftRequest
+from workers.drafting.base import Draft, DraftRequest
 from workers.drafting.eagle import EagleDrafter
+from workers.drafting.ngram import NgramConfig
 from workers.eagle.data import EagleData, draft_vocabulary
 from workers.eagle.head import EagleConfig, EagleHead, head_metadata
 from workers.eagle.self_instruct import keep_turn
@@ -120,6 +121,35 @@ def test_features_are_tracked_by_position(target) -> None:  # type: ignore[no-un
     short.add("d", list(range(13)), GREEDY)
     short.observe_hidden("d", 0, features[:10])
     assert short.propose(request_for("d", 13, 2))["d"].token_ids == []
+
+
+def test_prompt_lookup_drafts_where_the_text_repeats_and_the_head_elsewhere(target) -> None:  # type: ignore[no-untyped-def]
+    head = make_head(target)
+    lookup = EagleDrafter(head, target, num_blocks=32, block_size=4, lookup=NgramConfig(2, 4))
+    plain = EagleDrafter(head, target, num_blocks=32, block_size=4)
+    repeating = [7, 1, 2, 3, 4, 9, 8, 1, 2, 3]  # "1 2 3" came before, followed by 4 9 8
+    fresh = list(range(20, 30))
+    features = features_for(target, head, 9)
+    for d in (lookup, plain):
+        d.add("r", repeating, GREEDY)
+        d.add("f", fresh, GREEDY)
+        for rid in ("r", "f"):
+            d.observe_hidden(rid, 0, features)
+    requests = [DraftRequest("r", 10, 3), DraftRequest("f", 10, 3)]
+    got, head_only = lookup.propose(requests), plain.propose(requests)
+    assert got["r"].token_ids == [4, 9, 8]
+    assert got["f"] == head_only["f"]  # nothing repeats: the head drafts, as without lookup
+    assert lookup.looked_up == 1
+    # The head's cache was left alone for "r": it drafts right once the text stops repeating.
+    for d in (lookup, plain):
+        d.observe_hidden("r", 9, features_for(target, head, 1, seed=5))
+        d.commit("r", [5])
+    request = [DraftRequest("r", 11, 2)]
+    assert lookup.propose(request)["r"].token_ids == plain.propose(request)["r"].token_ids
+    # A sampled request's looked-up draft is deterministic: q is one-hot (probs None).
+    lookup.add("s", repeating, SamplingParams(temperature=0.8, seed=1))
+    lookup.observe_hidden("s", 0, features)
+    assert lookup.propose([DraftRequest("s", 10, 2)])["s"] == Draft([4, 9])
 
 
 def request_for(rid: str, num_tokens: int, k: int) -> list[DraftRequest]:

@@ -37,6 +37,7 @@ from workers.drafting.base import (
     DraftsAhead,
     draft_generator,
 )
+from workers.drafting.ngram import NgramConfig, prompt_lookup
 from workers.eagle.head import EagleHead
 from workers.engine.model_runner import SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
@@ -74,6 +75,7 @@ class EagleDrafter(DraftsAhead):
         block_size: int = 16,
         max_model_len: int = 0,
         attention: AttentionBackend | None = None,
+        lookup: NgramConfig | None = None,
     ) -> None:
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError("the EAGLE head was trained for a target of another hidden size")
@@ -89,6 +91,10 @@ class EagleDrafter(DraftsAhead):
         self.vocab = head.draft_vocab
         self.full_vocab_size = target.config.vocab_size
         self._seqs: dict[str, _EagleSeq] = {}
+        # Prompt lookup first: where the text's last min_n..max_n tokens occurred before, what
+        # followed them there is the draft, and the head does not run (None: the head always).
+        self.lookup = lookup
+        self.looked_up = 0  # proposals made by prompt lookup
 
     # -- the Drafter boundary ------------------------------------------------------------------
 
@@ -134,6 +140,7 @@ class EagleDrafter(DraftsAhead):
         draft-vocabulary logits) after a `context`-row history."""
         rid = "__calibration__"
         self.add(rid, [0] * (context + 1), SamplingParams(temperature=0.0))
+        lookup, self.lookup = self.lookup, None  # time the head, not a lookup
         try:
             width = len(self.hidden_layers) * self.head.config.hidden_size
             features = torch.randn(context, width, generator=torch.Generator().manual_seed(0))
@@ -148,10 +155,32 @@ class EagleDrafter(DraftsAhead):
             return statistics.median(times[1:])
         finally:
             self.remove(rid)
+            self.lookup = lookup
 
     # -- drafting ------------------------------------------------------------------------------
 
     def _draft(
+        self,
+        active: list[tuple[str, _EagleSeq, list[int], int]],
+        stop: Callable[[], bool],
+    ) -> dict[str, Draft]:
+        looked_up: dict[str, Draft] = {}
+        if self.lookup is not None:
+            rest = []
+            for item in active:
+                rid, seq, forced, n = item
+                found = prompt_lookup(seq.tokens + forced, n, self.lookup.min_n, self.lookup.max_n)
+                if found:
+                    looked_up[rid] = Draft(found)  # deterministic: q is one-hot
+                else:
+                    rest.append(item)
+            self.looked_up += len(looked_up)
+            active = rest
+        if active:
+            looked_up |= self._draft_with_head(active, stop)
+        return looked_up
+
+    def _draft_with_head(
         self,
         active: list[tuple[str, _EagleSeq, list[int], int]],
         stop: Callable[[], bool],

@@ -16,6 +16,9 @@ class SpecConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True  # choose k per request from its measured acceptance
+    # EAGLE drafts by prompt lookup (ngram_min..ngram_max) where the text repeats, and with its
+    # head elsewhere.
+    eagle_prompt_lookup: bool = True
     # Cost of a forward over n = 1, 2, 3, ... new tokens (entry n - 1) in one-token forwards:
     # one sequence verifying k drafts is n = k + 1, a batch's step the sum over its sequences.
     # Beyond the last entry, in proportion. None: the engine measures it at start-up

@@ -104,6 +104,7 @@ def build_drafters(
             num_blocks=config.kv_blocks,
             block_size=config.block_size,
             max_model_len=config.max_model_len,
+            lookup=ngram if config.spec.eagle_prompt_lookup else None,
         )
         drafters["eagle"] = eagle
         costs["eagle"] = in_target_forwards(eagle.token_seconds())
