@@ -14,6 +14,10 @@ with the head's own output standing in for the target feature. Drafts follow the
 temperature/top-k/top-p/min-p transform as the target, and q is returned for rejection sampling;
 tokens outside the draft vocabulary have q = 0.
 
+With `lookup` set, a sequence whose text ends in an n-gram that occurred before is drafted by
+prompt lookup instead (what followed the n-gram there; q one-hot) and the head does not run for
+it: its unread features stay pending and go into the cache with its next head draft.
+
 Drafting ahead (base.py) redoes the last proposal's rows (the tokens are given, not drawn), then
 draws the bonus-token guess and k more, all from the head's own features: the target's features
 for those positions exist only after the verify step being waited for.
@@ -164,21 +168,21 @@ class EagleDrafter(DraftsAhead):
         active: list[tuple[str, _EagleSeq, list[int], int]],
         stop: Callable[[], bool],
     ) -> dict[str, Draft]:
-        looked_up: dict[str, Draft] = {}
+        drafts: dict[str, Draft] = {}
         if self.lookup is not None:
             rest = []
             for item in active:
                 rid, seq, forced, n = item
                 found = prompt_lookup(seq.tokens + forced, n, self.lookup.min_n, self.lookup.max_n)
                 if found:
-                    looked_up[rid] = Draft(found)  # deterministic: q is one-hot
+                    drafts[rid] = Draft(found)  # deterministic: q is one-hot
                 else:
                     rest.append(item)
-            self.looked_up += len(looked_up)
+            self.looked_up += len(drafts)
             active = rest
         if active:
-            looked_up |= self._draft_with_head(active, stop)
-        return looked_up
+            drafts |= self._draft_with_head(active, stop)
+        return drafts
 
     def _draft_with_head(
         self,
