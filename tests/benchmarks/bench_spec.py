@@ -525,10 +525,11 @@ def main() -> None:
             single,
             "### Concurrent requests",
             "Requests cycle over the three kinds (and within a kind over its prompts) and start "
-            "together, and the run ends when the last one finishes, so a method can be no "
-            "faster than that request's own speed-up: `last request bound` is the most steps any "
-            "request took without speculation over the most with the method (a server that "
-            "refills finished slots is not held back this way). Adaptive k weighs each "
+            "together, and the run ends when the last one finishes, so that request's own "
+            "speed-up weighs most: `last request bound` is the most steps any request took "
+            "without speculation over the most with the method (steps get cheaper as the batch "
+            "thins out, so tokens/s can beat it a little; a server that refills finished slots "
+            "is not held back this way). Adaptive k weighs each "
             "sequence's drafts against the whole batch's forward; speculation switches off from "
             "8 unfinished requests (`disable_batch_size`).",
             multi,
