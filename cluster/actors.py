@@ -29,6 +29,7 @@ def engine_config(config: DeploymentConfig) -> EngineConfig:
         method=config.speculative.method,
         num_speculative_tokens=config.speculative.num_speculative_tokens,
         adaptive=config.speculative.adaptive,
+        eagle_prompt_lookup=config.speculative.eagle_prompt_lookup,
     )
     return EngineConfig(
         max_model_len=config.engine.max_model_len,

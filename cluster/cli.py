@@ -164,6 +164,7 @@ def _deployment(args: argparse.Namespace) -> DeploymentConfig:
         "speculative.method": method,
         "speculative.num_speculative_tokens": args.num_spec_tokens,
         "speculative.adaptive": False if args.no_adaptive else None,
+        "speculative.eagle_prompt_lookup": False if args.no_eagle_lookup else None,
         "pools.drafter.replicas": args.drafters,
         "pools.drafter.draft_model": args.draft_model,
         "pools.drafter.draft_layers": args.draft_layers,

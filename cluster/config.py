@@ -8,7 +8,8 @@ RayCluster). A config is checked as a whole when it is built, and every error na
     model: null                 # GGUF file, HF folder, fetched name, or null for the bundled model
     dtype: bfloat16
     engine: {max_model_len: 4096, max_num_seqs: 32, block_size: 16}
-    speculative: {method: eagle, num_speculative_tokens: 4, adaptive: true}
+    speculative: {method: eagle, num_speculative_tokens: 4, adaptive: true,
+                  eagle_prompt_lookup: true}    # EAGLE copies where the text repeats
     pools:
       prefill:  {replicas: 1, resources: {cpus: 1, gpus: 0}}
       verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
@@ -113,6 +114,7 @@ class SpeculativeSettings:
     method: str = "eagle"
     num_speculative_tokens: int = 4
     adaptive: bool = True
+    eagle_prompt_lookup: bool = True  # EAGLE drafts by prompt lookup where the text repeats
 
 
 @dataclass(frozen=True, slots=True)

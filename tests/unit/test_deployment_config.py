@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.actors import engine_config
 from cluster.config import ConfigError, DeploymentConfig, from_dict, load_config
 
 
@@ -53,6 +54,10 @@ def test_a_file_sets_nested_fields(tmp_path: Path) -> None:
         ({"redis": {"url": "http://redis"}}, "redis.url"),
         ({"pools": {"drafter": {"resources": {"custom": {"grace_cpu": 0}}}}}, "custom.grace_cpu"),
         ({"speculative": {"adaptive": "yes"}}, "speculative.adaptive: must be true or false"),
+        (
+            {"speculative": {"eagle_prompt_lookup": 1}},
+            "speculative.eagle_prompt_lookup: must be true or false",
+        ),
         ({"engine": []}, "engine: must be a mapping"),
         ({"telemetry": {"exporter": "jaeger"}}, "telemetry.exporter"),
     ],
@@ -84,6 +89,9 @@ def test_overrides_apply_dotted_keys_and_skip_unset_flags() -> None:
     assert changed.pools.verifier.groups == 3
     assert changed.dtype == "float32"  # None: the flag was not given
     assert changed.pools.drafter.replicas == 2
+    off = config.with_overrides({"speculative.eagle_prompt_lookup": False})
+    assert config.speculative.eagle_prompt_lookup and not off.speculative.eagle_prompt_lookup
+    assert not engine_config(off).spec.eagle_prompt_lookup  # what verifiers and drafters build
     with pytest.raises(ConfigError, match=r"pools\.verifier\.gpus: no such setting"):
         config.with_overrides({"pools.verifier.gpus": 1})
     with pytest.raises(ConfigError, match=r"pools\.verifier\.groups"):
