@@ -44,7 +44,7 @@ def rejection_sample(
         drafts = draft_token_ids[i, :k]
         p = target_probs[i, : k + 1]
         if greedy[i]:
-            row = _greedy_row(drafts, p.argmax(dim=-1))
+            row = greedy_accept(drafts.tolist(), p.argmax(dim=-1).tolist())
         else:
             row = _random_row(drafts, draft_probs[i], p, generators[i])
         output[i, : len(row)] = torch.tensor(row, dtype=torch.long)
@@ -60,13 +60,6 @@ def greedy_accept(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) 
         raise ValueError("greedy_accept needs the target's argmax at k + 1 positions")
     num_accepted = next((j for j in range(k) if draft_token_ids[j] != target_argmax[j]), k)
     return [*draft_token_ids[:num_accepted], target_argmax[num_accepted]]
-
-
-def _greedy_row(
-    drafts: torch.Tensor,  # [k]
-    target_argmax: torch.Tensor,  # [k + 1]
-) -> list[int]:
-    return greedy_accept(drafts.tolist(), target_argmax.tolist())
 
 
 def _random_row(

@@ -117,9 +117,8 @@ class Speculator:
             if seq.params.seed is not None and not seq.params.greedy and rooms[i]:
                 # A seeded sampled request drafts as if it were alone, so that what it draws
                 # does not depend on what else is in the batch.
-                ks[i] = limits[i] = self._allocate([acceptance[i]], [methods[i]], [rooms[i]], [0])[
-                    0
-                ]
+                solo = self._allocate([acceptance[i]], [methods[i]], [rooms[i]], [0])
+                ks[i] = limits[i] = solo[0]
         ks = self._allocate(acceptance, methods, limits, ks)
         for i, seq in enumerate(seqs):
             explore = EXPLORE_EVERY_STEPS.get(seq.spec_method, DEFAULT_EXPLORE_EVERY_STEPS)
