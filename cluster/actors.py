@@ -73,8 +73,8 @@ class DrafterActor:
     def __init__(self, config: dict[str, Any], name: str) -> None:
         import torch
 
-        from workers.engine.factory import build_drafters
-        from workers.model.loader import build_model, load_checkpoint, parse_dtype
+        from workers.engine.factory import build_drafters, needs_target
+        from workers.model.loader import build_model, load_checkpoint, load_config, parse_dtype
 
         torch.set_num_threads(1)
         deployment = from_dict(config)
@@ -82,20 +82,26 @@ class DrafterActor:
         spec = model_spec(deployment)
 
         def make() -> Any:
-            checkpoint = load_checkpoint(deployment.model)
-            target = build_model(checkpoint, dtype=parse_dtype(deployment.dtype))
+            # A draft model from its own file needs only the target's config: a drafter beside
+            # a large target never loads the target's weights.
+            checkpoint = target = None
+            if needs_target(spec, method):
+                dtype = parse_dtype(deployment.dtype)
+                checkpoint = load_checkpoint(deployment.model, dtype=dtype)
+                target = build_model(checkpoint, dtype=dtype)
+            target_config = checkpoint.config if checkpoint else load_config(deployment.model)
             settings = engine_config(deployment)
-            drafters, costs = build_drafters(
-                spec, settings, checkpoint, target, progress=False, only=method
+            drafters, seconds = build_drafters(
+                spec, settings, target_config, checkpoint, target, progress=False, only=method
             )
-            self.cost = costs.get(method, 0.0)
+            self.token_seconds = seconds.get(method, 0.0)
             return drafters[method]
 
-        self.cost = 0.0
+        self.token_seconds = 0.0  # drafting one token here; the verifier weighs it
         self.worker = DrafterWorker(make, name, deployment.pools.drafter.draft_ahead)
 
     def info(self) -> dict[str, Any]:
-        return {**self.worker.info(), "cost": self.cost, **where()}
+        return {**self.worker.info(), "token_seconds": self.token_seconds, **where()}
 
     def open_link(self, address: Any) -> int:
         return self.worker.open_link(address)
@@ -114,7 +120,8 @@ class PrefillActor:
         use_assigned_cpus()
         deployment = from_dict(config)
         self.name = name
-        model = build_model(load_checkpoint(deployment.model), dtype=parse_dtype(deployment.dtype))
+        dtype = parse_dtype(deployment.dtype)
+        model = build_model(load_checkpoint(deployment.model, dtype=dtype), dtype=dtype)
         self.worker = PrefillWorker(
             model, deployment.engine.max_model_len, deployment.engine.block_size
         )
@@ -189,8 +196,9 @@ class VerifierRankActor:
         use_assigned_cpus()
         deployment = from_dict(config)
         self.name, self.rank, self.world = name, rank, world
-        checkpoint = load_checkpoint(deployment.model)
-        model = build_sharded_model(checkpoint, rank, world, None, parse_dtype(deployment.dtype))
+        dtype = parse_dtype(deployment.dtype)
+        checkpoint = load_checkpoint(deployment.model, dtype=dtype)
+        model = build_sharded_model(checkpoint, rank, world, None, dtype)
         blocks = engine_config(deployment).kv_blocks
         block_size = deployment.engine.block_size
         cache = PagedKVCache(model.config, blocks, block_size, model.dtype, model.device)

@@ -81,7 +81,7 @@ class VerifierActor:
                 for a, i, n in zip(actors, infos, drafter_names, strict=True)
             ]
             self.drafters = ShardedDrafter(shards)
-            remote[infos[0]["method"]] = (self.drafters, max(i["cost"] for i in infos))
+            remote[infos[0]["method"]] = (self.drafters, max(i["token_seconds"] for i in infos))
         self.rank_names = list(rank_names or [])
         world = 1 + len(self.rank_names)
         loaded = build_engine(

@@ -12,19 +12,27 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 
-def test_draft_model_pool_is_exact_and_drafts_ahead(prompts, expected) -> None:  # type: ignore[no-untyped-def]
-    """The target's full depth as the draft model: whole drafts are accepted, so the drafter's
-    guesses while the verifier works come true and proposals are served from drafting ahead."""
+def test_draft_model_pool_is_exact_and_drafts_ahead(  # type: ignore[no-untyped-def]
+    prompts, expected, checkpoint, tmp_path
+) -> None:
+    """A copy of the target in its own model folder as the draft model: whole drafts are
+    accepted, so the drafter's guesses while the verifier works come true and proposals are
+    served from drafting ahead. A draft model from its own file is all the drafter actor loads
+    (the target's config aside)."""
     from cluster.runtime import Runtime
+    from workers.model.loader import save_safetensors_dir
 
-    runtime = Runtime.start(deployment("draft_model", drafters=1, draft_layers=30), num_cpus=2)
+    save_safetensors_dir(checkpoint, tmp_path / "draft")
+    config = deployment("draft_model", drafters=1, draft_model=str(tmp_path / "draft"))
+    runtime = Runtime.start(config, num_cpus=2)
     try:
         assert run_all(runtime, prompts, "draft_model") == expected
         assert run_all(runtime, prompts[:1], "ngram") == expected[:1]  # in-verifier drafter
         (stats,) = runtime.verifier_stats()
         assert stats["spec"]["drafted"] > 0
         assert stats["remote_drafting"]["ahead_served"] > 0
-        assert [d["draft_ahead"] for d in runtime.actor_info()["drafters"]] == [True]
+        (drafter,) = runtime.actor_info()["drafters"]
+        assert drafter["draft_ahead"] and drafter["token_seconds"] > 0
     finally:
         runtime.shutdown()
 

@@ -13,6 +13,7 @@ from workers.model.loader import (
     build_model,
     bundled_model_path,
     load_checkpoint,
+    load_config,
     load_tokenizer,
     resolve_model_path,
     save_safetensors_dir,
@@ -143,3 +144,17 @@ def test_model_path_errors(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "model.bin")
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
         load_checkpoint(tmp_path)
+
+
+def test_weights_cast_as_they_are_read(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`load_checkpoint(dtype=...)` gives the weights a model built in that dtype would hold
+    (so a bf16 model never needs all its weights in fp32), from a GGUF and an HF folder; and
+    `load_config` reads the config without the weights."""
+    save_safetensors_dir(checkpoint, tmp_path / "smol")
+    for model in (None, tmp_path / "smol"):
+        bf16 = load_checkpoint(model, dtype=torch.bfloat16)
+        assert bf16.weights.keys() == checkpoint.weights.keys()
+        for name, weight in checkpoint.weights.items():
+            assert bf16.weights[name].dtype == torch.bfloat16, name
+            assert torch.equal(bf16.weights[name], weight.to(torch.bfloat16)), name
+        assert load_config(model) == checkpoint.config

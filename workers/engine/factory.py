@@ -16,6 +16,7 @@ from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.calibration import forward_times
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
+from workers.model.config import ModelConfig
 from workers.model.loader import (
     BUNDLED_MODEL_NAME,
     Checkpoint,
@@ -47,14 +48,17 @@ class LoadedEngine:
 def build_drafters(
     spec: ModelSpec,
     config: EngineConfig,
-    checkpoint: Checkpoint,
-    target: TransformerLM,
+    target_config: ModelConfig,
+    checkpoint: Checkpoint | None,
+    target: TransformerLM | None,
     progress: bool = True,
     only: str | None = None,
     skip: Collection[str] = (),
 ) -> tuple[dict[str, Drafter], dict[str, float]]:
-    """Every drafter the settings allow, and each one's cost per drafted token in one-token
-    target forwards (model-free drafters cost nothing). `only`: just that method, which must
+    """Every drafter the settings allow, and each one's seconds per drafted token (model-free
+    drafters: 0). What a drafter needs of the target: a draft model from its own file only the
+    target's config; the target's first layers its `checkpoint`; EAGLE the `target` model. A
+    drafter actor passes None for what it did not load. `only`: just that method, which must
     then be available; `skip`: methods provided elsewhere (a drafter pool), neither built nor
     required. The server's default method must be available unless skipped."""
 
@@ -62,42 +66,41 @@ def build_drafters(
         return (only is None or only == method) and method not in skip
 
     required = only or config.spec.method
-    target_seconds: list[float] = []  # a one-token target forward, measured once if needed
-
-    def in_target_forwards(seconds: float) -> float:
-        if not target_seconds:
-            target_seconds.append(forward_times(target, [1], reps=5)[0])
-        return seconds / target_seconds[0]
-
+    dtype = parse_dtype(spec.dtype)
     ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
     drafters: dict[str, Drafter] = {}
-    costs: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     if wanted("ngram"):
         drafters["ngram"] = NgramDrafter(ngram)
     if wanted("suffix"):
         drafters["suffix"] = SuffixDrafter(ngram)
     if wanted("draft_model") and (spec.draft_model or spec.draft_layers):
         if spec.draft_model is not None:
-            draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress)
+            draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress, dtype=dtype)
+        elif checkpoint is None:
+            raise ValueError("a draft model of the target's first layers needs its checkpoint")
         else:
             draft_checkpoint = truncate_layers(checkpoint, spec.draft_layers or 1)
-        if draft_checkpoint.config.vocab_size != checkpoint.config.vocab_size:
+        if draft_checkpoint.config.vocab_size != target_config.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({draft_checkpoint.config.vocab_size}) differs "
-                f"from the target's ({checkpoint.config.vocab_size}); they must share a tokenizer"
+                f"from the target's ({target_config.vocab_size}); they must share a tokenizer"
             )
-        draft = build_model(draft_checkpoint, dtype=target.dtype)
+        draft = build_model(draft_checkpoint, dtype=dtype)
+        del draft_checkpoint
         drafters["draft_model"] = DraftModelDrafter(
             draft,
             num_blocks=config.kv_blocks,
             block_size=config.block_size,
             max_model_len=config.max_model_len,
         )
-        costs["draft_model"] = in_target_forwards(forward_times(draft, [1], reps=5)[0])
+        seconds["draft_model"] = forward_times(draft, [1], reps=5)[0]
     elif required == "draft_model" and "draft_model" not in skip:
         raise ValueError("spec method draft_model needs --draft-model or --draft-layers")
     head_path = spec.eagle_head or (BUNDLED_HEAD if spec.model is None else None)
     if wanted("eagle") and head_path is not None and Path(head_path).exists():
+        if target is None:
+            raise ValueError("the eagle drafter needs the target model")
         eagle = EagleDrafter(
             EagleHead.load(Path(head_path)),
             target,
@@ -107,12 +110,17 @@ def build_drafters(
             lookup=ngram if config.spec.eagle_prompt_lookup else None,
         )
         drafters["eagle"] = eagle
-        costs["eagle"] = in_target_forwards(eagle.token_seconds())
+        seconds["eagle"] = eagle.token_seconds()
     elif wanted("eagle") and spec.eagle_head is not None:
         raise FileNotFoundError(f"EAGLE head {spec.eagle_head} not found")
     elif required == "eagle" and "eagle" not in skip:
         raise ValueError("spec method eagle needs --eagle-head (built in for the bundled model)")
-    return drafters, costs
+    return drafters, seconds
+
+
+def needs_target(spec: ModelSpec, method: str) -> bool:
+    """Whether a drafter of `method` alone (a drafter actor) needs the target's weights."""
+    return method == "eagle" or (method == "draft_model" and spec.draft_model is None)
 
 
 def build_engine(
@@ -122,21 +130,26 @@ def build_engine(
     remote_drafters: dict[str, tuple[Drafter, float]] | None = None,
     build_target: Callable[[Checkpoint, torch.dtype], TransformerLM] | None = None,
 ) -> LoadedEngine:
-    """The engine for `spec`; `remote_drafters` (method -> drafter, cost) stand in for the local
-    drafters of those methods (the Ray runtime's drafter pool); `build_target` builds the
-    target from the checkpoint (a tensor-parallel rank's slice) instead of the whole model."""
-    checkpoint = load_checkpoint(spec.model, progress=progress)
+    """The engine for `spec`; `remote_drafters` (method -> drafter, its seconds per drafted
+    token) stand in for the local drafters of those methods (the Ray runtime's drafter pool);
+    `build_target` builds the target from the checkpoint (a tensor-parallel rank's slice)
+    instead of the whole model. Draft costs reach the engine in one-token target forwards."""
     dtype = parse_dtype(spec.dtype)
+    checkpoint = load_checkpoint(spec.model, progress=progress, dtype=dtype)
     if build_target is None:
         target = build_model(checkpoint, dtype=dtype)
     else:
         target = build_target(checkpoint, dtype)
     remote = remote_drafters or {}
-    drafters, draft_costs = build_drafters(
-        spec, config, checkpoint, target, progress, skip=tuple(remote)
+    drafters, draft_seconds = build_drafters(
+        spec, config, checkpoint.config, checkpoint, target, progress, skip=tuple(remote)
     )
-    for method, (drafter, cost) in remote.items():
-        drafters[method], draft_costs[method] = drafter, cost
+    for method, (drafter, token_seconds) in remote.items():
+        drafters[method], draft_seconds[method] = drafter, token_seconds
+    draft_costs = dict.fromkeys(draft_seconds, 0.0)
+    if any(draft_seconds.values()):
+        target_seconds = forward_times(target, [1], reps=5)[0]
+        draft_costs = {m: s / target_seconds for m, s in draft_seconds.items()}
     engine = LLMEngine(
         target,
         config,

@@ -102,9 +102,13 @@ def read_config(reader: GGUFReader) -> ModelConfig:
 
 
 def read_weights(
-    reader: GGUFReader, config: ModelConfig, progress: bool = False
+    reader: GGUFReader,
+    config: ModelConfig,
+    progress: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to fp32 (or kept as stored when already float), HF names."""
+    """Every tensor dequantized to fp32 (or kept as stored when already float), HF names; with
+    `dtype`, each one cast to it as soon as it is read."""
     weights: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
         name = hf_name(tensor.name)
@@ -113,8 +117,15 @@ def read_weights(
             weight = unpermute_qk(weight, config.num_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_qk(weight, config.num_kv_heads)
-        weights[name] = weight
+        weights[name] = cast(weight, dtype)
     return weights
+
+
+def cast(weight: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A floating-point weight in `dtype` (None: unchanged); integer tensors stay as they are."""
+    if dtype is None or not weight.is_floating_point():
+        return weight
+    return weight.to(dtype)
 
 
 def _dequantize(tensor: ReaderTensor) -> torch.Tensor:

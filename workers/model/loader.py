@@ -15,7 +15,13 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from workers.model.config import ModelConfig
-from workers.model.gguf_loader import cache_root, load_gguf_tokenizer, read_config, read_weights
+from workers.model.gguf_loader import (
+    cache_root,
+    cast,
+    load_gguf_tokenizer,
+    read_config,
+    read_weights,
+)
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
 
@@ -61,15 +67,28 @@ def resolve_model_path(model: str | Path | None) -> Path:
     return path
 
 
-def load_checkpoint(model: str | Path | None = None, *, progress: bool = False) -> Checkpoint:
-    """Read a GGUF file or an HF folder (config.json + *.safetensors + tokenizer.json)."""
+def load_checkpoint(
+    model: str | Path | None = None,
+    *,
+    progress: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Checkpoint:
+    """Read a GGUF file or an HF folder (config.json + *.safetensors + tokenizer.json).
+    `dtype`: cast each floating-point weight as it is read (a bf16 model then never holds all
+    its weights in fp32 at once); None keeps them as dequantized (fp32) or stored."""
     path = resolve_model_path(model)
     if path.is_dir():
-        return _load_safetensors_dir(path, progress)
+        return _load_safetensors_dir(path, progress, dtype)
     reader = _gguf_reader(path)
     config = read_config(reader)
-    weights = read_weights(reader, config, progress)
+    weights = read_weights(reader, config, progress, dtype)
     return Checkpoint(config, weights, load_gguf_tokenizer(path, reader))
+
+
+def load_config(model: str | Path | None = None) -> ModelConfig:
+    """The model's config alone, without reading its weights."""
+    path = resolve_model_path(model)
+    return _read_hf_config(path) if path.is_dir() else read_config(_gguf_reader(path))
 
 
 def load_tokenizer(model: str | Path | None = None) -> Tokenizer:
@@ -98,7 +117,7 @@ def _read_hf_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(raw)
 
 
-def _load_safetensors_dir(path: Path, progress: bool) -> Checkpoint:
+def _load_safetensors_dir(path: Path, progress: bool, dtype: torch.dtype | None) -> Checkpoint:
     config = _read_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -107,7 +126,7 @@ def _load_safetensors_dir(path: Path, progress: bool) -> Checkpoint:
     for file in tqdm(files, desc="loading weights", unit="file", disable=not progress):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                weights[name] = handle.get_tensor(name)
+                weights[name] = cast(handle.get_tensor(name), dtype)
     tokenizer = Tokenizer.from_directory(path, eos_token_ids=config.eos_token_ids)
     return Checkpoint(config, weights, tokenizer)
 
