@@ -1,6 +1,6 @@
 """The disaggregated runtime vs the in-process engine, side by side in one run.
 
-    python -m tests.benchmarks.bench_runtime [--runs 3] [--max-tokens 96]
+    python -m tests.benchmarks.bench_runtime [--runs 3] [--max-tokens 96] [--pair qwen]
 
 Single stream, bf16, greedy, the held-out chat prompts. For each drafter method: the in-process
 engine (drafting and verifying on the same cores, one after the other) and the Ray runtime (the
@@ -8,6 +8,10 @@ verifier actor on one core, the drafter actor on the other, features over a gloo
 drafter drafting ahead and without. Also the fraction of verify steps that went without a draft
 because the drafter missed its deadline, the proposals served from drafting ahead, and the
 feature bytes moved per step. Writes the `bench_runtime` section of docs/benchmarks.md.
+
+`--pair qwen`: instead, Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B (`make models-qwen`),
+the draft-model case with a drafter worth hiding, on held-out code and chat prompts; writes the
+`bench_runtime_qwen` section.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,16 +34,38 @@ from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import ModelSpec, build_engine
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
+from workers.model.loader import load_tokenizer
 
 METHODS = ("draft_model", "eagle")
 DRAFT_LAYERS = 12
 K = 4
+MAX_MODEL_LEN, MAX_NUM_SEQS = 1024, 8  # the in-process engine's too
+QWEN_TARGET, QWEN_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
-def deployment(method: str, prefill: int = 0, draft_ahead: bool = True) -> DeploymentConfig:
+@dataclass(frozen=True, slots=True)
+class Models:
+    """The target, and the draft model of method draft_model (None: the target's first
+    DRAFT_LAYERS layers)."""
+
+    target: str | None = None
+    draft: str | None = None
+
+    def draft_settings(self) -> dict[str, object]:
+        return {"draft_model": self.draft} if self.draft else {"draft_layers": DRAFT_LAYERS}
+
+
+BUNDLED, QWEN = Models(), Models(QWEN_TARGET, QWEN_DRAFT)
+
+
+def deployment(
+    method: str, prefill: int = 0, draft_ahead: bool = True, models: Models = BUNDLED
+) -> DeploymentConfig:
     return from_dict(
         {
+            "model": models.target,
             "dtype": "bfloat16",
+            "engine": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS},
             "speculative": {"method": method, "num_speculative_tokens": K, "adaptive": False},
             "pools": {
                 "prefill": {"replicas": prefill, "min_remote_prompt_tokens": 1},
@@ -46,9 +73,9 @@ def deployment(method: str, prefill: int = 0, draft_ahead: bool = True) -> Deplo
                 "drafter": {
                     "replicas": 1,
                     "method": method,
-                    "draft_layers": DRAFT_LAYERS,
                     "draft_ahead": draft_ahead,
                     "resources": {"cpus": 1},
+                    **models.draft_settings(),
                 },
             },
         }
@@ -75,7 +102,9 @@ def time_to_first_token(runtime: Runtime, prompts: list[list[int]]) -> float:
     return statistics.median(times[1:])
 
 
-def prefill_section(tok, runs: int, quick: bool) -> tuple[str, float]:
+def prefill_section(
+    tok, runs: int, quick: bool, method: str = "eagle", models: Models = BUNDLED
+) -> tuple[str, float]:
     """TTFT of long prompts prefilled on the verifier vs on a prefill worker, and the
     K/V transfer that the remote path costs."""
     repeats = 1 if quick else 6
@@ -88,12 +117,12 @@ def prefill_section(tok, runs: int, quick: bool) -> tuple[str, float]:
             tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts
         ]
 
-    local_rt = Runtime.start(deployment("eagle", prefill=0), num_cpus=3)
+    local_rt = Runtime.start(deployment(method, prefill=0, models=models), num_cpus=3)
     try:
         local = time_to_first_token(local_rt, prompts("local"))
     finally:
         local_rt.shutdown()
-    remote_rt = Runtime.start(deployment("eagle", prefill=1), num_cpus=3)
+    remote_rt = Runtime.start(deployment(method, prefill=1, models=models), num_cpus=3)
     try:
         remote = time_to_first_token(remote_rt, prompts("remote"))
         (stats,) = remote_rt.verifier_stats()
@@ -127,37 +156,163 @@ def prefill_section(tok, runs: int, quick: bool) -> tuple[str, float]:
     return text_table, overhead
 
 
+@dataclass(slots=True)
+class Measured:
+    """One kind of prompt on one runtime, beside the in-process engine."""
+
+    local_tps: list[float]
+    remote_tps: list[float]
+    accepted: int = 0
+    verify_steps: int = 0
+    steps: int = 0  # proposals asked of the drafter
+    late: int = 0
+    ahead_served: int = 0
+    feature_bytes: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.remote_tps) / statistics.median(self.local_tps)
+
+    def row(self) -> list[str]:
+        steps = max(1, self.steps)
+        length = (self.accepted + self.verify_steps) / max(1, self.verify_steps)
+        return [
+            f"{statistics.median(self.local_tps):.1f}",
+            f"{statistics.median(self.remote_tps):.1f}",
+            f"{self.ratio:.2f}x",
+            f"{length:.2f}",
+            f"{self.late / steps:.1%}",
+            f"{self.ahead_served / steps:.1%}",
+            f"{self.feature_bytes / steps / 1024:.1f}",
+        ]
+
+
+ROW_COLUMNS = [
+    "in-process tokens/s",
+    "runtime tokens/s",
+    "runtime vs in-process",
+    "mean acceptance length",
+    "steps without a draft (late)",
+    "served ahead",
+    "feature KiB per step",
+]
+
+
 def compare(
     engine: LLMEngine,
     config: DeploymentConfig,
-    prompts: list[list[int]],
+    prompts: dict[str, list[list[int]]],
     params: SamplingParams,
     runs: int,
-) -> tuple[list[float], list[float], dict]:
+) -> dict[str, Measured]:
     """Tokens/s of the in-process engine and of a runtime built from `config`, interleaved per
-    prompt after a warm-up round; and the runtime's verifier stats."""
+    prompt after a warm-up round, one kind of prompt after another; and the runtime's verifier
+    counters over each kind (its warm-up round included)."""
     method = config.pools.drafter.method
     runtime = Runtime.start(config, num_cpus=2)
-    local_tps: list[float] = []
-    remote_tps: list[float] = []
+    results: dict[str, Measured] = {}
     try:
-        for round_ in range(runs + 1):
-            for prompt in prompts:
-                start = time.perf_counter()
-                done = engine.generate([prompt], params, RequestSpec(method=method))
-                local_s = time.perf_counter() - start
-                start = time.perf_counter()
-                stream = runtime.submit(prompt, params, RequestSpec(method=method))
-                n = sum(len(c) for c in stream)
-                remote_s = time.perf_counter() - start
-                if round_:
-                    local_tps.append(len(done[0].token_ids) / local_s)
-                    remote_tps.append(n / remote_s)
-            print(f"[bench_runtime] {method}: round {round_}/{runs}", file=sys.stderr)
-        (stats,) = runtime.verifier_stats()
+        before = _counters(runtime)
+        for kind, kind_prompts in prompts.items():
+            measured = results[kind] = Measured([], [])
+            for round_ in range(runs + 1):
+                for prompt in kind_prompts:
+                    start = time.perf_counter()
+                    done = engine.generate([prompt], params, RequestSpec(method=method))
+                    local_s = time.perf_counter() - start
+                    start = time.perf_counter()
+                    stream = runtime.submit(prompt, params, RequestSpec(method=method))
+                    n = sum(len(c) for c in stream)
+                    remote_s = time.perf_counter() - start
+                    if round_:
+                        measured.local_tps.append(len(done[0].token_ids) / local_s)
+                        measured.remote_tps.append(n / remote_s)
+                print(f"[bench_runtime] {method} {kind}: round {round_}/{runs}", file=sys.stderr)
+            after = _counters(runtime)
+            for name, value in after.items():
+                setattr(measured, name, value - before[name])
+            before = after
     finally:
         runtime.shutdown()
-    return local_tps, remote_tps, stats
+    return results
+
+
+def _counters(runtime: Runtime) -> dict[str, int]:
+    (stats,) = runtime.verifier_stats()
+    spec, remote = stats["spec"], stats["remote_drafting"]
+    return {
+        "accepted": spec["accepted"],
+        "verify_steps": spec["verify_steps"],
+        **{k: remote[k] for k in ("steps", "late", "ahead_served", "feature_bytes")},
+    }
+
+
+def encode_chats(tok, texts: list[str]) -> list[list[int]]:
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+
+
+def qwen_pair(args: argparse.Namespace, params: SamplingParams) -> None:
+    """The `bench_runtime_qwen` section: Qwen2.5-Coder-0.5B drafting for the 1.5B."""
+    torch.set_num_threads(1)  # the same one core the verifier actor gets
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=K, adaptive=False)
+    local = build_engine(
+        ModelSpec(model=QWEN.target, dtype="bfloat16", draft_model=QWEN.draft),
+        EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, spec=spec),
+        progress=False,
+    )
+    draft_cost = local.engine.speculator.draft_costs["draft_model"]
+    count = 1 if args.quick else 2
+    prompts = {
+        kind: encode_chats(local.tokenizer, held_out_prompts()[kind][:count])
+        for kind in ("code", "chat")
+    }
+    rows, ratios = [], {}
+    for ahead in (False, True):
+        config = deployment("draft_model", draft_ahead=ahead, models=QWEN)
+        for kind, measured in compare(local.engine, config, prompts, params, args.runs).items():
+            ratios[(kind, ahead)] = measured.ratio
+            rows.append([kind, "yes" if ahead else "no", *measured.row()[:-1]])
+    del local
+    ttft_table, ttft_overhead = prefill_section(
+        load_tokenizer(QWEN.target), args.runs, args.quick, "draft_model", QWEN
+    )
+    body = "\n\n".join(
+        [
+            "## Disaggregated runtime: a real draft/target pair\n\n"
+            "`python -m tests.benchmarks.bench_runtime --pair qwen`",
+            f"Machine: {machine_line()}. Qwen2.5-Coder-1.5B-Instruct (target) with "
+            "Qwen2.5-Coder-0.5B-Instruct drafting (`make models-qwen`), both bf16 from their "
+            f"GGUFs; a draft token costs {draft_cost:.2f} target forwards here. Greedy, k = {K} "
+            f"fixed, single stream over {count} held-out code and {count} chat prompts, up to "
+            f"{args.max_tokens} new tokens, medians of {args.runs} interleaved runs per prompt; "
+            "in-process and runtime as in the section above (one core each). This is the case "
+            "drafting ahead is for: a drafter that costs the verifier most of a step when "
+            "drafting in-line, and whole drafts accepted often enough that the guess comes true. "
+            "In the time of one verify forward the drafter makes at most about "
+            f"{1 / draft_cost:.1f} draft forwards ahead (the guessed bonus token, then the "
+            "draft), so a served draft is shorter than k: acceptance per step falls, and the "
+            "step no longer waits for drafting.",
+            table(["prompts", "drafting ahead", *ROW_COLUMNS[:-1]], rows),
+            "### Remote prefill",
+            "As in the section above, with the 1.5B target (no features: the draft model reads "
+            "none).",
+            ttft_table,
+            "### Goals",
+            table(
+                ["goal", "target", "measured"],
+                [
+                    [
+                        "runtime vs in-process with a model drafter",
+                        ">= 1.15x",
+                        ", ".join(f"{k} {r:.2f}x" for (k, ahead), r in ratios.items() if ahead),
+                    ],
+                    ["remote-prefill TTFT overhead", "<= 10%", f"{ttft_overhead:+.0%}"],
+                ],
+            ),
+        ]
+    )
+    print(body)
+    write_section("bench_runtime_qwen", body, args.output)
 
 
 def main() -> None:
@@ -169,16 +324,20 @@ def main() -> None:
         "--prefill-only", action="store_true", help="only the remote-prefill table (rewrites it)"
     )
     parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
+    parser.add_argument(
+        "--pair", choices=["qwen"], help="instead: the Qwen2.5-Coder pair (make models-qwen)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.runs, args.max_tokens = 1, 8
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    if args.pair:
+        qwen_pair(args, params)
+        return
     rows = []
     ratios = {}
     if args.prefill_only:
-        from workers.model.loader import load_checkpoint
-
-        ttft_table, overhead = prefill_section(load_checkpoint().tokenizer, args.runs, args.quick)
+        ttft_table, overhead = prefill_section(load_tokenizer(), args.runs, args.quick)
         print(ttft_table)
         text = args.output.read_text()
         start = text.index("### Remote prefill")
@@ -198,37 +357,18 @@ def main() -> None:
         torch.set_num_threads(1)  # the same one core the verifier actor gets
         local = build_engine(
             ModelSpec(dtype="bfloat16", draft_layers=DRAFT_LAYERS),
-            EngineConfig(max_model_len=1024, max_num_seqs=8, spec=spec),
+            EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, spec=spec),
             progress=False,
         )
         tok = local.tokenizer
-        prompts = [
-            tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
-            for p in held_out_prompts()["chat"][: 1 if args.quick else 3]
-        ]
+        prompts = {"chat": encode_chats(tok, held_out_prompts()["chat"][: 1 if args.quick else 3])}
         # One Ray runtime at a time: each is measured interleaved with the in-process engine,
         # and compared with it.
         for ahead in (False, True):
-            local_tps, remote_tps, stats = compare(
-                local.engine, deployment(method, draft_ahead=ahead), prompts, params, args.runs
-            )
-            remote = stats["remote_drafting"]
-            steps = max(1, remote["steps"])
-            lo, hi = statistics.median(local_tps), statistics.median(remote_tps)
-            ratios[(method, ahead)] = hi / lo
-            rows.append(
-                [
-                    method,
-                    "yes" if ahead else "no",
-                    f"{lo:.1f}",
-                    f"{hi:.1f}",
-                    f"{hi / lo:.2f}x",
-                    f"{stats['spec']['mean_acceptance_length']:.2f}",
-                    f"{remote['late'] / steps:.1%}",
-                    f"{remote['ahead_served'] / steps:.1%}",
-                    f"{remote['feature_bytes'] / steps / 1024:.1f}",
-                ]
-            )
+            config = deployment(method, draft_ahead=ahead)
+            measured = compare(local.engine, config, prompts, params, args.runs)["chat"]
+            ratios[(method, ahead)] = measured.ratio
+            rows.append([method, "yes" if ahead else "no", *measured.row()])
     ttft_table, ttft_overhead = prefill_section(tok, args.runs, args.quick)
     body = "\n\n".join(
         [
@@ -243,20 +383,7 @@ def main() -> None:
             "right; `served ahead` is the share of steps whose draft was ready that way. The "
             "in-process engine is measured interleaved with each runtime; each runtime is "
             "compared with the in-process runs beside it.",
-            table(
-                [
-                    "drafter",
-                    "drafting ahead",
-                    "in-process tokens/s",
-                    "runtime tokens/s",
-                    "runtime vs in-process",
-                    "mean acceptance length",
-                    "steps without a draft (late)",
-                    "served ahead",
-                    "feature KiB per step",
-                ],
-                rows,
-            ),
+            table(["drafter", "drafting ahead", *ROW_COLUMNS], rows),
             "### Remote prefill",
             "Long prompts, each new to the prefix cache, `max_tokens` 1, no speculation: median "
             "time to the first token when the verifier prefills and when the prefill worker does "
