@@ -30,6 +30,8 @@ def engine_config(config: DeploymentConfig) -> EngineConfig:
         num_speculative_tokens=config.speculative.num_speculative_tokens,
         adaptive=config.speculative.adaptive,
         eagle_prompt_lookup=config.speculative.eagle_prompt_lookup,
+        ngram_min=config.speculative.ngram_min,
+        ngram_max=config.speculative.ngram_max,
     )
     return EngineConfig(
         max_model_len=config.engine.max_model_len,

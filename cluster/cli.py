@@ -47,8 +47,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="EAGLE head file for --spec-method eagle (the bundled model has one built in)",
     )
-    spec.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram to match")
-    spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to match")
+    spec.add_argument(
+        "--ngram-min", type=int, default=None, help="shortest n-gram to match (default 2)"
+    )
+    spec.add_argument(
+        "--ngram-max", type=int, default=None, help="longest n-gram to match (default 4)"
+    )
     spec.add_argument("--no-adaptive", action="store_true", help="always draft the full k")
     spec.add_argument(
         "--no-eagle-lookup",
@@ -120,6 +124,8 @@ ENGINE_DEFAULTS = {
     "max_num_seqs": 32,
     "spec_method": "none",
     "num_spec_tokens": 4,
+    "ngram_min": 2,
+    "ngram_max": 4,
 }
 
 
@@ -165,6 +171,8 @@ def _deployment(args: argparse.Namespace) -> DeploymentConfig:
         "speculative.num_speculative_tokens": args.num_spec_tokens,
         "speculative.adaptive": False if args.no_adaptive else None,
         "speculative.eagle_prompt_lookup": False if args.no_eagle_lookup else None,
+        "speculative.ngram_min": args.ngram_min,
+        "speculative.ngram_max": args.ngram_max,
         "pools.drafter.replicas": args.drafters,
         "pools.drafter.draft_model": args.draft_model,
         "pools.drafter.draft_layers": args.draft_layers,

@@ -9,7 +9,8 @@ RayCluster). A config is checked as a whole when it is built, and every error na
     dtype: bfloat16
     engine: {max_model_len: 4096, max_num_seqs: 32, block_size: 16}
     speculative: {method: eagle, num_speculative_tokens: 4, adaptive: true,
-                  eagle_prompt_lookup: true}    # EAGLE copies where the text repeats
+                  eagle_prompt_lookup: true,    # EAGLE copies where the text repeats
+                  ngram_min: 2, ngram_max: 4}   # n-gram sizes prompt lookup matches
     pools:
       prefill:  {replicas: 1, resources: {cpus: 1, gpus: 0}}
       verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
@@ -115,6 +116,10 @@ class SpeculativeSettings:
     num_speculative_tokens: int = 4
     adaptive: bool = True
     eagle_prompt_lookup: bool = True  # EAGLE drafts by prompt lookup where the text repeats
+    # The n-gram sizes prompt lookup matches (ngram and suffix drafting, and EAGLE's lookup):
+    # the longest suffix of the text of ngram_max..ngram_min tokens that occurred before.
+    ngram_min: int = 2
+    ngram_max: int = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +190,13 @@ class DeploymentConfig:
         ):
             _check(method in SPEC_METHODS, f"{where}.method", f"must be one of {SPEC_METHODS}")
             _check(0 <= k <= 16, f"{where}.num_speculative_tokens", f"must be in 0..16, got {k}")
+        s = self.speculative
+        _check(s.ngram_min >= 1, "speculative.ngram_min", f"must be >= 1, got {s.ngram_min}")
+        _check(
+            s.ngram_max >= s.ngram_min,
+            "speculative.ngram_max",
+            f"must be >= ngram_min ({s.ngram_min}), got {s.ngram_max}",
+        )
         p = self.pools
         _check(p.prefill.replicas >= 0, "pools.prefill.replicas", "must be >= 0")
         _check(

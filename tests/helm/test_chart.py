@@ -134,6 +134,11 @@ def test_grace_drafters_select_arm64_nodes_and_advertise_the_resource(chart) -> 
     values["drafter"] = {**values["drafter"], "draftAhead": False}
     off = one(render(chart, values), "ConfigMap")["data"]["outrider.yaml"]
     assert not from_dict(yaml.safe_load(off)).pools.drafter.draft_ahead
+    values["speculative"] = {"ngramMin": 3, "ngramMax": 5}  # over the chart's defaults
+    sized = one(render(chart, values), "ConfigMap")["data"]["outrider.yaml"]
+    speculative = from_dict(yaml.safe_load(sized)).speculative
+    assert (speculative.ngram_min, speculative.ngram_max) == (3, 5)
+    assert speculative.method == "eagle"  # the rest of the chart's speculative defaults stay
     assert "prefill" not in worker_groups(objects)  # prefill replicas 0: verifiers prefill
     # Without grace, drafters are not pinned to arm64.
     cpu = render(chart, load_values(CHART / "ci" / "cpu-values.yaml"))

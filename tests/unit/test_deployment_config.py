@@ -58,6 +58,11 @@ def test_a_file_sets_nested_fields(tmp_path: Path) -> None:
             {"speculative": {"eagle_prompt_lookup": 1}},
             "speculative.eagle_prompt_lookup: must be true or false",
         ),
+        ({"speculative": {"ngram_min": 0}}, "speculative.ngram_min: must be >= 1"),
+        (
+            {"speculative": {"ngram_min": 3, "ngram_max": 2}},
+            "speculative.ngram_max: must be >= ngram_min (3)",
+        ),
         ({"engine": []}, "engine: must be a mapping"),
         ({"telemetry": {"exporter": "jaeger"}}, "telemetry.exporter"),
     ],
@@ -92,6 +97,8 @@ def test_overrides_apply_dotted_keys_and_skip_unset_flags() -> None:
     off = config.with_overrides({"speculative.eagle_prompt_lookup": False})
     assert config.speculative.eagle_prompt_lookup and not off.speculative.eagle_prompt_lookup
     assert not engine_config(off).spec.eagle_prompt_lookup  # what verifiers and drafters build
+    sizes = config.with_overrides({"speculative.ngram_min": 3, "speculative.ngram_max": 6})
+    assert (engine_config(sizes).spec.ngram_min, engine_config(sizes).spec.ngram_max) == (3, 6)
     with pytest.raises(ConfigError, match=r"pools\.verifier\.gpus: no such setting"):
         config.with_overrides({"pools.verifier.gpus": 1})
     with pytest.raises(ConfigError, match=r"pools\.verifier\.groups"):
