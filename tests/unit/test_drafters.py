@@ -127,6 +127,42 @@ def test_a_batch_drafts_less_as_its_forward_grows() -> None:
     assert small.num_draft_tokens([decoding(0.9)], 4) == [0]
 
 
+def test_an_untried_method_is_measured_once_then_its_record_is_the_prior() -> None:
+    """A draft model costing 0.45 target forwards a token does not pay at the prior's 1/2, so
+    without a record nobody would ever draft with it: while no finished request has, a new one
+    drafts its full k at its first step; after that, the method's pooled acceptance is the
+    prior a new request starts from."""
+    speculator = chooser([1 + 0.05 * n for n in range(9)], draft_cost=0.45)
+    speculator.drafters["draft_model"] = NgramDrafter(NgramConfig())  # only told of removals
+    assert speculator.num_draft_tokens([decoding(0.5, "draft_model")], 1) == [0]
+
+    def new_request(seed: int | None = None) -> Sequence:
+        seq = decoding(0.0, "draft_model")
+        seq.stats = type(seq.stats)()  # no history
+        if seed is not None:
+            seq.params = SamplingParams(max_tokens=100, temperature=0.8, seed=seed)
+        return seq
+
+    first = new_request()
+    assert speculator.num_draft_tokens([first], 1) == [8]  # measure the method
+    # A seeded sampled request does not explore on the engine's behalf (its draws would then
+    # depend on what was served before it): it judges by its own drafts under 1/2.
+    assert speculator.num_draft_tokens([new_request(seed=3)], 1) == [0]
+    first.stats.record(8, 8)
+    speculator.remove(first)
+    assert speculator.prior("draft_model") == pytest.approx(0.9)
+    assert speculator.num_draft_tokens([new_request()], 1)[0] >= 2
+    assert speculator.num_draft_tokens([new_request(seed=3)], 1) == [0]
+    # A poor record: new requests start at k = 0 and only explore on the usual schedule.
+    poor = chooser([1 + 0.05 * n for n in range(9)], draft_cost=0.45)
+    poor.drafters["draft_model"] = NgramDrafter(NgramConfig())
+    tried = new_request()
+    tried.stats.record(8, 0)
+    poor.remove(tried)
+    assert poor.prior("draft_model") == pytest.approx(1 / 3)
+    assert poor.num_draft_tokens([new_request()], 1) == [0]
+
+
 def test_step_costs_charge_the_forward_drafting_and_overhead() -> None:
     spec = chooser([1.0, 1.2, 1.3], draft_cost=0.4)
     assert spec.forward_cost(1) == 1.0 and spec.forward_cost(3) == 1.3

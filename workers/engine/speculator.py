@@ -7,12 +7,17 @@ verify(n) one-token forwards (measured at start-up: workers/engine/calibration.p
 draft token at its drafter's cost (zero for n-gram drafters, measured for a draft model) and a
 fixed host overhead per speculating sequence. The engine picks the k of every sequence (each in
 0..its k_max) that maximizes the batch's committed tokens per unit of cost, each sequence judged
-by its own measured a (a prior of 1/2 until it has history). For one
-sequence that is the k maximizing E(k) / cost(k); in a batch, one sequence's drafts also make
-everyone's forward longer, so k shrinks as the batch grows. From `disable_batch_size`
-unfinished requests on (decoding, prefilling or waiting), nobody speculates at all. A request
-held at k = 0 still tries one draft token now and then (rarely for a draft model, which must
-first catch up on everything committed since its last draft).
+by its own measured a, under a prior: the acceptance its method had over the finished
+requests' drafts (1/2 before any). For one sequence that is the k maximizing E(k) / cost(k);
+in a batch, one sequence's drafts also make everyone's forward longer, so k shrinks as the
+batch grows. From `disable_batch_size` unfinished requests on (decoding, prefilling or
+waiting), nobody speculates at all. A request held at k = 0 still tries one draft token now and
+then (rarely for a draft model, which must first catch up on everything committed since its
+last draft); and while no finished request has drafted with its method, a request drafts its
+full k at its first step, so that a method the prior of 1/2 rules out (a draft model costing
+0.4 target forwards a token, say) is measured once instead of never. A seeded sampled request
+judges by its own drafts under the plain prior and explores only on its own schedule, so its
+draws do not depend on what the engine served before it.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ SPEC_STEP_OVERHEAD = 0.05
 # text that becomes predictable later (a quoted passage, say) is noticed.
 EXPLORE_EVERY_STEPS = {"draft_model": 64}
 DEFAULT_EXPLORE_EVERY_STEPS = 16
-# Beta prior on the acceptance rate: as if 1 accepted and 1 rejected draft were already seen.
-_PRIOR_ACCEPTED, _PRIOR_REJECTED = 1.0, 1.0
+# Beta prior on a sequence's acceptance rate: as if PRIOR_WEIGHT drafts at the prior's rate
+# (its method's pooled rate, itself under a prior of 1/2) were already seen.
+PRIOR_WEIGHT = 2.0
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -59,6 +65,8 @@ class Speculator:
         self.verify_costs = verify_costs
         # A drafted token's cost in one-token target forwards, per method (0 when not listed).
         self.draft_costs = dict(draft_costs or {})
+        # Per method, over finished requests that drafted: (accepted, rejected, drafted).
+        self.pooled: dict[str, tuple[int, int, int]] = {}
 
     def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
         """(method, k_max) for a request: its own settings over the server defaults."""
@@ -110,21 +118,35 @@ class Speculator:
         rooms = [self.max_draft_tokens(seq, load) for seq in seqs]
         if not self.config.adaptive or not any(rooms):
             return rooms
-        acceptance = [_acceptance(seq) for seq in seqs]
+        seeded = [seq.params.seed is not None and not seq.params.greedy for seq in seqs]
+        acceptance = [
+            _acceptance(seq, 0.5 if alone else self.prior(seq.spec_method))
+            for seq, alone in zip(seqs, seeded, strict=True)
+        ]
         methods = [seq.spec_method for seq in seqs]
         ks, limits = [0] * len(seqs), list(rooms)
-        for i, seq in enumerate(seqs):
-            if seq.params.seed is not None and not seq.params.greedy and rooms[i]:
+        for i in range(len(seqs)):
+            if seeded[i] and rooms[i]:
                 # A seeded sampled request drafts as if it were alone, so that what it draws
                 # does not depend on what else is in the batch.
                 solo = self._allocate([acceptance[i]], [methods[i]], [rooms[i]], [0])
                 ks[i] = limits[i] = solo[0]
         ks = self._allocate(acceptance, methods, limits, ks)
         for i, seq in enumerate(seqs):
+            if not rooms[i] or ks[i]:
+                continue
             explore = EXPLORE_EVERY_STEPS.get(seq.spec_method, DEFAULT_EXPLORE_EVERY_STEPS)
-            if rooms[i] and not ks[i] and seq.stats.verify_steps % explore == explore - 1:
+            untried = seq.spec_method not in self.pooled and not seeded[i]
+            if untried and seq.stats.verify_steps == 0:
+                ks[i] = rooms[i]  # nobody has measured this method yet: measure it
+            elif seq.stats.verify_steps % explore == explore - 1:
                 ks[i] = 1
         return ks
+
+    def prior(self, method: str) -> float:
+        """The acceptance rate `method` had over finished requests' drafts (1/2 before any)."""
+        accepted, rejected, _ = self.pooled.get(method, (0, 0, 0))
+        return (accepted + 1) / (accepted + rejected + 2)
 
     def _allocate(
         self, acceptance: list[float], methods: list[str], rooms: list[int], start: list[int]
@@ -182,8 +204,19 @@ class Speculator:
             self.drafters[seq.spec_method].commit(seq.request_id, token_ids)
 
     def remove(self, seq: Sequence) -> None:
-        if seq.spec_method != "none":
-            self.drafters[seq.spec_method].remove(seq.request_id)
+        """A finished (or aborted) sequence: its drafter forgets it, and its drafts join its
+        method's pooled acceptance."""
+        if seq.spec_method == "none":
+            return
+        self.drafters[seq.spec_method].remove(seq.request_id)
+        stats = seq.stats
+        if stats.drafted:
+            accepted, rejected, drafted = self.pooled.get(seq.spec_method, (0, 0, 0))
+            self.pooled[seq.spec_method] = (
+                accepted + stats.accepted,
+                rejected + stats.verify_steps_with_rejection,
+                drafted + stats.drafted,
+            )
 
     def propose(self, decoding: Iterable[Sequence], batch_size: int | None = None) -> None:
         """Set `seq.draft` for every decoding sequence (empty where it should not speculate).
@@ -208,8 +241,8 @@ class Speculator:
                 seq.draft = drafts.get(seq.request_id, EMPTY_DRAFT).truncated(req.k)
 
 
-def _acceptance(seq: Sequence) -> float:
-    """The sequence's per-token acceptance rate so far, under the prior."""
+def _acceptance(seq: Sequence, prior: float) -> float:
+    """The sequence's per-token acceptance rate so far, under a prior of this rate."""
     stats = seq.stats
     accepted, rejected = stats.accepted, stats.verify_steps_with_rejection
-    return (accepted + _PRIOR_ACCEPTED) / (accepted + rejected + _PRIOR_ACCEPTED + _PRIOR_REJECTED)
+    return (accepted + PRIOR_WEIGHT * prior) / (accepted + rejected + PRIOR_WEIGHT)
