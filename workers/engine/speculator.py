@@ -65,8 +65,8 @@ class Speculator:
         self.verify_costs = verify_costs
         # A drafted token's cost in one-token target forwards, per method (0 when not listed).
         self.draft_costs = dict(draft_costs or {})
-        # Per method, over finished requests that drafted: (accepted, rejected, drafted).
-        self.pooled: dict[str, tuple[int, int, int]] = {}
+        # Per method, over finished requests that drafted: (accepted, rejected) drafts.
+        self.pooled: dict[str, tuple[int, int]] = {}
 
     def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
         """(method, k_max) for a request: its own settings over the server defaults."""
@@ -145,7 +145,7 @@ class Speculator:
 
     def prior(self, method: str) -> float:
         """The acceptance rate `method` had over finished requests' drafts (1/2 before any)."""
-        accepted, rejected, _ = self.pooled.get(method, (0, 0, 0))
+        accepted, rejected = self.pooled.get(method, (0, 0))
         return (accepted + 1) / (accepted + rejected + 2)
 
     def _allocate(
@@ -211,11 +211,10 @@ class Speculator:
         self.drafters[seq.spec_method].remove(seq.request_id)
         stats = seq.stats
         if stats.drafted:
-            accepted, rejected, drafted = self.pooled.get(seq.spec_method, (0, 0, 0))
+            accepted, rejected = self.pooled.get(seq.spec_method, (0, 0))
             self.pooled[seq.spec_method] = (
                 accepted + stats.accepted,
                 rejected + stats.verify_steps_with_rejection,
-                drafted + stats.drafted,
             )
 
     def propose(self, decoding: Iterable[Sequence], batch_size: int | None = None) -> None:
