@@ -137,9 +137,17 @@ class SdpaAttention(AttentionBackend):
 
     Short queries (decode, verification of a draft) share one padded SDPA call; each long query
     (a prefill chunk) gets its own. Keys and values are gathered from the cache blocks first.
+
+    Under a mask (anything but a lone one-token query) the call attends over the whole gathered
+    blocks, the keys past each sequence's end masked out: torch's CPU kernel runs up to 2x
+    slower on key lengths that are not a multiple of 16 (tests/benchmarks/bench_forward.py
+    measures it). `whole_blocks=False` keeps the exact lengths, for that comparison.
     """
 
     name = "sdpa"
+
+    def __init__(self, whole_blocks: bool = True) -> None:
+        self.whole_blocks = whole_blocks
 
     def prepare(self, meta: AttentionMetadata) -> list[_SdpaGroup]:
         starts = meta.query_start_loc.tolist()
@@ -161,11 +169,11 @@ class SdpaAttention(AttentionBackend):
         rows = torch.tensor(seqs, device=device)
         block_tables = meta.block_tables.index_select(0, rows)[:, :num_blocks]
         lone = len(seqs) == 1
-        mask = (
-            None
-            if lone and max_q == 1
-            else causal_mask(query_lens, seq_lens, max_q, kv_len, device)
-        )
+        mask = None
+        if not (lone and max_q == 1):
+            if self.whole_blocks:
+                kv_len = num_blocks * meta.block_size
+            mask = causal_mask(query_lens, seq_lens, max_q, kv_len, device)
         if lone:
             span = slice(starts[seqs[0]], starts[seqs[0] + 1])
             return _SdpaGroup(1, max_q, kv_len, block_tables, mask, span, None, None, None)

@@ -7,7 +7,9 @@ Measures, in one process and interleaved run by run:
   1. greedy decode tokens/s of `SequentialEngine` vs transformers' `generate` (bf16);
   2. forward time for 1, 2, 4, 8 new tokens over a 200-token cache (bf16 and fp32), the figure
      speculative decoding lives on: verifying k drafts costs what one forward over k + 1 costs;
-  3. one-row projection through `F.linear` vs `torch.mv` (why kernels/linear.py exists).
+  3. one-row projection through `F.linear` vs `torch.mv` (why kernels/linear.py exists);
+  4. a prompt's prefill forward with attention over exact key lengths vs whole KV blocks (why
+     `SdpaAttention` pads masked calls to whole blocks).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.attention import SdpaAttention
 from tests.benchmarks.hf import dense_transformers, packed_gguf_transformers
 from tests.benchmarks.report import (
     DEFAULT_REPORT,
@@ -29,8 +32,10 @@ from tests.benchmarks.report import (
     write_section,
 )
 from workers.engine.calibration import forward_times
+from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
+from workers.kv_cache import PagedKVCache
 from workers.model.loader import Checkpoint, build_model, load_checkpoint
 from workers.model.transformer import TransformerLM
 
@@ -40,6 +45,8 @@ PROMPT = (
 )
 CONTEXT = 200
 NEW_TOKEN_COUNTS = (1, 2, 4, 8)
+PREFILL_LENGTHS = (101, 250, 257, 416, 421, 445, 511, 1000)
+BLOCK_SIZE = 16
 
 
 def decode_speed(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
@@ -146,6 +153,35 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
     )
 
 
+def prefill_section(model: TransformerLM, reps: int, lengths: tuple[int, ...]) -> str:
+    """One forward over a whole prompt of n tokens, attention over the exact key length vs over
+    the whole gathered blocks (keys past the end masked), interleaved rep by rep."""
+    num_blocks = -(-max(lengths) // BLOCK_SIZE)
+    runner = ModelRunner(model, PagedKVCache(model.config, num_blocks, BLOCK_SIZE, model.dtype))
+    backends = {"exact": SdpaAttention(whole_blocks=False), "whole": SdpaAttention()}
+    vocab = model.config.vocab_size
+    rows = []
+    for n in lengths:
+        seq = SeqForward([(i * 7919) % vocab for i in range(n)], 0, range(-(-n // BLOCK_SIZE)))
+        samples: dict[str, list[float]] = {name: [] for name in backends}
+        for _ in range(reps + 1):
+            for name, backend in backends.items():
+                model.attention = backend
+                start = time.perf_counter()
+                runner.forward([seq])
+                samples[name].append(time.perf_counter() - start)
+        exact, whole = (statistics.median(samples[name][1:]) for name in backends)
+        rows.append([n, f"{exact * 1e3:.0f}", f"{whole * 1e3:.0f}", f"{exact / whole:.2f}x"])
+    model.attention = SdpaAttention()
+    return (
+        f"A prompt's prefill in one forward (bf16, blocks of {BLOCK_SIZE}), median of {reps}. "
+        "torch's CPU attention kernel is slow on key lengths that are not a multiple of 16, so "
+        "`SdpaAttention` attends over the whole gathered blocks and masks the keys past the "
+        "prompt's end (the same answer: tests/unit/test_attention.py).\n\n"
+        + table(["prompt tokens", "exact keys, ms", "whole blocks, ms", "speed-up"], rows)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -173,6 +209,12 @@ def main() -> None:
             forward_cost_section(checkpoint, args.reps),
             "### Projection kernels for few rows",
             gemv_section(build_model(checkpoint, dtype=torch.bfloat16), args.reps),
+            "### Prefill attention over whole KV blocks",
+            prefill_section(
+                build_model(checkpoint, dtype=torch.bfloat16),
+                max(3, args.reps // 3),
+                PREFILL_LENGTHS[:2] if args.quick else PREFILL_LENGTHS,
+            ),
         ]
     body = "\n\n".join(parts)
     print(body)

@@ -39,6 +39,7 @@ def test_bench_forward_quick_run(tmp_path: Path) -> None:
         "Decode speed vs transformers",
         "Forward cost by number",
         "Projection kernels for few rows",
+        "Prefill attention over whole KV blocks",
     ):
         assert heading in text
     assert "| bfloat16 | 8 |" in text and "dense HF folder" in text and "packed weights" in text

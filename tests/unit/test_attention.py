@@ -41,8 +41,10 @@ def build_case(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 7
-    key_cache = torch.zeros(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    value_cache = torch.zeros_like(key_cache)
+    # Slots no sequence owns hold large garbage: attending to any of them shows in the output.
+    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    key_cache = (torch.randn(shape, generator=gen) * 30).to(dtype)
+    value_cache = (torch.randn(shape, generator=gen) * 30).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, contexts, queries, slots = [], [], [], []
     for q_len, s_len in zip(query_lens, seq_lens, strict=True):
@@ -94,14 +96,15 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("whole_blocks", [True, False])
 @pytest.mark.parametrize(("query_lens", "seq_lens", "block_size"), CASES)
 def test_sdpa_matches_reference(
-    query_lens: list[int], seq_lens: list[int], block_size: int
+    query_lens: list[int], seq_lens: list[int], block_size: int, whole_blocks: bool
 ) -> None:
     query, key_cache, value_cache, meta, contexts, _ = build_case(
         query_lens, seq_lens, block_size, torch.float32
     )
-    backend = SdpaAttention()
+    backend = SdpaAttention(whole_blocks=whole_blocks)
     scale = HEAD_DIM**-0.5
     out = backend.forward(query, key_cache, value_cache, backend.prepare(meta), scale)
     torch.testing.assert_close(
@@ -118,6 +121,19 @@ def test_sdpa_bfloat16_close_to_reference() -> None:
     torch.testing.assert_close(
         out, expected_output(query, meta, contexts, 0.25), rtol=2e-2, atol=2e-2
     )
+
+
+def test_masked_calls_attend_over_whole_blocks() -> None:
+    # A lone one-token query needs no mask and keeps its exact length; every masked call reads
+    # whole blocks (the CPU kernel's fast key lengths), its keys past each end masked out.
+    _, _, _, meta, _, _ = build_case([1, 40, 5, 3], [37, 45, 12, 9], 16, torch.float32)
+    plan = SdpaAttention().prepare(meta)
+    assert [(g.num_seqs, g.kv_len) for g in plan] == [(1, 48), (3, 48)]
+    assert plan[0].mask is not None and not plan[0].mask[0, 0, :, 45:].any()
+    (lone,) = SdpaAttention().prepare(build_case([1], [37], 16, torch.float32)[3])
+    assert (lone.kv_len, lone.mask) == (37, None)
+    exact = SdpaAttention(whole_blocks=False).prepare(meta)
+    assert [g.kv_len for g in exact] == [45, 37]
 
 
 def test_write_kv_places_tokens_in_their_slots() -> None:
