@@ -151,7 +151,12 @@ class TensorLink:
             self._reap()
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype, device=device)
+        return self.recv_into(torch.empty(shape, dtype=dtype, device=device))
+
+    def recv_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Receive into `out` (contiguous: a slice of a bigger buffer is fine)."""
+        if not out.is_contiguous():
+            raise ValueError("a link receives into contiguous tensors only")
         group = self._require()
         try:
             work = group.recv([out], self.peer, 0)

@@ -1,18 +1,21 @@
 """The prefill pool: workers that compute a prompt's K/V (and hidden states) for a verifier.
 
 A verifier sends the prompt; the worker runs it through the target in chunks over its own
-scratch paged cache, then sends over the pair's `TensorLink` the K/V of every position
-(`[num_layers, 2, n, kv_heads, head_dim]`), when the request's drafter reads target features
-those layers' hidden states, and the last position's logits (`[vocab]`, fp32). The verifier
-writes the K/V straight into the request's cache blocks (`LLMEngine.add_request(prefilled=...)`)
-and samples the first output token from the logits with the request's own sampling settings and
-generator, so the first token costs it no forward. Nothing goes through the object store.
+scratch paged cache and sends over the pair's `TensorLink`, in this order: each layer's K and V
+of every position (`[n, kv_heads, head_dim]` each, straight from the scratch cache, no copy)
+as soon as the last chunk has gone through that layer, so the transfer overlaps the rest of the
+forward; when the request's drafter reads target features, those layers' hidden states; the
+last position's logits (`[vocab]`, fp32). The verifier receives the K/V into one
+`[num_layers, 2, n, kv_heads, head_dim]` buffer, writes it straight into the request's cache
+blocks (`LLMEngine.add_request(prefilled=...)`) and samples the first output token from the
+logits with the request's own sampling settings and generator, so the first token costs it no
+forward. Nothing goes through the object store.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,9 +68,13 @@ def plan_for(model_config: Any, num_tokens: int, layers: Sequence[int], dtype: s
 
 
 def receive(link: TensorLink, plan: PrefillPlan) -> PrefillResult:
-    """The verifier's side: the K/V, the hidden states of each layer of the plan, the logits."""
+    """The verifier's side: each layer's K and V, the hidden states of each layer of the plan,
+    the logits."""
     dtype = getattr(torch, plan.dtype)
-    kv = link.recv(plan.kv_shape, dtype)
+    kv = torch.empty(plan.kv_shape, dtype=dtype)
+    for layer in range(plan.kv_shape[0]):
+        link.recv_into(kv[layer, 0])
+        link.recv_into(kv[layer, 1])
     hidden = {
         layer: link.recv((plan.num_tokens, plan.hidden_size), dtype) for layer in plan.hidden_layers
     }
@@ -90,38 +97,75 @@ class PrefillWorker:
 
     @torch.inference_mode()
     def compute(self, token_ids: Sequence[int], hidden_layers: Sequence[int]) -> PrefillResult:
-        n = len(token_ids)
-        if not 0 < n <= self.num_blocks * self.block_size:
-            raise ValueError(f"cannot prefill {n} tokens here")
-        blocks = list(range(-(-n // self.block_size)))
-        hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
-        for start in range(0, n, PREFILL_CHUNK):
-            chunk = list(token_ids[start : start + PREFILL_CHUNK])
-            last = start + len(chunk) == n
-            out = self.runner.forward(
-                [SeqForward(chunk, start, blocks, num_logits=int(last))],
-                hidden_layers=hidden_layers,
-            )
-            for layer in hidden_layers:
-                hidden[layer].append(out.output.hidden_states[layer])
-        logits = out.logits_of(0)[-1].float()
-        slots = torch.arange(n, device=self.model.device)  # blocks 0.. in order: slot = position
-        kv = self.runner.kv_cache.read_slots(slots)
-        return PrefillResult(kv, {layer: torch.cat(rows) for layer, rows in hidden.items()}, logits)
+        """The prompt's K/V (a copy), hidden states and last logits, in this process."""
+        hidden, logits = self._forward(token_ids, hidden_layers)
+        kv = self.runner.kv_cache.read_slots(torch.arange(len(token_ids), device=self.model.device))
+        return PrefillResult(kv, hidden, logits)
 
     def prefill(self, token_ids: Sequence[int], hidden_layers: Sequence[int]) -> dict[str, Any]:
-        """Compute and send over the link (the verifier is receiving); returns timings."""
-        if self.link is None:
+        """Compute and send over the link (the verifier is receiving); returns timings:
+        `compute_s` until the forward ends (the K/V of all but the last layers already sent
+        meanwhile), `transfer_s` from there until the last tensor has arrived."""
+        link = self.link
+        if link is None:
             raise RuntimeError("no link to a verifier")
+        n = len(token_ids)
+        cache = self.runner.kv_cache
+        moved = 0
+
+        def send_layer(layer: int) -> None:
+            nonlocal moved
+            for tensor in cache.first_slots(layer, n):
+                link.send(tensor, wait=False)  # left in flight: the forward goes on
+                moved += tensor.numel() * tensor.element_size()
+
         start = time.perf_counter()
-        result = self.compute(token_ids, hidden_layers)
-        computed = time.perf_counter()
-        tensors = [result.kv, *(result.hidden[layer] for layer in hidden_layers), result.logits]
-        for tensor in tensors:
-            self.link.send(tensor.contiguous())
-        moved = sum(t.numel() * t.element_size() for t in tensors)
+        try:
+            hidden, logits = self._forward(token_ids, hidden_layers, send_layer)
+            computed = time.perf_counter()
+            for tensor in [*(hidden[layer] for layer in hidden_layers), logits]:
+                link.send(tensor, wait=False)
+                moved += tensor.numel() * tensor.element_size()
+        finally:
+            link.flush()  # the scratch cache is not rewritten while a send still reads it
         return {
             "compute_s": computed - start,
             "transfer_s": time.perf_counter() - computed,
             "bytes": moved,
         }
+
+    @torch.inference_mode()
+    def _forward(
+        self,
+        token_ids: Sequence[int],
+        hidden_layers: Sequence[int],
+        layer_done: Callable[[int], None] | None = None,
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Run the prompt into scratch blocks 0, 1, ... (slot = position); `layer_done(i)` is
+        called once layer i has written the K/V of the last chunk, so of the whole prompt."""
+        n = len(token_ids)
+        if not 0 < n <= self.num_blocks * self.block_size:
+            raise ValueError(f"cannot prefill {n} tokens here")
+        blocks = list(range(-(-n // self.block_size)))
+        hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
+        hooks = []
+        for start in range(0, n, PREFILL_CHUNK):
+            chunk = list(token_ids[start : start + PREFILL_CHUNK])
+            last = start + len(chunk) == n
+            if last and layer_done is not None:
+                hooks = [
+                    layer.register_forward_hook(lambda *_, i=i: layer_done(i))
+                    for i, layer in enumerate(self.model.layers)
+                ]
+            try:
+                out = self.runner.forward(
+                    [SeqForward(chunk, start, blocks, num_logits=int(last))],
+                    hidden_layers=hidden_layers,
+                )
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            for layer in hidden_layers:
+                hidden[layer].append(out.output.hidden_states[layer])
+        logits = out.logits_of(0)[-1].float()
+        return {layer: torch.cat(rows) for layer, rows in hidden.items()}, logits

@@ -58,3 +58,36 @@ def test_a_peer_that_never_answers_is_a_timeout_not_a_hang() -> None:
     with pytest.raises(LinkError, match="not connected"):
         host.send(torch.zeros(2))
     del peer
+
+
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_a_prefill_over_a_link_delivers_what_it_computes(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker sends each layer's K/V during the forward (straight from its scratch cache),
+    then the hidden states and the logits; the verifier's `receive` puts them back together:
+    the same tensors as computing in one process, over one chunk or several."""
+    import cluster.prefill as prefill
+    from tests.factories import tiny_model
+
+    monkeypatch.setattr(prefill, "PREFILL_CHUNK", chunk)
+    model = tiny_model(seed=3, max_position_embeddings=128)
+    prompt = torch.randint(3, 90, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    expected = prefill.PrefillWorker(model, max_model_len=64, block_size=8).compute(prompt, (0, 1))
+    host, peer = pair(f"prefill-{chunk}")
+    worker = prefill.PrefillWorker(model, max_model_len=64, block_size=8)
+    worker.link = peer
+    timings: dict[str, dict] = {}
+    thread = threading.Thread(
+        target=lambda: timings.setdefault("sent", worker.prefill(prompt, (0, 1)))
+    )
+    thread.start()
+    plan = prefill.plan_for(model.config, len(prompt), (0, 1), "float32")
+    got = prefill.receive(host, plan)
+    thread.join()
+    assert torch.equal(got.kv, expected.kv) and torch.equal(got.logits, expected.logits)
+    assert got.hidden.keys() == {0, 1}
+    for layer in (0, 1):
+        assert torch.equal(got.hidden[layer], expected.hidden[layer])
+    moved = sum(t.numel() * t.element_size() for t in (got.kv, *got.hidden.values(), got.logits))
+    assert timings["sent"]["bytes"] == moved

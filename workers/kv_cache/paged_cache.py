@@ -75,6 +75,17 @@ class PagedKVCache:
         flat = self.data.view(layers, 2, num_blocks * block_size, heads, dim)
         flat[:, :, slots] = kv.to(self.data.dtype)
 
+    def first_slots(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of slots 0..n-1 of one layer, `[n, kv_heads, head_dim]` each: views, not
+        copies (contiguous), of a sequence written into blocks 0, 1, 2, ... in order."""
+        _, _, num_blocks, block_size, heads, dim = self.data.shape
+        if not 0 < n <= num_blocks * block_size:
+            raise ValueError(f"the cache holds {num_blocks * block_size} slots, not {n}")
+        k, v = (
+            self.data[layer, kind].view(num_blocks * block_size, heads, dim)[:n] for kind in (0, 1)
+        )
+        return k, v
+
     def read_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """K/V of the tokens in `slots`, `[num_layers, 2, n, kv_heads, head_dim]` (contiguous)."""
         layers, _, num_blocks, block_size, heads, dim = self.data.shape
