@@ -82,7 +82,12 @@ def receive(link: TensorLink, plan: PrefillPlan) -> PrefillResult:
 
 
 class PrefillWorker:
-    """A target model and a scratch cache big enough for the longest prompt."""
+    """A target model and a scratch cache big enough for the longest prompt.
+
+    The scratch cache still holds the last prompt's K/V (and the worker its hidden states), so
+    a prompt that starts with the same tokens (a shared system prompt, the next turn of a chat)
+    computes only what follows them; everything is sent all the same (the verifier's fresh
+    blocks need the whole prompt)."""
 
     def __init__(self, model: TransformerLM, max_model_len: int, block_size: int = 16) -> None:
         self.model = model
@@ -91,6 +96,9 @@ class PrefillWorker:
         cache = PagedKVCache(model.config, self.num_blocks, block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, cache)
         self.link: TensorLink | None = None
+        self._held: list[int] = []  # the prompt whose K/V the scratch blocks hold
+        self._held_hidden: dict[int, torch.Tensor] = {}  # and its hidden states, by layer
+        self.reused_tokens = 0  # of the last prompt, taken from the one before
 
     def open_link(self, address: LinkAddress) -> None:
         self.link = TensorLink.join(address, timeout_s=LINK_TIMEOUT_S)
@@ -132,7 +140,19 @@ class PrefillWorker:
             "compute_s": computed - start,
             "transfer_s": time.perf_counter() - computed,
             "bytes": moved,
+            "reused_tokens": self.reused_tokens,
         }
+
+    def _reusable(self, token_ids: Sequence[int], hidden_layers: Sequence[int]) -> int:
+        """Leading tokens shared with the held prompt (all but the last token at most: its
+        logits are wanted), when the held hidden states cover the layers asked for."""
+        if not set(hidden_layers) <= self._held_hidden.keys():
+            return 0
+        limit = min(len(token_ids) - 1, len(self._held))
+        shared = 0
+        while shared < limit and token_ids[shared] == self._held[shared]:
+            shared += 1
+        return shared
 
     @torch.inference_mode()
     def _forward(
@@ -141,15 +161,21 @@ class PrefillWorker:
         hidden_layers: Sequence[int],
         layer_done: Callable[[int], None] | None = None,
     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Run the prompt into scratch blocks 0, 1, ... (slot = position); `layer_done(i)` is
-        called once layer i has written the K/V of the last chunk, so of the whole prompt."""
+        """Run the prompt into scratch blocks 0, 1, ... (slot = position), from the first token
+        the held prompt does not share; `layer_done(i)` is called once layer i has written the
+        K/V of the last chunk, so of the whole prompt."""
         n = len(token_ids)
         if not 0 < n <= self.num_blocks * self.block_size:
             raise ValueError(f"cannot prefill {n} tokens here")
+        reused = self._reusable(token_ids, hidden_layers)
+        hidden = {
+            layer: [self._held_hidden[layer][:reused]] if reused else [] for layer in hidden_layers
+        }
+        self._held, self._held_hidden = [], {}  # the scratch is being rewritten
+        self.reused_tokens = reused
         blocks = list(range(-(-n // self.block_size)))
-        hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in hidden_layers}
         hooks = []
-        for start in range(0, n, PREFILL_CHUNK):
+        for start in range(reused, n, PREFILL_CHUNK):
             chunk = list(token_ids[start : start + PREFILL_CHUNK])
             last = start + len(chunk) == n
             if last and layer_done is not None:
@@ -168,4 +194,6 @@ class PrefillWorker:
             for layer in hidden_layers:
                 hidden[layer].append(out.output.hidden_states[layer])
         logits = out.logits_of(0)[-1].float()
-        return {layer: torch.cat(rows) for layer, rows in hidden.items()}, logits
+        whole = {layer: torch.cat(rows) for layer, rows in hidden.items()}
+        self._held, self._held_hidden = list(token_ids), whole
+        return whole, logits

@@ -117,6 +117,7 @@ class VerifierActor:
             "bytes": 0,
             "compute_s": 0.0,
             "transfer_s": 0.0,
+            "reused_tokens": 0,  # prompt tokens a worker had from its previous prompt
         }
         self._next_prefill = 0
         self._prefilled_by: dict[str, str] = {}
@@ -205,6 +206,7 @@ class VerifierActor:
                 "outrider.bytes_moved": timing["bytes"],
                 "outrider.prefill.compute_s": round(timing["compute_s"], 6),
                 "outrider.prefill.transfer_s": round(timing["transfer_s"], 6),
+                "outrider.prefill.reused_tokens": timing["reused_tokens"],
             }
         )
         span.end()
@@ -212,6 +214,7 @@ class VerifierActor:
         self.prefill_stats["bytes"] += timing["bytes"]
         self.prefill_stats["compute_s"] += timing["compute_s"]
         self.prefill_stats["transfer_s"] += timing["transfer_s"]
+        self.prefill_stats["reused_tokens"] += timing["reused_tokens"]
         self._prefilled_by[request_id] = self.prefill_names[index]
         return Prefilled(result.kv, result.hidden or None, result.logits)
 

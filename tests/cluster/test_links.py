@@ -91,3 +91,28 @@ def test_a_prefill_over_a_link_delivers_what_it_computes(
         assert torch.equal(got.hidden[layer], expected.hidden[layer])
     moved = sum(t.numel() * t.element_size() for t in (got.kv, *got.hidden.values(), got.logits))
     assert timings["sent"]["bytes"] == moved
+
+
+def test_a_prompt_that_shares_the_held_prompts_start_computes_only_the_rest() -> None:
+    """The scratch cache keeps the last prompt: the next one computes from the first token they
+    do not share, and gets the same K/V, hidden states and logits as computing it afresh."""
+    from cluster.prefill import PrefillWorker
+    from tests.factories import tiny_model
+
+    model = tiny_model(seed=3, max_position_embeddings=128)
+    gen = torch.Generator().manual_seed(1)
+    system = torch.randint(3, 90, (13,), generator=gen).tolist()
+    first, second = (system + torch.randint(3, 90, (9,), generator=gen).tolist() for _ in "ab")
+    worker = PrefillWorker(model, max_model_len=64, block_size=8)
+    worker.compute(first, (1,))
+    assert worker.reused_tokens == 0
+    got = worker.compute(second, (1,))
+    assert worker.reused_tokens == 13
+    fresh = PrefillWorker(model, max_model_len=64, block_size=8).compute(second, (1,))
+    torch.testing.assert_close(got.kv, fresh.kv)
+    torch.testing.assert_close(got.hidden[1], fresh.hidden[1])
+    torch.testing.assert_close(got.logits, fresh.logits)
+    worker.compute(second, (0, 1))  # layer 0's states are not held: nothing to reuse
+    assert worker.reused_tokens == 0
+    worker.compute(second, (0, 1))  # the same prompt again: all but its last token
+    assert worker.reused_tokens == len(second) - 1
