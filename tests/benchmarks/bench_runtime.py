@@ -98,9 +98,9 @@ PREFILL_NOTE = (
     "without the worker take turns, two rounds. The worker sends each layer's K/V as soon as "
     "the prompt has passed that layer, so `transfer` is only what is left after its forward. "
     "The overhead is the extra Ray round trip, the transfer's share of the two cores during the "
-    "forward, writing the K/V into the blocks, and the prompt's first block (the shared system "
-    "prompt), which the verifier has cached and the worker computes again. `compute on the "
-    "worker` is a mean over all prompts, warm-ups included."
+    "forward and writing the K/V into the blocks; both sides skip the prompts' shared start (the "
+    "system prompt), the verifier from its prefix cache, the worker from the prompt it computed "
+    "last. `compute on the worker` is a mean over all prompts, warm-ups included."
 )
 
 
