@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.factories import tiny_model
-from workers.drafting.base import DraftRequest, DraftStateError
+from workers.drafting.base import WHOLE_RATE_DECAY, AheadState, DraftRequest, DraftStateError
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter, prompt_lookup
 from workers.engine.config import SpecConfig
@@ -210,11 +210,29 @@ def test_draft_model_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(
     request = [DraftRequest("a", 13, 3)]
     assert drafter.propose(request)["a"] == fresh.propose([DraftRequest("b", 13, 3)])["b"]
     assert drafter.ahead_served == 1
-    # That draft followed a rejection: no drafting ahead until a draft is accepted whole.
+    # One rejection lowers the sequence's rate of whole acceptance; drafting ahead goes on.
+    assert drafter._seqs["a"].ahead.whole_rate == pytest.approx(WHOLE_RATE_DECAY)
     drafter.draft_ahead(request)
-    assert drafter.ahead_prepared == 2 and drafter._seqs["a"].ahead.guess is None
+    assert drafter.ahead_prepared == 3 and drafter._seqs["a"].ahead.guess is not None
     drafter.remove("a")
     assert drafter.allocator.num_free_blocks == drafter.allocator.num_blocks
+
+
+def test_drafting_ahead_follows_the_rate_of_whole_acceptance() -> None:
+    """A run of rejected drafts stops drafting ahead for a sequence (below MIN_WHOLE_RATE); a
+    draft accepted whole brings it back; a step without a draft changes nothing."""
+    state = AheadState()
+    misses = 0
+    while state.worth_it:
+        state.draft = [1, 2, 3]
+        state.committed([1, 9])
+        misses += 1
+    assert misses == 8  # 0.8 ** 8 < 0.2 <= 0.8 ** 7
+    state.committed([4])  # no draft was made
+    assert not state.worth_it
+    state.draft = [1, 2, 3]
+    state.committed([1, 2, 3, 4])  # accepted whole, with the bonus token
+    assert state.worth_it and state.whole_rate == pytest.approx(0.8**9 + 0.2)
 
 
 def test_drafting_ahead_stops_when_asked(draft_net: TransformerLM) -> None:

@@ -85,10 +85,12 @@ class Drafter(ABC):
     # whole draft accepted, then its own choice of the bonus token) and drafts the proposal that
     # would come next. When the commit equals the guess, the next `propose` serves that draft at
     # once; otherwise it is discarded. Drafts stay drafts, so the output never depends on this.
-    # Only sequences whose last draft was accepted whole are drafted ahead for (a wrong guess
-    # costs the drafter's time, and acceptance comes in runs), and `stop` (checked between
-    # forwards) ends the work when the next step arrives, so it never delays a proposal by more
-    # than one draft forward.
+    # `stop` (checked between forwards) ends the work when the next step arrives, so a wrong
+    # guess delays the next proposal by half a draft forward on average, and a right one saves
+    # the k forwards of drafting it: drafting ahead pays while a proposal is accepted whole more
+    # often than 1 / (2k + 1) of the time. Each sequence keeps a running rate of whole
+    # acceptance (`AheadState.whole_rate`) and is drafted ahead for while it is at least
+    # `MIN_WHOLE_RATE`.
     drafts_ahead: bool = False
     ahead_prepared: int = 0  # proposals drafted ahead so far
     ahead_served: int = 0  # of those, served because the guess was right
@@ -100,18 +102,32 @@ class Drafter(ABC):
         requests `propose` got), unless `stop()` turns true first."""
 
 
+# Drafting ahead breaks even at a whole-acceptance rate of 1 / (2k + 1) (0.11 at k = 4); the
+# threshold leaves a margin: a drafter working beside the verifier shares the memory bandwidth
+# and slows its forward a little (9% for Qwen2.5-Coder-0.5B beside the 1.5B, docs/benchmarks.md).
+MIN_WHOLE_RATE = 0.2
+WHOLE_RATE_DECAY = 0.8  # the weight of the past in the running rate: about the last 5 proposals
+
+
 @dataclass(slots=True)
 class AheadState:
     """One sequence's drafting-ahead bookkeeping."""
 
     draft: list[int] = field(default_factory=list)  # the last proposal
-    whole: bool = True  # the last proposal was accepted whole (or none was made yet)
+    whole_rate: float = 1.0  # running share of proposals accepted whole (hopeful at first)
     guess: list[int] | None = None  # the commit a prepared draft assumes
     prepared: Draft | None = None  # drafted ahead on that guess
     ready: Draft | None = None  # a prepared draft whose guess came true
 
+    @property
+    def worth_it(self) -> bool:
+        """Whether drafting ahead for this sequence pays, by its whole-acceptance rate."""
+        return self.whole_rate >= MIN_WHOLE_RATE
+
     def committed(self, token_ids: Sequence[int]) -> None:
-        self.whole = list(token_ids[: len(self.draft)]) == self.draft
+        if self.draft:
+            whole = list(token_ids[: len(self.draft)]) == self.draft
+            self.whole_rate = WHOLE_RATE_DECAY * self.whole_rate + (1 - WHOLE_RATE_DECAY) * whole
         hit = self.guess is not None and list(token_ids) == self.guess
         self.ready = self.prepared if hit else None
         self.guess, self.prepared, self.draft = None, None, []
@@ -182,7 +198,9 @@ class DraftsAhead(Drafter):
         active: list[tuple[str, Any, list[int], int]] = []
         for req in requests:
             seq = self._seqs.get(req.request_id)
-            if seq is None or not (seq.ahead.draft and seq.ahead.whole) or not self._can_draft(seq):
+            if seq is None or not (seq.ahead.draft and seq.ahead.worth_it):
+                continue
+            if not self._can_draft(seq):
                 continue
             # The guess commits the draft and a bonus token; k more must still fit.
             draft = seq.ahead.draft
