@@ -170,6 +170,8 @@ class VerifierActor:
         to prefill here (no worker, or fewer than `min_remote_prompt_tokens` tokens left to
         compute once the prefix cache has given what it holds)."""
         engine = self.loop.engine
+        if len(prompt_ids) >= engine.max_model_len:
+            return None  # the engine rejects it, with the message (a worker has no room either)
         uncached = len(prompt_ids) - 1 - engine.cached_prefix_tokens(prompt_ids)
         if not self.prefill_actors or uncached < max(1, self.min_remote_prompt):
             self.prefill_stats["local"] += 1

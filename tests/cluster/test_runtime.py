@@ -98,6 +98,18 @@ def test_killing_a_drafter_mid_stream_keeps_the_output(eagle_runtime, prompts, e
     assert stats["remote_drafting"]["reconnects"] >= 1
 
 
+def test_a_prompt_past_the_context_is_rejected_without_asking_the_prefill_worker(
+    eagle_runtime, prompts
+) -> None:  # type: ignore[no-untyped-def]
+    (before,) = eagle_runtime.verifier_stats()
+    too_long = prompts[0] * (4096 // len(prompts[0]) + 1)
+    with pytest.raises((ValueError, ray.exceptions.RayTaskError), match="the context holds 4096"):
+        for _ in eagle_runtime.submit(too_long, GREEDY, RequestSpec(method="eagle")):
+            pass
+    (after,) = eagle_runtime.verifier_stats()
+    assert after["prefill"] == before["prefill"]  # no remote prefill tried, none failed
+
+
 def test_cancel_frees_the_request(eagle_runtime, prompts) -> None:  # type: ignore[no-untyped-def]
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     stream = eagle_runtime.submit(prompts[3], long, RequestSpec(method="eagle"))
