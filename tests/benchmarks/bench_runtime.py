@@ -143,8 +143,7 @@ def prefill_section(
             for key in ("remote", "bytes", "compute_s", "transfer_s"):
                 totals[key] = totals.get(key, 0.0) + stats["prefill"][key]
     local, remote = statistics.median(ttft[0]), statistics.median(ttft[1])
-    p = totals
-    n = max(1, p["remote"])
+    n = max(1, totals["remote"])
     overhead = remote / local - 1
     text_table = table(
         [
@@ -162,9 +161,9 @@ def prefill_section(
                 f"{local * 1000:.0f} ms",
                 f"{remote * 1000:.0f} ms",
                 f"{overhead:+.0%}",
-                f"{p['bytes'] / n / 2**20:.2f} MiB",
-                f"{p['compute_s'] / n * 1000:.0f} ms",
-                f"{p['transfer_s'] / n * 1000:.1f} ms",
+                f"{totals['bytes'] / n / 2**20:.2f} MiB",
+                f"{totals['compute_s'] / n * 1000:.0f} ms",
+                f"{totals['transfer_s'] / n * 1000:.1f} ms",
             ]
         ],
     )
