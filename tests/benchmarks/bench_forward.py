@@ -4,10 +4,13 @@
     python -m tests.benchmarks.bench_forward --quick    # seconds; for a smoke test
 
 Measures, in one process and interleaved run by run:
-  1. greedy decode tokens/s of `SequentialEngine` vs transformers' `generate` (bf16);
-  2. forward time for 1, 2, 4, 8 new tokens over a 200-token cache (bf16 and fp32), the figure
-     speculative decoding lives on: verifying k drafts costs what one forward over k + 1 costs;
-  3. one-row projection through `F.linear` vs `torch.mv` (why kernels/linear.py exists);
+  1. greedy decode tokens/s of `SequentialEngine` (with and without our native kernels) vs
+     transformers' `generate` (bf16);
+  2. forward time for 1, 2, 4, 8 new tokens over a 200-token cache (bf16 with and without our
+     native kernels, and fp32), the figure speculative decoding lives on: verifying k drafts
+     costs what one forward over k + 1 costs;
+  3. few-row projections through `F.linear`, `torch.mv`, `W @ x^T` and our kernel (why
+     kernels/linear.py routes them as it does);
   4. a prompt's prefill forward with attention over exact key lengths vs whole KV blocks (why
      `SdpaAttention` pads masked calls to whole blocks).
 """
@@ -17,12 +20,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.attention import SdpaAttention
+from kernels.linear import NATIVE_MAX_ROWS
 from tests.benchmarks.hf import dense_transformers, packed_gguf_transformers
 from tests.benchmarks.report import (
     DEFAULT_REPORT,
@@ -47,6 +54,8 @@ CONTEXT = 200
 NEW_TOKEN_COUNTS = (1, 2, 4, 8)
 PREFILL_LENGTHS = (101, 250, 257, 416, 421, 445, 511, 1000)
 BLOCK_SIZE = 16
+T = TypeVar("T")
+TORCH_ONLY = "Outrider `SequentialEngine`, torch's kernels only"
 
 
 def decode_speed(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
@@ -77,8 +86,15 @@ def decode_speed(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
 
     our_times: list[float] = []
     their_times: dict[str, list[float]] = {name: [] for name in baselines}
+    if native.available():
+        their_times[TORCH_ONLY] = []
     for run in range(runs + 1):  # run 0 warms everything up and is dropped
         our_s = engine.generate(ids, params).elapsed_s
+        if TORCH_ONLY in their_times:
+            with native.disabled():
+                torch_only_s = engine.generate(ids, params).elapsed_s
+            if run:
+                their_times[TORCH_ONLY].append(torch_only_s)
         for name, model in baselines.items():
             their_s = run_theirs(model)
             if run:
@@ -107,17 +123,38 @@ def decode_speed(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
 
 def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
-        times = forward_times(build_model(checkpoint, dtype=dtype), NEW_TOKEN_COUNTS, reps, CONTEXT)
+    bf16 = build_model(checkpoint, dtype=torch.bfloat16)
+    runs = {
+        "bfloat16": lambda: forward_times(bf16, NEW_TOKEN_COUNTS, reps, CONTEXT),
+        "bfloat16, torch's kernels only": lambda: _torch_only(
+            lambda: forward_times(bf16, NEW_TOKEN_COUNTS, reps, CONTEXT)
+        ),
+        "float32": lambda: forward_times(
+            build_model(checkpoint, dtype=torch.float32), NEW_TOKEN_COUNTS, reps, CONTEXT
+        ),
+    }
+    base = None
+    for name, measure in runs.items():
+        times = measure()
+        base = base or times[0]
         for n, t in zip(NEW_TOKEN_COUNTS, times, strict=True):
-            rows.append(
-                [str(dtype).removeprefix("torch."), n, f"{t * 1e3:.1f}", f"{t / times[0]:.2f}x"]
-            )
+            rows.append([name, n, f"{t * 1e3:.1f}", f"{t / times[0]:.2f}x", f"{t / base:.2f}x"])
+    native_note = (
+        "bf16 runs our AVX512-BF16 projection and RMSNorm kernels (kernels/native.py) where "
+        "they pay; the second block is the same model on torch's kernels alone."
+        if native.available()
+        else f"Our native kernels were unavailable here ({native.unavailable_reason()})."
+    )
     return (
         f"One forward bringing n new tokens (all scored) onto a {CONTEXT}-token paged cache, "
-        f"median of {reps}. Verifying k draft tokens is one forward over k + 1.\n\n"
-        + table(["dtype", "new tokens", "ms", "vs 1 token"], rows)
+        f"median of {reps}. Verifying k draft tokens is one forward over k + 1. {native_note}\n\n"
+        + table(["dtype", "new tokens", "ms", "vs 1 token", "vs bf16, 1 token"], rows)
     )
+
+
+def _torch_only(measure: Callable[[], T]) -> T:
+    with native.disabled():
+        return measure()
 
 
 def gemv_section(model: TransformerLM, reps: int) -> str:
@@ -127,14 +164,16 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
         for layer in model.layers
         for p in (layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
     ]
-    kernels = {
+    kernels: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
         "`F.linear`": lambda x, w: F.linear(x, w),
         "`torch.mv` (1 row)": lambda x, w: torch.mv(w, x[0]),
         "`W @ x^T` (few rows)": lambda x, w: torch.mm(w, x.T),
     }
+    if native.available():
+        kernels["ours, AVX512-BF16 (`kernels/native.py`)"] = native.linear_bf16
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     rows = []
-    for num_rows in (1, 8):
+    for num_rows in (1, 4, 8):
         xs = {w.shape[1]: torch.randn(num_rows, w.shape[1]).to(torch.bfloat16) for w in weights}
         for name, kernel in kernels.items():
             if num_rows > 1 and "mv" in name:
@@ -147,8 +186,10 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
             t = median_time(run, reps)
             rows.append([num_rows, name, f"{t * 1e3:.1f}", f"{nbytes / t / 1e9:.1f}"])
     return (
-        "The MLP weights of all 30 layers (bf16): why `kernels/linear.py` sends one-row "
-        "projections to `torch.mv` and few-row ones (verification) to `W @ x^T`.\n\n"
+        "The MLP weights of all 30 layers (bf16): why `kernels/linear.py` sends up to "
+        f"{NATIVE_MAX_ROWS} rows to our kernel (it streams the weights fastest, but its dot "
+        "products are plain vector instructions, so more rows make it compute-bound), else "
+        "one-row projections to `torch.mv` and few-row ones (verification) to `W @ x^T`.\n\n"
         + table(["rows", "kernel", "ms for all layers", "GB/s of weights"], rows)
     )
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import native
 from kernels.attention import AttentionBackend, AttentionMetadata, SdpaAttention, write_kv
 from kernels.linear import linear
 from kernels.rotary import apply_rotary, rope_cos_sin
@@ -37,7 +38,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _native_norm(x, self.weight):
+            return native.rms_norm_bf16(x, self.weight, self.eps)[0]
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): one kernel call in bf16 on the CPU."""
+        if _native_norm(x, self.weight) and residual.dtype == x.dtype and residual.dim() == 2:
+            return native.rms_norm_bf16(x, self.weight, self.eps, residual)
+        total = x + residual
+        return self.forward(total), total
+
+
+def _native_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dtype == weight.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.device.type == "cpu"
+        and native.available()
+    )
 
 
 class Attention(nn.Module):
@@ -109,8 +130,10 @@ class DecoderLayer(nn.Module):
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend, plan)
-        h = h + (attn if reduce is None else reduce(attn))
-        mlp = self.mlp(self.post_attention_layernorm(h))
+        normed, h = self.post_attention_layernorm.add_forward(
+            attn if reduce is None else reduce(attn), h
+        )
+        mlp = self.mlp(normed)
         return h + (mlp if reduce is None else reduce(mlp))
 
 

@@ -1,0 +1,134 @@
+/* y = x W^T (+ b) for a few rows of bf16 on a CPU with AVX512-BF16 (kernels/native.py builds
+ * this file and kernels/linear.py calls it).
+ *
+ * Decode and verification multiply 1..MAX_ROWS rows by every weight of the model, so their cost
+ * is streaming the weights from memory. The loop below reads each weight once: a block of four
+ * weight rows is streamed (with the next block prefetched) and dotted with every input row
+ * while it sits in L1. Products and sums are fp32 (VDPBF16PS), each output rounded once to bf16
+ * (round to nearest even).
+ *
+ * Each output element is the same computation whatever the number of rows, threads or its
+ * place in a block: 16 fp32 lanes accumulate the 32-element chunks of the dot product in order
+ * and are then summed in a fixed tree. So a row's result does not depend on what else is in the
+ * batch (tests/unit/test_linear.py checks it bit for bit).
+ */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define ROW_BLOCK 4  /* weight rows streamed together */
+#define X_GROUP 4    /* input rows dotted with them at once (16 fp32 accumulators) */
+
+static inline __m512bh load_chunk(const uint16_t *p, __mmask32 mask) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+/* Sums each of the 16 vectors a[0..15] into lane m of the result (a transposing tree: 45
+ * shuffles and adds instead of 16 separate reductions). Every lane's sum is the same sequence
+ * of adds over its vector's lanes, whichever vector it is. */
+static inline __m512 sum16(const __m512 a[16]) {
+    __m512 b[8], c[4];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++)
+        b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
+                             _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+        c[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    /* c[k] holds, in each 128-bit lane, partial sums of a[4k..4k+3]; add the four lanes. */
+    const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xdd));
+}
+
+/* Input rows [r0, r0 + nx) against weight rows [o, o + nw): nx is a constant at each call
+ * site, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void dot_group(
+    const uint16_t *x, const uint16_t *const wr[ROW_BLOCK], const uint16_t *bias, uint16_t *y,
+    int in, int out, int o, int nw, int r0, const int nx, int prefetch) {
+    const int chunks = (in + 31) / 32;
+    const __mmask32 tail = (in % 32) ? (__mmask32)((1u << (in % 32)) - 1u) : (__mmask32)~0u;
+    __m512 acc[X_GROUP * ROW_BLOCK];
+#pragma GCC unroll 8
+    for (int i = 0; i < X_GROUP; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < ROW_BLOCK; j++) acc[ROW_BLOCK * i + j] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; c++) {
+        const __mmask32 m = c == chunks - 1 ? tail : (__mmask32)~0u;
+        const size_t at = (size_t)c * 32;
+        __m512bh wv[ROW_BLOCK];
+#pragma GCC unroll 8
+        for (int j = 0; j < ROW_BLOCK; j++) {
+            wv[j] = load_chunk(wr[j] + at, m);
+            if (prefetch)
+                _mm_prefetch((const char *)(wr[j] + (size_t)ROW_BLOCK * in + at), _MM_HINT_T0);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < nx; i++) {
+            const __m512bh xv = load_chunk(x + (size_t)(r0 + i) * in + at, m);
+#pragma GCC unroll 8
+            for (int j = 0; j < ROW_BLOCK; j++) acc[ROW_BLOCK * i + j] = _mm512_dpbf16_ps(acc[ROW_BLOCK * i + j], wv[j], xv);
+        }
+    }
+    /* Lane 4i + j of the sums is input row i against weight row j. */
+    __m512 sums = sum16(acc);
+    if (bias) {
+        const __m128i b4 = _mm_maskz_loadu_epi16((__mmask8)((1u << nw) - 1u), bias + o);
+        const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_broadcastq_epi64(b4)), 16));
+        sums = _mm512_add_ps(sums, b);
+    }
+    const __m256i out16 = (__m256i)_mm512_cvtneps_pbh(sums);
+    uint16_t lanes[16];
+    _mm256_storeu_si256((__m256i *)lanes, out16);
+    for (int i = 0; i < nx; i++)
+        __builtin_memcpy(y + (size_t)(r0 + i) * out + o, lanes + 4 * i, (size_t)nw * sizeof(uint16_t));
+}
+
+/* Output rows [o0, o1) of every input row. */
+static void rows_block(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                       int rows, int in, int out, int o0, int o1) {
+    for (int o = o0; o < o1; o += ROW_BLOCK) {
+        const int nw = (o1 - o) < ROW_BLOCK ? (o1 - o) : ROW_BLOCK;
+        const uint16_t *wr[ROW_BLOCK];
+        for (int j = 0; j < ROW_BLOCK; j++) wr[j] = w + (size_t)(o + (j < nw ? j : 0)) * in;
+        /* The first group streams the block from memory and prefetches the next one. */
+        const int prefetch = o + 2 * ROW_BLOCK <= o1;
+        for (int r0 = 0; r0 < rows; r0 += X_GROUP) {
+            const int pf = prefetch && r0 == 0;
+            switch (rows - r0 < X_GROUP ? rows - r0 : X_GROUP) {
+                case 1: dot_group(x, wr, bias, y, in, out, o, nw, r0, 1, pf); break;
+                case 2: dot_group(x, wr, bias, y, in, out, o, nw, r0, 2, pf); break;
+                case 3: dot_group(x, wr, bias, y, in, out, o, nw, r0, 3, pf); break;
+                default: dot_group(x, wr, bias, y, in, out, o, nw, r0, 4, pf); break;
+            }
+        }
+    }
+}
+
+/* x [rows, in], w [out, in], bias [out] or NULL, y [rows, out]; all contiguous bf16. Output rows
+ * are split between `threads` threads in whole blocks (the OpenMP runtime is torch's own: it is
+ * loaded when this library is). */
+void outrider_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                          int rows, int in, int out, int threads) {
+    const int blocks = (out + ROW_BLOCK - 1) / ROW_BLOCK;
+    if (threads < 1) threads = 1;
+    if (threads > blocks) threads = blocks;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        extern int omp_get_num_threads(void);
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#else
+        const int t = 0, n = 1;
+#endif
+        const int per = (blocks + n - 1) / n;
+        const int o0 = t * per * ROW_BLOCK;
+        int o1 = (t + 1) * per * ROW_BLOCK;
+        if (o1 > out) o1 = out;
+        if (o0 < o1) rows_block(x, w, bias, y, rows, in, out, o0, o1);
+    }
+}

@@ -1,0 +1,171 @@
+"""Our C kernels (kernels/native.py) against plain-torch references; the fallback without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import linear as linear_module
+from kernels import native
+from kernels.linear import NATIVE_MAX_ROWS, linear
+
+needs_native = pytest.mark.skipif(
+    not native.available(), reason=f"native kernels unavailable: {native.unavailable_reason()}"
+)
+
+
+def _bf16(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [(1, 576, 960), (2, 64, 5), (3, 33, 577), (4, 1000, 96), (7, 1536, 64), (9, 96, 13)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_bf16_matches_an_fp64_reference(
+    rows: int, in_features: int, out_features: int, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = _bf16(rows, in_features, gen=gen)
+    w = _bf16(out_features, in_features, gen=gen, scale=in_features**-0.5)
+    b = _bf16(out_features, gen=gen) if with_bias else None
+    expected = x.double() @ w.double().T + (0 if b is None else b.double())
+    out = native.linear_bf16(x, w, b)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    # fp32 sums rounded once to bf16: within a bf16 rounding (2^-8 relative) of the exact value,
+    # plus the fp32 summation's far smaller error.
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)
+    # No worse than torch's own bf16 matmul.
+    theirs = (x @ w.T + (0 if b is None else b)).double()
+    assert (out.double() - expected).abs().max() <= (theirs - expected).abs().max() + 1e-2
+
+
+@needs_native
+def test_linear_bf16_gives_each_row_the_same_bits_whatever_the_batch_and_threads() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = _bf16(11, 200, gen=gen)
+    w = _bf16(123, 200, gen=gen, scale=0.1)
+    b = _bf16(123, gen=gen)
+    together = native.linear_bf16(x, w, b)
+    for r in range(x.shape[0]):
+        assert torch.equal(native.linear_bf16(x[r : r + 1], w, b)[0], together[r])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.linear_bf16(x, w, b), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
+def test_linear_bf16_refuses_what_it_cannot_compute() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w = _bf16(2, 64, gen=gen), _bf16(8, 64, gen=gen)
+    with pytest.raises(TypeError):
+        native.linear_bf16(x.float(), w)
+    with pytest.raises(ValueError, match="shapes"):
+        native.linear_bf16(x, _bf16(8, 32, gen=gen))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.linear_bf16(x, _bf16(64, 8, gen=gen).T)
+    with pytest.raises(ValueError, match="bias"):
+        native.linear_bf16(x, w, _bf16(7, gen=gen))
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 70])  # 70: split between threads
+@pytest.mark.parametrize("dim", [576, 100])  # 100: a tail shorter than a vector
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_bf16_matches_an_fp64_reference(rows: int, dim: int, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(rows + dim)
+    x = _bf16(rows, dim, gen=gen, scale=3.0)
+    residual = _bf16(rows, dim, gen=gen) if with_residual else None
+    weight = _bf16(dim, gen=gen)
+    eps = 1e-5
+    out, total = native.rms_norm_bf16(x, weight, eps, residual)
+    # The sum is torch's bf16 add, bit for bit.
+    assert torch.equal(total, x if residual is None else x + residual)
+    s = total.double()
+    expected = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)
+    for r in (0, rows - 1):  # a row's result does not depend on the batch
+        alone = native.rms_norm_bf16(
+            x[r : r + 1], weight, eps, None if residual is None else residual[r : r + 1]
+        )[0]
+        assert torch.equal(alone[0], out[r])
+
+
+@needs_native
+def test_linear_sends_few_bf16_rows_to_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = native.linear_bf16
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(native, "linear_bf16", spy)
+    gen = torch.Generator().manual_seed(1)
+    w = _bf16(32, 64, gen=gen)
+    for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 40):
+        linear(_bf16(rows, 64, gen=gen), w)
+    linear(torch.randn(1, 64), w.float())  # fp32 keeps torch's kernels
+    linear(_bf16(1, 64, gen=gen), w, use_native=False)
+    assert calls == [1, NATIVE_MAX_ROWS]
+
+
+def test_without_the_native_kernels_torch_computes_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OUTRIDER_NATIVE_KERNELS=0 (or a CPU or machine without them): torch's kernels run."""
+    monkeypatch.setenv(native.ENABLE_ENV, "0")
+    native._load.cache_clear()
+    try:
+        assert not native.available()
+        assert native.unavailable_reason() == f"{native.ENABLE_ENV}=0"
+        with pytest.raises(RuntimeError, match="unavailable"):
+            native.linear_bf16(torch.zeros(1, 32).bfloat16(), torch.zeros(4, 32).bfloat16())
+        gen = torch.Generator().manual_seed(2)
+        x, w = _bf16(3, 64, gen=gen), _bf16(16, 64, gen=gen)
+        expected = x.double() @ w.double().T
+        torch.testing.assert_close(linear(x, w).double(), expected, rtol=2e-2, atol=2e-2)
+    finally:
+        monkeypatch.delenv(native.ENABLE_ENV)
+        native._load.cache_clear()
+    assert linear_module.native is native
+
+
+@needs_native
+def test_the_bf16_model_computes_the_same_with_and_without_native_kernels(
+    checkpoint,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode and verify steps of the bundled model in bf16: the native path agrees with torch's
+    kernels to bf16 noise and picks the same greedy tokens."""
+    from workers.engine.model_runner import ModelRunner, SeqForward
+    from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
+    from workers.model.loader import build_model
+
+    model = build_model(checkpoint, dtype=torch.bfloat16)
+    prompt = checkpoint.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
+
+    def logits() -> torch.Tensor:
+        cache = PagedKVCache(model.config, 8, 16, model.dtype, model.device)
+        table = BlockTable(BlockAllocator(8), 16)
+        table.prepare_write(0, len(prompt))
+        runner = ModelRunner(model, cache)
+        runner.forward([SeqForward(prompt[:-3], 0, table.block_ids)])
+        rows = [runner.forward([SeqForward(prompt[-3:-2], len(prompt) - 3, table.block_ids)])]
+        rows.append(  # a two-token verify step
+            runner.forward([SeqForward(prompt[-2:], len(prompt) - 2, table.block_ids, 2)])
+        )
+        return torch.cat([r.logits_of(0) for r in rows])
+
+    with torch.inference_mode():
+        ours = logits()
+        monkeypatch.setattr(native, "available", lambda: False)
+        theirs = logits()
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+    assert cosine.min() > 0.999
