@@ -1,18 +1,22 @@
 """`y = x W^T + b`, with faster paths for the few-row case of reduced-precision CPU decode.
 
 Decode and verification bring a handful of rows (1, or k + 1) and are bound by streaming the
-weights. On an AVX512-BF16 CPU, oneDNN's bf16 GEMM as `F.linear` reaches it streams them at
-6-11 GB/s whatever the row count. Faster, in order of preference:
-- our AVX512-BF16 kernel (kernels/native.py) for up to NATIVE_MAX_ROWS bf16 rows: it streams
-  each weight once at ~25 GB/s, but its dot products are plain vector instructions, so past a
-  few rows the arithmetic, not the memory, sets its pace;
+weights. On an AVX512-BF16 CPU, oneDNN's bf16 GEMM as `F.linear` streams them at 6-11 GB/s
+whatever the row count. Faster, in order of preference (kernels/native.py has the C kernels;
+tests/benchmarks/bench_forward.py prints the comparison):
+- a weight packed for AMX tiles (`pack`, done once at load) goes through `native.linear_amx`
+  for up to AMX_MAX_ROWS bf16 rows: ~25 GB/s, and 1 to 16 rows cost the same;
+- our AVX512-BF16 kernel for up to NATIVE_MAX_ROWS rows of an unpacked weight: as fast for one
+  row, but its dot products are plain vector instructions, so past a few rows the arithmetic,
+  not the memory, sets its pace;
 - `torch.mv` (one row) and `W @ x^T` (the weight as the left operand: a GEMM with a small N,
   for 2..MAX_SMALL_ROWS rows), ~1.5x faster than `F.linear`.
-tests/benchmarks/bench_forward.py prints the comparison. fp32 gains nothing and keeps
-`F.linear`, as do prefill chunks (many rows: compute-bound).
+fp32 gains nothing and keeps `F.linear`, as do long prefill chunks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,30 +26,106 @@ from kernels import native
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 MAX_SMALL_ROWS = 32
 NATIVE_MAX_ROWS = 4
+# Past this many rows the AMX kernel, which reads the weight again for every 16 rows, falls
+# behind oneDNN's GEMM (bench_forward's projection table).
+AMX_MAX_ROWS = 256
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PackedWeight:
+    """A bf16 weight re-laid for `native.linear_amx`, and the weight it was made from: `linear`
+    uses it only while that weight is the same tensor, unchanged (else it falls back)."""
+
+    data: torch.Tensor
+    source_ptr: int
+    source_version: int
+    shape: tuple[int, int]
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        return (
+            weight.data_ptr() == self.source_ptr
+            and _version(weight) == self.source_version
+            and tuple(weight.shape) == self.shape
+            and weight.dtype == torch.bfloat16
+        )
+
+
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """The weight packed for AMX, or None where that path cannot run (no AMX, not bf16, in
+    features not a multiple of 32). Costs a copy of the weight."""
+    if (
+        weight.dtype != torch.bfloat16
+        or (weight.requires_grad and torch.is_grad_enabled())
+        or weight.dim() != 2
+        or weight.device.type != "cpu"
+        or weight.shape[1] % native.TILE_FEATURES
+        or not native.amx_available()
+    ):
+        return None
+    with torch.no_grad():
+        data = native.pack_bf16(weight)
+    shape = (weight.shape[0], weight.shape[1])
+    return PackedWeight(data, weight.data_ptr(), _version(weight), shape)
+
+
+class WeightPacks:
+    """A module's packed copies of the weights it projects with, made on first use and remade
+    when a weight changes (a `.to(dtype)`, new weights loaded). Packs nothing where the AMX
+    path cannot run, so fp32 models and other CPUs pay one dictionary lookup."""
+
+    def __init__(self) -> None:
+        self._packs: dict[str, PackedWeight | None] = {}
+        self._unpackable: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+
+    def get(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
+        packed = self._packs.get(name)
+        if packed is not None and packed.fits(weight):
+            return packed
+        key = (weight.data_ptr(), weight.dtype, tuple(weight.shape))
+        if self._unpackable.get(name) == key or not native.amx_available():
+            return None
+        packed = pack(weight)
+        self._packs[name] = packed
+        if packed is None:
+            self._unpackable[name] = key
+        return packed
+
+    def nbytes(self) -> int:
+        return sum(p.data.numel() * 2 for p in self._packs.values() if p is not None)
 
 
 def linear(
     x: torch.Tensor,  # [num_rows, in_features]
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,  # [out_features]
+    packed: PackedWeight | None = None,  # pack(weight), when the caller keeps one
     use_native: bool = True,
 ) -> torch.Tensor:  # [num_rows, out_features]
     rows = x.shape[0]
-    if (
-        x.dim() != 2
-        or x.device.type != "cpu"
-        or x.dtype not in _FAST_DTYPES
-        or rows > MAX_SMALL_ROWS
-    ):
+    if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in _FAST_DTYPES:
         return F.linear(x, weight, bias)
-    if (
+    native_ok = (
         use_native
-        and rows <= NATIVE_MAX_ROWS
-        and x.dtype == weight.dtype == torch.bfloat16
-        and weight.is_contiguous()
+        and not _needs_grad(x, weight, bias)  # our kernels have no backward
+        and x.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
         and native.available()
-    ):
+    )
+    if native_ok and packed is not None and rows <= AMX_MAX_ROWS and packed.fits(weight):
+        return native.linear_amx(x, packed.data, weight.shape[0], bias)
+    if rows > MAX_SMALL_ROWS:
+        return F.linear(x, weight, bias)
+    if native_ok and rows <= NATIVE_MAX_ROWS and weight.is_contiguous():
         return native.linear_bf16(x, weight, bias)
     out = torch.mv(weight, x[0]).unsqueeze(0) if rows == 1 else torch.mm(weight, x.T).T.contiguous()
     return out if bias is None else out + bias
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _version(t: torch.Tensor) -> int:
+    """The tensor's in-place write counter; -1 for an inference tensor, which keeps none (an
+    inference-mode write to a weight goes unnoticed: repack by hand after one)."""
+    return -1 if t.is_inference() else t._version

@@ -18,6 +18,7 @@ Measures, in one process and interleaved run by run:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from kernels import native
 from kernels.attention import SdpaAttention
-from kernels.linear import NATIVE_MAX_ROWS
+from kernels.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS
 from tests.benchmarks.hf import dense_transformers, packed_gguf_transformers
 from tests.benchmarks.report import (
     DEFAULT_REPORT,
@@ -140,8 +141,8 @@ def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
         for n, t in zip(NEW_TOKEN_COUNTS, times, strict=True):
             rows.append([name, n, f"{t * 1e3:.1f}", f"{t / times[0]:.2f}x", f"{t / base:.2f}x"])
     native_note = (
-        "bf16 runs our AVX512-BF16 projection and RMSNorm kernels (kernels/native.py) where "
-        "they pay; the second block is the same model on torch's kernels alone."
+        "bf16 runs our projection (AMX, AVX512-BF16) and RMSNorm kernels (kernels/native.py) "
+        "where they pay; the second block is the same model on torch's kernels alone."
         if native.available()
         else f"Our native kernels were unavailable here ({native.unavailable_reason()})."
     )
@@ -158,7 +159,7 @@ def _torch_only(measure: Callable[[], T]) -> T:
 
 
 def gemv_section(model: TransformerLM, reps: int) -> str:
-    """Projections over the model's real bf16 MLP weights (out of cache), 1 and 8 rows."""
+    """Projections over the model's real bf16 MLP weights (out of cache), 1 to 16 rows."""
     weights = [
         p
         for layer in model.layers
@@ -170,10 +171,15 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
         "`W @ x^T` (few rows)": lambda x, w: torch.mm(w, x.T),
     }
     if native.available():
-        kernels["ours, AVX512-BF16 (`kernels/native.py`)"] = native.linear_bf16
+        kernels["ours, AVX512-BF16"] = native.linear_bf16
+    if native.amx_available():
+        packed = {id(w): native.pack_bf16(w) for w in weights}
+        kernels["ours, AMX tiles (packed weight)"] = lambda x, w: native.linear_amx(
+            x, packed[id(w)], w.shape[0]
+        )
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     rows = []
-    for num_rows in (1, 4, 8):
+    for num_rows in (1, 4, 8, 16):
         xs = {w.shape[1]: torch.randn(num_rows, w.shape[1]).to(torch.bfloat16) for w in weights}
         for name, kernel in kernels.items():
             if num_rows > 1 and "mv" in name:
@@ -186,20 +192,26 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
             t = median_time(run, reps)
             rows.append([num_rows, name, f"{t * 1e3:.1f}", f"{nbytes / t / 1e9:.1f}"])
     return (
-        "The MLP weights of all 30 layers (bf16): why `kernels/linear.py` sends up to "
-        f"{NATIVE_MAX_ROWS} rows to our kernel (it streams the weights fastest, but its dot "
-        "products are plain vector instructions, so more rows make it compute-bound), else "
-        "one-row projections to `torch.mv` and few-row ones (verification) to `W @ x^T`.\n\n"
-        + table(["rows", "kernel", "ms for all layers", "GB/s of weights"], rows)
+        "The MLP weights of all 30 layers (bf16), our kernels in kernels/native.py: why "
+        f"`kernels/linear.py` sends up to {AMX_MAX_ROWS} rows to the AMX kernel where the "
+        "weight is packed for it (any row count up to 16 costs the same), else up to "
+        f"{NATIVE_MAX_ROWS} rows to the AVX512-BF16 one (as fast for one row, but its dot "
+        "products make it compute-bound as rows grow), else one row to `torch.mv` and a few to "
+        "`W @ x^T`.\n\n" + table(["rows", "kernel", "ms for all layers", "GB/s of weights"], rows)
     )
 
 
 def prefill_section(model: TransformerLM, reps: int, lengths: tuple[int, ...]) -> str:
     """One forward over a whole prompt of n tokens, attention over the exact key length vs over
-    the whole gathered blocks (keys past the end masked), interleaved rep by rep."""
+    the whole gathered blocks (keys past the end masked), and the latter on torch's kernels
+    alone, interleaved rep by rep."""
     num_blocks = -(-max(lengths) // BLOCK_SIZE)
     runner = ModelRunner(model, PagedKVCache(model.config, num_blocks, BLOCK_SIZE, model.dtype))
-    backends = {"exact": SdpaAttention(whole_blocks=False), "whole": SdpaAttention()}
+    backends = {
+        "exact": SdpaAttention(whole_blocks=False),
+        "whole": SdpaAttention(),
+        "torch only": SdpaAttention(),
+    }
     vocab = model.config.vocab_size
     rows = []
     for n in lengths:
@@ -208,18 +220,38 @@ def prefill_section(model: TransformerLM, reps: int, lengths: tuple[int, ...]) -
         for _ in range(reps + 1):
             for name, backend in backends.items():
                 model.attention = backend
-                start = time.perf_counter()
-                runner.forward([seq])
-                samples[name].append(time.perf_counter() - start)
-        exact, whole = (statistics.median(samples[name][1:]) for name in backends)
-        rows.append([n, f"{exact * 1e3:.0f}", f"{whole * 1e3:.0f}", f"{exact / whole:.2f}x"])
+                with native.disabled() if name == "torch only" else contextlib.nullcontext():
+                    start = time.perf_counter()
+                    runner.forward([seq])
+                    samples[name].append(time.perf_counter() - start)
+        exact, whole, torch_only = (statistics.median(samples[name][1:]) for name in backends)
+        rows.append(
+            [
+                n,
+                f"{exact * 1e3:.0f}",
+                f"{whole * 1e3:.0f}",
+                f"{exact / whole:.2f}x",
+                f"{torch_only * 1e3:.0f}",
+            ]
+        )
     model.attention = SdpaAttention()
     return (
         f"A prompt's prefill in one forward (bf16, blocks of {BLOCK_SIZE}), median of {reps}. "
         "torch's CPU attention kernel is slow on key lengths that are not a multiple of 16, so "
         "`SdpaAttention` attends over the whole gathered blocks and masks the keys past the "
-        "prompt's end (the same answer: tests/unit/test_attention.py).\n\n"
-        + table(["prompt tokens", "exact keys, ms", "whole blocks, ms", "speed-up"], rows)
+        "prompt's end (the same answer: tests/unit/test_attention.py). The last column is the "
+        "whole-block forward on torch's kernels alone (no native projection or RMSNorm "
+        f"kernels; the AMX one takes chunks of up to {AMX_MAX_ROWS} tokens).\n\n"
+        + table(
+            [
+                "prompt tokens",
+                "exact keys, ms",
+                "whole blocks, ms",
+                "speed-up",
+                "whole blocks, torch's kernels only, ms",
+            ],
+            rows,
+        )
     )
 
 

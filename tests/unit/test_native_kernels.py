@@ -7,11 +7,12 @@ import torch
 
 from kernels import linear as linear_module
 from kernels import native
-from kernels.linear import NATIVE_MAX_ROWS, linear
+from kernels.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS, WeightPacks, linear, pack
 
 needs_native = pytest.mark.skipif(
     not native.available(), reason=f"native kernels unavailable: {native.unavailable_reason()}"
 )
+needs_amx = pytest.mark.skipif(not native.amx_available(), reason="no AMX tiles here")
 
 
 def _bf16(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -73,6 +74,92 @@ def test_linear_bf16_refuses_what_it_cannot_compute() -> None:
         native.linear_bf16(x, w, _bf16(7, gen=gen))
 
 
+@needs_amx
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [(1, 576, 960), (2, 64, 5), (9, 1024, 577), (16, 96, 40), (17, 576, 33), (300, 64, 48)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_amx_matches_an_fp64_reference(
+    rows: int, in_features: int, out_features: int, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = _bf16(rows, in_features, gen=gen)
+    w = _bf16(out_features, in_features, gen=gen, scale=in_features**-0.5)
+    b = _bf16(out_features, gen=gen) if with_bias else None
+    expected = x.double() @ w.double().T + (0 if b is None else b.double())
+    out = native.linear_amx(x, native.pack_bf16(w), out_features, b)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)
+
+
+@needs_amx
+def test_linear_amx_gives_each_row_the_same_bits_whatever_the_batch_and_threads() -> None:
+    gen = torch.Generator().manual_seed(8)
+    x = _bf16(40, 128, gen=gen)  # three tiles of rows, the last partial
+    w = _bf16(70, 128, gen=gen, scale=0.1)  # an odd number of 16-output blocks, the last partial
+    packed = native.pack_bf16(w)
+    together = native.linear_amx(x, packed, 70)
+    for r in (0, 15, 16, 39):
+        assert torch.equal(native.linear_amx(x[r : r + 1], packed, 70)[0], together[r])
+    assert torch.equal(native.linear_amx(x[3:12], packed, 70), together[3:12])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.linear_amx(x, packed, 70), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_amx_packing_refuses_what_it_cannot_pack() -> None:
+    gen = torch.Generator().manual_seed(3)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.pack_bf16(_bf16(16, 40, gen=gen))
+    with pytest.raises(TypeError):
+        native.pack_bf16(torch.zeros(16, 32))
+    packed = native.pack_bf16(_bf16(16, 64, gen=gen))
+    with pytest.raises(ValueError, match="does not fit"):
+        native.linear_amx(_bf16(1, 32, gen=gen), packed, 16)
+    assert pack(_bf16(16, 40, gen=gen)) is None  # linear keeps its other paths for it
+    assert pack(torch.zeros(16, 32)) is None
+
+
+@needs_amx
+def test_weight_packs_follow_their_weights_and_linear_uses_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    real = native.linear_amx
+
+    def spy(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "linear_amx", spy)
+    gen = torch.Generator().manual_seed(4)
+    w = _bf16(48, 64, gen=gen)
+    packs = WeightPacks()
+    first = packs.get("w", w)
+    assert first is not None and packs.get("w", w) is first and packs.nbytes() == 48 * 64 * 2
+    x = _bf16(AMX_MAX_ROWS + 1, 64, gen=gen)
+    for rows in (1, 16, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+        out = linear(x[:rows], w, None, packs.get("w", w))
+        torch.testing.assert_close(
+            out.double(), x[:rows].double() @ w.double().T, rtol=2e-2, atol=2e-2
+        )
+    assert calls == [1, 16, AMX_MAX_ROWS]
+    with torch.no_grad():
+        w.mul_(2)  # changed in place: the old pack no longer fits, and a new one is made
+    assert not first.fits(w)
+    second = packs.get("w", w)
+    assert second is not None and second is not first
+    torch.testing.assert_close(
+        linear(x[:2], w, None, first).double(), x[:2].double() @ w.double().T, rtol=2e-2, atol=2e-2
+    )  # a stale pack handed in anyway is ignored
+    assert packs.get("w", w.float()) is None  # fp32: nothing to pack
+
+
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 70])  # 70: split between threads
 @pytest.mark.parametrize("dim", [576, 100])  # 100: a tail shorter than a vector
@@ -109,7 +196,7 @@ def test_linear_sends_few_bf16_rows_to_the_native_kernel(monkeypatch: pytest.Mon
     gen = torch.Generator().manual_seed(1)
     w = _bf16(32, 64, gen=gen)
     for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 40):
-        linear(_bf16(rows, 64, gen=gen), w)
+        linear(_bf16(rows, 64, gen=gen), w)  # no packed weight: not the AMX kernel
     linear(torch.randn(1, 64), w.float())  # fp32 keeps torch's kernels
     linear(_bf16(1, 64, gen=gen), w, use_native=False)
     assert calls == [1, NATIVE_MAX_ROWS]

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.linear import linear
+from kernels.linear import WeightPacks, linear
 from kernels.rotary import rope_cos_sin
 from workers.model.config import ModelConfig
 from workers.model.transformer import DecoderLayer, RMSNorm, TransformerLM
@@ -120,6 +120,7 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_vocab", draft_vocab.to(torch.int64))
         self.embed: torch.Tensor | None = None  # [target vocab, hidden], the target's
         self.lm_head: torch.Tensor | None = None  # [draft vocab, hidden], rows of the target's
+        self.packs = WeightPacks()
         self._cos, self._sin = rope_cos_sin(
             config.head_dim, config.max_positions, config.rope_theta
         )
@@ -151,17 +152,19 @@ class EagleHead(nn.Module):
         n, h = features.shape[0], self.config.hidden_size
         parts = features.to(self.fuse.weight.dtype).view(n, -1, h)
         parts = F.rms_norm(parts, (h,), eps=self.config.rms_norm_eps)  # layers differ in scale
-        return linear(parts.reshape(n, -1), self.fuse.weight)
+        w = self.fuse.weight
+        return linear(parts.reshape(n, -1), w, None, self.packs.get("fuse", w))
 
     def layer_input(self, g: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed is not None, "attach() the target first"
         e = self.embed.index_select(0, next_token_ids).to(g.dtype)
         x = torch.cat([self.embed_norm(e), self.feature_norm(g)], dim=-1)
-        return linear(x, self.fc_in.weight)
+        w = self.fc_in.weight
+        return linear(x, w, None, self.packs.get("fc_in", w))
 
     def draft_logits(self, a: torch.Tensor) -> torch.Tensor:  # [n, draft vocab]
         assert self.lm_head is not None, "attach() the target first"
-        return linear(self.norm(a), self.lm_head)
+        return linear(self.norm(a), self.lm_head, None, self.packs.get("lm_head", self.lm_head))
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype

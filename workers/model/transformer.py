@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels import native
 from kernels.attention import AttentionBackend, AttentionMetadata, SdpaAttention, write_kv
-from kernels.linear import linear
+from kernels.linear import WeightPacks, linear
 from kernels.rotary import apply_rotary, rope_cos_sin
 from workers.model.config import ModelConfig
 
@@ -55,6 +55,7 @@ class RMSNorm(nn.Module):
 def _native_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dtype == weight.dtype == torch.bfloat16
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and x.dim() == 2
         and x.device.type == "cpu"
         and native.available()
@@ -72,6 +73,7 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.packs = WeightPacks()
 
     def forward(
         self,
@@ -86,7 +88,8 @@ class Attention(nn.Module):
         plan: object,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
-        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv_w = self.qkv_proj.weight
+        qkv = linear(x, qkv_w, self.qkv_proj.bias, self.packs.get("qkv", qkv_w))
         heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # Q and K heads sit side by side in the fused output: rotate them in one go.
         qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
@@ -95,7 +98,8 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         out = backend.forward(q, key_cache, value_cache, plan, self.scale)
-        return linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
+        o_w = self.o_proj.weight
+        return linear(out.reshape(num_tokens, self.q_size), o_w, None, self.packs.get("o", o_w))
 
 
 class MLP(nn.Module):
@@ -104,10 +108,13 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.packs = WeightPacks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj.weight).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight)
+        gate_up_w, down_w = self.gate_up_proj.weight, self.down_proj.weight
+        gate_up = linear(x, gate_up_w, None, self.packs.get("gate_up", gate_up_w))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, down_w, None, self.packs.get("down", down_w))
 
 
 class DecoderLayer(nn.Module):
@@ -157,6 +164,7 @@ class TransformerLM(nn.Module):
         # sums the partial attention and MLP outputs over the group (workers/model/
         # tensor_parallel.py). None: the whole model is here.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.packs = WeightPacks()  # the LM head's (the layers keep their own)
         # Rotary tables stay fp32 whatever the model dtype (so not buffers: .to(dtype) would cast).
         self._cos, self._sin = rope_cos_sin(
             config.head_dim, config.max_position_embeddings, config.rope_theta
@@ -228,7 +236,9 @@ class TransformerLM(nn.Module):
             if i in wanted:
                 hidden[i] = h
         h = self.norm(h)
-        logits = linear(h.index_select(0, logits_indices), self.lm_head_weight()).float()
+        head = self.lm_head_weight()
+        rows = h.index_select(0, logits_indices)
+        logits = linear(rows, head, None, self.packs.get("lm_head", head)).float()
         return ModelOutput(logits, hidden, h if return_final_hidden else None)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
