@@ -1,4 +1,4 @@
-"""Paged attention: one contract, two implementations.
+"""Paged attention: one contract, three implementations.
 
 The KV cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`
 (the layout vllm-flash-attn reads). A forward brings a flattened batch of new tokens: sequence `i`
@@ -7,9 +7,11 @@ plus the new ones, `seq_lens[i]` in all) lives in the blocks its row of `block_t
 New token `j` of a sequence sits at position `seq_lens[i] - query_len + j` and sees every context
 position up to and including its own (causal, aligned to the end of the context).
 
-`SdpaAttention` runs anywhere torch does; `FlashAttention` calls the paged flash-attn kernel on
-CUDA. Both take an `AttentionMetadata`, are prepared once per forward (`prepare`), then called
-once per layer (`forward`), and give the same answer (tests/unit/test_attention.py).
+`SdpaAttention` runs anywhere torch does; `NativeCpuAttention` is the same with our C kernel
+(kernels/native.py) for decode and verification in bf16 on CPUs that run it; `FlashAttention`
+calls the paged flash-attn kernel on CUDA. All take an `AttentionMetadata`, are prepared once
+per forward (`prepare`), then called once per layer (`forward`), and give the same answer
+(tests/unit/test_attention.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kernels import native
 
 # Sequences with more new tokens than this get their own SDPA call instead of being padded into
 # the shared decode/verify group (padding a prefill chunk's length onto every decode would waste
@@ -243,6 +247,84 @@ class SdpaAttention(AttentionBackend):
         return out.transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
 
 
+@dataclass(slots=True)
+class _NativePlan:
+    """What NativeCpuAttention does this forward, settled at its first layer (which shows the
+    query's dtype and shape) and kept for the others."""
+
+    meta: AttentionMetadata
+    # (block tables, query starts, query lengths, sequence lengths) of the short sequences, or
+    # None when the kernel does not serve this forward.
+    native: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    sdpa: list[_SdpaGroup] | None = None  # the rest (every sequence when native is None)
+
+
+class NativeCpuAttention(SdpaAttention):
+    """`SdpaAttention`, except that sequences with at most MAX_BATCHED_QUERY_LEN new tokens
+    (decode, verification) attend through our C kernel (kernels/native.py), which reads their
+    blocks in place instead of gathering them for SDPA, when the query is bf16 on a CPU that
+    runs it. Prefill chunks, other dtypes and other CPUs take the SDPA path unchanged."""
+
+    name = "native"
+
+    def prepare(self, meta: AttentionMetadata) -> _NativePlan:  # type: ignore[override]
+        return _NativePlan(meta)
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: _NativePlan,
+        scale: float,
+    ) -> torch.Tensor:
+        if plan.sdpa is None:
+            self._settle(plan, query, key_cache)
+        assert plan.sdpa is not None
+        if plan.native is None:
+            return super().forward(query, key_cache, value_cache, plan.sdpa, scale)
+        out = torch.empty_like(query)
+        native.paged_attention_bf16(query, key_cache, value_cache, *plan.native, scale, out)
+        for group in plan.sdpa:  # long sequences, one lone group each
+            out[group.token_slice] = self._attend(query, key_cache, value_cache, group, scale)
+        return out
+
+    def _settle(self, plan: _NativePlan, query: torch.Tensor, key_cache: torch.Tensor) -> None:
+        meta = plan.meta
+        head_dim, num_heads = query.shape[2], query.shape[1]
+        usable = (
+            query.dtype == key_cache.dtype == torch.bfloat16
+            and query.device.type == "cpu"
+            and head_dim % 32 == 0
+            and head_dim <= 256
+            and num_heads % key_cache.shape[2] == 0
+            and key_cache.is_contiguous()
+            and query.stride(2) == 1
+            and query.stride(1) == head_dim
+            and native.available()
+        )
+        lens = meta.query_lens_host
+        short = [i for i, q in enumerate(lens) if q <= MAX_BATCHED_QUERY_LEN] if usable else []
+        if not short:
+            plan.sdpa = super().prepare(meta)
+            return
+        starts = meta.query_start_loc.tolist()
+        plan.sdpa = [
+            self._group(meta, starts, [i]) for i, q in enumerate(lens) if q > MAX_BATCHED_QUERY_LEN
+        ]
+        rows = torch.tensor(short)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32)
+
+        plan.native = (
+            meta.block_tables.index_select(0, rows).to(torch.int32).contiguous(),
+            ints([starts[i] for i in short]),
+            ints([lens[i] for i in short]),
+            ints([meta.seq_lens_host[i] for i in short]),
+        )
+
+
 def _gather(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [b, n]
@@ -349,7 +431,8 @@ def flash_attention_available(
 def select_attention_backend(
     device: torch.device, dtype: torch.dtype, block_size: int = 16, prefer: str | None = None
 ) -> AttentionBackend:
-    """`prefer` is "sdpa", "flash" or None (flash where it can run, else SDPA)."""
+    """`prefer` is "sdpa" (torch's SDPA only), "flash" or None (flash where it can run, else
+    SDPA with our CPU kernel for decode and verification: `NativeCpuAttention`)."""
     if prefer not in (None, "sdpa", "flash"):
         raise ValueError(f"unknown attention backend {prefer!r}; choose 'sdpa' or 'flash'")
     if prefer == "sdpa":
@@ -362,4 +445,4 @@ def select_attention_backend(
             f"{block_size} (it needs CUDA, fp16/bf16, and vllm_flash_attn, or flash_attn with "
             "blocks of 256k)"
         )
-    return SdpaAttention()
+    return NativeCpuAttention()

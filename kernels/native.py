@@ -7,6 +7,8 @@
   products, as fast for one row but ~15% dearer per extra row: for AVX512-BF16 CPUs without AMX.
 - `rms_norm_bf16` is RMSNorm, optionally fused with the residual add before it, in one call
   instead of half a dozen torch ops.
+- `paged_attention_bf16` attends a few new tokens per sequence (decode, verification) over the
+  paged KV cache in place, where torch must gather the blocks before calling SDPA.
 
 The library is built with the machine's C compiler (`$CC`, else `cc`) into Outrider's cache
 folder (`$OUTRIDER_CACHE_DIR/kernels`, else `~/.cache/outrider/kernels`), named by a hash of the
@@ -38,10 +40,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name
-    for name in ("linear_bf16.c", "linear_amx.c", "rms_norm_bf16.c")
-)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.c")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 FLAGS = (
     "-O3",
     "-mavx512f",
@@ -228,6 +229,60 @@ def rms_norm_bf16(
     return out, total
 
 
+def paged_attention_bf16(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16, tokens may be strided
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16, contiguous
+    value_cache: torch.Tensor,  # same
+    block_tables: torch.Tensor,  # [num_seqs, width] int32, contiguous
+    query_starts: torch.Tensor,  # [num_seqs] int32: first row of each sequence's new tokens
+    query_lens: torch.Tensor,  # [num_seqs] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context including the new tokens
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16: the sequences' rows are written
+) -> None:
+    """Causal attention of each sequence's new tokens over its cached context, read from the
+    blocks in place (see kernels/csrc/paged_attention_bf16.c). head_dim must be a multiple of 32
+    (at most 256). Call only when `available()`."""
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"native kernels are unavailable: {unavailable_reason()}")
+    head_dim, num_heads = query.shape[2], query.shape[1]
+    kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    if head_dim % 32 or head_dim > 256 or num_heads % kv_heads:
+        raise ValueError(f"unsupported shape: {num_heads} heads over {kv_heads}, dim {head_dim}")
+    for t in (query, key_cache, value_cache, out):
+        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
+            raise TypeError("paged_attention_bf16 takes bf16 CPU tensors")
+    for t in (block_tables, query_starts, query_lens, seq_lens):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise TypeError("the sequence tables must be contiguous int32")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    for t in (query, out):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError("each token's heads must be contiguous")
+    lib.outrider_paged_attention_bf16(
+        query.data_ptr(),
+        query.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        query_starts.data_ptr(),
+        query_lens.data_ptr(),
+        seq_lens.data_ptr(),
+        seq_lens.shape[0],
+        num_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     try:
@@ -252,6 +307,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         norm = lib.outrider_rms_norm_bf16
         norm.restype = None
         norm.argtypes = [ptr, ptr, ptr, float_, ptr, ptr, int_, int_, int_]
+        attention = lib.outrider_paged_attention_bf16
+        attention.restype = None
+        attention.argtypes = [ptr, int_, ptr, ptr, ptr, int_, ptr, ptr, ptr, int_, int_, int_]
+        attention.argtypes += [int_, int_, float_, ptr, int_, int_]
         return lib, None
     log.warning("native CPU kernels unavailable (%s); using torch's kernels", reason)
     return None, reason
@@ -281,7 +340,7 @@ def _build() -> Path:
     if compiler is None:
         raise _Unavailable("no C compiler (set CC)")
     digest = hashlib.sha256(" ".join(FLAGS).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     cache = _cache_root() / "kernels"
     target = cache / f"outrider-cpu-{digest.hexdigest()[:16]}.so"

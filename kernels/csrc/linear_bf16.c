@@ -16,32 +16,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 #define ROW_BLOCK 4  /* weight rows streamed together */
 #define X_GROUP 4    /* input rows dotted with them at once (16 fp32 accumulators) */
 
 static inline __m512bh load_chunk(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
-
-/* Sums each of the 16 vectors a[0..15] into lane m of the result (a transposing tree: 45
- * shuffles and adds instead of 16 separate reductions). Every lane's sum is the same sequence
- * of adds over its vector's lanes, whichever vector it is. */
-static inline __m512 sum16(const __m512 a[16]) {
-    __m512 b[8], c[4];
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; k++)
-        b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
-                             _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
-        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
-        c[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    }
-    /* c[k] holds, in each 128-bit lane, partial sums of a[4k..4k+3]; add the four lanes. */
-    const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
-    const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xdd));
 }
 
 /* Input rows [r0, r0 + nx) against weight rows [o, o + nw): nx is a constant at each call

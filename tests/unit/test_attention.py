@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
+from kernels import native
 from kernels.attention import (
     MAX_BATCHED_QUERY_LEN,
     AttentionMetadata,
     FlashAttention,
+    NativeCpuAttention,
     SdpaAttention,
     causal_mask,
     flash_attention_available,
@@ -37,12 +39,17 @@ def reference_attention(
 
 
 def build_case(
-    query_lens: list[int], seq_lens: list[int], block_size: int, dtype: torch.dtype, seed: int = 0
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    head_dim: int = HEAD_DIM,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 7
     # Slots no sequence owns hold large garbage: attending to any of them shows in the output.
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
     key_cache = (torch.randn(shape, generator=gen) * 30).to(dtype)
     value_cache = (torch.randn(shape, generator=gen) * 30).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -51,14 +58,14 @@ def build_case(
         n = -(-s_len // block_size)
         blocks, perm = perm[:n], perm[n:]
         tables.append(blocks)
-        k = torch.randn(s_len, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-        v = torch.randn(s_len, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        k = torch.randn(s_len, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
+        v = torch.randn(s_len, NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
         contexts.append((k, v))
         seq_slots = torch.tensor(
             [blocks[p // block_size] * block_size + p % block_size for p in range(s_len)]
         )
         write_kv(key_cache, value_cache, k, v, seq_slots)
-        queries.append(torch.randn(q_len, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype))
+        queries.append(torch.randn(q_len, NUM_HEADS, head_dim, generator=gen).to(dtype))
         slots.append(seq_slots[s_len - q_len :])
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
@@ -121,6 +128,74 @@ def test_sdpa_bfloat16_close_to_reference() -> None:
     torch.testing.assert_close(
         out, expected_output(query, meta, contexts, 0.25), rtol=2e-2, atol=2e-2
     )
+
+
+@pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("query_lens", "seq_lens", "block_size"), CASES)
+def test_native_cpu_attention_matches_reference(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    head_dim: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bf16: the C kernel serves the short sequences (reading the blocks in place, garbage in
+    every slot nobody owns), SDPA the long ones; both within bf16 rounding of the reference."""
+    query, key_cache, value_cache, meta, contexts, _ = build_case(
+        query_lens, seq_lens, block_size, torch.bfloat16, head_dim=head_dim
+    )
+    # The model hands the backend its query as a view of the fused Q/K rows: strided tokens.
+    fused = torch.cat([query, query[:, :2]], dim=1)
+    query = fused[:, : query.shape[1]]
+    served: list[int] = []
+    real = native.paged_attention_bf16
+
+    def spy(q: torch.Tensor, *args: object) -> None:
+        served.append(int(args[3].shape[0]))  # type: ignore[attr-defined]
+        real(q, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "paged_attention_bf16", spy)
+    backend = NativeCpuAttention()
+    scale = head_dim**-0.5
+    plan = backend.prepare(meta)
+    out = backend.forward(query, key_cache, value_cache, plan, scale)
+    again = backend.forward(query, key_cache, value_cache, plan, scale)  # the next layer
+    expected = expected_output(query, meta, contexts, scale)
+    torch.testing.assert_close(out.double(), expected.double(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(out, again)
+    short = sum(q <= MAX_BATCHED_QUERY_LEN for q in query_lens)
+    assert served == ([short, short] if short else [])
+    # Each sequence's rows are the same whatever else is in the batch.
+    if len(query_lens) > 1:
+        starts = meta.query_start_loc.tolist()
+        for i, q_len in enumerate(query_lens):
+            if q_len > MAX_BATCHED_QUERY_LEN:
+                continue
+            alone = AttentionMetadata(
+                block_size=block_size,
+                query_start_loc=torch.tensor([0, q_len], dtype=torch.int32),
+                seq_lens=meta.seq_lens[i : i + 1],
+                block_tables=meta.block_tables[i : i + 1],
+                slot_mapping=meta.slot_mapping[starts[i] : starts[i + 1]],
+                query_lens_host=(q_len,),
+                seq_lens_host=(seq_lens[i],),
+            )
+            rows = query[starts[i] : starts[i + 1]]
+            solo = backend.forward(rows, key_cache, value_cache, backend.prepare(alone), scale)
+            assert torch.equal(solo, out[starts[i] : starts[i + 1]])
+
+
+def test_native_cpu_attention_is_sdpa_where_its_kernel_cannot_run() -> None:
+    """fp32, or a head size the kernel does not take: the SDPA answer, exactly."""
+    for dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, HEAD_DIM)):
+        query, key_cache, value_cache, meta, _, _ = build_case(
+            [1, 5, 40], [20, 25, 40], 8, dtype, head_dim=head_dim
+        )
+        ours, sdpa = NativeCpuAttention(), SdpaAttention()
+        out = ours.forward(query, key_cache, value_cache, ours.prepare(meta), 0.3)
+        plan = sdpa.prepare(meta)
+        assert torch.equal(out, sdpa.forward(query, key_cache, value_cache, plan, 0.3))
 
 
 def test_masked_calls_attend_over_whole_blocks() -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.attention import AttentionBackend, SdpaAttention
+from kernels.attention import AttentionBackend, NativeCpuAttention
 from kernels.sampling import logits_to_probs, sample_from_probs
 from workers.drafting.base import (
     AheadState,
@@ -90,7 +90,7 @@ class EagleDrafter(DraftsAhead):
         layer_config = head.config.layer_config()
         self.cache = PagedKVCache(layer_config, num_blocks, block_size, target.dtype, target.device)
         self.allocator = BlockAllocator(num_blocks)
-        self.backend = attention or SdpaAttention()
+        self.backend = attention or NativeCpuAttention()
         self.max_model_len = max_model_len or target.config.max_position_embeddings
         self.vocab = head.draft_vocab
         self.full_vocab_size = target.config.vocab_size

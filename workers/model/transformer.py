@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native
-from kernels.attention import AttentionBackend, AttentionMetadata, SdpaAttention, write_kv
+from kernels.attention import AttentionBackend, AttentionMetadata, NativeCpuAttention, write_kv
 from kernels.linear import WeightPacks, linear
 from kernels.rotary import apply_rotary, rope_cos_sin
 from workers.model.config import ModelConfig
@@ -150,7 +150,7 @@ class TransformerLM(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionBackend | None = None) -> None:
         super().__init__()
         self.config = config
-        self.attention: AttentionBackend = attention or SdpaAttention()
+        self.attention: AttentionBackend = attention or NativeCpuAttention()
         with torch.device("meta"):  # weights arrive in load_hf_weights; skip random init
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
             self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
