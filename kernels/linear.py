@@ -50,7 +50,7 @@ class PackedWeight:
         )
 
 
-def pack(weight: torch.Tensor) -> PackedWeight | None:
+def pack(weight: torch.Tensor) -> PackedWeight | None:  # weight: [out_features, in_features]
     """The weight packed for AMX, or None where that path cannot run (no AMX, not bf16, in
     features not a multiple of 32). Costs a copy of the weight."""
     if (

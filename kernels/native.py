@@ -93,7 +93,9 @@ def amx_available() -> bool:
     return available() and _amx()
 
 
-def pack_bf16(weight: torch.Tensor) -> torch.Tensor:  # flat bf16, for linear_amx
+def pack_bf16(
+    weight: torch.Tensor,  # [out_features, in_features] bf16
+) -> torch.Tensor:  # [ceil(out_features / 16) * 16 * in_features] bf16, for linear_amx
     """`weight` [out, in] re-laid in AMX tile order (out padded to a multiple of 16 with zeros);
     `in` must be a multiple of 32. Call only when `amx_available()`."""
     lib = _load()[0]
@@ -290,7 +292,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     except _Unavailable as e:
         reason = str(e)
     except OSError as e:
-        reason = f"loading the kernel library failed: {e}"
+        reason = f"building or loading the kernel library failed: {e}"
     else:
         linear = lib.outrider_linear_bf16
         linear.restype = None

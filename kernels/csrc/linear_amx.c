@@ -66,9 +66,23 @@ static void emit(const float *c, int ldc, const uint16_t *bias, uint16_t *y, int
     }
 }
 
+/* Tiles: 0-3 accumulate (rows 0-15 | 16-31) x (weight block 0 | 1), 4-5 hold x's rows 0-15 and
+ * 16-31, 6-7 the two weight blocks. `low` and `high` rows (high may be 0). */
+static void configure(int low, int high) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int rows[8] = {low, low, high, high, low, high, 16, 16};
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = (uint8_t)rows[i];
+        cfg.colsb[i] = rows[i] ? 64 : 0;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* x [rows, in] bf16, packed from outrider_pack_bf16, bias [out] or NULL, y [rows, out] bf16.
- * Threads take whole pairs of 16-output blocks (tiles 0-1 accumulate, 2 holds x, 3-4 the
- * weight); rows go 16 at a time. */
+ * Threads take whole pairs of 16-output blocks; rows go 32 at a time, so that each weight tile
+ * loaded serves two tiles of rows (a forward of 17-32 tokens reads the weights once too). */
 void outrider_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
                          uint16_t *y, int rows, int in, int out, int threads) {
     const int chunks = in / 32, blocks = (out + 15) / 16, pairs = (blocks + 1) / 2;
@@ -81,21 +95,11 @@ void outrider_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int per = (pairs + nt - 1) / nt;
         const int p0 = t * per, p1 = p0 + per < pairs ? p0 + per : pairs;
-        float sums[16 * 32];
-        for (int m0 = 0; m0 < rows; m0 += 16) {
-            const int mr = rows - m0 < 16 ? rows - m0 : 16;
-            tile_config cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette_id = 1;
-            for (int i = 0; i < 3; i++) {
-                cfg.rows[i] = (uint8_t)mr;
-                cfg.colsb[i] = 64;
-            }
-            for (int i = 3; i < 5; i++) {
-                cfg.rows[i] = 16;
-                cfg.colsb[i] = 64;
-            }
-            _tile_loadconfig(&cfg);
+        float sums[32 * 32];
+        for (int m0 = 0; m0 < rows; m0 += 32) {
+            const int mr = rows - m0 < 32 ? rows - m0 : 32;
+            const int low = mr < 16 ? mr : 16, high = mr - low;
+            configure(low, high);
             const uint16_t *xm = x + (size_t)m0 * in;
             uint16_t *ym = y + (size_t)m0 * out;
             for (int p = p0; p < p1; p++) {
@@ -104,26 +108,33 @@ void outrider_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16
                 const uint16_t *w1 = w0 + (size_t)chunks * TILE_ELEMS;
                 _tile_zero(0);
                 _tile_zero(1);
-                if (both) {
-                    for (int kc = 0; kc < chunks; kc++) {
-                        _tile_loadd(2, xm + kc * 32, in * 2);
-                        _tile_loadd(3, w0 + (size_t)kc * TILE_ELEMS, 64);
-                        _tile_loadd(4, w1 + (size_t)kc * TILE_ELEMS, 64);
-                        _tile_dpbf16ps(0, 2, 3);
-                        _tile_dpbf16ps(1, 2, 4);
-                    }
-                } else {
-                    for (int kc = 0; kc < chunks; kc++) {
-                        _tile_loadd(2, xm + kc * 32, in * 2);
-                        _tile_loadd(3, w0 + (size_t)kc * TILE_ELEMS, 64);
-                        _tile_dpbf16ps(0, 2, 3);
+                if (high) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (int kc = 0; kc < chunks; kc++) {
+                    _tile_loadd(4, xm + kc * 32, in * 2);
+                    if (high) _tile_loadd(5, xm + (size_t)16 * in + kc * 32, in * 2);
+                    _tile_loadd(6, w0 + (size_t)kc * TILE_ELEMS, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (high) _tile_dpbf16ps(2, 5, 6);
+                    if (both) {
+                        _tile_loadd(7, w1 + (size_t)kc * TILE_ELEMS, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        if (high) _tile_dpbf16ps(3, 5, 7);
                     }
                 }
                 _tile_stored(0, sums, 128);
                 _tile_stored(1, sums + 16, 128);
+                if (high) {
+                    _tile_stored(2, sums + 16 * 32, 128);
+                    _tile_stored(3, sums + 16 * 32 + 16, 128);
+                }
                 const int n0 = nb * 16;
                 emit(sums, 32, bias, ym, out, mr, n0, out - n0 < 16 ? out - n0 : 16);
-                if (both) emit(sums + 16, 32, bias, ym, out, mr, n0 + 16, out - n0 - 16 < 16 ? out - n0 - 16 : 16);
+                if (both)
+                    emit(sums + 16, 32, bias, ym, out, mr, n0 + 16,
+                         out - n0 - 16 < 16 ? out - n0 - 16 : 16);
             }
         }
         _tile_release();

@@ -1,16 +1,17 @@
 /* y = x W^T (+ b) for a few rows of bf16 on a CPU with AVX512-BF16 (kernels/native.py builds
  * this file and kernels/linear.py calls it).
  *
- * Decode and verification multiply 1..MAX_ROWS rows by every weight of the model, so their cost
- * is streaming the weights from memory. The loop below reads each weight once: a block of four
- * weight rows is streamed (with the next block prefetched) and dotted with every input row
- * while it sits in L1. Products and sums are fp32 (VDPBF16PS), each output rounded once to bf16
- * (round to nearest even).
+ * Decode multiplies one row (verification a few) by every weight of the model, so its cost is
+ * streaming the weights from memory. kernels/linear.py sends up to NATIVE_MAX_ROWS rows here
+ * when the weight is not packed for the AMX kernel (linear_amx.c, faster past one row). The
+ * loop below reads each weight once: a block of four weight rows is streamed (with the next
+ * block prefetched) and dotted with every input row while it sits in L1. Products and sums are
+ * fp32 (VDPBF16PS), each output rounded once to bf16 (round to nearest even).
  *
  * Each output element is the same computation whatever the number of rows, threads or its
  * place in a block: 16 fp32 lanes accumulate the 32-element chunks of the dot product in order
  * and are then summed in a fixed tree. So a row's result does not depend on what else is in the
- * batch (tests/unit/test_linear.py checks it bit for bit).
+ * batch (tests/unit/test_native_kernels.py checks it bit for bit).
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -18,8 +19,8 @@
 
 #include "simd.h"
 
-#define ROW_BLOCK 4  /* weight rows streamed together */
-#define X_GROUP 4    /* input rows dotted with them at once (16 fp32 accumulators) */
+#define ROW_BLOCK 4 /* weight rows streamed together */
+#define X_GROUP 4   /* input rows dotted with them at once (16 fp32 accumulators) */
 
 static inline __m512bh load_chunk(const uint16_t *p, __mmask32 mask) {
     return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
@@ -27,9 +28,11 @@ static inline __m512bh load_chunk(const uint16_t *p, __mmask32 mask) {
 
 /* Input rows [r0, r0 + nx) against weight rows [o, o + nw): nx is a constant at each call
  * site, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void dot_group(
-    const uint16_t *x, const uint16_t *const wr[ROW_BLOCK], const uint16_t *bias, uint16_t *y,
-    int in, int out, int o, int nw, int r0, const int nx, int prefetch) {
+static inline __attribute__((always_inline)) void dot_group(const uint16_t *x,
+                                                            const uint16_t *const wr[ROW_BLOCK],
+                                                            const uint16_t *bias, uint16_t *y,
+                                                            int in, int out, int o, int nw, int r0,
+                                                            const int nx, int prefetch) {
     const int chunks = (in + 31) / 32;
     const __mmask32 tail = (in % 32) ? (__mmask32)((1u << (in % 32)) - 1u) : (__mmask32)~0u;
     __m512 acc[X_GROUP * ROW_BLOCK];
@@ -51,21 +54,24 @@ static inline __attribute__((always_inline)) void dot_group(
         for (int i = 0; i < nx; i++) {
             const __m512bh xv = load_chunk(x + (size_t)(r0 + i) * in + at, m);
 #pragma GCC unroll 8
-            for (int j = 0; j < ROW_BLOCK; j++) acc[ROW_BLOCK * i + j] = _mm512_dpbf16_ps(acc[ROW_BLOCK * i + j], wv[j], xv);
+            for (int j = 0; j < ROW_BLOCK; j++)
+                acc[ROW_BLOCK * i + j] = _mm512_dpbf16_ps(acc[ROW_BLOCK * i + j], wv[j], xv);
         }
     }
     /* Lane 4i + j of the sums is input row i against weight row j. */
     __m512 sums = sum16(acc);
     if (bias) {
         const __m128i b4 = _mm_maskz_loadu_epi16((__mmask8)((1u << nw) - 1u), bias + o);
-        const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_broadcastq_epi64(b4)), 16));
+        const __m512 b = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_broadcastq_epi64(b4)), 16));
         sums = _mm512_add_ps(sums, b);
     }
     const __m256i out16 = (__m256i)_mm512_cvtneps_pbh(sums);
     uint16_t lanes[16];
     _mm256_storeu_si256((__m256i *)lanes, out16);
     for (int i = 0; i < nx; i++)
-        __builtin_memcpy(y + (size_t)(r0 + i) * out + o, lanes + 4 * i, (size_t)nw * sizeof(uint16_t));
+        __builtin_memcpy(y + (size_t)(r0 + i) * out + o, lanes + 4 * i,
+                         (size_t)nw * sizeof(uint16_t));
 }
 
 /* Output rows [o0, o1) of every input row. */
@@ -80,10 +86,18 @@ static void rows_block(const uint16_t *x, const uint16_t *w, const uint16_t *bia
         for (int r0 = 0; r0 < rows; r0 += X_GROUP) {
             const int pf = prefetch && r0 == 0;
             switch (rows - r0 < X_GROUP ? rows - r0 : X_GROUP) {
-                case 1: dot_group(x, wr, bias, y, in, out, o, nw, r0, 1, pf); break;
-                case 2: dot_group(x, wr, bias, y, in, out, o, nw, r0, 2, pf); break;
-                case 3: dot_group(x, wr, bias, y, in, out, o, nw, r0, 3, pf); break;
-                default: dot_group(x, wr, bias, y, in, out, o, nw, r0, 4, pf); break;
+                case 1:
+                    dot_group(x, wr, bias, y, in, out, o, nw, r0, 1, pf);
+                    break;
+                case 2:
+                    dot_group(x, wr, bias, y, in, out, o, nw, r0, 2, pf);
+                    break;
+                case 3:
+                    dot_group(x, wr, bias, y, in, out, o, nw, r0, 3, pf);
+                    break;
+                default:
+                    dot_group(x, wr, bias, y, in, out, o, nw, r0, 4, pf);
+                    break;
             }
         }
     }

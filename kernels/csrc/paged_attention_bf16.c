@@ -39,7 +39,10 @@ static inline row_walk walk_start(const cache_view *c, const uint16_t *cache, in
 
 static inline const uint16_t *walk_next(row_walk *w) {
     const cache_view *c = w->c;
-    const uint16_t *row = w->cache + (((size_t)c->block_table[w->block] * c->block_size + w->slot) * c->kv_heads + w->g) * c->head_dim;
+    const uint16_t *row =
+        w->cache +
+        (((size_t)c->block_table[w->block] * c->block_size + w->slot) * c->kv_heads + w->g) *
+            c->head_dim;
     if (++w->slot == c->block_size) {
         w->slot = 0;
         w->block++;
@@ -48,8 +51,8 @@ static inline const uint16_t *walk_next(row_walk *w) {
 }
 
 /* One query head of one token over keys 0..n-1 of KV head g; `scores` holds n floats. */
-static void attend_one(const cache_view *c, int g, const uint16_t *q, int n, float scale, float *scores,
-                       uint16_t *out) {
+static void attend_one(const cache_view *c, int g, const uint16_t *q, int n, float scale,
+                       float *scores, uint16_t *out) {
     const int chunks = c->head_dim / 32;
     __m512bh qv[MAX_HEAD_DIM / 32];
     for (int d = 0; d < chunks; d++) qv[d] = (__m512bh)_mm512_loadu_si512(q + 32 * d);
@@ -64,7 +67,8 @@ static void attend_one(const cache_view *c, int g, const uint16_t *q, int n, flo
             if (i < m) {
                 const uint16_t *k = walk_next(&keys);
                 for (int d = 0; d < chunks; d++)
-                    acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(k + 32 * d), qv[d]);
+                    acc[i] =
+                        _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(k + 32 * d), qv[d]);
             }
         }
         const __mmask16 valid = (__mmask16)((1u << m) - 1u);
@@ -98,7 +102,8 @@ static void attend_one(const cache_view *c, int g, const uint16_t *q, int n, flo
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
     const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512i hi_idx =
+        _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     for (int d = 0; d < chunks; d++) {
         const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(even[d], lo_idx, odd[d]), inv);
         const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(even[d], hi_idx, odd[d]), inv);
@@ -114,9 +119,9 @@ static void attend_one(const cache_view *c, int g, const uint16_t *q, int n, flo
 void outrider_paged_attention_bf16(const uint16_t *q, int q_stride, const uint16_t *k_cache,
                                    const uint16_t *v_cache, const int32_t *block_tables,
                                    int table_stride, const int32_t *q_starts, const int32_t *q_lens,
-                                   const int32_t *seq_lens, int num_seqs, int num_heads, int kv_heads,
-                                   int head_dim, int block_size, float scale, uint16_t *out,
-                                   int out_stride, int threads) {
+                                   const int32_t *seq_lens, int num_seqs, int num_heads,
+                                   int kv_heads, int head_dim, int block_size, float scale,
+                                   uint16_t *out, int out_stride, int threads) {
     int longest = 1, items = 0;
     for (int s = 0; s < num_seqs; s++) {
         longest = seq_lens[s] > longest ? seq_lens[s] : longest;
@@ -127,7 +132,8 @@ void outrider_paged_attention_bf16(const uint16_t *q, int q_stride, const uint16
     if (threads > items) threads = items;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores = (float *)aligned_alloc(64, (((size_t)longest + 16) * sizeof(float) + 63) / 64 * 64);
+        float *scores =
+            (float *)aligned_alloc(64, (((size_t)longest + 16) * sizeof(float) + 63) / 64 * 64);
         /* Items in order (sequence, new token, head), dealt out in contiguous runs. */
 #ifdef _OPENMP
         extern int omp_get_thread_num(void);
@@ -139,11 +145,12 @@ void outrider_paged_attention_bf16(const uint16_t *q, int q_stride, const uint16
         const int per = (items + nt - 1) / nt, first = t * per;
         const int last = first + per < items ? first + per : items;
         int s = 0, base = 0;
-        while (s < num_seqs && base + q_lens[s] * num_heads <= first) base += q_lens[s++] * num_heads;
+        while (s < num_seqs && base + q_lens[s] * num_heads <= first)
+            base += q_lens[s++] * num_heads;
         for (int item = first; item < last; item++) {
             while (item - base >= q_lens[s] * num_heads) base += q_lens[s++] * num_heads;
             const int j = (item - base) / num_heads, h = (item - base) % num_heads, g = h / group;
-            const cache_view c = {k_cache, v_cache, block_tables + (size_t)s * table_stride,
+            const cache_view c = {k_cache,    v_cache,  block_tables + (size_t)s * table_stride,
                                   block_size, kv_heads, head_dim};
             const size_t token = (size_t)q_starts[s] + j;
             const int visible = seq_lens[s] - q_lens[s] + j + 1;

@@ -14,7 +14,8 @@
 #include <stdint.h>
 
 static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
@@ -29,7 +30,8 @@ static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t
     if (residual) {
         for (int c = 0; c < chunks; c++) {
             const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
-            const __m512 v = _mm512_add_ps(load_bf16(x + 16 * c, m), load_bf16(residual + 16 * c, m));
+            const __m512 v =
+                _mm512_add_ps(load_bf16(x + 16 * c, m), load_bf16(residual + 16 * c, m));
             store_bf16(sum_out + 16 * c, v, m);
         }
         s = sum_out;
@@ -44,7 +46,8 @@ static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t
     const __m512 k = _mm512_set1_ps(scale);
     for (int c = 0; c < chunks; c++) {
         const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
-        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(load_bf16(s + 16 * c, m), k), load_bf16(weight + 16 * c, m));
+        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(load_bf16(s + 16 * c, m), k),
+                                       load_bf16(weight + 16 * c, m));
         store_bf16(out + 16 * c, v, m);
     }
 }
@@ -53,7 +56,7 @@ static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t
 void outrider_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight,
                             float eps, uint16_t *out, uint16_t *sum_out, int rows, int dim,
                             int threads) {
-    if (threads < 1 || rows < 64) threads = 1;  /* a few rows: not worth waking a thread */
+    if (threads < 1 || rows < 64) threads = 1; /* a few rows: not worth waking a thread */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; r++) {
         const size_t at = (size_t)r * dim;

@@ -16,19 +16,25 @@ static inline __m512 sum16(const __m512 a[16]) {
                              _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) {
-        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
-        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+        const __m512d lo =
+            _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+        const __m512d hi =
+            _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
         c[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
     }
     /* c[k] holds, in each 128-bit lane, partial sums of a[4k..4k+3]; add the four lanes. */
-    const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
-    const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xdd));
+    const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                                     _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+    const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                                     _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88),
+                         _mm512_shuffle_f32x4(d01, d23, 0xdd));
 }
 
 /* 16 bf16 -> fp32 (masked lanes read as 0). */
 static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 /* e^x to ~1 ulp for x <= 0 down to the fp32 underflow (range reduction by ln 2, degree-6
