@@ -31,6 +31,12 @@ from kernels import native
 # the shared decode/verify group (padding a prefill chunk's length onto every decode would waste
 # far more than a Python call costs).
 MAX_BATCHED_QUERY_LEN = 16
+# NativeCpuAttention's C kernel serves sequences with up to this many new tokens: every decode
+# step and every verification (k <= 16 drafts, so up to 17 tokens) reads the same kernel, which
+# computes each token's attention from its own query and keys alone. With the batch-invariant
+# projections of kernels/native.py, a token's logits then do not depend on how many tokens its
+# forward verified, so bf16 speculative decoding commits exactly what bf16 decoding does.
+NATIVE_MAX_QUERY_LEN = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +266,7 @@ class _NativePlan:
 
 
 class NativeCpuAttention(SdpaAttention):
-    """`SdpaAttention`, except that sequences with at most MAX_BATCHED_QUERY_LEN new tokens
+    """`SdpaAttention`, except that sequences with at most NATIVE_MAX_QUERY_LEN new tokens
     (decode, verification) attend through our C kernel (kernels/native.py), which reads their
     blocks in place instead of gathering them for SDPA, when the query is bf16 on a CPU that
     runs it. Prefill chunks, other dtypes and other CPUs take the SDPA path unchanged."""
@@ -285,7 +291,7 @@ class NativeCpuAttention(SdpaAttention):
             return super().forward(query, key_cache, value_cache, plan.sdpa, scale)
         out = torch.empty_like(query)
         native.paged_attention_bf16(query, key_cache, value_cache, *plan.native, scale, out)
-        for group in plan.sdpa:  # long sequences, one lone group each
+        for group in plan.sdpa:  # long sequences (prefill chunks), one lone group each
             out[group.token_slice] = self._attend(query, key_cache, value_cache, group, scale)
         return out
 
@@ -304,14 +310,13 @@ class NativeCpuAttention(SdpaAttention):
             and native.available()
         )
         lens = meta.query_lens_host
-        short = [i for i, q in enumerate(lens) if q <= MAX_BATCHED_QUERY_LEN] if usable else []
+        short = [i for i, q in enumerate(lens) if q <= NATIVE_MAX_QUERY_LEN] if usable else []
         if not short:
             plan.sdpa = super().prepare(meta)
             return
         starts = meta.query_start_loc.tolist()
-        plan.sdpa = [
-            self._group(meta, starts, [i]) for i, q in enumerate(lens) if q > MAX_BATCHED_QUERY_LEN
-        ]
+        long = [i for i, q in enumerate(lens) if q > NATIVE_MAX_QUERY_LEN]
+        plan.sdpa = [self._group(meta, starts, [i]) for i in long]
         rows = torch.tensor(short)
 
         def ints(values: list[int]) -> torch.Tensor:

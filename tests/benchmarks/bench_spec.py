@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import native
 from tests.benchmarks.hf import dense_transformers
 from tests.benchmarks.report import (
     DEFAULT_REPORT,
@@ -518,12 +519,18 @@ def main() -> None:
             f"template, up to {args.max_tokens} new tokens, k <= {K} (adaptive), medians of "
             f"{args.runs} interleaved runs. draft_model is the target's first {DRAFT_LAYERS} "
             "layers (the bundled model has no smaller sibling); adaptive k turns it off where it "
-            "does not pay. Greedy bf16 output depends on how many tokens a forward scores (bf16 "
-            "logits tie), and adaptive k follows the verify costs the engine measures at "
-            "start-up, so a prompt's text, and with it the acceptance, can differ from one "
-            "process to the next; code edits are the sensitive ones (a copy of the code holds "
-            "in some runs and drifts in others), so that kind pools three prompts (a Python typo, "
-            "a rename in a script, a JavaScript bug), run one after another.",
+            "does not pay. "
+            + (
+                "On this CPU our native kernels compute each token's bf16 logits the same way "
+                "however many tokens its forward scores, so every method commits the text `none` "
+                "does (tests/model/test_speculative_exact.py). "
+                if native.amx_available()
+                else "Greedy bf16 output depends on how many tokens a forward scores (bf16 "
+                "logits tie) on torch's kernels, so a prompt's text, and with it the "
+                "acceptance, can differ between methods and processes. "
+            )
+            + "Code edits pool three prompts (a Python typo, a rename in a script, a JavaScript "
+            "bug), run one after another, as a single prompt's copy can hold or drift.",
             "### Goals",
             table(["goal", "target", "measured"], goals),
             "### Single stream",

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from kernels import native
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
@@ -247,3 +248,34 @@ def test_seeded_sampling_does_not_depend_on_the_batch(
         runs.append(tokens)
     assert runs[0] == runs[1]
     assert len(runs[0]) > 0
+
+
+@pytest.mark.skipif(not native.amx_available(), reason="needs the AMX and native kernels")
+@pytest.mark.parametrize(("batch", "k"), [(1, 16), (4, 8)])
+def test_bf16_greedy_is_identical_to_plain_decoding_on_the_native_kernels(
+    checkpoint,  # type: ignore[no-untyped-def]
+    prompt_ids: list[list[int]],
+    batch: int,
+    k: int,
+) -> None:
+    """In bf16 the speculative path commits exactly what plain decoding does, not just in fp32:
+    our projections, norms and decode/verify attention compute each token's row from its own
+    inputs alone (kernels/native.py), so a token's logits do not depend on how many tokens its
+    forward verified nor on the other requests in it (ties included)."""
+    model = build_model(checkpoint, dtype=torch.bfloat16)
+    eos = checkpoint.config.eos_token_ids
+    plain = SequentialEngine(model, eos_token_ids=eos, max_model_len=512)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    prompts = prompt_ids[:batch] if batch == 1 else prompt_ids[1 : 1 + batch]
+    expected = [plain.generate(p, params).token_ids for p in prompts]
+    spec = SpecConfig(num_speculative_tokens=k, adaptive=False, disable_batch_size=64)
+    drafter = NgramDrafter(NgramConfig(1, 4))
+    engine = LLMEngine(
+        model,
+        EngineConfig(max_model_len=512, spec=spec),
+        eos_token_ids=eos,
+        drafters={drafter.method: drafter},
+    )
+    got = run_staggered(engine, prompts, params, RequestSpec(method="ngram"))
+    assert got == expected
+    assert engine.stats.accepted > 0 and engine.stats.drafted > engine.stats.accepted

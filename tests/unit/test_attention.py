@@ -10,6 +10,7 @@ import torch
 from kernels import native
 from kernels.attention import (
     MAX_BATCHED_QUERY_LEN,
+    NATIVE_MAX_QUERY_LEN,
     AttentionMetadata,
     FlashAttention,
     NativeCpuAttention,
@@ -100,6 +101,7 @@ CASES = [
     ([40], [40], 8),  # whole prompt prefill (long: its own SDPA call)
     ([1, 5, 1, 3], [9, 33, 17, 3], 4),  # decodes and verifications padded together
     ([1, 40, 5, 1, MAX_BATCHED_QUERY_LEN + 1], [50, 70, 12, 2, 30], 16),  # mixed with prefills
+    ([17, 1, 33], [60, 20, 33], 8),  # verifying 16 drafts; a prompt just past the native kernel
 ]
 
 
@@ -164,13 +166,13 @@ def test_native_cpu_attention_matches_reference(
     expected = expected_output(query, meta, contexts, scale)
     torch.testing.assert_close(out.double(), expected.double(), rtol=2e-2, atol=2e-2)
     assert torch.equal(out, again)
-    short = sum(q <= MAX_BATCHED_QUERY_LEN for q in query_lens)
+    short = sum(q <= NATIVE_MAX_QUERY_LEN for q in query_lens)
     assert served == ([short, short] if short else [])
     # Each sequence's rows are the same whatever else is in the batch.
     if len(query_lens) > 1:
         starts = meta.query_start_loc.tolist()
         for i, q_len in enumerate(query_lens):
-            if q_len > MAX_BATCHED_QUERY_LEN:
+            if q_len > NATIVE_MAX_QUERY_LEN:
                 continue
             alone = AttentionMetadata(
                 block_size=block_size,
