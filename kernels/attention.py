@@ -285,7 +285,7 @@ class NativeCpuAttention(SdpaAttention):
         scale: float,
     ) -> torch.Tensor:
         if plan.sdpa is None:
-            self._settle(plan, query, key_cache)
+            self._settle(plan, query, key_cache, value_cache)
         assert plan.sdpa is not None
         if plan.native is None:
             return super().forward(query, key_cache, value_cache, plan.sdpa, scale)
@@ -295,18 +295,16 @@ class NativeCpuAttention(SdpaAttention):
             out[group.token_slice] = self._attend(query, key_cache, value_cache, group, scale)
         return out
 
-    def _settle(self, plan: _NativePlan, query: torch.Tensor, key_cache: torch.Tensor) -> None:
+    def _settle(
+        self,
+        plan: _NativePlan,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> None:
         meta = plan.meta
-        head_dim, num_heads = query.shape[2], query.shape[1]
         usable = (
-            query.dtype == key_cache.dtype == torch.bfloat16
-            and query.device.type == "cpu"
-            and head_dim % 32 == 0
-            and head_dim <= 256
-            and num_heads % key_cache.shape[2] == 0
-            and key_cache.is_contiguous()
-            and query.stride(2) == 1
-            and query.stride(1) == head_dim
+            native.paged_attention_problem(query, key_cache, value_cache) is None
             and native.available()
         )
         lens = meta.query_lens_host

@@ -26,8 +26,8 @@ from kernels import native
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 MAX_SMALL_ROWS = 32
 NATIVE_MAX_ROWS = 4
-# Past this many rows the AMX kernel, which reads the weight again for every 16 rows, falls
-# behind oneDNN's GEMM (bench_forward's projection table).
+# Past this many rows the AMX kernel, which reads the weight again for every 32 rows, falls
+# behind oneDNN's GEMM (64 vs 73 ms for 512 rows of all the bundled model's weights).
 AMX_MAX_ROWS = 256
 
 
@@ -55,7 +55,7 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:  # weight: [out_features,
     features not a multiple of 32). Costs a copy of the weight."""
     if (
         weight.dtype != torch.bfloat16
-        or (weight.requires_grad and torch.is_grad_enabled())
+        or not native.grad_free(weight)
         or weight.dim() != 2
         or weight.device.type != "cpu"
         or weight.shape[1] % native.TILE_FEATURES
@@ -90,6 +90,16 @@ class WeightPacks:
             self._unpackable[name] = key
         return packed
 
+    def linear(
+        self,
+        name: str,
+        x: torch.Tensor,  # [num_rows, in_features]
+        weight: torch.Tensor,  # [out_features, in_features]
+        bias: torch.Tensor | None = None,  # [out_features]
+    ) -> torch.Tensor:  # [num_rows, out_features]
+        """`linear` with the pack this holder keeps for `weight` under `name`."""
+        return linear(x, weight, bias, self.get(name, weight))
+
     def nbytes(self) -> int:
         return sum(p.data.numel() * 2 for p in self._packs.values() if p is not None)
 
@@ -106,7 +116,7 @@ def linear(
         return F.linear(x, weight, bias)
     native_ok = (
         use_native
-        and not _needs_grad(x, weight, bias)  # our kernels have no backward
+        and native.grad_free(x, weight, bias)
         and x.dtype == torch.bfloat16
         and (bias is None or bias.dtype == torch.bfloat16)
         and native.available()
@@ -119,10 +129,6 @@ def linear(
         return native.linear_bf16(x, weight, bias)
     out = torch.mv(weight, x[0]).unsqueeze(0) if rows == 1 else torch.mm(weight, x.T).T.contiguous()
     return out if bias is None else out + bias
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _version(t: torch.Tensor) -> int:

@@ -33,7 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -93,14 +93,53 @@ def amx_available() -> bool:
     return available() and _amx()
 
 
+def grad_free(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd needs none of these tensors' gradients: our kernels have no backward,
+    so callers keep torch's kernels otherwise."""
+    return not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in tensors
+    )
+
+
+def paged_attention_problem(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,  # same
+) -> str | None:
+    """Why `paged_attention_bf16` cannot take these tensors, or None when it can."""
+    head_dim, num_heads, kv_heads = query.shape[2], query.shape[1], key_cache.shape[2]
+    tensors = (query, key_cache, value_cache)
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+        return "paged_attention_bf16 takes bf16 CPU tensors"
+    if head_dim % 32 or head_dim > 256 or num_heads % kv_heads:
+        return f"unsupported shape: {num_heads} heads over {kv_heads}, dim {head_dim}"
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return "the KV cache must be contiguous"
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        return "each token's heads must be contiguous"
+    return None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _load()[0]
+    if lib is None:
+        raise RuntimeError(f"native kernels are unavailable: {unavailable_reason()}")
+    return lib
+
+
+def _amx_lib() -> ctypes.CDLL:
+    lib = _load()[0]
+    if lib is None or not _amx():
+        raise RuntimeError("AMX kernels are unavailable here")
+    return lib
+
+
 def pack_bf16(
     weight: torch.Tensor,  # [out_features, in_features] bf16
 ) -> torch.Tensor:  # [ceil(out_features / 16) * 16 * in_features] bf16, for linear_amx
     """`weight` [out, in] re-laid in AMX tile order (out padded to a multiple of 16 with zeros);
     `in` must be a multiple of 32. Call only when `amx_available()`."""
-    lib = _load()[0]
-    if lib is None or not _amx():
-        raise RuntimeError("AMX kernels are unavailable here")
+    lib = _amx_lib()
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise TypeError("pack_bf16 takes a 2-D bf16 CPU weight")
     out_features, in_features = weight.shape
@@ -121,35 +160,16 @@ def linear_amx(
 ) -> torch.Tensor:  # [rows, out_features] bf16
     """`x W^T + b` on AMX tiles, fp32 sums rounded once to bf16; a row's result does not depend
     on the other rows nor on the thread count. Call only when `amx_available()`."""
-    lib = _load()[0]
-    if lib is None or not _amx():
-        raise RuntimeError("AMX kernels are unavailable here")
+    lib = _amx_lib()
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu":
         raise TypeError("linear_amx takes 2-D bf16 CPU rows")
-    rows, in_features = x.shape
+    in_features = x.shape[1]
     padded = -(-out_features // TILE_OUTPUTS) * TILE_OUTPUTS
     if in_features % TILE_FEATURES or packed.numel() != padded * in_features:
         raise ValueError(
             f"the packed weight does not fit x {tuple(x.shape)} and {out_features} outputs"
         )
-    if bias is not None and (
-        bias.dtype != torch.bfloat16 or bias.shape != (out_features,) or not bias.is_contiguous()
-    ):
-        raise ValueError("the bias must be a contiguous bf16 vector of out_features")
-    x = x.contiguous()
-    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    if rows:
-        lib.outrider_linear_amx(
-            x.data_ptr(),
-            packed.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            y.data_ptr(),
-            rows,
-            in_features,
-            out_features,
-            torch.get_num_threads(),
-        )
-    return y
+    return _project(lib.outrider_linear_amx, x, packed, bias, out_features)
 
 
 def linear_bf16(
@@ -159,9 +179,7 @@ def linear_bf16(
 ) -> torch.Tensor:  # [rows, out_features] bf16
     """`x W^T + b` with fp32 sums, each output rounded once to bf16. A row's result does not
     depend on the other rows, nor on the thread count. Call only when `available()`."""
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native kernels are unavailable: {unavailable_reason()}")
+    lib = _lib()
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         raise TypeError("linear_bf16 takes bf16 tensors")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -170,15 +188,26 @@ def linear_bf16(
         raise ValueError("linear_bf16 runs on the CPU")
     if not weight.is_contiguous():
         raise ValueError("the weight must be contiguous")
+    return _project(lib.outrider_linear_bf16, x, weight, bias, weight.shape[0])
+
+
+def _project(
+    kernel: Callable[..., None],
+    x: torch.Tensor,  # [rows, in_features] bf16
+    weight: torch.Tensor,  # the weight as `kernel` reads it (packed or not)
+    bias: torch.Tensor | None,  # [out_features] bf16
+    out_features: int,
+) -> torch.Tensor:  # [rows, out_features] bf16
+    """What the two projection kernels share: the bias's check, the call, the output."""
     if bias is not None and (
-        bias.dtype != torch.bfloat16 or bias.shape != (weight.shape[0],) or not bias.is_contiguous()
+        bias.dtype != torch.bfloat16 or bias.shape != (out_features,) or not bias.is_contiguous()
     ):
         raise ValueError("the bias must be a contiguous bf16 vector of out_features")
     x = x.contiguous()
-    rows, out_features = x.shape[0], weight.shape[0]
+    rows = x.shape[0]
     y = torch.empty(rows, out_features, dtype=torch.bfloat16)
     if rows:
-        lib.outrider_linear_bf16(
+        kernel(
             x.data_ptr(),
             weight.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -200,9 +229,7 @@ def rms_norm_bf16(
     """RMSNorm of `x + residual` (of `x` alone without one), in fp32, rounded once to bf16; the
     sum is rounded to bf16 first, as torch's add does. Returns the sum too (`x` itself when
     there is no residual). Call only when `available()`."""
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native kernels are unavailable: {unavailable_reason()}")
+    lib = _lib()
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     tensors = [x, weight] if residual is None else [x, weight, residual]
@@ -245,24 +272,19 @@ def paged_attention_bf16(
     """Causal attention of each sequence's new tokens over its cached context, read from the
     blocks in place (see kernels/csrc/paged_attention_bf16.c). head_dim must be a multiple of 32
     (at most 256). Call only when `available()`."""
-    lib = _load()[0]
-    if lib is None:
-        raise RuntimeError(f"native kernels are unavailable: {unavailable_reason()}")
-    head_dim, num_heads = query.shape[2], query.shape[1]
-    kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    if head_dim % 32 or head_dim > 256 or num_heads % kv_heads:
-        raise ValueError(f"unsupported shape: {num_heads} heads over {kv_heads}, dim {head_dim}")
-    for t in (query, key_cache, value_cache, out):
-        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
-            raise TypeError("paged_attention_bf16 takes bf16 CPU tensors")
+    lib = _lib()
+    problem = paged_attention_problem(query, key_cache, value_cache) or (
+        paged_attention_problem(out, key_cache, value_cache)
+        if out.shape == query.shape
+        else "out must have the query's shape"
+    )
+    if problem:
+        raise ValueError(problem)
     for t in (block_tables, query_starts, query_lens, seq_lens):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise TypeError("the sequence tables must be contiguous int32")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("the KV cache must be contiguous")
-    for t in (query, out):
-        if t.stride(2) != 1 or t.stride(1) != head_dim:
-            raise ValueError("each token's heads must be contiguous")
+    head_dim, num_heads = query.shape[2], query.shape[1]
+    kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     lib.outrider_paged_attention_bf16(
         query.data_ptr(),
         query.stride(0),

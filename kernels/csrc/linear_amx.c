@@ -19,6 +19,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "simd.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define TILE_ELEMS 512 /* bf16 in one packed 16 x 32 weight tile */
@@ -90,11 +92,8 @@ void outrider_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16
     if (threads > pairs) threads = pairs;
 #pragma omp parallel num_threads(threads)
     {
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int per = (pairs + nt - 1) / nt;
-        const int p0 = t * per, p1 = p0 + per < pairs ? p0 + per : pairs;
+        int p0, p1;
+        thread_share(pairs, &p0, &p1);
         float sums[32 * 32];
         for (int m0 = 0; m0 < rows; m0 += 32) {
             const int mr = rows - m0 < 32 ? rows - m0 : 32;

@@ -113,17 +113,9 @@ void outrider_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *
     if (threads > blocks) threads = blocks;
 #pragma omp parallel num_threads(threads)
     {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int t = 0, n = 1;
-#endif
-        const int per = (blocks + n - 1) / n;
-        const int o0 = t * per * ROW_BLOCK;
-        int o1 = (t + 1) * per * ROW_BLOCK;
-        if (o1 > out) o1 = out;
+        int first, last;
+        thread_share(blocks, &first, &last);
+        const int o0 = first * ROW_BLOCK, o1 = last * ROW_BLOCK < out ? last * ROW_BLOCK : out;
         if (o0 < o1) rows_block(x, w, bias, y, rows, in, out, o0, o1);
     }
 }

@@ -135,15 +135,8 @@ void outrider_paged_attention_bf16(const uint16_t *q, int q_stride, const uint16
         float *scores =
             (float *)aligned_alloc(64, (((size_t)longest + 16) * sizeof(float) + 63) / 64 * 64);
         /* Items in order (sequence, new token, head), dealt out in contiguous runs. */
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int t = 0, nt = 1;
-#endif
-        const int per = (items + nt - 1) / nt, first = t * per;
-        const int last = first + per < items ? first + per : items;
+        int first, last;
+        thread_share(items, &first, &last);
         int s = 0, base = 0;
         while (s < num_seqs && base + q_lens[s] * num_heads <= first)
             base += q_lens[s++] * num_heads;

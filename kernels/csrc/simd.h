@@ -1,4 +1,4 @@
-/* AVX512 helpers shared by the kernels in this folder. */
+/* Helpers shared by the kernels in this folder: AVX512 arithmetic and OpenMP work sharing. */
 #ifndef OUTRIDER_SIMD_H
 #define OUTRIDER_SIMD_H
 
@@ -53,6 +53,21 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* This thread's contiguous share [*first, *last) of n items (empty when *first >= *last), inside
+ * an OpenMP parallel region. */
+static inline void thread_share(int n, int *first, int *last) {
+#ifdef _OPENMP
+    extern int omp_get_thread_num(void);
+    extern int omp_get_num_threads(void);
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int t = 0, nt = 1;
+#endif
+    const int per = (n + nt - 1) / nt;
+    *first = t * per;
+    *last = *first + per < n ? *first + per : n;
 }
 
 #endif

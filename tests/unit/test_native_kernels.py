@@ -256,3 +256,31 @@ def test_the_bf16_model_computes_the_same_with_and_without_native_kernels(
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
     assert cosine.min() > 0.999
+
+
+@needs_native
+def test_paged_attention_refuses_what_it_cannot_compute() -> None:
+    gen = torch.Generator().manual_seed(5)
+    cache = _bf16(4, 16, 2, 64, gen=gen)
+    query, out = _bf16(1, 6, 64, gen=gen), torch.empty(1, 6, 64, dtype=torch.bfloat16)
+    tables = (torch.zeros(1, 1, dtype=torch.int32),) + (torch.tensor([0], dtype=torch.int32),) * 2
+    lens = torch.tensor([5], dtype=torch.int32)
+
+    def call(q: torch.Tensor, k: torch.Tensor, o: torch.Tensor, *ints: torch.Tensor) -> None:
+        native.paged_attention_bf16(q, k, k, *(ints or (*tables, lens)), 0.125, o)
+
+    assert native.paged_attention_problem(query, cache, cache) is None
+    with pytest.raises(ValueError, match="bf16"):
+        call(query.float(), cache, out)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        call(_bf16(1, 6, 48, gen=gen), _bf16(4, 16, 2, 48, gen=gen), torch.empty(1, 6, 48))
+    with pytest.raises(ValueError, match="unsupported shape"):
+        call(_bf16(1, 5, 64, gen=gen), cache, torch.empty(1, 5, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="KV cache must be contiguous"):
+        call(query, _bf16(4, 2, 16, 64, gen=gen).transpose(1, 2), out)
+    with pytest.raises(ValueError, match="heads must be contiguous"):
+        call(_bf16(1, 64, 6, gen=gen).transpose(1, 2), cache, out)
+    with pytest.raises(ValueError, match="query's shape"):
+        call(query, cache, torch.empty(2, 6, 64, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="int32"):
+        call(query, cache, out, tables[0].long(), *tables[1:], lens)

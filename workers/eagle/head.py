@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.linear import WeightPacks, linear
+from kernels.linear import WeightPacks
 from kernels.rotary import rope_cos_sin
 from workers.model.config import ModelConfig
 from workers.model.transformer import DecoderLayer, RMSNorm, TransformerLM
@@ -152,19 +152,17 @@ class EagleHead(nn.Module):
         n, h = features.shape[0], self.config.hidden_size
         parts = features.to(self.fuse.weight.dtype).view(n, -1, h)
         parts = F.rms_norm(parts, (h,), eps=self.config.rms_norm_eps)  # layers differ in scale
-        w = self.fuse.weight
-        return linear(parts.reshape(n, -1), w, None, self.packs.get("fuse", w))
+        return self.packs.linear("fuse", parts.reshape(n, -1), self.fuse.weight)
 
     def layer_input(self, g: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed is not None, "attach() the target first"
         e = self.embed.index_select(0, next_token_ids).to(g.dtype)
         x = torch.cat([self.embed_norm(e), self.feature_norm(g)], dim=-1)
-        w = self.fc_in.weight
-        return linear(x, w, None, self.packs.get("fc_in", w))
+        return self.packs.linear("fc_in", x, self.fc_in.weight)
 
     def draft_logits(self, a: torch.Tensor) -> torch.Tensor:  # [n, draft vocab]
         assert self.lm_head is not None, "attach() the target first"
-        return linear(self.norm(a), self.lm_head, None, self.packs.get("lm_head", self.lm_head))
+        return self.packs.linear("lm_head", self.norm(a), self.lm_head)
 
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype

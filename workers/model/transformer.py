@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import native
 from kernels.attention import AttentionBackend, AttentionMetadata, NativeCpuAttention, write_kv
-from kernels.linear import WeightPacks, linear
+from kernels.linear import WeightPacks
+from kernels.norm import rms_norm
 from kernels.rotary import apply_rotary, rope_cos_sin
 from workers.model.config import ModelConfig
 
@@ -38,28 +38,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _native_norm(x, self.weight):
-            return native.rms_norm_bf16(x, self.weight, self.eps)[0]
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)[0]
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): one kernel call in bf16 on the CPU."""
-        if _native_norm(x, self.weight) and residual.dtype == x.dtype and residual.dim() == 2:
-            return native.rms_norm_bf16(x, self.weight, self.eps, residual)
-        total = x + residual
-        return self.forward(total), total
-
-
-def _native_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.dtype == weight.dtype == torch.bfloat16
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and x.dim() == 2
-        and x.device.type == "cpu"
-        and native.available()
-    )
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -88,8 +73,7 @@ class Attention(nn.Module):
         plan: object,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
-        qkv_w = self.qkv_proj.weight
-        qkv = linear(x, qkv_w, self.qkv_proj.bias, self.packs.get("qkv", qkv_w))
+        qkv = self.packs.linear("qkv", x, self.qkv_proj.weight, self.qkv_proj.bias)
         heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # Q and K heads sit side by side in the fused output: rotate them in one go.
         qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
@@ -98,8 +82,7 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         out = backend.forward(q, key_cache, value_cache, plan, self.scale)
-        o_w = self.o_proj.weight
-        return linear(out.reshape(num_tokens, self.q_size), o_w, None, self.packs.get("o", o_w))
+        return self.packs.linear("o", out.reshape(num_tokens, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -111,10 +94,9 @@ class MLP(nn.Module):
         self.packs = WeightPacks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up_w, down_w = self.gate_up_proj.weight, self.down_proj.weight
-        gate_up = linear(x, gate_up_w, None, self.packs.get("gate_up", gate_up_w))
+        gate_up = self.packs.linear("gate_up", x, self.gate_up_proj.weight)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, down_w, None, self.packs.get("down", down_w))
+        return self.packs.linear("down", F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -236,9 +218,8 @@ class TransformerLM(nn.Module):
             if i in wanted:
                 hidden[i] = h
         h = self.norm(h)
-        head = self.lm_head_weight()
         rows = h.index_select(0, logits_indices)
-        logits = linear(rows, head, None, self.packs.get("lm_head", head)).float()
+        logits = self.packs.linear("lm_head", rows, self.lm_head_weight()).float()
         return ModelOutput(logits, hidden, h if return_final_hidden else None)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
