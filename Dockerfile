@@ -22,7 +22,7 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /opt/outrider
 
 # torch first and pinned, so nothing that depends on it pulls another build. The last step of the
-# install builds our AVX512-BF16 kernels where the image has a C compiler (kernels/native.py; it
+# install builds our AVX512 kernels where the image has a C compiler (kernels/native.py; it
 # only reports when it cannot, and torch's kernels run).
 RUN pip install --index-url "${TORCH_INDEX}" torch==2.13.0
 

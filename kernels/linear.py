@@ -6,9 +6,11 @@ whatever the row count. Faster, in order of preference (kernels/native.py has th
 tests/benchmarks/bench_forward.py prints the comparison):
 - a weight packed for AMX tiles (`pack`, done once at load) goes through `native.linear_amx`
   for up to AMX_MAX_ROWS bf16 rows: ~25 GB/s, and 1 to 16 rows cost the same;
-- our AVX512-BF16 kernel for up to NATIVE_MAX_ROWS rows of an unpacked weight: as fast for one
-  row, but its dot products are plain vector instructions, so past a few rows the arithmetic,
-  not the memory, sets its pace;
+- our AVX512 kernel (`native.linear_bf16`) for an unpacked weight: as fast for one row, but its
+  dot products are plain vector instructions, so past a few rows the arithmetic, not the memory,
+  sets its pace. Where the CPU has AVX512-BF16 it takes up to NATIVE_MAX_ROWS rows; where it
+  lacks it (the "avx512f" build) torch's bf16 GEMM converts every operand and is 1.6-3x slower
+  than ours at any row count, so ours takes them all;
 - `torch.mv` (one row) and `W @ x^T` (the weight as the left operand: a GEMM with a small N,
   for 2..MAX_SMALL_ROWS rows), ~1.5x faster than `F.linear`.
 fp32 gains nothing and keeps `F.linear`, as do long prefill chunks.
@@ -16,6 +18,7 @@ fp32 gains nothing and keeps `F.linear`, as do long prefill chunks.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -123,12 +126,27 @@ def linear(
     )
     if native_ok and packed is not None and rows <= AMX_MAX_ROWS and packed.fits(weight):
         return native.linear_amx(x, packed.data, weight.shape[0], bias)
+    if native_ok and rows <= native_max_rows() and weight.is_contiguous():
+        return native.linear_bf16(x, weight, bias)
     if rows > MAX_SMALL_ROWS:
         return F.linear(x, weight, bias)
-    if native_ok and rows <= NATIVE_MAX_ROWS and weight.is_contiguous():
-        return native.linear_bf16(x, weight, bias)
     out = torch.mv(weight, x[0]).unsqueeze(0) if rows == 1 else torch.mm(weight, x.T).T.contiguous()
     return out if bias is None else out + bias
+
+
+def native_max_rows() -> int:
+    """The most rows `linear` sends to `native.linear_bf16` (0 where it cannot run)."""
+    variant = native.variant()
+    if variant is None:
+        return 0
+    return NATIVE_MAX_ROWS if variant == "avx512_bf16" else sys.maxsize
+
+
+def row_independent_rows() -> int:
+    """Up to how many rows a bf16 `linear` (with its weight's pack, where one is kept) computes
+    each row from that row and the weight alone, so that a row's result does not depend on the
+    rest of the batch: what our kernels take (0 without them; torch's GEMMs block by batch)."""
+    return max(AMX_MAX_ROWS if native.amx_available() else 0, native_max_rows())
 
 
 def _version(t: torch.Tensor) -> int:

@@ -3,8 +3,8 @@
 - `linear_amx` multiplies up to a few hundred bf16 rows by a weight that `pack_bf16` re-laid
   once for AMX tiles: 1 to 16 rows cost the same, ~1.5x less than torch's one-row kernel
   (tests/benchmarks/bench_forward.py prints the comparison). CPUs with AMX (Sapphire Rapids on).
-- `linear_bf16` does the same for a few rows of an unpacked weight with AVX512-BF16 dot
-  products, as fast for one row but ~15% dearer per extra row: for AVX512-BF16 CPUs without AMX.
+- `linear_bf16` does the same for an unpacked weight with AVX512 dot products, as fast for one
+  row but dearer per extra row: for CPUs without AMX.
 - `rms_norm_bf16` is RMSNorm, optionally fused with the residual add before it, in one call
   instead of half a dozen torch ops.
 - `paged_attention_bf16` attends a few new tokens per sequence (decode, verification) over the
@@ -13,9 +13,13 @@
 The library is built with the machine's C compiler (`$CC`, else `cc`) into Outrider's cache
 folder (`$OUTRIDER_CACHE_DIR/kernels`, else `~/.cache/outrider/kernels`), named by a hash of the
 sources and flags, so each machine builds it once (in about a second) and processes share it.
-`python -m kernels.native` builds it ahead and says whether it can run. Where it cannot be had
-(another CPU, no compiler, a failed build, or `OUTRIDER_NATIVE_KERNELS=0`), `available()` is
-False and callers keep torch's kernels; `unavailable_reason()` says why.
+It comes in two builds (`variant()`): "avx512_bf16", with the bf16 dot-product instructions and
+AMX, for CPUs that have them (Sapphire Rapids on; AMD Zen 4 lacks only AMX), and "avx512f",
+where each bf16 dot product is two fp32 FMAs, for AVX512 CPUs without them (Skylake to Ice Lake
+servers); kernels/csrc/simd.h is where they differ. `OUTRIDER_NATIVE_KERNELS=avx512f` takes the
+second on any AVX512 CPU (to test it), `=0` neither. `python -m kernels.native` builds the
+library ahead and says which runs. Where none can be had (another CPU, no compiler, a failed
+build), `available()` is False and callers keep torch's kernels; `unavailable_reason()` says why.
 
 It is compiled with OpenMP and loaded after torch, so its parallel regions run on the OpenMP
 runtime torch already loaded (one thread pool, sized by `torch.get_num_threads()`).
@@ -43,20 +47,11 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.c")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-FLAGS = (
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mamx-tile",
-    "-mamx-bf16",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-)
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC")
+BF16_FLAGS = ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")  # the "avx512_bf16" build adds these
 ENABLE_ENV = "OUTRIDER_NATIVE_KERNELS"
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+BF16_CPU_FLAGS = ("avx512_bf16",)
 AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 TILE_OUTPUTS, TILE_FEATURES = 16, 32  # a packed weight tile: outputs x input features
 
@@ -86,6 +81,11 @@ def disabled() -> Iterator[None]:
 
 def unavailable_reason() -> str | None:
     return _load()[1]
+
+
+def variant() -> str | None:
+    """The build that runs here: "avx512_bf16", "avx512f", or None when neither can."""
+    return _variant() if available() else None
 
 
 def amx_available() -> bool:
@@ -343,7 +343,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 @functools.cache
 def _amx() -> bool:
     lib = _load()[0]
-    if lib is None or any(f not in _cpu_flags() for f in AMX_CPU_FLAGS):
+    if lib is None or _variant() != "avx512_bf16":
+        return False
+    if any(f not in _cpu_flags() for f in AMX_CPU_FLAGS):
         return False
     if lib.outrider_amx_init() != 0:
         log.warning("Linux refused AMX tiles to this process; using AVX512 kernels")
@@ -355,6 +357,8 @@ def _build() -> Path:
     """The compiled library, built now if this machine has none yet."""
     if os.environ.get(ENABLE_ENV, "1") == "0":
         raise _Unavailable(f"{ENABLE_ENV}=0")
+    if os.environ.get(ENABLE_ENV, "1") not in ("1", "avx512f"):
+        raise _Unavailable(f"{ENABLE_ENV} takes 0, 1 or avx512f, not {os.environ[ENABLE_ENV]!r}")
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         raise _Unavailable(f"needs Linux on x86_64, not {platform.system()} {platform.machine()}")
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
@@ -363,7 +367,8 @@ def _build() -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise _Unavailable("no C compiler (set CC)")
-    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    flags = FLAGS + (BF16_FLAGS if _variant() == "avx512_bf16" else ())
+    digest = hashlib.sha256(" ".join(flags).encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     cache = _cache_root() / "kernels"
@@ -376,7 +381,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            [compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
@@ -388,6 +393,15 @@ def _build() -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+@functools.cache
+def _variant() -> str:
+    """The build this CPU (and OUTRIDER_NATIVE_KERNELS) calls for."""
+    forced = os.environ.get(ENABLE_ENV) == "avx512f"
+    if not forced and all(f in _cpu_flags() for f in BF16_CPU_FLAGS):
+        return "avx512_bf16"
+    return "avx512f"
 
 
 def _cache_root() -> Path:
@@ -410,6 +424,6 @@ def _cpu_flags() -> set[str]:
 
 if __name__ == "__main__":
     if available():
-        print(f"native CPU kernels: ready ({_build()})")
+        print(f"native CPU kernels: {variant()} build ready ({_build()})")
     else:
         print(f"native CPU kernels: unavailable ({unavailable_reason()}); torch's kernels run")

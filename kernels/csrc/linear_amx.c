@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -24,11 +25,6 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define TILE_ELEMS 512 /* bf16 in one packed 16 x 32 weight tile */
-
-/* Linux hands out the AMX register state only to processes that ask; 0 when granted. */
-int outrider_amx_init(void) {
-    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-}
 
 typedef struct {
     uint8_t palette_id;
@@ -54,6 +50,12 @@ void outrider_pack_bf16(const uint16_t *w, uint16_t *packed, int out, int in) {
         }
 }
 
+#ifdef __AMX_TILE__
+/* Linux hands out the AMX register state only to processes that ask; 0 when granted. */
+int outrider_amx_init(void) {
+    return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+}
+
 /* fp32 tile rows (+ bias) -> bf16 outputs [n0, n0 + width) of `rows` rows. */
 static void emit(const float *c, int ldc, const uint16_t *bias, uint16_t *y, int out, int rows,
                  int n0, int width) {
@@ -64,7 +66,7 @@ static void emit(const float *c, int ldc, const uint16_t *bias, uint16_t *y, int
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + n0)), 16));
     for (int r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * ldc), b);
-        _mm256_mask_storeu_epi16(y + (size_t)r * out + n0, m, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16(y + (size_t)r * out + n0, m, bf16_round16(v));
     }
 }
 
@@ -139,3 +141,15 @@ void outrider_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16
         _tile_release();
     }
 }
+#else
+/* The build for CPUs without AMX (see simd.h): kernels/native.py never calls the kernel. */
+int outrider_amx_init(void) {
+    return -1;
+}
+
+void outrider_linear_amx(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
+                         uint16_t *y, int rows, int in, int out, int threads) {
+    (void)x, (void)packed, (void)bias, (void)y, (void)rows, (void)in, (void)out, (void)threads;
+    abort();
+}
+#endif

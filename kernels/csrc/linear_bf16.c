@@ -1,12 +1,14 @@
-/* y = x W^T (+ b) for a few rows of bf16 on a CPU with AVX512-BF16 (kernels/native.py builds
- * this file and kernels/linear.py calls it).
+/* y = x W^T (+ b) for bf16 rows on an AVX512 CPU (kernels/native.py builds this file and
+ * kernels/linear.py calls it).
  *
  * Decode multiplies one row (verification a few) by every weight of the model, so its cost is
- * streaming the weights from memory. kernels/linear.py sends up to NATIVE_MAX_ROWS rows here
- * when the weight is not packed for the AMX kernel (linear_amx.c, faster past one row). The
- * loop below reads each weight once: a block of four weight rows is streamed (with the next
- * block prefetched) and dotted with every input row while it sits in L1. Products and sums are
- * fp32 (VDPBF16PS), each output rounded once to bf16 (round to nearest even).
+ * streaming the weights from memory. kernels/linear.py sends rows here when the weight is not
+ * packed for the AMX kernel (linear_amx.c): up to NATIVE_MAX_ROWS on an AVX512-BF16 CPU, any
+ * number where the CPU has AVX512F alone and torch's bf16 GEMM is slower still. The loop below
+ * takes the rows ROW_TILE at a time and, for each tile, reads each weight once: a block of four
+ * weight rows is streamed (with the next block prefetched) and dotted with every row of the
+ * tile while it sits in L1. Products and sums are fp32 (VDPBF16PS, or two FMAs without it: see
+ * simd.h), each output rounded once to bf16 (round to nearest even).
  *
  * Each output element is the same computation whatever the number of rows, threads or its
  * place in a block: 16 fp32 lanes accumulate the 32-element chunks of the dot product in order
@@ -21,10 +23,8 @@
 
 #define ROW_BLOCK 4 /* weight rows streamed together */
 #define X_GROUP 4   /* input rows dotted with them at once (16 fp32 accumulators) */
-
-static inline __m512bh load_chunk(const uint16_t *p, __mmask32 mask) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
+/* Input rows per pass over the weights: a tile of rows stays in L2 while the weights stream. */
+#define ROW_TILE 32
 
 /* Input rows [r0, r0 + nx) against weight rows [o, o + nw): nx is a constant at each call
  * site, so the accumulators stay in registers. */
@@ -43,19 +43,19 @@ static inline __attribute__((always_inline)) void dot_group(const uint16_t *x,
     for (int c = 0; c < chunks; c++) {
         const __mmask32 m = c == chunks - 1 ? tail : (__mmask32)~0u;
         const size_t at = (size_t)c * 32;
-        __m512bh wv[ROW_BLOCK];
+        bf16x32 wv[ROW_BLOCK];
 #pragma GCC unroll 8
         for (int j = 0; j < ROW_BLOCK; j++) {
-            wv[j] = load_chunk(wr[j] + at, m);
+            wv[j] = bf16x32_load(wr[j] + at, m);
             if (prefetch)
                 _mm_prefetch((const char *)(wr[j] + (size_t)ROW_BLOCK * in + at), _MM_HINT_T0);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < nx; i++) {
-            const __m512bh xv = load_chunk(x + (size_t)(r0 + i) * in + at, m);
+            const bf16x32 xv = bf16x32_load(x + (size_t)(r0 + i) * in + at, m);
 #pragma GCC unroll 8
             for (int j = 0; j < ROW_BLOCK; j++)
-                acc[ROW_BLOCK * i + j] = _mm512_dpbf16_ps(acc[ROW_BLOCK * i + j], wv[j], xv);
+                acc[ROW_BLOCK * i + j] = bf16x32_dot(acc[ROW_BLOCK * i + j], wv[j], xv);
         }
     }
     /* Lane 4i + j of the sums is input row i against weight row j. */
@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void dot_group(const uint16_t *x,
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_broadcastq_epi64(b4)), 16));
         sums = _mm512_add_ps(sums, b);
     }
-    const __m256i out16 = (__m256i)_mm512_cvtneps_pbh(sums);
+    const __m256i out16 = bf16_round16(sums);
     uint16_t lanes[16];
     _mm256_storeu_si256((__m256i *)lanes, out16);
     for (int i = 0; i < nx; i++)
@@ -105,7 +105,7 @@ static void rows_block(const uint16_t *x, const uint16_t *w, const uint16_t *bia
 
 /* x [rows, in], w [out, in], bias [out] or NULL, y [rows, out]; all contiguous bf16. Output rows
  * are split between `threads` threads in whole blocks (the OpenMP runtime is torch's own: it is
- * loaded when this library is). */
+ * loaded when this library is); each thread takes the input rows a tile at a time. */
 void outrider_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                           int rows, int in, int out, int threads) {
     const int blocks = (out + ROW_BLOCK - 1) / ROW_BLOCK;
@@ -116,6 +116,8 @@ void outrider_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *
         int first, last;
         thread_share(blocks, &first, &last);
         const int o0 = first * ROW_BLOCK, o1 = last * ROW_BLOCK < out ? last * ROW_BLOCK : out;
-        if (o0 < o1) rows_block(x, w, bias, y, rows, in, out, o0, o1);
+        for (int r = 0; o0 < o1 && r < rows; r += ROW_TILE)
+            rows_block(x + (size_t)r * in, w, bias, y + (size_t)r * out,
+                       rows - r < ROW_TILE ? rows - r : ROW_TILE, in, out, o0, o1);
     }
 }

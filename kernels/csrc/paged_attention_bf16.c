@@ -3,7 +3,8 @@
  * decode and verification, where torch would first gather every block and then call SDPA).
  *
  * For each sequence and KV head, every new token of the sequence and every query head of the
- * group: scores over the token's visible keys (bf16 products summed in fp32, 16 keys at a time),
+ * group: scores over the token's visible keys (bf16 products summed in fp32, 16 keys at a time;
+ * VDPBF16PS or its two-FMA stand-in, see simd.h),
  * an fp32 softmax, and the fp32 sum of the values weighted by it, rounded once to bf16. New
  * token j of a sequence with L context tokens and q new ones sits at position L - q + j and sees
  * keys 0..L - q + j. Each output depends only on its own query and keys, so a sequence's result
@@ -54,8 +55,8 @@ static inline const uint16_t *walk_next(row_walk *w) {
 static void attend_one(const cache_view *c, int g, const uint16_t *q, int n, float scale,
                        float *scores, uint16_t *out) {
     const int chunks = c->head_dim / 32;
-    __m512bh qv[MAX_HEAD_DIM / 32];
-    for (int d = 0; d < chunks; d++) qv[d] = (__m512bh)_mm512_loadu_si512(q + 32 * d);
+    bf16x32 qv[MAX_HEAD_DIM / 32];
+    for (int d = 0; d < chunks; d++) qv[d] = bf16x32_load(q + 32 * d, (__mmask32)~0u);
     /* Scores, 16 keys at a time; the lanes past n are never read. */
     __m512 running_max = _mm512_set1_ps(-INFINITY);
     row_walk keys = walk_start(c, c->k_cache, g);
@@ -67,8 +68,7 @@ static void attend_one(const cache_view *c, int g, const uint16_t *q, int n, flo
             if (i < m) {
                 const uint16_t *k = walk_next(&keys);
                 for (int d = 0; d < chunks; d++)
-                    acc[i] =
-                        _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(k + 32 * d), qv[d]);
+                    acc[i] = bf16x32_dot(acc[i], bf16x32_load(k + 32 * d, (__mmask32)~0u), qv[d]);
             }
         }
         const __mmask16 valid = (__mmask16)((1u << m) - 1u);
@@ -107,7 +107,7 @@ static void attend_one(const cache_view *c, int g, const uint16_t *q, int n, flo
     for (int d = 0; d < chunks; d++) {
         const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(even[d], lo_idx, odd[d]), inv);
         const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(even[d], hi_idx, odd[d]), inv);
-        _mm512_storeu_si512(out + 32 * d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(out + 32 * d, bf16_round32(lo, hi));
     }
 }
 

@@ -13,13 +13,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-static inline __m512 load_bf16(const uint16_t *p, __mmask16 m) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+#include "simd.h"
 
 static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+    _mm256_mask_storeu_epi16(p, m, bf16_round16(v));
 }
 
 static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, float eps,
@@ -31,7 +28,7 @@ static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t
         for (int c = 0; c < chunks; c++) {
             const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
             const __m512 v =
-                _mm512_add_ps(load_bf16(x + 16 * c, m), load_bf16(residual + 16 * c, m));
+                _mm512_add_ps(load_bf16x16(x + 16 * c, m), load_bf16x16(residual + 16 * c, m));
             store_bf16(sum_out + 16 * c, v, m);
         }
         s = sum_out;
@@ -39,15 +36,15 @@ static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t
     __m512 squares = _mm512_setzero_ps();
     for (int c = 0; c < chunks; c++) {
         const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
-        const __m512 v = load_bf16(s + 16 * c, m);
+        const __m512 v = load_bf16x16(s + 16 * c, m);
         squares = _mm512_fmadd_ps(v, v, squares);
     }
     const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps);
     const __m512 k = _mm512_set1_ps(scale);
     for (int c = 0; c < chunks; c++) {
         const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
-        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(load_bf16(s + 16 * c, m), k),
-                                       load_bf16(weight + 16 * c, m));
+        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(load_bf16x16(s + 16 * c, m), k),
+                                       load_bf16x16(weight + 16 * c, m));
         store_bf16(out + 16 * c, v, m);
     }
 }

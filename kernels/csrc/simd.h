@@ -1,9 +1,69 @@
-/* Helpers shared by the kernels in this folder: AVX512 arithmetic and OpenMP work sharing. */
+/* Helpers shared by the kernels in this folder: AVX512 arithmetic and OpenMP work sharing.
+ *
+ * kernels/native.py builds the folder twice over: with AVX512-BF16 (and AMX) for CPUs that have
+ * them, and with AVX512F alone for those that do not (Skylake to Ice Lake servers). The bf16
+ * helpers below are the one place the two builds differ: `bf16x32_dot` is one VDPBF16PS in the
+ * first, two fp32 FMAs over the even and odd elements in the second; `bf16_round16` is
+ * VCVTNEPS2BF16 or the same round-to-nearest-even done with integer instructions. Each build
+ * computes a given output the same way whatever the batch; the two builds can differ from each
+ * other in the last bf16 bit.
+ */
 #ifndef OUTRIDER_SIMD_H
 #define OUTRIDER_SIMD_H
 
 #include <immintrin.h>
 #include <stdint.h>
+
+#ifdef __AVX512BF16__
+/* 32 bf16 as the dot-product instruction takes them. */
+typedef __m512bh bf16x32;
+
+static inline bf16x32 bf16x32_load(const uint16_t *p, __mmask32 m) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+}
+
+/* acc[l] + a[2l] b[2l] + a[2l + 1] b[2l + 1], in fp32. */
+static inline __m512 bf16x32_dot(__m512 acc, bf16x32 a, bf16x32 b) {
+    return _mm512_dpbf16_ps(acc, a, b);
+}
+
+/* 16 fp32 -> 16 bf16, round to nearest even. */
+static inline __m256i bf16_round16(__m512 v) {
+    return (__m256i)_mm512_cvtneps_pbh(v);
+}
+#else
+/* 32 bf16 split into their even and odd elements as fp32 (a bf16 is the high half of an fp32). */
+typedef struct {
+    __m512 even, odd;
+} bf16x32;
+
+static inline bf16x32 bf16x32_load(const uint16_t *p, __mmask32 m) {
+    const __m512i raw = _mm512_maskz_loadu_epi16(m, p);
+    const bf16x32 r = {_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)),
+                       _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(~0xffff)))};
+    return r;
+}
+
+/* acc[l] + a[2l] b[2l] + a[2l + 1] b[2l + 1], in fp32 (the products are exact). */
+static inline __m512 bf16x32_dot(__m512 acc, bf16x32 a, bf16x32 b) {
+    return _mm512_fmadd_ps(a.odd, b.odd, _mm512_fmadd_ps(a.even, b.even, acc));
+}
+
+/* 16 fp32 -> 16 bf16, round to nearest even (NaN stays a quiet NaN), as torch rounds. */
+static inline __m256i bf16_round16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x00400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+#endif
+
+/* 32 fp32 (lo: elements 0-15, hi: 16-31) -> 32 bf16. */
+static inline __m512i bf16_round32(__m512 lo, __m512 hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_round16(lo)), bf16_round16(hi), 1);
+}
 
 /* Sums each of the 16 vectors a[0..15] into lane m of the result (a transposing tree: 45
  * shuffles and adds instead of 16 separate reductions). Every lane's sum is the same sequence

@@ -6,7 +6,7 @@
 Measures, in one process and interleaved run by run:
   1. greedy decode tokens/s of `SequentialEngine` (with and without our native kernels) vs
      transformers' `generate` (bf16);
-  2. forward time for 1, 2, 4, 8 new tokens over a 200-token cache (bf16 with and without our
+  2. forward time for 1 to 32 new tokens over a 200-token cache (bf16 with and without our
      native kernels, and fp32), the figure speculative decoding lives on: verifying k drafts
      costs what one forward over k + 1 costs;
   3. few-row projections through `F.linear`, `torch.mv`, `W @ x^T` and our kernel (why
@@ -52,7 +52,7 @@ PROMPT = (
     "red.<|im_end|>\n<|im_start|>assistant\n"
 )
 CONTEXT = 200
-NEW_TOKEN_COUNTS = (1, 2, 4, 8)
+NEW_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32)
 PREFILL_LENGTHS = (101, 250, 257, 416, 421, 445, 511, 1000)
 BLOCK_SIZE = 16
 T = TypeVar("T")
@@ -141,8 +141,9 @@ def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
         for n, t in zip(NEW_TOKEN_COUNTS, times, strict=True):
             rows.append([name, n, f"{t * 1e3:.1f}", f"{t / times[0]:.2f}x", f"{t / base:.2f}x"])
     native_note = (
-        "bf16 runs our projection (AMX, AVX512-BF16) and RMSNorm kernels (kernels/native.py) "
-        "where they pay; the second block is the same model on torch's kernels alone."
+        f"bf16 runs our kernels (kernels/native.py, {native.variant()} build: projections, "
+        "RMSNorm, decode/verify attention) where they pay; the second block is the same model "
+        "on torch's kernels alone."
         if native.available()
         else f"Our native kernels were unavailable here ({native.unavailable_reason()})."
     )
@@ -171,7 +172,7 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
         "`W @ x^T` (few rows)": lambda x, w: torch.mm(w, x.T),
     }
     if native.available():
-        kernels["ours, AVX512-BF16"] = native.linear_bf16
+        kernels[f"ours, {native.variant()} build"] = native.linear_bf16
     if native.amx_available():
         packed = {id(w): native.pack_bf16(w) for w in weights}
         kernels["ours, AMX tiles (packed weight)"] = lambda x, w: native.linear_amx(
@@ -179,7 +180,7 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
         )
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     rows = []
-    for num_rows in (1, 4, 8, 16):
+    for num_rows in (1, 4, 8, 16, 32):
         xs = {w.shape[1]: torch.randn(num_rows, w.shape[1]).to(torch.bfloat16) for w in weights}
         for name, kernel in kernels.items():
             if num_rows > 1 and "mv" in name:
@@ -194,10 +195,11 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
     return (
         "The MLP weights of all 30 layers (bf16), our kernels in kernels/native.py: why "
         f"`kernels/linear.py` sends up to {AMX_MAX_ROWS} rows to the AMX kernel where the "
-        "weight is packed for it (any row count up to 16 costs the same), else up to "
-        f"{NATIVE_MAX_ROWS} rows to the AVX512-BF16 one (as fast for one row, but its dot "
-        "products make it compute-bound as rows grow), else one row to `torch.mv` and a few to "
-        "`W @ x^T`.\n\n" + table(["rows", "kernel", "ms for all layers", "GB/s of weights"], rows)
+        "weight is packed for it (any row count up to 16 costs the same), else rows to our "
+        "AVX512 one (as fast for one row, but its dot products make it compute-bound as rows "
+        f"grow): up to {NATIVE_MAX_ROWS} with AVX512-BF16, all of them without (where torch "
+        "emulates bf16 too), else one row to `torch.mv` and a few to `W @ x^T`.\n\n"
+        + table(["rows", "kernel", "ms for all layers", "GB/s of weights"], rows)
     )
 
 
@@ -241,7 +243,8 @@ def prefill_section(model: TransformerLM, reps: int, lengths: tuple[int, ...]) -
         "`SdpaAttention` attends over the whole gathered blocks and masks the keys past the "
         "prompt's end (the same answer: tests/unit/test_attention.py). The last column is the "
         "whole-block forward on torch's kernels alone (no native projection or RMSNorm "
-        f"kernels; the AMX one takes chunks of up to {AMX_MAX_ROWS} tokens).\n\n"
+        f"kernels; the AMX one takes chunks of up to {AMX_MAX_ROWS} tokens, the avx512f build's "
+        "any chunk).\n\n"
         + table(
             [
                 "prompt tokens",
@@ -271,9 +274,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     checkpoint = load_checkpoint()
+    # A CPU without bf16 instructions gets a section of its own beside the one measured where
+    # they are (the two differ several times over), each refreshed on its kind of machine.
+    emulated = native.variant() == "avx512f"
+    section = "bench_forward_avx512f" if emulated else "bench_forward"
+    title = "Plain decode and forward cost" + (" on a CPU without AVX512-BF16" if emulated else "")
     with torch.inference_mode():
         parts = [
-            "## Plain decode and forward cost (`python -m tests.benchmarks.bench_forward`)",
+            f"## {title} (`python -m tests.benchmarks.bench_forward`)",
             f"Machine: {machine_line()}. Model: bundled SmolLM2-135M-Instruct "
             "(Q4_1 GGUF, dequantized).",
             "### Decode speed vs transformers",
@@ -291,7 +299,7 @@ def main() -> None:
         ]
     body = "\n\n".join(parts)
     print(body)
-    write_section("bench_forward", body, args.output)
+    write_section(section, body, args.output)
     print(f"\nwritten to {args.output}")
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import native
+
 DEFAULT_REPORT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 _HEADER = (
     "# Benchmarks\n\n"
@@ -45,9 +47,21 @@ def machine_line() -> str:
         found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
         cpu = found.group(1).strip() if found else cpu
     return (
-        f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"{time.strftime('%Y-%m-%d')}"
+        f"{cpu} ({cpu_features()}), {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
     )
+
+
+def cpu_features() -> str:
+    """What decides our CPU kernels' speed: the bf16 instructions, and which build runs."""
+    if native.amx_available():
+        return "AMX, AVX512-BF16"
+    variant = native.variant()
+    if variant == "avx512_bf16":
+        return "AVX512-BF16, no AMX"
+    if variant == "avx512f":
+        return "AVX512F without AVX512-BF16 or AMX"
+    return f"our native kernels unavailable: {native.unavailable_reason()}"
 
 
 def write_section(name: str, body: str, path: Path = DEFAULT_REPORT) -> None:

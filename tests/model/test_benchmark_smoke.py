@@ -34,7 +34,8 @@ def test_write_section_replaces_only_its_own_block(tmp_path: Path) -> None:
 
 def test_bench_forward_quick_run(tmp_path: Path) -> None:
     text = quick_run("bench_forward", tmp_path)
-    assert "<!-- bench_forward:start -->" in text
+    # Its own section on a CPU without AVX512-BF16 (see the script's main).
+    assert "<!-- bench_forward:start -->" in text or "<!-- bench_forward_avx512f:start -->" in text
     for heading in (
         "Decode speed vs transformers",
         "Forward cost by number",
