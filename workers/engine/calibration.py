@@ -23,8 +23,16 @@ def forward_times(
     model: TransformerLM, counts: Sequence[int], reps: int, context: int = 128
 ) -> list[float]:
     """Median seconds of one forward bringing n new tokens onto a `context`-token cache, for
-    each n in `counts`. Rounds go over all counts in turn (machine noise lands on all alike);
-    the first round warms up and is dropped."""
+    each n in `counts`."""
+    return [statistics.median(t) for t in forward_samples(model, counts, reps, context)]
+
+
+def forward_samples(
+    model: TransformerLM, counts: Sequence[int], reps: int, context: int = 128
+) -> list[list[float]]:
+    """Seconds of `reps` forwards bringing n new tokens onto a `context`-token cache, for each n
+    in `counts` (entry [i][r]: counts[i] in round r). Rounds go over all counts in turn, so
+    machine noise that lasts a round lands on all alike; a warm-up round is dropped."""
     block_size = 16
     num_blocks = -(-(context + max(counts)) // block_size)
     cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
@@ -45,25 +53,30 @@ def forward_times(
             start = time.perf_counter()
             runner.forward([seq])
             times.append(time.perf_counter() - start)
-    return [statistics.median(t[1:]) for t in samples]
+    return [t[1:] for t in samples]
 
 
 @torch.inference_mode()
-def verify_costs(model: TransformerLM, max_tokens: int, reps: int = 3) -> tuple[float, ...]:
+def verify_costs(model: TransformerLM, max_tokens: int, reps: int = 5) -> tuple[float, ...]:
     """Cost of a forward over n = 1..max_tokens new tokens in one-token forwards (entry n - 1):
     verifying k drafts of one sequence is n = k + 1, a batch's step the sum over its sequences.
-    Measured at 1, 2, 4, 8, ... and max_tokens, linear in between."""
+    Measured at 1, 2, 4, 8, ... and max_tokens, linear in between. Each count's cost is the
+    median over rounds of its time over the one-token forward's in the same round: on a busy
+    machine the absolute times of separate medians can disagree by half (seen on 2 cores)."""
     counts = sorted(
         {1, max_tokens} | {2**i for i in range(max_tokens.bit_length()) if 2**i < max_tokens}
     )
-    times = dict(zip(counts, forward_times(model, counts, reps), strict=True))
-    base = times[1]
+    samples = dict(zip(counts, forward_samples(model, counts, reps), strict=True))
+    ratio = {
+        n: statistics.median(t / one for t, one in zip(samples[n], samples[1], strict=True))
+        for n in counts
+    }
     costs = []
     for n in range(1, max_tokens + 1):
         hi = next(c for c in counts if c >= n)
         lo = max(c for c in counts if c <= n)
-        t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
-        costs.append(max(1.0, t / base))
+        r = ratio[lo] if hi == lo else ratio[lo] + (ratio[hi] - ratio[lo]) * (n - lo) / (hi - lo)
+        costs.append(max(1.0, r))
     return tuple(costs)
 
 
