@@ -32,6 +32,7 @@ def engine_config(config: DeploymentConfig) -> EngineConfig:
         eagle_prompt_lookup=config.speculative.eagle_prompt_lookup,
         ngram_min=config.speculative.ngram_min,
         ngram_max=config.speculative.ngram_max,
+        ngram_fallback_tokens=config.speculative.ngram_fallback_tokens,
     )
     return EngineConfig(
         max_model_len=config.engine.max_model_len,

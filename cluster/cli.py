@@ -53,6 +53,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--ngram-max", type=int, default=None, help="longest n-gram to match (default 4)"
     )
+    spec.add_argument(
+        "--ngram-fallback-tokens",
+        type=int,
+        default=None,
+        help="tokens ngram/suffix draft from a match of the last token alone (default 8; 0: off)",
+    )
     spec.add_argument("--no-adaptive", action="store_true", help="always draft the full k")
     spec.add_argument(
         "--no-eagle-lookup",
@@ -126,6 +132,7 @@ ENGINE_DEFAULTS = {
     "num_spec_tokens": 4,
     "ngram_min": 2,
     "ngram_max": 4,
+    "ngram_fallback_tokens": 8,
 }
 
 
@@ -144,6 +151,7 @@ def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
         num_speculative_tokens=args.num_spec_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        ngram_fallback_tokens=args.ngram_fallback_tokens,
         adaptive=not args.no_adaptive,
         eagle_prompt_lookup=not args.no_eagle_lookup,
     )
@@ -173,6 +181,7 @@ def _deployment(args: argparse.Namespace) -> DeploymentConfig:
         "speculative.eagle_prompt_lookup": False if args.no_eagle_lookup else None,
         "speculative.ngram_min": args.ngram_min,
         "speculative.ngram_max": args.ngram_max,
+        "speculative.ngram_fallback_tokens": args.ngram_fallback_tokens,
         "pools.drafter.replicas": args.drafters,
         "pools.drafter.draft_model": args.draft_model,
         "pools.drafter.draft_layers": args.draft_layers,

@@ -10,7 +10,8 @@ RayCluster). A config is checked as a whole when it is built, and every error na
     engine: {max_model_len: 4096, max_num_seqs: 32, block_size: 16}
     speculative: {method: eagle, num_speculative_tokens: 4, adaptive: true,
                   eagle_prompt_lookup: true,    # EAGLE copies where the text repeats
-                  ngram_min: 2, ngram_max: 4}   # n-gram sizes prompt lookup matches
+                  ngram_min: 2, ngram_max: 4,   # n-gram sizes prompt lookup matches
+                  ngram_fallback_tokens: 8}     # draft after a 1-token match (ngram, suffix)
     pools:
       prefill:  {replicas: 1, resources: {cpus: 1, gpus: 0}}
       verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
@@ -120,6 +121,9 @@ class SpeculativeSettings:
     # the longest suffix of the text of ngram_max..ngram_min tokens that occurred before.
     ngram_min: int = 2
     ngram_max: int = 4
+    # ngram and suffix drafting: where no such suffix occurred, the last token alone proposes
+    # at most this many tokens (0: no fallback).
+    ngram_fallback_tokens: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +200,11 @@ class DeploymentConfig:
             s.ngram_max >= s.ngram_min,
             "speculative.ngram_max",
             f"must be >= ngram_min ({s.ngram_min}), got {s.ngram_max}",
+        )
+        _check(
+            s.ngram_fallback_tokens >= 0,
+            "speculative.ngram_fallback_tokens",
+            f"must be >= 0, got {s.ngram_fallback_tokens}",
         )
         p = self.pools
         _check(p.prefill.replicas >= 0, "pools.prefill.replicas", "must be >= 0")

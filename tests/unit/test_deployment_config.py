@@ -63,6 +63,10 @@ def test_a_file_sets_nested_fields(tmp_path: Path) -> None:
             {"speculative": {"ngram_min": 3, "ngram_max": 2}},
             "speculative.ngram_max: must be >= ngram_min (3)",
         ),
+        (
+            {"speculative": {"ngram_fallback_tokens": -1}},
+            "speculative.ngram_fallback_tokens: must be >= 0",
+        ),
         ({"engine": []}, "engine: must be a mapping"),
         ({"telemetry": {"exporter": "jaeger"}}, "telemetry.exporter"),
     ],

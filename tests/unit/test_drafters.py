@@ -37,6 +37,25 @@ def test_ngram_drafter_tracks_commits_and_checks_its_view() -> None:
     drafter.remove("r")
 
 
+def test_ngram_drafters_fall_back_to_the_last_token_with_a_short_draft() -> None:
+    # [.., 9] is new as a pair (no 2..4-token suffix occurred before), but 9 alone did: the
+    # fallback proposes what followed it, at most `fallback_tokens` of it.
+    tokens = [1, 9, 2, 3, 4, 5, 6, 7, 8, 9]
+    for drafter_type in (NgramDrafter, SuffixDrafter):
+        drafter = drafter_type(NgramConfig(min_n=2, max_n=4, fallback_tokens=3))
+        drafter.add("r", tokens, SamplingParams())
+        assert drafter.propose([DraftRequest("r", 10, 8)])["r"].token_ids == [2, 3, 4]
+        assert drafter.propose([DraftRequest("r", 10, 2)])["r"].token_ids == [2, 3]  # k rules
+        # A real (two-token) match drafts its full k.
+        drafter.commit("r", [2])
+        assert drafter.propose([DraftRequest("r", 11, 6)])["r"].token_ids == [3, 4, 5, 6, 7, 8]
+        off = drafter_type(NgramConfig(min_n=2, max_n=4, fallback_tokens=0))
+        off.add("r", tokens, SamplingParams())
+        assert off.propose([DraftRequest("r", 10, 8)])["r"].token_ids == []
+    with pytest.raises(ValueError, match="fallback_tokens"):
+        NgramConfig(fallback_tokens=-1)
+
+
 def test_suffix_drafter_prefers_the_most_frequent_continuation_and_runs_on() -> None:
     tokens = [1, 2, 0, 1, 2, 0, 1, 3, 0, 1]
     # After context (1,): 2 followed twice, 3 once (most recently). Frequency wins.

@@ -3,12 +3,16 @@
 `NgramDrafter` ("prompt lookup", vLLM's `prompt_lookup_min/max`, llama.cpp's
 `--spec-ngram-size-n`): find the most recent earlier place where the sequence's last n tokens
 (n from max_n down to min_n) occurred, in the prompt or the output so far, and propose the
-tokens that followed it there. It shines when the answer quotes or edits its input.
+tokens that followed it there. It shines when the answer quotes or edits its input. Where no
+such suffix occurred, the last token alone proposes a short draft (`fallback_tokens`): right
+after the answer leaves a quote for a word or two its own last token is new as a pair, but it
+often picks the quote up again at once.
 
 `SuffixDrafter` keeps, for every context of min_n..max_n tokens seen in the sequence, how often
 each next token followed it (a suffix trie cut at depth max_n + 1), and drafts by repeatedly
 taking the most frequent continuation of the longest known context, so a draft can run past
-the end of any single earlier match and prefers what repeats most over what came last.
+the end of any single earlier match and prefers what repeats most over what came last. It falls
+back to one-token contexts as `NgramDrafter` does.
 
 Both are deterministic (q is one-hot) and cost microseconds, so the verifier gets k for free.
 
@@ -35,10 +39,15 @@ from workers.engine.sampling_params import SamplingParams
 class NgramConfig:
     min_n: int = 2  # shortest suffix to match
     max_n: int = 4  # longest suffix to match (tried first)
+    # Where no suffix of min_n..max_n tokens occurred before, the last token alone (where it
+    # last occurred) proposes at most this many: weaker evidence, a shorter draft (0: none).
+    fallback_tokens: int = 8
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
+        if self.fallback_tokens < 0:
+            raise ValueError(f"fallback_tokens must be >= 0, got {self.fallback_tokens}")
 
 
 class _TokenDrafter(Drafter):
@@ -130,10 +139,13 @@ class NgramDrafter(_TokenDrafter):
         self.pool: SharedNgramPool | None = None  # set by the runtime when Redis shares one
 
     def _draft(self, request_id: str, tokens: list[int], k: int) -> list[int]:
-        own = prompt_lookup(tokens, k, self.config.min_n, self.config.max_n)
-        if own or self.pool is None:
-            return own
-        return self.pool.lookup(tokens, k)
+        config = self.config
+        draft = prompt_lookup(tokens, k, config.min_n, config.max_n)
+        if not draft and self.pool is not None:  # another request's n-gram: stronger evidence
+            draft = self.pool.lookup(tokens, k)
+        if not draft and config.min_n > 1:
+            draft = prompt_lookup(tokens, min(k, config.fallback_tokens), 1, 1)
+        return draft
 
 
 def prompt_lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -167,12 +179,17 @@ class SuffixDrafter(_TokenDrafter):
         self._last_seen[request_id] = {}
         super().add(request_id, prompt_token_ids, params)
 
+    @property
+    def _shortest(self) -> int:
+        """The shortest context indexed: min_n, or 1 for the fallback."""
+        return 1 if self.config.fallback_tokens else self.config.min_n
+
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         tokens = self._tokens[request_id]
         table, last_seen = self._tables[request_id], self._last_seen[request_id]
         for token in token_ids:
             position = len(tokens)
-            for n in range(self.config.min_n, min(self.config.max_n, position) + 1):
+            for n in range(self._shortest, min(self.config.max_n, position) + 1):
                 context = tuple(tokens[position - n :])
                 table[context][token] += 1
                 last_seen[(context, token)] = position
@@ -188,9 +205,12 @@ class SuffixDrafter(_TokenDrafter):
         context = list(tokens[-self.config.max_n :])
         draft: list[int] = []
         while len(draft) < k:
-            token = self._continuation(context, table, last_seen)
-            if token is None:
+            found = self._continuation(context, table, last_seen)
+            if found is None:
                 break
+            token, n = found
+            if n < self.config.min_n:  # a one-token context: a short draft
+                k = min(k, max(self.config.fallback_tokens, len(draft) + 1))
             draft.append(token)
             context = (
                 [*context[1:], token] if len(context) == self.config.max_n else [*context, token]
@@ -202,11 +222,13 @@ class SuffixDrafter(_TokenDrafter):
         context: list[int],
         table: defaultdict[tuple[int, ...], Counter[int]],
         last_seen: dict[tuple[tuple[int, ...], int], int],
-    ) -> int | None:
-        for n in range(min(self.config.max_n, len(context)), self.config.min_n - 1, -1):
+    ) -> tuple[int, int] | None:
+        """The next token after `context` and the length of the context that chose it."""
+        for n in range(min(self.config.max_n, len(context)), self._shortest - 1, -1):
             key = tuple(context[-n:])
             followers = table.get(key)
             if followers:
                 # Most frequent next token; ties go to the one seen most recently.
-                return max(followers, key=lambda t: (followers[t], last_seen[(key, t)]))
+                token = max(followers, key=lambda t: (followers[t], last_seen[(key, t)]))
+                return token, n
         return None

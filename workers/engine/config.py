@@ -15,6 +15,9 @@ class SpecConfig:
     num_speculative_tokens: int = 4  # k, the most drafts a sequence gets per step
     ngram_min: int = 2
     ngram_max: int = 4
+    # ngram and suffix drafting: where no suffix of ngram_min..ngram_max tokens occurred
+    # before, the last token alone proposes at most this many tokens (0: no fallback).
+    ngram_fallback_tokens: int = 8
     adaptive: bool = True  # choose k per request from its measured acceptance
     # EAGLE drafts by prompt lookup (ngram_min..ngram_max) where the text repeats, and with its
     # head elsewhere.
@@ -38,6 +41,8 @@ class SpecConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.ngram_fallback_tokens < 0:
+            raise ValueError("ngram_fallback_tokens must be >= 0")
         if self.verify_costs is not None and (
             not self.verify_costs or any(c <= 0 for c in self.verify_costs)
         ):

@@ -67,7 +67,9 @@ def build_drafters(
 
     required = only or config.spec.method
     dtype = parse_dtype(spec.dtype)
-    ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
+    ngram = NgramConfig(
+        config.spec.ngram_min, config.spec.ngram_max, config.spec.ngram_fallback_tokens
+    )
     drafters: dict[str, Drafter] = {}
     seconds: dict[str, float] = {}
     if wanted("ngram"):
