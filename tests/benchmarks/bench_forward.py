@@ -34,6 +34,7 @@ from kernels.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS
 from tests.benchmarks.hf import dense_transformers, packed_gguf_transformers
 from tests.benchmarks.report import (
     DEFAULT_REPORT,
+    cpu_section,
     machine_line,
     median_time,
     table,
@@ -274,11 +275,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     checkpoint = load_checkpoint()
-    # A CPU without bf16 instructions gets a section of its own beside the one measured where
-    # they are (the two differ several times over), each refreshed on its kind of machine.
-    emulated = native.variant() == "avx512f"
-    section = "bench_forward_avx512f" if emulated else "bench_forward"
-    title = "Plain decode and forward cost" + (" on a CPU without AVX512-BF16" if emulated else "")
+    section, on_this_cpu = cpu_section("bench_forward")
+    title = "Plain decode and forward cost" + on_this_cpu
     with torch.inference_mode():
         parts = [
             f"## {title} (`python -m tests.benchmarks.bench_forward`)",

@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 
 from kernels import native
+from kernels.linear import row_independent_rows
 from tests.benchmarks.hf import dense_transformers
 from tests.benchmarks.report import (
     DEFAULT_REPORT,
+    cpu_section,
     machine_line,
     table,
     write_section,
@@ -133,6 +135,8 @@ K = 16  # the most draft tokens per step; adaptive k picks fewer where acceptanc
 # Outrider is compared with the faster.
 HF_LOOKUP_TOKENS = (8, 16)
 DRAFT_LAYERS = 12
+# The most tokens a step verifies: speculation stops at `disable_batch_size` unfinished requests.
+MAX_VERIFY_ROWS = (SpecConfig().disable_batch_size - 1) * (K + 1)
 
 
 @dataclass(slots=True)
@@ -512,9 +516,10 @@ def main() -> None:
         ],
     ]
     costs = ", ".join(f"{n}: {c:.2f}" for n, c in enumerate(verify_cost, start=1))
+    section, on_this_cpu = cpu_section("bench_spec")
     body = "\n\n".join(
         [
-            "## Speculative decoding\n\n`python -m tests.benchmarks.bench_spec`",
+            f"## Speculative decoding{on_this_cpu}\n\n`python -m tests.benchmarks.bench_spec`",
             f"Machine: {machine_line()}. Bundled SmolLM2-135M-Instruct, bf16, greedy, chat "
             f"template, up to {args.max_tokens} new tokens, k <= {K} (adaptive), medians of "
             f"{args.runs} interleaved runs. draft_model is the target's first {DRAFT_LAYERS} "
@@ -524,7 +529,7 @@ def main() -> None:
                 "On this CPU our native kernels compute each token's bf16 logits the same way "
                 "however many tokens its forward scores, so every method commits the text `none` "
                 "does (tests/model/test_speculative_exact.py). "
-                if native.amx_available()
+                if native.available() and row_independent_rows() >= MAX_VERIFY_ROWS
                 else "Greedy bf16 output depends on how many tokens a forward scores (bf16 "
                 "logits tie) on torch's kernels, so a prompt's text, and with it the "
                 "acceptance, can differ between methods and processes. "
@@ -553,14 +558,13 @@ def main() -> None:
             "transformers runs the same dense bf16 weights (`generate`, "
             f"`prompt_lookup_num_tokens` = {' and '.join(map(str, HF_LOOKUP_TOKENS))}, and "
             f"`assistant_model` = the same {DRAFT_LAYERS}-layer draft). Outrider runs our "
-            "native CPU kernels (kernels/native.py: AMX projections, where a forward over up to "
-            "16 new tokens costs about what one does) and torch's attention; transformers runs "
-            "torch's kernels.",
+            f"native CPU kernels (kernels/native.py, {native.variant()} build: projections, "
+            "RMSNorm, decode/verify attention); transformers runs torch's kernels.",
             hf_table,
         ]
     )
     print(body)
-    write_section("bench_spec", body, args.output)
+    write_section(section, body, args.output)
     print(f"\nwritten to {args.output}")
 
 

@@ -52,6 +52,15 @@ def machine_line() -> str:
     )
 
 
+def cpu_section(name: str) -> tuple[str, str]:
+    """A benchmark's section name in docs/benchmarks.md and its title's suffix for this CPU: one
+    without bf16 instructions (our avx512f build) gets sections of its own, beside those
+    measured where they are, as the two differ several times over."""
+    if native.variant() == "avx512f":
+        return f"{name}_avx512f", " on a CPU without AVX512-BF16"
+    return name, ""
+
+
 def cpu_features() -> str:
     """What decides our CPU kernels' speed: the bf16 instructions, and which build runs."""
     if native.amx_available():
