@@ -22,7 +22,9 @@ def _bf16(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor
 @needs_native
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features"),
-    [(1, 576, 960), (2, 64, 5), (3, 33, 577), (4, 1000, 96), (7, 1536, 64), (9, 96, 13)],
+    # 70: more rows than one tile of the kernel (ROW_TILE = 32)
+    [(1, 576, 960), (2, 64, 5), (3, 33, 577), (4, 1000, 96), (7, 1536, 64), (9, 96, 13)]
+    + [(70, 200, 37)],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_bf16_matches_an_fp64_reference(
@@ -46,7 +48,7 @@ def test_linear_bf16_matches_an_fp64_reference(
 @needs_native
 def test_linear_bf16_gives_each_row_the_same_bits_whatever_the_batch_and_threads() -> None:
     gen = torch.Generator().manual_seed(7)
-    x = _bf16(11, 200, gen=gen)
+    x = _bf16(40, 200, gen=gen)  # past one tile of rows (ROW_TILE = 32)
     w = _bf16(123, 200, gen=gen, scale=0.1)
     b = _bf16(123, gen=gen)
     together = native.linear_bf16(x, w, b)
