@@ -22,9 +22,15 @@ def _bf16(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor
 @needs_native
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features"),
-    # 70: more rows than one tile of the kernel (ROW_TILE = 32)
-    [(1, 576, 960), (2, 64, 5), (3, 33, 577), (4, 1000, 96), (7, 1536, 64), (9, 96, 13)]
-    + [(70, 200, 37)],
+    [
+        (1, 576, 960),
+        (2, 64, 5),
+        (3, 33, 577),
+        (4, 1000, 96),
+        (7, 1536, 64),
+        (9, 96, 13),
+        (70, 200, 37),  # more rows than one tile of the kernel (ROW_TILE = 32)
+    ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_bf16_matches_an_fp64_reference(
