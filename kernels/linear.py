@@ -145,7 +145,8 @@ def native_max_rows() -> int:
 def row_independent_rows() -> int:
     """Up to how many rows a bf16 `linear` (with its weight's pack, where one is kept) computes
     each row from that row and the weight alone, so that a row's result does not depend on the
-    rest of the batch: what our kernels take (0 without them; torch's GEMMs block by batch)."""
+    rest of the batch: what our kernels take (0 without them, or while `native.disabled()`;
+    torch's GEMMs block by batch)."""
     return max(AMX_MAX_ROWS if native.amx_available() else 0, native_max_rows())
 
 

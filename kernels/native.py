@@ -355,10 +355,11 @@ def _amx() -> bool:
 
 def _build() -> Path:
     """The compiled library, built now if this machine has none yet."""
-    if os.environ.get(ENABLE_ENV, "1") == "0":
+    setting = os.environ.get(ENABLE_ENV, "1")
+    if setting == "0":
         raise _Unavailable(f"{ENABLE_ENV}=0")
-    if os.environ.get(ENABLE_ENV, "1") not in ("1", "avx512f"):
-        raise _Unavailable(f"{ENABLE_ENV} takes 0, 1 or avx512f, not {os.environ[ENABLE_ENV]!r}")
+    if setting not in ("1", "avx512f"):
+        raise _Unavailable(f"{ENABLE_ENV} takes 0, 1 or avx512f, not {setting!r}")
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         raise _Unavailable(f"needs Linux on x86_64, not {platform.system()} {platform.machine()}")
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
