@@ -1,9 +1,11 @@
-"""Small builders shared by tests: a tiny random model (config, weights) and paged-cache helpers."""
+"""Small builders shared by tests: a tiny random model (config, weights), an EAGLE head for it,
+and paged-cache helpers."""
 
 from __future__ import annotations
 
 import torch
 
+from workers.eagle.head import EagleConfig, EagleHead
 from workers.model.config import ModelConfig
 from workers.model.transformer import TransformerLM
 
@@ -66,6 +68,20 @@ def tiny_model(seed: int, **overrides: object) -> TransformerLM:
     model = TransformerLM(config)
     model.load_hf_weights(random_hf_weights(config, seed=seed))
     return model.eval()
+
+
+def tiny_eagle_head(target: TransformerLM, draft_vocab: int = 64, seed: int = 0) -> EagleHead:
+    """A random EAGLE head for `target` over `draft_vocab` of its tokens, attached to it."""
+    config = EagleConfig.for_target(target.config, draft_vocab_size=draft_vocab)
+    vocab = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))
+    head = EagleHead(config, vocab[:draft_vocab].sort().values)
+    head.init_weights(seed)
+    with torch.no_grad():  # larger weights than training starts from: decisive argmaxes
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.mul_(10)
+    head.attach(target)
+    return head.eval()
 
 
 def scattered_block_ids(num_tokens: int, block_size: int, num_blocks: int, seed: int) -> list[int]:

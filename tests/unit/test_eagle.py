@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.factories import tiny_model
+from tests.factories import tiny_eagle_head, tiny_model
 from workers.drafting.base import Draft, DraftRequest
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig
 from workers.eagle.data import EagleData, draft_vocabulary
-from workers.eagle.head import EagleConfig, EagleHead, head_metadata
+from workers.eagle.head import EagleHead, head_metadata
 from workers.eagle.self_instruct import keep_turn
 from workers.eagle.train import acceptance, batch_loss, make_batch, unrolled_outputs
 from workers.eagle.trees import (
@@ -33,19 +33,6 @@ def target() -> TransformerLM:
     return tiny_model(seed=3)
 
 
-def make_head(target: TransformerLM, draft_vocab: int = 64, seed: int = 0) -> EagleHead:
-    config = EagleConfig.for_target(target.config, draft_vocab_size=draft_vocab)
-    vocab = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))
-    head = EagleHead(config, vocab[:draft_vocab].sort().values)
-    head.init_weights(seed)
-    with torch.no_grad():  # larger weights than training starts from: decisive argmaxes
-        for p in head.parameters():
-            if p.dim() == 2:
-                p.mul_(10)
-    head.attach(target)
-    return head.eval()
-
-
 def features_for(target: TransformerLM, head: EagleHead, n: int, seed: int = 1) -> torch.Tensor:
     width = len(head.config.target_layers) * target.config.hidden_size
     return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
@@ -53,7 +40,7 @@ def features_for(target: TransformerLM, head: EagleHead, n: int, seed: int = 1) 
 
 @pytest.mark.parametrize("context", [1, 5, 11])
 def test_drafting_matches_the_unrolled_training_forward(target, context: int) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)
     tokens = torch.randint(0, 97, (context + 1,), generator=torch.Generator().manual_seed(2))
     features = features_for(target, head, context)
@@ -76,7 +63,7 @@ def test_drafting_matches_the_unrolled_training_forward(target, context: int) ->
 
 
 def test_drafts_resume_after_commits_and_roll_back_draft_rows(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)
     prompt = list(range(10, 20))
     features = features_for(target, head, 20)
@@ -97,7 +84,7 @@ def test_drafts_resume_after_commits_and_roll_back_draft_rows(target) -> None:  
 
 
 def test_features_are_tracked_by_position(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)
     features = features_for(target, head, 12)
     drafter.add("a", list(range(13)), GREEDY)
@@ -124,7 +111,7 @@ def test_features_are_tracked_by_position(target) -> None:  # type: ignore[no-un
 
 
 def test_prompt_lookup_drafts_where_the_text_repeats_and_the_head_elsewhere(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     lookup = EagleDrafter(head, target, num_blocks=32, block_size=4, lookup=NgramConfig(2, 4))
     plain = EagleDrafter(head, target, num_blocks=32, block_size=4)
     repeating = [7, 1, 2, 3, 4, 9, 8, 1, 2, 3]  # "1 2 3" came before, followed by 4 9 8
@@ -157,7 +144,7 @@ def request_for(rid: str, num_tokens: int, k: int) -> list[DraftRequest]:
 
 
 def test_sampled_drafts_return_q_over_the_draft_vocabulary(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
     drafter.add("a", list(range(6)), params)
@@ -173,7 +160,7 @@ def test_sampled_drafts_return_q_over_the_draft_vocabulary(target) -> None:  # t
 
 
 def test_out_of_cache_blocks_gives_an_empty_draft_and_recovers(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     drafter = EagleDrafter(head, target, num_blocks=2, block_size=4)
     features = features_for(target, head, 20)
     drafter.add("a", list(range(21)), GREEDY)
@@ -184,7 +171,7 @@ def test_out_of_cache_blocks_gives_an_empty_draft_and_recovers(target) -> None: 
 
 
 def test_head_file_round_trip(target, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     path = tmp_path / "head.safetensors"
     head.save(path, {"command": "python -m workers.eagle.train --seed 0"})
     loaded = EagleHead.load(path)
@@ -214,7 +201,7 @@ def tiny_data(target: TransformerLM, head: EagleHead, seqs: int = 3, length: int
 
 
 def test_training_loss_falls_and_acceptance_is_measured(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target, draft_vocab=97)
+    head = tiny_eagle_head(target, draft_vocab=97)
     head.init_weights(0)
     data = tiny_data(target, head)
     to_draft = torch.full((97,), -1, dtype=torch.int64)
@@ -238,14 +225,14 @@ def test_training_loss_falls_and_acceptance_is_measured(target) -> None:  # type
 
 
 def test_draft_vocabulary_keeps_the_most_predicted_tokens(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     data = tiny_data(target, head)
     data.top_ids[:, 0] = torch.tensor([5, 5, 5, 9, 9, 2] * 6)
     assert draft_vocabulary(data, 3).tolist() == [2, 5, 9]
 
 
 def test_data_of_two_sources_joins_sequence_by_sequence(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     a, b = tiny_data(target, head, seqs=3, length=12), tiny_data(target, head, seqs=2, length=5)
     joined = EagleData.concat([a, b])
     assert joined.num_sequences == 5
@@ -284,7 +271,7 @@ def test_walking_a_sequence_starts_each_step_where_the_last_ended() -> None:
 
 
 def test_chain_acceptance_from_ranks_matches_the_training_measure(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target, draft_vocab=97)
+    head = tiny_eagle_head(target, draft_vocab=97)
     data = tiny_data(target, head, seqs=3, length=16)
     to_draft = torch.arange(97)
     ranks = torch.cat(acceptance_ranks(head, data, 3, vocab_size=97))
@@ -305,7 +292,7 @@ def test_self_instruct_keeps_finished_english_turns_far_from_held_out_prompts() 
 
 
 def test_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(target) -> None:  # type: ignore[no-untyped-def]
-    head = make_head(target)
+    head = tiny_eagle_head(target)
     features = features_for(target, head, 24)
     prompt = list(range(10, 20))
     drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)

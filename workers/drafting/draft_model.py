@@ -124,7 +124,7 @@ class DraftModelDrafter(DraftsAhead):
         if params.greedy:
             return int(logits[0].argmax()), None
         q = logits_to_probs(
-            logits,
+            logits.float().cpu(),  # sampling is host work, with the request's own generator
             torch.tensor([params.temperature]),
             torch.tensor([params.top_k]),
             torch.tensor([params.top_p]),

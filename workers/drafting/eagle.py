@@ -83,7 +83,7 @@ class EagleDrafter(DraftsAhead):
     ) -> None:
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError("the EAGLE head was trained for a target of another hidden size")
-        head = head.to(target.dtype)
+        head = head.to(device=target.device, dtype=target.dtype)
         head.attach(target)
         self.head = head
         self.hidden_layers = head.config.target_layers
@@ -92,7 +92,7 @@ class EagleDrafter(DraftsAhead):
         self.allocator = BlockAllocator(num_blocks)
         self.backend = attention or NativeCpuAttention()
         self.max_model_len = max_model_len or target.config.max_position_embeddings
-        self.vocab = head.draft_vocab
+        self.vocab = head.draft_vocab.cpu()  # sampling is host work (per-request generators)
         self.full_vocab_size = target.config.vocab_size
         self._seqs: dict[str, _EagleSeq] = {}
         # Prompt lookup first: where the text's last min_n..max_n tokens occurred before, what
@@ -288,8 +288,8 @@ class EagleDrafter(DraftsAhead):
         params = seq.params
         if params.greedy:
             return int(self.vocab[int(logits[0].argmax())]), None
-        full = torch.full((1, self.full_vocab_size), -torch.inf, device=logits.device)
-        full[0, self.vocab] = logits[0].float()
+        full = torch.full((1, self.full_vocab_size), -torch.inf)
+        full[0, self.vocab] = logits[0].float().cpu()
         q = logits_to_probs(
             full,
             torch.tensor([params.temperature]),

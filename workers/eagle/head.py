@@ -142,7 +142,8 @@ class EagleHead(nn.Module):
         if int(self.draft_vocab.max()) >= target.config.vocab_size:
             raise ValueError("the draft vocabulary has ids outside the target's vocabulary")
         self.embed = target.embed_tokens.weight.detach()
-        self.lm_head = target.lm_head_weight().detach().index_select(0, self.draft_vocab)
+        weight = target.lm_head_weight().detach()
+        self.lm_head = weight.index_select(0, self.draft_vocab.to(weight.device))
         self.lm_head = self.lm_head.to(self.fuse.weight.dtype)
 
     # -- the pieces, shared by drafting (paged cache) and training (dense, unrolled) -----------
@@ -167,6 +168,8 @@ class EagleHead(nn.Module):
     def rope(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos.device != positions.device:  # moved with the target (a GPU, say)
+            self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
         return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
 
     def forward_paged(

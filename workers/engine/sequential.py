@@ -121,7 +121,7 @@ class SequentialEngine:
         if params.greedy:
             return int(logits[0].argmax())
         probs = logits_to_probs(
-            logits,
+            logits.float().cpu(),
             temperature=torch.tensor([params.temperature]),
             top_k=torch.tensor([params.top_k]),
             top_p=torch.tensor([params.top_p]),

@@ -75,7 +75,7 @@ def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
     if p.greedy:
         return int(logits.argmax())
     probs = logits_to_probs(
-        logits.float().view(1, -1),
+        logits.float().cpu().view(1, -1),
         torch.tensor([p.temperature], dtype=torch.float32),
         torch.tensor([p.top_k], dtype=torch.long),
         torch.tensor([p.top_p], dtype=torch.float32),

@@ -1,0 +1,150 @@
+"""The engine with its model on a CUDA device keeps the promises it keeps on the CPU: our model
+computes what it computes on the CPU, greedy speculative output equals plain decoding for every
+drafter, and a seeded sampled request draws the same tokens whatever else is in its batch.
+
+Each engine test runs on the CPU too, so CI (which has no GPU) checks the tests themselves;
+`pytest -m cuda` runs the CUDA cases where a GPU is. fp32 with TF32 off, so that a forward's
+logits do not depend on how many tokens it scores."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.factories import tiny_eagle_head, tiny_model
+from tests.model.helpers import all_logits
+from workers.drafting.base import Drafter
+from workers.drafting.draft_model import DraftModelDrafter
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
+from workers.model.transformer import TransformerLM
+
+CUDA = torch.device("cuda")
+needs_cuda = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+SPEC = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
+METHODS = ["ngram", "suffix", "draft_model", "self_draft", "eagle"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_tf32() -> Iterator[None]:
+    if not torch.cuda.is_available():
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=needs_cuda)])
+def model(request: pytest.FixtureRequest) -> TransformerLM:
+    return tiny_model(seed=4, max_position_embeddings=512).to(request.param)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat themselves (so n-gram drafts get accepted) at different lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for length in torch.randint(3, 24, (n,), generator=gen).tolist():
+        piece = torch.randint(3, 90, (length,), generator=gen).tolist()
+        out.append(piece * 2 + piece[: length // 2])
+    return out
+
+
+def make_drafter(method: str, model: TransformerLM) -> Drafter:
+    if method == "ngram":
+        return NgramDrafter(NgramConfig(1, 3))
+    if method == "suffix":
+        return SuffixDrafter(NgramConfig(1, 3))
+    if method == "eagle":
+        return EagleDrafter(tiny_eagle_head(model), model, num_blocks=256, block_size=8)
+    # A model that disagrees with the target often, or the target itself (always agrees).
+    net = model if method == "self_draft" else tiny_model(seed=5).to(model.device)
+    return DraftModelDrafter(net, num_blocks=256, block_size=8)
+
+
+def engine(model: TransformerLM, drafter: Drafter | None = None) -> LLMEngine:
+    drafters = {} if drafter is None else {drafter.method: drafter}
+    config = EngineConfig(max_model_len=512, block_size=8, spec=SPEC)
+    return LLMEngine(model, config, drafters=drafters)
+
+
+def run_staggered(
+    eng: LLMEngine, prompt_ids: list[list[int]], params: list[SamplingParams], spec: RequestSpec
+) -> list[list[int]]:
+    """Request i arrives at step 2i; each request's tokens in order."""
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
+    pending = list(enumerate(prompt_ids))
+    step = 0
+    while pending or eng.has_unfinished_requests():
+        while pending and pending[0][0] * 2 <= step:
+            i, prompt = pending.pop(0)
+            eng.add_request(f"r{i}", prompt, params[i], spec)
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+        step += 1
+    return list(tokens.values())
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=needs_cuda)])
+def test_the_model_computes_on_cuda_what_it_computes_on_the_cpu(_: None) -> None:
+    cpu_model = tiny_model(seed=4, max_position_embeddings=512)
+    model = tiny_model(seed=4, max_position_embeddings=512).to(CUDA)
+    prompt = prompts(1, seed=9)[0]
+    plain_cpu = SequentialEngine(cpu_model, max_model_len=512)
+    plain_cuda = SequentialEngine(model, max_model_len=512)
+    assert plain_cuda.generate(prompt, GREEDY).token_ids == (
+        plain_cpu.generate(prompt, GREEDY).token_ids
+    )
+    got = all_logits(model, prompt)
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), all_logits(cpu_model, prompt), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_speculation_on_cuda_equals_plain_decoding(
+    model: TransformerLM, method: str, batch: int
+) -> None:
+    prompt_ids = prompts(batch, seed=batch)
+    plain = SequentialEngine(model, max_model_len=512)
+    expected = [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+    drafter = make_drafter(method, model)
+    eng = engine(model, drafter)
+    got = run_staggered(eng, prompt_ids, [GREEDY] * batch, RequestSpec(method=drafter.method))
+    assert got == expected
+    assert eng.stats.drafted > 0
+    if method == "self_draft":
+        assert eng.stats.accepted == eng.stats.drafted
+    assert eng.allocator.num_free_blocks == eng.config.kv_blocks
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle"])
+def test_a_seeded_sampled_request_draws_the_same_alone_or_in_a_batch(
+    model: TransformerLM, method: str
+) -> None:
+    prompt_ids = prompts(4, seed=21)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7 + i, ignore_eos=True)
+        for i in range(4)
+    ]
+    spec = RequestSpec(enabled=False) if method == "none" else RequestSpec(method=method)
+
+    def fresh() -> LLMEngine:
+        return engine(model, None if method == "none" else make_drafter(method, model))
+
+    together = run_staggered(fresh(), prompt_ids, params, spec)
+    pairs = zip(prompt_ids, params, strict=True)
+    alone = [run_staggered(fresh(), [p], [sp], spec)[0] for p, sp in pairs]
+    assert together == alone
+    assert all(len(tokens) == 12 for tokens in together)
