@@ -240,6 +240,15 @@ def median_tps(runs: list[Run]) -> float:
     return statistics.median(r.tokens_per_s for r in runs)
 
 
+def paired_ratio(runs: list[Run], base: list[Run]) -> float:
+    """Median over rounds of tokens/s against `base`'s in the same round. The jobs of a round
+    run one right after another, so a machine that slows down for a while slows both sides of a
+    ratio alike (a ratio of medians would set one round's slow run against another's fast one)."""
+    return statistics.median(
+        r.tokens_per_s / b.tokens_per_s for r, b in zip(runs, base, strict=True)
+    )
+
+
 def single_stream(
     engine: LLMEngine,
     prompt_ids: dict[str, list[list[int]]],
@@ -251,11 +260,11 @@ def single_stream(
     rows, speedups = [], {}
     for kind, ids in prompt_ids.items():
         results = run_methods(engine, ids, runs, max_tokens, f"single stream, {kind}", False)
-        base = median_tps(results["none"])
         for method in METHODS:
             tps = median_tps(results[method])
+            speedup = paired_ratio(results[method], results["none"])
             length, k_mean, alpha = merged_stats(results[method])
-            speedups[(kind, method)] = tps / base
+            speedups[(kind, method)] = speedup
             per_draft = draft_cost if method == "draft_model" else 0.0
             bound = ideal_speedup(length, k_mean, verify_cost, per_draft)
             ideal = "" if method == "none" else f"{bound:.2f}x"
@@ -264,7 +273,7 @@ def single_stream(
                     kind,
                     method,
                     f"{tps:.1f}",
-                    f"{tps / base:.2f}x",
+                    f"{speedup:.2f}x",
                     f"{length:.2f}",
                     f"{k_mean:.2f}",
                     f"{alpha:.2f}",
@@ -305,19 +314,19 @@ def concurrency(
             same_kind = kinds[i % len(kinds)]
             batch.append(same_kind[i // len(kinds) % len(same_kind)])
         results = run_methods(engine, batch, runs, max_tokens, f"{n} concurrent", True)
-        base = median_tps(results["none"])
         base_steps = last_request_steps(results["none"])
         for method in METHODS:
             tps = median_tps(results[method])
+            speedup = paired_ratio(results[method], results["none"])
             length, k_mean, _ = merged_stats(results[method])
-            speedups[(n, method)] = tps / base
+            speedups[(n, method)] = speedup
             bound = base_steps / last_request_steps(results[method])
             rows.append(
                 [
                     n,
                     method,
                     f"{tps:.1f}",
-                    f"{tps / base:.2f}x",
+                    f"{speedup:.2f}x",
                     f"{length:.2f}",
                     f"{k_mean:.2f}",
                     f"{bound:.2f}x",
@@ -386,11 +395,13 @@ def transformers_section(
         jobs["transformers assisted (12-layer draft)"] = hf_job(ids, assistant_model=hf_draft)
         results = interleaved(runs, jobs, f"transformers, {kind}")
         lookup = max(
-            median_tps(results[f"transformers prompt lookup, {n} tokens"]) for n in HF_LOOKUP_TOKENS
+            (results[f"transformers prompt lookup, {n} tokens"] for n in HF_LOOKUP_TOKENS),
+            key=median_tps,
         )
-        ratios[kind] = median_tps(results["Outrider ngram"]) / lookup
+        ratios[kind] = paired_ratio(results["Outrider ngram"], lookup)
         for name, rs in results.items():
-            rows.append([kind, name, f"{median_tps(rs):.1f}", f"{median_tps(rs) / lookup:.2f}x"])
+            ratio = paired_ratio(rs, lookup)
+            rows.append([kind, name, f"{median_tps(rs):.1f}", f"{ratio:.2f}x"])
     header = ["prompt", "engine", "tokens/s", "vs transformers' faster prompt lookup"]
     return table(header, rows), ratios
 
@@ -415,7 +426,6 @@ def qwen_pair_section(runs: int, max_tokens: int) -> str:
             fixed_k, ids, "draft_model", max_tokens
         )
         results = interleaved(runs, jobs, f"qwen pair, {kind}")
-        base = median_tps(results["none"])
         for name, rs in results.items():
             length, k_mean, alpha = merged_stats(rs)
             tps = median_tps(rs)
@@ -424,7 +434,7 @@ def qwen_pair_section(runs: int, max_tokens: int) -> str:
                     kind,
                     name,
                     f"{tps:.2f}",
-                    f"{tps / base:.2f}x",
+                    f"{paired_ratio(rs, results['none']):.2f}x",
                     f"{length:.2f}",
                     f"{k_mean:.2f}",
                     f"{alpha:.2f}",
@@ -471,8 +481,8 @@ def main() -> None:
             body = "## Speculative decoding: a real draft/target pair\n\n" + (
                 "`python -m tests.benchmarks.bench_spec --pair qwen`\n\n"
                 f"Machine: {machine_line()}. Greedy, up to {args.max_tokens} new tokens, "
-                f"medians of {args.runs} interleaved runs.\n\n"
-                + qwen_pair_section(args.runs, args.max_tokens)
+                f"medians of {args.runs} interleaved runs (a speed-up: of the ratios within a "
+                "run).\n\n" + qwen_pair_section(args.runs, args.max_tokens)
             )
         print(body)
         write_section("bench_spec_qwen", body, args.output)
@@ -522,7 +532,9 @@ def main() -> None:
             f"## Speculative decoding{on_this_cpu}\n\n`python -m tests.benchmarks.bench_spec`",
             f"Machine: {machine_line()}. Bundled SmolLM2-135M-Instruct, bf16, greedy, chat "
             f"template, up to {args.max_tokens} new tokens, k <= {K} (adaptive), medians of "
-            f"{args.runs} interleaved runs. draft_model is the target's first {DRAFT_LAYERS} "
+            f"{args.runs} interleaved runs; a speed-up (`vs ...`) is the median over runs of the "
+            "ratio within a run, where the methods run one right after another. draft_model is "
+            f"the target's first {DRAFT_LAYERS} "
             "layers (the bundled model has no smaller sibling); adaptive k turns it off where it "
             "does not pay. "
             + (

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.bench_spec import Run, paired_ratio
 from tests.benchmarks.report import write_section
+from workers.engine.llm_engine import Completion
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +46,25 @@ def test_bench_forward_quick_run(tmp_path: Path) -> None:
     ):
         assert heading in text
     assert "| bfloat16 | 8 |" in text and "dense HF folder" in text and "packed weights" in text
+
+
+def test_bench_spec_quick_run(tmp_path: Path) -> None:
+    text = quick_run("bench_spec", tmp_path)
+    assert "<!-- bench_spec:start -->" in text or "<!-- bench_spec_avx512f:start -->" in text
+    assert "| code edit | ngram |" in text and "| 4 | draft_model |" in text
+    assert "| summary | transformers prompt lookup, 16 tokens |" in text
+    assert "n-gram on code edit vs none" in text
+
+
+def runs_at(*tokens_per_s: float) -> list[Run]:
+    return [Run(90 / t, [Completion("r", [1], [0] * 90)]) for t in tokens_per_s]
+
+
+def test_a_speed_up_is_the_median_of_the_ratios_within_runs() -> None:
+    # The machine ran slow for the method's second run and fast for the base's: the ratio of
+    # medians (9 / 15) would call the method 0.6x; within each run it is 0.9x twice.
+    method, base = runs_at(9, 4.5, 13.5), runs_at(10, 16, 15)
+    assert paired_ratio(method, base) == pytest.approx(0.9)
 
 
 def test_bench_eagle_quick_run(tmp_path: Path) -> None:
