@@ -1,6 +1,6 @@
 """The bodies of the pools' Ray actors other than the verifier's engine: drafters, prefill
 workers and the ranks > 0 of a tensor-parallel verifier group, with the helpers every actor uses
-(its engine config from the deployment config, its CPU threads, where it runs).
+(its engine config from the deployment config, its CPU threads, its device, where it runs).
 """
 
 from __future__ import annotations
@@ -42,11 +42,22 @@ def engine_config(config: DeploymentConfig) -> EngineConfig:
     )
 
 
-def model_spec(config: DeploymentConfig) -> Any:
+def model_spec(config: DeploymentConfig, device: str = "cpu") -> Any:
     from workers.engine.factory import ModelSpec
 
     drafter = config.pools.drafter
-    return ModelSpec(config.model, config.dtype, drafter.draft_model, drafter.draft_layers)
+    return ModelSpec(
+        config.model, config.dtype, drafter.draft_model, drafter.draft_layers, device=device
+    )
+
+
+def assigned_device() -> str:
+    """Where this actor's models live: the GPU Ray gave it ("cuda": Ray sets
+    CUDA_VISIBLE_DEVICES to it), else the CPU. A pool asks for GPUs by its `gpus` resource."""
+    import ray
+    import torch
+
+    return "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
 
 
 def use_assigned_cpus() -> None:
@@ -82,7 +93,8 @@ class DrafterActor:
         torch.set_num_threads(1)
         deployment = from_dict(config)
         method = deployment.pools.drafter.method
-        spec = model_spec(deployment)
+        self.device = assigned_device()
+        spec = model_spec(deployment, self.device)
 
         def make() -> Any:
             # A draft model from its own file needs only the target's config: a drafter beside
@@ -91,7 +103,7 @@ class DrafterActor:
             if needs_target(spec, method):
                 dtype = parse_dtype(deployment.dtype)
                 checkpoint = load_checkpoint(deployment.model, dtype=dtype)
-                target = build_model(checkpoint, dtype=dtype)
+                target = build_model(checkpoint, dtype=dtype, device=self.device)
             target_config = checkpoint.config if checkpoint else load_config(deployment.model)
             settings = engine_config(deployment)
             drafters, seconds = build_drafters(
@@ -104,7 +116,12 @@ class DrafterActor:
         self.worker = DrafterWorker(make, name, deployment.pools.drafter.draft_ahead)
 
     def info(self) -> dict[str, Any]:
-        return {**self.worker.info(), "token_seconds": self.token_seconds, **where()}
+        return {
+            **self.worker.info(),
+            "token_seconds": self.token_seconds,
+            "device": self.device,
+            **where(),
+        }
 
     def open_link(self, address: Any) -> int:
         return self.worker.open_link(address)
@@ -123,14 +140,16 @@ class PrefillActor:
         use_assigned_cpus()
         deployment = from_dict(config)
         self.name = name
+        self.device = assigned_device()
         dtype = parse_dtype(deployment.dtype)
-        model = build_model(load_checkpoint(deployment.model, dtype=dtype), dtype=dtype)
+        checkpoint = load_checkpoint(deployment.model, dtype=dtype)
+        model = build_model(checkpoint, dtype=dtype, device=self.device)
         self.worker = PrefillWorker(
             model, deployment.engine.max_model_len, deployment.engine.block_size
         )
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, **where()}
+        return {"name": self.name, "device": self.device, **where()}
 
     def open_link(self, address: Any) -> None:
         self.worker.open_link(address)
@@ -201,7 +220,7 @@ class VerifierRankActor:
         self.name, self.rank, self.world = name, rank, world
         dtype = parse_dtype(deployment.dtype)
         checkpoint = load_checkpoint(deployment.model, dtype=dtype)
-        model = build_sharded_model(checkpoint, rank, world, None, dtype)
+        model = build_sharded_model(checkpoint, rank, world, None, dtype, assigned_device())
         blocks = engine_config(deployment).kv_blocks
         block_size = deployment.engine.block_size
         cache = PagedKVCache(model.config, blocks, block_size, model.dtype, model.device)

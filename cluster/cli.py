@@ -30,6 +30,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     # Engine flags default to None: over a --config file only the flags given apply; without
     # one, ENGINE_DEFAULTS fill them in.
     model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    model.add_argument(
+        "--device",
+        default=None,
+        choices=["cpu", "cuda"],
+        help="where an in-process engine runs (default cpu); --cluster places by pool GPUs",
+    )
     model.add_argument("--max-model-len", type=int, default=None, help="context (default 4096)")
     model.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default 32)")
     model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -158,7 +164,12 @@ def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
     config = EngineConfig(
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, spec=spec
     )
-    model = ModelSpec(args.model, args.dtype, args.draft_model, args.draft_layers, args.eagle_head)
+    device = args.device or "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch sees no CUDA device")
+    model = ModelSpec(
+        args.model, args.dtype, args.draft_model, args.draft_layers, args.eagle_head, device
+    )
     return build_engine(model, config, progress=progress)
 
 
@@ -168,6 +179,11 @@ def _uses_cluster(args: argparse.Namespace) -> bool:
 
 def _deployment(args: argparse.Namespace) -> DeploymentConfig:
     """The config file (or defaults) with the flags given on the command line over it."""
+    if args.device is not None and _uses_cluster(args):
+        raise ValueError(
+            "--device is for an in-process engine; a cluster's actors run on the GPUs their "
+            "pools ask for (pools.<pool>.resources.gpus)"
+        )
     config = load_config(args.config)
     method = args.spec_method
     overrides: dict[str, object] = {

@@ -9,6 +9,11 @@ CUDA tensors where NCCL exists; the CPU wheel rejects a combined "cpu:gloo,cuda:
 string, and constructing the class directly needs no backend string at all). Construction is
 collective, so the host starts its half while the peer's call is in flight.
 
+NCCL carries a link only when every member holds its tensors on a GPU (`link_backend`); a link
+with a CPU member (a drafter on the Grace CPU beside a GPU verifier, say) is gloo, and a GPU
+member's tensors cross it through host memory: sent from a host copy, received into one and
+copied onto the GPU. A link's tensors arrive on `link.device` unless received into a buffer.
+
 Every operation waits at most the link's timeout (torch's default would be 30 minutes), and a
 peer that died surfaces as `LinkError` at once (gloo notices the closed socket), so the caller
 can rebuild the link once the peer is back.
@@ -55,8 +60,9 @@ def node_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def backend_for(device: torch.device) -> str:
-    if device.type == "cuda" and dist.is_nccl_available():
+def link_backend(*devices: torch.device | str) -> str:
+    """NCCL where every member's tensors are on a GPU and NCCL exists; else gloo."""
+    if all(torch.device(d).type == "cuda" for d in devices) and dist.is_nccl_available():
         return "nccl"
     return "gloo"
 
@@ -126,6 +132,11 @@ class TensorLink:
     def connected(self) -> bool:
         return self._group is not None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the backend takes tensors: the GPU for NCCL, host memory for gloo."""
+        return torch.device("cuda" if self.address.backend == "nccl" else "cpu")
+
     def close(self) -> None:
         self._group = None
         self._store = None
@@ -137,7 +148,7 @@ class TensorLink:
         """Send to the peer. A send completes only once the peer posts the matching `recv`; with
         `wait=False` it is left in flight (the tensor kept alive) and reaped later, so a caller
         never blocks on a peer that is still busy with earlier work."""
-        tensor = tensor.contiguous()
+        tensor = tensor.to(self.device).contiguous()  # a GPU tensor over gloo: a host copy
         group = self._require()
         try:
             work = group.send([tensor], self.peer, 0)
@@ -150,25 +161,34 @@ class TensorLink:
         else:
             self._reap()
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-        return self.recv_into(torch.empty(shape, dtype=dtype, device=device))
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next tensor from the peer, on `self.device`."""
+        return self.recv_into(torch.empty(shape, dtype=dtype, device=self.device))
 
     def recv_into(self, out: torch.Tensor) -> torch.Tensor:
-        """Receive into `out` (contiguous: a slice of a bigger buffer is fine)."""
+        """Receive into `out` (contiguous: a slice of a bigger buffer is fine; elsewhere than
+        `self.device`, through a buffer there)."""
         if not out.is_contiguous():
             raise ValueError("a link receives into contiguous tensors only")
+        here = out.device.type == self.device.type
+        staged = out if here else torch.empty_like(out, device=self.device)
         group = self._require()
         try:
-            work = group.recv([out], self.peer, 0)
+            work = group.recv([staged], self.peer, 0)
         except RuntimeError as err:
             self.close()
             raise LinkError(f"link {self.address.link_id}: {err}") from err
         self._wait(work)
+        if staged is not out:
+            out.copy_(staged)
         return out
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over every member, in place (and returned)."""
-        self._wait(self._require().allreduce([tensor]))
+        staged = tensor if tensor.device.type == self.device.type else tensor.to(self.device)
+        self._wait(self._require().allreduce([staged]))
+        if staged is not tensor:
+            tensor.copy_(staged)
         return tensor
 
     def flush(self) -> None:

@@ -49,6 +49,11 @@ class PrefillResult:
     logits: torch.Tensor  # [vocab] fp32, of the last position
 
 
+def distinct(layers: Sequence[int]) -> tuple[int, ...]:
+    """Each layer once, in order (an EAGLE head of a shallow target may fuse a layer twice)."""
+    return tuple(dict.fromkeys(layers))
+
+
 def plan_for(model_config: Any, num_tokens: int, layers: Sequence[int], dtype: str) -> PrefillPlan:
     kv_shape = (
         model_config.num_layers,
@@ -60,7 +65,7 @@ def plan_for(model_config: Any, num_tokens: int, layers: Sequence[int], dtype: s
     return PrefillPlan(
         num_tokens,
         kv_shape,
-        tuple(layers),
+        distinct(layers),
         model_config.hidden_size,
         model_config.vocab_size,
         dtype,
@@ -71,7 +76,7 @@ def receive(link: TensorLink, plan: PrefillPlan) -> PrefillResult:
     """The verifier's side: each layer's K and V, the hidden states of each layer of the plan,
     the logits."""
     dtype = getattr(torch, plan.dtype)
-    kv = torch.empty(plan.kv_shape, dtype=dtype)
+    kv = torch.empty(plan.kv_shape, dtype=dtype, device=link.device)
     for layer in range(plan.kv_shape[0]):
         link.recv_into(kv[layer, 0])
         link.recv_into(kv[layer, 1])
@@ -106,7 +111,7 @@ class PrefillWorker:
     @torch.inference_mode()
     def compute(self, token_ids: Sequence[int], hidden_layers: Sequence[int]) -> PrefillResult:
         """The prompt's K/V (a copy), hidden states and last logits, in this process."""
-        hidden, logits = self._forward(token_ids, hidden_layers)
+        hidden, logits = self._forward(token_ids, distinct(hidden_layers))
         kv = self.runner.kv_cache.read_slots(torch.arange(len(token_ids), device=self.model.device))
         return PrefillResult(kv, hidden, logits)
 
@@ -117,6 +122,7 @@ class PrefillWorker:
         link = self.link
         if link is None:
             raise RuntimeError("no link to a verifier")
+        hidden_layers = distinct(hidden_layers)
         n = len(token_ids)
         cache = self.runner.kv_cache
         moved = 0

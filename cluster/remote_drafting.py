@@ -241,9 +241,11 @@ class RemoteDrafter(Drafter):
         hidden_layers: Sequence[int] = (),
         deadline_s: float = 1.0,
         name: str = "drafter",
+        backend: str = "gloo",  # the link's: NCCL where both ends are on GPUs (link_backend)
     ) -> None:
         self.actor = actor
         self.name = name
+        self.backend = backend
         self.method = method
         self.hidden_layers = tuple(hidden_layers)
         self.deadline_s = deadline_s
@@ -337,7 +339,7 @@ class RemoteDrafter(Drafter):
     def _connect(self) -> None:
         import ray
 
-        link = TensorLink.host(f"{self.name}-{time.time_ns()}")
+        link = TensorLink.host(f"{self.name}-{time.time_ns()}", self.backend)
         joined = self.actor.open_link.remote(link.address)
         link.connect()  # collective with the actor's join
         self._incarnation = ray.get(joined, timeout=30)

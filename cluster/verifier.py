@@ -15,6 +15,7 @@ from cluster.actors import (
     DRAFT_DEADLINE_S,
     RAY_NAMESPACE,
     TensorParallelRunner,
+    assigned_device,
     engine_config,
     model_spec,
     start_tracing,
@@ -22,7 +23,7 @@ from cluster.actors import (
     where,
 )
 from cluster.config import from_dict
-from cluster.links import TensorLink, backend_for
+from cluster.links import TensorLink, link_backend
 from cluster.prefill import plan_for, receive
 from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
 from workers.engine.config import RequestSpec
@@ -68,6 +69,7 @@ class VerifierActor:
         use_assigned_cpus()
         deployment = from_dict(config)
         self.name = name
+        self.device = assigned_device()
         start_tracing(deployment)
         self.rounds = telemetry.RoundTracer()
         remote: dict[str, tuple[Any, float]] = {}
@@ -77,7 +79,14 @@ class VerifierActor:
             actors = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in drafter_names]
             infos: list[dict[str, Any]] = ray.get([a.info.remote() for a in actors])
             shards = [
-                RemoteDrafter(a, i["method"], i["hidden_layers"], DRAFT_DEADLINE_S, n)
+                RemoteDrafter(
+                    a,
+                    i["method"],
+                    i["hidden_layers"],
+                    DRAFT_DEADLINE_S,
+                    n,
+                    link_backend(self.device, i["device"]),
+                )
                 for a, i, n in zip(actors, infos, drafter_names, strict=True)
             ]
             self.drafters = ShardedDrafter(shards)
@@ -85,11 +94,11 @@ class VerifierActor:
         self.rank_names = list(rank_names or [])
         world = 1 + len(self.rank_names)
         loaded = build_engine(
-            model_spec(deployment),
+            model_spec(deployment, self.device),
             engine_config(deployment),
             False,
             remote,
-            lambda checkpoint, dtype: build_sharded_model(checkpoint, 0, world, None, dtype),
+            lambda ck, dtype: build_sharded_model(ck, 0, world, None, dtype, self.device),
         )
         if world > 1:
             self._join_group(loaded.engine, world)
@@ -127,7 +136,7 @@ class VerifierActor:
         import ray
 
         ranks = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in self.rank_names]
-        backend = backend_for(engine.runner.model.device)  # NCCL for CUDA ranks
+        backend = link_backend(engine.runner.model.device)  # NCCL for GPU ranks
         group = TensorLink.host(f"{self.name}-tp", backend, timeout_s=60.0, world=world)
         joined = [r.join_group.remote(group.address) for r in ranks]
         group.connect()
@@ -142,6 +151,7 @@ class VerifierActor:
             "drafters": self.drafter_names,
             "prefill": self.prefill_names,
             "ranks": self.rank_names,
+            "device": self.device,
             **where(),
         }
 
@@ -156,7 +166,10 @@ class VerifierActor:
 
         link = self.prefill_links[index]
         if link is None or not link.connected:
-            link = TensorLink.host(f"{self.name}-{self.prefill_names[index]}", timeout_s=120.0)
+            peer: Any = ray.get(self.prefill_actors[index].info.remote(), timeout=60)
+            backend = link_backend(self.device, peer["device"])
+            name = f"{self.name}-{self.prefill_names[index]}"
+            link = TensorLink.host(name, backend, timeout_s=120.0)
             joined: Any = self.prefill_actors[index].open_link.remote(link.address)
             link.connect()
             ray.get(joined, timeout=60)

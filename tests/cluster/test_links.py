@@ -1,5 +1,6 @@
 """Tensor links between two endpoints (threads here; actors in test_runtime.py): tensors arrive
-intact and in order, sends can stay in flight, and a vanished peer is a prompt `LinkError`."""
+intact and in order, sends can stay in flight, a vanished peer is a prompt `LinkError`, and GPU
+tensors cross a gloo link through host memory (the CUDA cases run where a GPU is)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from cluster.links import LinkError, TensorLink
+from cluster.links import LinkError, TensorLink, link_backend
+
+needs_cuda = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
 def pair(name: str, timeout_s: float = 5.0) -> tuple[TensorLink, TensorLink]:
@@ -41,6 +49,37 @@ def test_tensors_arrive_in_order_with_sends_in_flight() -> None:
     peer.flush()
 
 
+def test_nccl_carries_a_link_only_between_gpus() -> None:
+    assert link_backend("cpu") == link_backend("cpu", "cpu") == "gloo"
+    assert link_backend("cuda", "cpu") == link_backend(torch.device("cpu"), "cuda") == "gloo"
+    nccl = "nccl" if dist.is_nccl_available() else "gloo"
+    assert link_backend("cuda", torch.device("cuda", 0)) == nccl
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_gloo_link_moves_tensors_of_any_device(device: str) -> None:
+    host, peer = pair(f"devices-{device}")
+    assert host.device.type == peer.device.type == "cpu"
+    sent = torch.arange(12, dtype=torch.bfloat16, device=device).reshape(3, 4)
+    host.send(sent, wait=False)  # from a GPU: a host copy, kept alive while in flight
+    host.send(sent * 2, wait=False)
+    got = peer.recv((3, 4), torch.bfloat16)
+    assert got.device.type == "cpu" and torch.equal(got, sent.cpu())
+    into = torch.zeros(2, 3, 4, dtype=torch.bfloat16, device=device)
+    row = into[1]
+    assert peer.recv_into(row) is row  # received in host memory, copied onto `device`
+    host.flush()
+    assert torch.equal(into[1], sent * 2) and not into[0].any()
+    # A sum over the pair, each member's tensor on `device`.
+    ones = [torch.ones(5, device=device), torch.full((5,), 2.0, device=device)]
+    thread = threading.Thread(target=peer.all_reduce, args=(ones[1],))
+    thread.start()
+    host.all_reduce(ones[0])
+    thread.join()
+    for t in ones:
+        assert t.device.type == device and torch.equal(t.cpu(), torch.full((5,), 3.0))
+
+
 def test_two_links_in_one_process_do_not_mix() -> None:
     a_host, a_peer = pair("link-a")
     b_host, b_peer = pair("link-b")
@@ -60,18 +99,20 @@ def test_a_peer_that_never_answers_is_a_timeout_not_a_hang() -> None:
     del peer
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk", [512, 7])
 def test_a_prefill_over_a_link_delivers_what_it_computes(
-    chunk: int, monkeypatch: pytest.MonkeyPatch
+    chunk: int, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The worker sends each layer's K/V during the forward (straight from its scratch cache),
     then the hidden states and the logits; the verifier's `receive` puts them back together:
-    the same tensors as computing in one process, over one chunk or several."""
+    the same tensors as computing in one process, over one chunk or several (from a worker on
+    a GPU, through host memory)."""
     import cluster.prefill as prefill
     from tests.factories import tiny_model
 
     monkeypatch.setattr(prefill, "PREFILL_CHUNK", chunk)
-    model = tiny_model(seed=3, max_position_embeddings=128)
+    model = tiny_model(seed=3, max_position_embeddings=128).to(device)
     prompt = torch.randint(3, 90, (30,), generator=torch.Generator().manual_seed(0)).tolist()
     expected = prefill.PrefillWorker(model, max_model_len=64, block_size=8).compute(prompt, (0, 1))
     host, peer = pair(f"prefill-{chunk}")
@@ -79,16 +120,18 @@ def test_a_prefill_over_a_link_delivers_what_it_computes(
     worker.link = peer
     timings: dict[str, dict] = {}
     thread = threading.Thread(
-        target=lambda: timings.setdefault("sent", worker.prefill(prompt, (0, 1)))
+        # Layer 1 asked for twice (an EAGLE head of a shallow target fuses it twice): sent once.
+        target=lambda: timings.setdefault("sent", worker.prefill(prompt, (0, 1, 1)))
     )
     thread.start()
-    plan = prefill.plan_for(model.config, len(prompt), (0, 1), "float32")
+    plan = prefill.plan_for(model.config, len(prompt), (0, 1, 1), "float32")
     got = prefill.receive(host, plan)
     thread.join()
-    assert torch.equal(got.kv, expected.kv) and torch.equal(got.logits, expected.logits)
+    assert torch.equal(got.kv, expected.kv.cpu())
+    assert torch.equal(got.logits, expected.logits.cpu())
     assert got.hidden.keys() == {0, 1}
     for layer in (0, 1):
-        assert torch.equal(got.hidden[layer], expected.hidden[layer])
+        assert torch.equal(got.hidden[layer], expected.hidden[layer].cpu())
     moved = sum(t.numel() * t.element_size() for t in (got.kv, *got.hidden.values(), got.logits))
     assert timings["sent"]["bytes"] == moved
 

@@ -54,8 +54,25 @@ def test_drafters_land_on_the_grace_node(multi_node) -> None:  # type: ignore[no
         info = runtime.actor_info()
         assert {d["node_id"] for d in info["drafters"]} == {multi_node.node_id}
         assert info["verifiers"][0]["node_id"] != multi_node.node_id
+        # No pool asked for GPUs: every actor's models are on its CPU.
+        assert {a["device"] for pool in info.values() for a in pool} == {"cpu"}
     finally:
         runtime.shutdown()
+
+
+def test_an_actor_given_a_gpu_runs_its_models_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from cluster.actors import assigned_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])  # Ray's CUDA_VISIBLE_DEVICES=3
+    assert assigned_device() == "cuda"
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    assert assigned_device() == "cpu"
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [3])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only torch
+    assert assigned_device() == "cpu"
 
 
 def test_unsatisfiable_placement_is_a_clear_error(multi_node) -> None:  # type: ignore[no-untyped-def]

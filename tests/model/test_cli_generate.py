@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
@@ -69,3 +70,10 @@ def test_generate_rejects_bad_parameters() -> None:
     proc = run_cli(PROMPT, "--spec-method", "draft_model")
     assert proc.returncode == 2
     assert "needs --draft-model or --draft-layers" in proc.stderr
+    proc = run_cli(PROMPT, "--cluster", "--device", "cpu")
+    assert proc.returncode == 2
+    assert "--device is for an in-process engine" in proc.stderr
+    if not torch.cuda.is_available():
+        proc = run_cli(PROMPT, "--device", "cuda")
+        assert proc.returncode == 2
+        assert "sees no CUDA device" in proc.stderr

@@ -148,3 +148,29 @@ def test_a_seeded_sampled_request_draws_the_same_alone_or_in_a_batch(
     alone = [run_staggered(fresh(), [p], [sp], spec)[0] for p, sp in pairs]
     assert together == alone
     assert all(len(tokens) == 12 for tokens in together)
+
+
+def test_a_remote_prefill_from_host_memory_lands_on_the_device(model: TransformerLM) -> None:
+    """A prefill worker's K/V and hidden states arrive in host memory over a gloo link (a worker
+    on a CPU, or on a GPU of another node): the engine and its EAGLE drafter take them onto
+    their device, and the output is plain decoding's."""
+    from cluster.prefill import PrefillWorker
+    from workers.engine.llm_engine import Prefilled
+
+    prompt_ids = prompts(3, seed=31)
+    plain = SequentialEngine(model, max_model_len=512)
+    expected = [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+    drafter = make_drafter("eagle", model)
+    eng = engine(model, drafter)
+    worker = PrefillWorker(model, max_model_len=256, block_size=8)
+    spec = RequestSpec(method="eagle")
+    for i, p in enumerate(prompt_ids):
+        result = worker.compute(p[:-1], hidden_layers=drafter.hidden_layers)
+        hidden = {layer: rows.cpu() for layer, rows in result.hidden.items()}
+        eng.add_request(f"r{i}", p, GREEDY, spec, prefilled=Prefilled(result.kv.cpu(), hidden))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert list(tokens.values()) == expected
+    assert eng.stats.drafted > 0

@@ -114,8 +114,8 @@ class EagleDrafter(DraftsAhead):
             self._reset(seq)
             seq.base = seq.features_end = first_position
         skip = seq.features_end - first_position  # already seen (a recomputed prefix)
-        if skip < hidden.shape[0]:
-            seq.pending.append(hidden[skip:])
+        if skip < hidden.shape[0]:  # from a link, they may arrive in host memory
+            seq.pending.append(hidden[skip:].to(self.cache.data.device))
             seq.features_end += hidden.shape[0] - skip
         if sum(p.shape[0] for p in seq.pending) > MAX_PENDING_ROWS:
             # Not drafting for a long while (a large batch): keep only the recent context.

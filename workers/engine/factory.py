@@ -36,6 +36,7 @@ class ModelSpec:
     draft_model: str | None = None  # a smaller model with the same tokenizer
     draft_layers: int | None = None  # or: the target's first N layers as the draft model
     eagle_head: str | None = None  # an EAGLE head file; the bundled model has one built in
+    device: str = "cpu"  # where the models and KV caches live ("cuda": this process's GPU)
 
 
 @dataclass(slots=True)
@@ -88,7 +89,7 @@ def build_drafters(
                 f"the draft model's vocabulary ({draft_checkpoint.config.vocab_size}) differs "
                 f"from the target's ({target_config.vocab_size}); they must share a tokenizer"
             )
-        draft = build_model(draft_checkpoint, dtype=dtype)
+        draft = build_model(draft_checkpoint, dtype=dtype, device=spec.device)
         del draft_checkpoint
         drafters["draft_model"] = DraftModelDrafter(
             draft,
@@ -134,12 +135,13 @@ def build_engine(
 ) -> LoadedEngine:
     """The engine for `spec`; `remote_drafters` (method -> drafter, its seconds per drafted
     token) stand in for the local drafters of those methods (the Ray runtime's drafter pool);
-    `build_target` builds the target from the checkpoint (a tensor-parallel rank's slice)
-    instead of the whole model. Draft costs reach the engine in one-token target forwards."""
+    `build_target` builds the target from the checkpoint (a tensor-parallel rank's slice, on
+    `spec.device`) instead of the whole model. Draft costs reach the engine in one-token target
+    forwards."""
     dtype = parse_dtype(spec.dtype)
     checkpoint = load_checkpoint(spec.model, progress=progress, dtype=dtype)
     if build_target is None:
-        target = build_model(checkpoint, dtype=dtype)
+        target = build_model(checkpoint, dtype=dtype, device=spec.device)
     else:
         target = build_target(checkpoint, dtype)
     remote = remote_drafters or {}

@@ -68,12 +68,13 @@ class PagedKVCache:
 
     def write_slots(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Put K/V for n tokens (`[num_layers, 2, n, kv_heads, head_dim]`) into cache slots `slots`
-        (`[n]`, block * block_size + offset): how a remote prefill lands in this cache."""
+        (`[n]`, block * block_size + offset): how a remote prefill lands in this cache (from
+        wherever its link delivered it)."""
         layers, _, num_blocks, block_size, heads, dim = self.data.shape
         if kv.shape != (layers, 2, slots.shape[0], heads, dim):
             raise ValueError(f"K/V of shape {tuple(kv.shape)} does not fit this cache")
         flat = self.data.view(layers, 2, num_blocks * block_size, heads, dim)
-        flat[:, :, slots] = kv.to(self.data.dtype)
+        flat[:, :, slots] = kv.to(device=self.data.device, dtype=self.data.dtype)
 
     def first_slots(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V of slots 0..n-1 of one layer, `[n, kv_heads, head_dim]` each: views, not
