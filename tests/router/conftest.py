@@ -26,7 +26,10 @@ def local_engine(model_fp32, checkpoint, redis_server):  # type: ignore[no-untyp
     from workers.engine.engine_loop import EngineLoop
     from workers.engine.llm_engine import LLMEngine
 
-    config = EngineConfig(max_model_len=256, spec=SpecConfig(method="none"))
+    # Fixed k (no adaptive k): what a request drafts must not hang on the start-up timing of
+    # verify costs, which on a CPU where a 4-token fp32 forward costs two 1-token ones leaves
+    # adaptive k near its break-even and the acceptance counts below to chance.
+    config = EngineConfig(max_model_len=256, spec=SpecConfig(method="none", adaptive=False))
     engine = LLMEngine(
         model_fp32,
         config,
