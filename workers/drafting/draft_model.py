@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.sampling import logits_to_probs, sample_from_probs
+from kernels.sampling import sample_from_probs
 from workers.drafting.base import (
     AheadState,
     Draft,
@@ -123,13 +123,7 @@ class DraftModelDrafter(DraftsAhead):
         params = seq.params
         if params.greedy:
             return int(logits[0].argmax()), None
-        q = logits_to_probs(
-            logits.float().cpu(),  # sampling is host work, with the request's own generator
-            torch.tensor([params.temperature]),
-            torch.tensor([params.top_k]),
-            torch.tensor([params.top_p]),
-            torch.tensor([params.min_p]),
-        )
+        q = params.probs(logits)
         return int(sample_from_probs(q, [seq.generator])[0]), q
 
     @staticmethod

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import AttentionBackend, NativeCpuAttention
-from kernels.sampling import logits_to_probs, sample_from_probs
+from kernels.sampling import sample_from_probs
 from workers.drafting.base import (
     AheadState,
     Draft,
@@ -290,11 +290,5 @@ class EagleDrafter(DraftsAhead):
             return int(self.vocab[int(logits[0].argmax())]), None
         full = torch.full((1, self.full_vocab_size), -torch.inf)
         full[0, self.vocab] = logits[0].float().cpu()
-        q = logits_to_probs(
-            full,
-            torch.tensor([params.temperature]),
-            torch.tensor([params.top_k]),
-            torch.tensor([params.top_p]),
-            torch.tensor([params.min_p]),
-        )
+        q = params.probs(full)
         return int(sample_from_probs(q, [seq.generator])[0]), q

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from kernels.sampling import logits_to_probs
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -36,3 +40,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [vocab] or [1, vocab] -> [1, vocab]
+        """These settings' sampling transform of one position's logits, in fp32 on the host:
+        a request draws from its own CPU generator, so its sampling is host work on any device
+        (the logits of a GPU forward come over)."""
+        return logits_to_probs(
+            logits.float().cpu().view(1, -1),
+            torch.tensor([self.temperature], dtype=torch.float32),
+            torch.tensor([self.top_k], dtype=torch.long),
+            torch.tensor([self.top_p], dtype=torch.float32),
+            torch.tensor([self.min_p], dtype=torch.float32),
+        )

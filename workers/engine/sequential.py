@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import logits_to_probs, sample_from_probs
+from kernels.sampling import sample_from_probs
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
@@ -120,14 +120,7 @@ class SequentialEngine:
     ) -> int:
         if params.greedy:
             return int(logits[0].argmax())
-        probs = logits_to_probs(
-            logits.float().cpu(),
-            temperature=torch.tensor([params.temperature]),
-            top_k=torch.tensor([params.top_k]),
-            top_p=torch.tensor([params.top_p]),
-            min_p=torch.tensor([params.min_p]),
-        )
-        return int(sample_from_probs(probs, [generator])[0])
+        return int(sample_from_probs(params.probs(logits), [generator])[0])
 
     def _finish_reason(
         self, token: int, num_generated: int, num_tokens: int, params: SamplingParams

@@ -74,13 +74,7 @@ def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
     p = seq.params
     if p.greedy:
         return int(logits.argmax())
-    probs = logits_to_probs(
-        logits.float().cpu().view(1, -1),
-        torch.tensor([p.temperature], dtype=torch.float32),
-        torch.tensor([p.top_k], dtype=torch.long),
-        torch.tensor([p.top_p], dtype=torch.float32),
-        torch.tensor([p.min_p], dtype=torch.float32),
-    ).view(1, 1, -1)
+    probs = p.probs(logits).view(1, 1, -1)
     drafts = torch.full((1, 0), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
     sampled = rejection_sample(drafts, [0], [None], probs, [p.greedy], [seq.generator])
     return int(sampled[0, 0])
