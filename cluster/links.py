@@ -185,7 +185,7 @@ class TensorLink:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over every member, in place (and returned)."""
-        staged = tensor if tensor.device.type == self.device.type else tensor.to(self.device)
+        staged = tensor.to(self.device)  # itself where it is on the link's device already
         self._wait(self._require().allreduce([staged]))
         if staged is not tensor:
             tensor.copy_(staged)
