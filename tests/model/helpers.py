@@ -1,4 +1,4 @@
-"""Driving our model directly over a paged cache, for tests."""
+"""Driving our model directly over a paged cache, and an engine step by step, for tests."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
+from workers.engine.config import RequestSpec
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
 from workers.model.transformer import TransformerLM
 
@@ -35,3 +38,26 @@ def all_logits(model: TransformerLM, tokens: Sequence[int]) -> torch.Tensor:
     """Logits of every position of `tokens` from one prefill in a fresh cache."""
     runner, alloc = make_runner(model, num_blocks=-(-len(tokens) // 16) + 1)
     return prefill(runner, BlockTable(alloc, 16), tokens)
+
+
+def run_staggered(
+    engine: LLMEngine,
+    prompts: Sequence[list[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    spec: RequestSpec,
+    gap: int = 2,
+) -> list[list[int]]:
+    """Request i (with `params`, or `params[i]`) arrives at step i * gap; each request's tokens
+    in order."""
+    each = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] * gap <= step:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, each[i], spec)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        step += 1
+    return list(tokens.values())

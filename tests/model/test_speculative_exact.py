@@ -4,13 +4,13 @@ sampling independent of what else is in the batch."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 
 import pytest
 import torch
 
 from kernels.linear import row_independent_rows
+from tests.model.helpers import run_staggered
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
@@ -82,27 +82,6 @@ def make_engine(  # type: ignore[no-untyped-def]
         eos_token_ids=checkpoint.config.eos_token_ids,
         drafters={drafter.method: drafter},
     )
-
-
-def run_staggered(
-    engine: LLMEngine,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    spec: RequestSpec,
-    gap: int = 2,
-) -> list[list[int]]:
-    """Request i arrives at step i * gap; tokens of each request in order."""
-    tokens: dict[str, list[int]] = defaultdict(list)
-    pending = list(enumerate(prompts))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] * gap <= step:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params, spec)
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-        step += 1
-    return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.factories import tiny_eagle_head, tiny_model
-from tests.model.helpers import all_logits
+from tests.model.helpers import all_logits, run_staggered
 from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
@@ -79,23 +79,6 @@ def engine(model: TransformerLM, drafter: Drafter | None = None) -> LLMEngine:
     return LLMEngine(model, config, drafters=drafters)
 
 
-def run_staggered(
-    eng: LLMEngine, prompt_ids: list[list[int]], params: list[SamplingParams], spec: RequestSpec
-) -> list[list[int]]:
-    """Request i arrives at step 2i; each request's tokens in order."""
-    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
-    pending = list(enumerate(prompt_ids))
-    step = 0
-    while pending or eng.has_unfinished_requests():
-        while pending and pending[0][0] * 2 <= step:
-            i, prompt = pending.pop(0)
-            eng.add_request(f"r{i}", prompt, params[i], spec)
-        for out in eng.step():
-            tokens[out.request_id] += out.new_token_ids
-        step += 1
-    return list(tokens.values())
-
-
 @pytest.mark.parametrize("_", [pytest.param(None, marks=needs_cuda)])
 def test_the_model_computes_on_cuda_what_it_computes_on_the_cpu(_: None) -> None:
     cpu_model = tiny_model(seed=4, max_position_embeddings=512)
@@ -121,7 +104,7 @@ def test_greedy_speculation_on_cuda_equals_plain_decoding(
     expected = [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
     drafter = make_drafter(method, model)
     eng = engine(model, drafter)
-    got = run_staggered(eng, prompt_ids, [GREEDY] * batch, RequestSpec(method=drafter.method))
+    got = run_staggered(eng, prompt_ids, GREEDY, RequestSpec(method=drafter.method))
     assert got == expected
     assert eng.stats.drafted > 0
     if method == "self_draft":
