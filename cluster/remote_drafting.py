@@ -229,6 +229,8 @@ class RemoteStats:
     reconnects: int = 0
     feature_bytes: int = 0
     ahead_served: int = 0  # proposals the drafter had drafted ahead
+    draft_s: float = 0.0  # drafting inside the actor, over answered steps
+    wait_s: float = 0.0  # the verifier's wait from sending a step to its drafts, over all steps
 
 
 class RemoteDrafter(Drafter):
@@ -314,6 +316,7 @@ class RemoteDrafter(Drafter):
         if ref is None:
             return {}
         timeout = self.deadline_s if deadline is None else max(0.0, deadline - time.monotonic())
+        start = time.perf_counter()
         try:
             reply: DraftReply = ray.get(ref, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
@@ -322,7 +325,10 @@ class RemoteDrafter(Drafter):
         except ray.exceptions.RayError:
             self._lost()
             return {}
+        finally:
+            self.stats.wait_s += time.perf_counter() - start
         self.stats.ahead_served += reply.ahead_served
+        self.stats.draft_s += reply.seconds
         return {
             rid: Draft(tokens, probs)
             for rid, (tokens, probs) in reply.drafts.items()

@@ -36,6 +36,7 @@ def test_eagle_pool_with_remote_prefill_is_exact_and_drafts(
     assert stats["spec"]["accepted"] > 0  # drafts came back from the drafter actors and held
     remote = stats["remote_drafting"]
     assert remote["feature_bytes"] > 0 and remote["failures"] == 0
+    assert remote["draft_s"] > 0 and remote["wait_s"] > 0
     assert stats["prefill"]["remote"] == len(prompts) and stats["prefill"]["failures"] == 0
     assert stats["prefill"]["bytes"] > 0
     info = eagle_runtime.actor_info()
