@@ -6,7 +6,7 @@ workers and the ranks > 0 of a tensor-parallel verifier group, with the helpers 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -185,9 +185,12 @@ class TensorParallelRunner(ModelRunner):
         seqs: Sequence[SeqForward],
         hidden_layers: Sequence[int] = (),
         return_final_hidden: bool = False,
+        interrupt: Callable[[], bool] | None = None,
     ) -> RunnerOutput:
         import ray
 
+        if interrupt is not None:  # every rank must run every layer (their all-reduces pair up)
+            raise ValueError("a tensor-parallel forward cannot be interrupted")
         # The other ranks need no logits: only rank 0 samples.
         plan = StepPlan(self._copies, [replace(s, num_logits=0) for s in seqs])
         self._copies = []

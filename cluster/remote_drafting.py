@@ -9,9 +9,11 @@ engine verifies without drafts), never a stalled verifier.
 
 While the verifier checks a proposal, a drafter that can (`Drafter.drafts_ahead`: the model
 drafters) prepares the next one on a thread of its actor, guessing that the whole draft is
-accepted (workers/drafting/base.py); the next call stops that thread at its next forward and
-waits for it, and a right guess is answered without drafting. The drafter's core would idle
-otherwise.
+accepted (workers/drafting/base.py); the next call stops that thread and waits for it, and a
+right guess is answered without drafting. The thread ends at its next forward where a commit in
+the call may be its guess, and between two layers of the forward under way where none can be
+(a draft model's forward costs the verifier a third of its own, and half of that, on average,
+is what finishing it would add to the step). The drafter's core would idle otherwise.
 
 A drafter that died (its actor restarted by Ray, or replaced) comes back empty. The proxy notices
 (a failed call, or the restarted actor's new incarnation number), rebuilds the link and re-adds
@@ -79,6 +81,7 @@ class DrafterWorker:
         self.incarnation = int(time.time_ns())  # a restarted actor gets a new one
         self._ahead: threading.Thread | None = None
         self._stop_ahead = threading.Event()
+        self._abandon_ahead = threading.Event()
 
     def info(self) -> dict[str, Any]:
         return {
@@ -94,7 +97,7 @@ class DrafterWorker:
         return self.incarnation
 
     def step(self, message: StepMessage) -> DraftReply:
-        self._finish_ahead()
+        self._finish_ahead(abandon=not self.guess_may_hold(message.events))
         if message.incarnation != self.incarnation:
             raise DrafterRestarted(f"{self.name} restarted; the verifier must re-add its sequences")
         features = None
@@ -132,19 +135,32 @@ class DrafterWorker:
             self._ahead.start()
         return reply
 
+    def guess_may_hold(self, events: list[Any]) -> bool:
+        """Whether the first commit of some sequence in `events` may be what drafting ahead
+        guessed (so the forward under way is worth finishing)."""
+        first: dict[str, list[int]] = {}
+        for event in events:
+            if event[0] == "commit":
+                first.setdefault(event[1], event[2])
+        return any(self.drafter.ahead_may_hold(rid, tokens) for rid, tokens in first.items())
+
     def _draft_ahead(self, requests: list[DraftRequest]) -> None:
         try:
-            self.drafter.draft_ahead(requests, self._stop_ahead.is_set)
+            self.drafter.draft_ahead(requests, self._stop_ahead.is_set, self._abandon_ahead.is_set)
         except Exception:  # a lost guess costs nothing; the next proposal drafts afresh
             log.exception("%s: drafting ahead failed", self.name)
 
-    def _finish_ahead(self) -> None:
-        """Stop drafting ahead (it ends at its next forward) and wait for it."""
+    def _finish_ahead(self, abandon: bool = False) -> None:
+        """Stop drafting ahead (at its next forward, or with `abandon` inside the one under way)
+        and wait for it."""
         if self._ahead is not None:
+            if abandon:
+                self._abandon_ahead.set()
             self._stop_ahead.set()
             self._ahead.join()
             self._ahead = None
             self._stop_ahead.clear()
+            self._abandon_ahead.clear()
 
 
 class DrafterRestarted(RuntimeError):

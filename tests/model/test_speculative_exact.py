@@ -4,6 +4,7 @@ sampling independent of what else is in the batch."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -109,12 +110,17 @@ def test_greedy_identical_to_plain_decoding(
 
 class AheadEveryStep(Drafter):
     """A drafter that drafts ahead after every proposal, as a drafter actor does while the
-    verifier works (cluster/remote_drafting.py), here in step with the engine."""
+    verifier works (cluster/remote_drafting.py), here in step with the engine. With
+    `abandon_at`, every other time drafting ahead is abandoned at that check of `abandon` (a
+    draft model checks before each forward and after each layer), as when the next step
+    arrives with a commit that cannot be the guess."""
 
-    def __init__(self, inner: Drafter) -> None:
+    def __init__(self, inner: Drafter, abandon_at: int | None = None) -> None:
         self.inner = inner
         self.method = inner.method
         self.hidden_layers = inner.hidden_layers
+        self.abandon_at = abandon_at
+        self.calls = 0
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.inner.add(request_id, prompt_token_ids, params)
@@ -130,13 +136,29 @@ class AheadEveryStep(Drafter):
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
         drafts = self.inner.propose(requests)
-        self.inner.draft_ahead(requests)
+        self.calls += 1
+        checks = itertools.count()
+        at = self.abandon_at
+        if at is not None and self.calls % 2:
+            self.inner.draft_ahead(requests, abandon=lambda: next(checks) >= at)
+        else:
+            self.inner.draft_ahead(requests)
         return drafts
 
 
-@pytest.mark.parametrize("method", ["self_draft", "draft_model", "eagle", "eagle_lookup"])
+@pytest.mark.parametrize(
+    ("method", "abandon_at"),
+    [
+        ("self_draft", None),
+        ("draft_model", None),
+        ("draft_model", 5),  # inside the first forward, after its fifth layer
+        ("eagle", None),
+        ("eagle_lookup", None),
+    ],
+)
 def test_drafting_ahead_stays_exact(
     method: str,
+    abandon_at: int | None,
     model_fp32,
     checkpoint,
     draft_net,
@@ -144,7 +166,7 @@ def test_drafting_ahead_stays_exact(
     expected,  # type: ignore[no-untyped-def]
 ) -> None:
     inner = make_drafter(method, draft_net, model_fp32)
-    engine = make_engine(model_fp32, checkpoint, AheadEveryStep(inner))
+    engine = make_engine(model_fp32, checkpoint, AheadEveryStep(inner, abandon_at))
     got = run_staggered(engine, prompt_ids[:4], GREEDY, RequestSpec(method=inner.method))
     assert got == expected[:4]
     assert inner.ahead_prepared > 0

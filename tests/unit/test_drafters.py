@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
+from cluster.remote_drafting import DrafterWorker
 from tests.factories import tiny_model
 from workers.drafting.base import WHOLE_RATE_DECAY, AheadState, DraftRequest, DraftStateError
 from workers.drafting.draft_model import DraftModelDrafter
@@ -267,6 +270,50 @@ def test_drafting_ahead_stops_when_asked(draft_net: TransformerLM) -> None:
     fresh.add("b", [5, 17, 33, 8, draft[0], 0], SamplingParams(temperature=0.0))
     got = drafter.propose([DraftRequest("a", 6, 3)])["a"]
     assert got == fresh.propose([DraftRequest("b", 6, 3)])["b"]
+
+
+def test_abandoned_drafting_ahead_gives_its_forward_up_between_layers(
+    draft_net: TransformerLM,
+) -> None:
+    """`abandon` is checked after every layer: drafting ahead stops inside the forward under
+    way, prepares nothing, frees the slots it claimed, and the next proposal is exact."""
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [5, 17, 33, 8]
+    drafter = DraftModelDrafter(draft_net, num_blocks=32, block_size=2)
+    drafter.add("a", prompt, greedy)
+    request = [DraftRequest("a", 4, 3)]
+    draft = drafter.propose(request)["a"].token_ids
+    seq = drafter._seqs["a"]
+    cached, free = list(seq.cached), drafter.allocator.num_free_blocks
+    checks = itertools.count()
+    drafter.draft_ahead(request, abandon=lambda: next(checks) >= 2)
+    # Checked before the forward, after layer 0, and after layer 1, where it gave up.
+    assert next(checks) == 3 and draft_net.config.num_layers == 2
+    assert drafter.ahead_prepared == 0 and seq.ahead.guess is None
+    assert seq.cached == cached and drafter.allocator.num_free_blocks == free
+    drafter.commit("a", [draft[0], 0])
+    fresh = DraftModelDrafter(draft_net, num_blocks=32, block_size=2)
+    fresh.add("b", [*prompt, draft[0], 0], greedy)
+    got = drafter.propose([DraftRequest("a", 6, 3)])["a"]
+    assert got == fresh.propose([DraftRequest("b", 6, 3)])["b"]
+
+
+def test_drafter_worker_abandons_drafting_ahead_only_when_no_commit_can_be_the_guess(
+    draft_net: TransformerLM,
+) -> None:
+    """The guess is the whole draft accepted plus a bonus token: a commit that rejected any
+    draft token (or carries no bonus token) cannot be it, and only the first commit of a
+    sequence since the proposal counts."""
+    worker = DrafterWorker(lambda: DraftModelDrafter(draft_net, num_blocks=32, block_size=4), "d")
+    worker.drafter.add("a", [5, 17, 33, 8], SamplingParams(temperature=0.0))
+    draft = worker.drafter.propose([DraftRequest("a", 4, 3)])["a"].token_ids
+    other = (draft[1] + 1) % 97
+    assert worker.guess_may_hold([("commit", "a", [*draft, 7])])
+    assert not worker.guess_may_hold([("commit", "a", [draft[0], other])])
+    assert not worker.guess_may_hold([("commit", "a", draft)])
+    assert not worker.guess_may_hold([("commit", "a", [draft[0], other]), ("commit", "a", [1])])
+    assert not worker.guess_may_hold([("remove", "a")]) and not worker.guess_may_hold([])
+    assert not worker.guess_may_hold([("commit", "unknown", [*draft, 7])])
 
 
 def test_sampled_drafting_ahead_returns_q_for_each_prepared_token(

@@ -85,21 +85,32 @@ class Drafter(ABC):
     # whole draft accepted, then its own choice of the bonus token) and drafts the proposal that
     # would come next. When the commit equals the guess, the next `propose` serves that draft at
     # once; otherwise it is discarded. Drafts stay drafts, so the output never depends on this.
-    # `stop` (checked between forwards) ends the work when the next step arrives, so a wrong
-    # guess delays the next proposal by half a draft forward on average, and a right one saves
-    # the k forwards of drafting it: drafting ahead pays while a proposal is accepted whole more
-    # often than 1 / (2k + 1) of the time. Each sequence keeps a running rate of whole
-    # acceptance (`AheadState.whole_rate`) and is drafted ahead for while it is at least
-    # `MIN_WHOLE_RATE`.
+    # When the next step arrives, `stop` (checked between forwards) ends the work where the
+    # commit may still be the guess (`ahead_may_hold`), so that the forward under way adds its
+    # token to the draft; where it cannot be, `abandon` gives the forward up between two layers
+    # of a draft model. A wrong guess then delays the next proposal by half a layer, a right one
+    # by half a forward, and a right one saves the k forwards of drafting it: drafting ahead
+    # pays while a proposal is accepted whole more often than about 1 / (2k + 1) of the time.
+    # Each sequence keeps a running rate of whole acceptance (`AheadState.whole_rate`) and is
+    # drafted ahead for while it is at least `MIN_WHOLE_RATE`.
     drafts_ahead: bool = False
     ahead_prepared: int = 0  # proposals drafted ahead so far
     ahead_served: int = 0  # of those, served because the guess was right
 
     def draft_ahead(  # noqa: B027
-        self, requests: Sequence[DraftRequest], stop: Callable[[], bool] = lambda: False
+        self,
+        requests: Sequence[DraftRequest],
+        stop: Callable[[], bool] = lambda: False,
+        abandon: Callable[[], bool] = lambda: False,
     ) -> None:
         """Prepare the next proposal of each sequence just drafted for (`requests`: the same
-        requests `propose` got), unless `stop()` turns true first."""
+        requests `propose` got), unless `stop()` turns true first (the forward under way
+        finishes) or `abandon()` does (it is given up where the drafter can)."""
+
+    def ahead_may_hold(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """Whether committing `token_ids` (the next commit of the sequence) may be the guess
+        its drafting ahead works on; False lets that work be abandoned."""
+        return False
 
 
 # Drafting ahead breaks even at a whole-acceptance rate of 1 / (2k + 1) (0.11 at k = 4); the
@@ -160,11 +171,22 @@ class DraftsAhead(Drafter):
 
     @abstractmethod
     def _draft(
-        self, active: list[tuple[str, Any, list[int], int]], stop: Callable[[], bool]
+        self,
+        active: list[tuple[str, Any, list[int], int]],
+        stop: Callable[[], bool],
+        abandon: Callable[[], bool] = lambda: False,
     ) -> dict[str, Draft]:
         """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
         and then the `forced` ones (a previous draft, when drafting ahead; none for a
-        proposal). Drafts come back short when `stop()` turns true (checked between forwards)."""
+        proposal). Drafts come back short when `stop()` turns true (checked between forwards)
+        or `abandon()` does (checked inside a forward too, where the drafter can)."""
+
+    def ahead_may_hold(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        seq = self._seqs.get(request_id)
+        if seq is None or not seq.ahead.draft:
+            return False
+        draft = seq.ahead.draft
+        return len(token_ids) > len(draft) and list(token_ids[: len(draft)]) == draft
 
     def _can_draft(self, seq: Any) -> bool:
         """Whether the drafter has what drafting for `seq` needs (default: always)."""
@@ -193,7 +215,10 @@ class DraftsAhead(Drafter):
 
     @torch.inference_mode()
     def draft_ahead(
-        self, requests: Sequence[DraftRequest], stop: Callable[[], bool] = lambda: False
+        self,
+        requests: Sequence[DraftRequest],
+        stop: Callable[[], bool] = lambda: False,
+        abandon: Callable[[], bool] = lambda: False,
     ) -> None:
         active: list[tuple[str, Any, list[int], int]] = []
         for req in requests:
@@ -208,7 +233,7 @@ class DraftsAhead(Drafter):
             if k > 0:
                 active.append((req.request_id, seq, draft, k + 1))
         if active:
-            drafts = self._draft(active, stop)
+            drafts = self._draft(active, stop, abandon)
             for rid, seq, _, _ in active:
                 self.ahead_prepared += seq.ahead.keep(drafts[rid])
 

@@ -10,7 +10,8 @@ target uses, and that distribution (q) is returned for the rejection test.
 
 Drafting ahead (base.py): the cache continues past the last draft with the model's own choice of
 the bonus token and the next k tokens; a commit equal to that guess leaves the cache holding
-exactly what the next proposal needs, so the prepared draft is served as it is.
+exactly what the next proposal needs, so the prepared draft is served as it is. Abandoned, a
+forward stops between two layers, and the slots it had claimed are rolled back.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from workers.drafting.base import (
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
-from workers.model.transformer import TransformerLM
+from workers.model.transformer import ForwardInterrupted, TransformerLM
 
 # Draws of the draft model must not share a stream with the verifier's draws for the same seed.
 _DRAFT_SEED_OFFSET = 0x5EED
@@ -80,6 +81,7 @@ class DraftModelDrafter(DraftsAhead):
         self,
         active: list[tuple[str, _DraftSeq, list[int], int]],
         stop: Callable[[], bool],
+        abandon: Callable[[], bool] = lambda: False,
     ) -> dict[str, Draft]:
         # First forward: whatever of the context the cache lacks (at least its last token, for
         # its logits); then one drafted token each.
@@ -92,11 +94,15 @@ class DraftModelDrafter(DraftsAhead):
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
         running = list(active)
-        while running and not stop():
+        while running and not (stop() or abandon()):
             try:
-                logits = self._forward([(seq, pending[rid]) for rid, seq, _, _ in running])
+                logits = self._forward([(seq, pending[rid]) for rid, seq, _, _ in running], abandon)
             except NoFreeBlocksError:
                 break  # out of draft cache: propose what we have; the verifier copes with less
+            except ForwardInterrupted:
+                for _, seq, _, _ in running:  # the slots it wrote hold nothing now
+                    self._rollback(seq, len(seq.cached))
+                break
             for row, (rid, seq, _, _) in enumerate(running):
                 seq.cached.extend(pending[rid])
                 token, q = self._sample(seq, logits[row : row + 1])
@@ -110,13 +116,15 @@ class DraftModelDrafter(DraftsAhead):
             for rid, _, _, _ in active
         }
 
-    def _forward(self, batch: list[tuple[_DraftSeq, list[int]]]) -> torch.Tensor:
+    def _forward(
+        self, batch: list[tuple[_DraftSeq, list[int]]], interrupt: Callable[[], bool]
+    ) -> torch.Tensor:
         forwards = []
         for seq, new in batch:
             start = len(seq.cached)
             seq.table.prepare_write(start, start + len(new))
             forwards.append(SeqForward(new, start, seq.table.block_ids))
-        return self.runner.forward(forwards).output.logits  # [len(batch), vocab]
+        return self.runner.forward(forwards, interrupt=interrupt).output.logits  # [batch, vocab]
 
     @staticmethod
     def _sample(seq: _DraftSeq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:

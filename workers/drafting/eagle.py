@@ -167,7 +167,13 @@ class EagleDrafter(DraftsAhead):
         self,
         active: list[tuple[str, _EagleSeq, list[int], int]],
         stop: Callable[[], bool],
+        abandon: Callable[[], bool] = lambda: False,
     ) -> dict[str, Draft]:
+        # The head is one layer: giving up a forward inside it saves nothing worth the
+        # bookkeeping, so `abandon` acts as `stop` does, between forwards.
+        def halt() -> bool:
+            return stop() or abandon()
+
         drafts: dict[str, Draft] = {}
         if self.lookup is not None:
             rest = []
@@ -181,7 +187,7 @@ class EagleDrafter(DraftsAhead):
             self.looked_up += len(drafts)
             active = rest
         if active:
-            drafts |= self._draft_with_head(active, stop)
+            drafts |= self._draft_with_head(active, halt)
         return drafts
 
     def _draft_with_head(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +134,7 @@ class ModelRunner:
         seqs: Sequence[SeqForward],
         hidden_layers: Sequence[int] = (),
         return_final_hidden: bool = False,
+        interrupt: Callable[[], bool] | None = None,
     ) -> RunnerOutput:
         inputs = build_inputs(
             seqs, self.block_size, self.model.config.max_position_embeddings, self.model.device
@@ -146,5 +147,6 @@ class ModelRunner:
             inputs.logits_indices,
             hidden_layers=hidden_layers,
             return_final_hidden=return_final_hidden,
+            interrupt=interrupt,
         )
         return RunnerOutput(output, inputs)

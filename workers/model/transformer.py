@@ -126,6 +126,11 @@ class DecoderLayer(nn.Module):
         return h + (mlp if reduce is None else reduce(mlp))
 
 
+class ForwardInterrupted(Exception):
+    """A forward given up between two layers (`interrupt`); the K/V it wrote is garbage past
+    the sequences' cached lengths, which their owner rolls back to."""
+
+
 class TransformerLM(nn.Module):
     """Llama/Qwen2 decoder over a paged KV cache; see the module docstring."""
 
@@ -207,7 +212,12 @@ class TransformerLM(nn.Module):
         logits_indices: torch.Tensor,  # [num_logits] int64 rows of the batch to score
         hidden_layers: Sequence[int] = (),
         return_final_hidden: bool = False,
+        interrupt: Callable[[], bool] | None = None,
     ) -> ModelOutput:
+        """`interrupt`, checked after each layer, gives the forward up (`ForwardInterrupted`)
+        when it turns true: for work that has lost its purpose (drafting ahead on a guess that
+        the verifier has just proved wrong). Never for a sharded model, whose ranks must run
+        the same layers."""
         plan = self.attention.prepare(meta)
         cos, sin = self._rope(positions)
         wanted = set(hidden_layers)
@@ -217,6 +227,8 @@ class TransformerLM(nn.Module):
             h = layer(h, cos, sin, kv_caches[i], meta, self.attention, plan, self.reduce)
             if i in wanted:
                 hidden[i] = h
+            if interrupt is not None and interrupt():
+                raise ForwardInterrupted(f"interrupted after layer {i}")
         h = self.norm(h)
         rows = h.index_select(0, logits_indices)
         logits = self.packs.linear("lm_head", rows, self.lm_head_weight()).float()
