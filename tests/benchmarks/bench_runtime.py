@@ -32,7 +32,7 @@ from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_s
 from workers.eagle.prompts import held_out_prompts
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import ModelSpec, build_engine
-from workers.engine.llm_engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine, StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import load_tokenizer
 
@@ -182,10 +182,19 @@ class Measured:
     late: int = 0
     ahead_served: int = 0
     feature_bytes: int = 0
+    draft_s: float = 0.0  # inside the drafter actor
+    wait_s: float = 0.0  # the verifier's wait for the drafter's replies
+    local_draft_s: float = 0.0  # the in-process engine's drafting, over its verify steps
+    local_steps: int = 0
 
     @property
     def ratio(self) -> float:
-        return statistics.median(self.remote_tps) / statistics.median(self.local_tps)
+        """Median over prompts and rounds of the runtime's tokens/s over the in-process
+        engine's run right before it on the same prompt (a ratio of medians would set one
+        run's slow moment against another's fast one)."""
+        return statistics.median(
+            r / loc for r, loc in zip(self.remote_tps, self.local_tps, strict=True)
+        )
 
     def row(self) -> list[str]:
         steps = max(1, self.steps)
@@ -197,6 +206,9 @@ class Measured:
             f"{length:.2f}",
             f"{self.late / steps:.1%}",
             f"{self.ahead_served / steps:.1%}",
+            f"{self.local_draft_s / max(1, self.local_steps) * 1000:.1f} ms",
+            f"{self.draft_s / steps * 1000:.1f} ms",
+            f"{(self.wait_s - self.draft_s) / steps * 1000:.1f} ms",
             f"{self.feature_bytes / steps / 1024:.1f}",
         ]
 
@@ -208,6 +220,9 @@ ROW_COLUMNS = [
     "mean acceptance length",
     "steps without a draft (late)",
     "served ahead",
+    "drafting per step, in-process",
+    "drafting per step, drafter actor",
+    "hand-off per step",
     "feature KiB per step",
 ]
 
@@ -225,15 +240,26 @@ def compare(
     method = config.pools.drafter.method
     runtime = Runtime.start(config, num_cpus=2)
     results: dict[str, Measured] = {}
+    local_steps: list[float] = []  # the in-process engine's drafting seconds per verify step
+
+    def listen(report: StepReport) -> None:
+        if any(r.prefill_tokens == 0 for r in report.rounds):
+            local_steps.append(report.draft_s)
+
+    engine.step_listeners.append(listen)
     try:
         before = _counters(runtime)
         for kind, kind_prompts in prompts.items():
             measured = results[kind] = Measured([], [])
             for round_ in range(runs + 1):
                 for prompt in kind_prompts:
+                    local_steps.clear()
                     start = time.perf_counter()
                     done = engine.generate([prompt], params, RequestSpec(method=method))
                     local_s = time.perf_counter() - start
+                    if round_:
+                        measured.local_draft_s += sum(local_steps)
+                        measured.local_steps += len(local_steps)
                     start = time.perf_counter()
                     stream = runtime.submit(prompt, params, RequestSpec(method=method))
                     n = sum(len(c) for c in stream)
@@ -247,17 +273,21 @@ def compare(
                 setattr(measured, name, value - before[name])
             before = after
     finally:
+        engine.step_listeners.remove(listen)
         runtime.shutdown()
     return results
 
 
-def _counters(runtime: Runtime) -> dict[str, int]:
+COUNTERS = ("steps", "late", "ahead_served", "feature_bytes", "draft_s", "wait_s")
+
+
+def _counters(runtime: Runtime) -> dict[str, float]:
     (stats,) = runtime.verifier_stats()
     spec, remote = stats["spec"], stats["remote_drafting"]
     return {
         "accepted": spec["accepted"],
         "verify_steps": spec["verify_steps"],
-        **{k: remote[k] for k in ("steps", "late", "ahead_served", "feature_bytes")},
+        **{k: remote[k] for k in COUNTERS},
     }
 
 
@@ -404,8 +434,12 @@ def main() -> None:
             "layers. Drafting ahead: while the verifier checks a draft, the drafter prepares the "
             "next one on the guess that the whole draft is accepted and its own bonus token is "
             "right; `served ahead` is the share of steps whose draft was ready that way. The "
-            "in-process engine is measured interleaved with each runtime; each runtime is "
-            "compared with the in-process runs beside it.",
+            "in-process engine is measured interleaved with each runtime, the same prompt on "
+            "one right before the other; `runtime vs in-process` is the median of those pairs' "
+            "ratios. `drafting per step`: in the in-process engine's step, and inside the "
+            "drafter actor (a draft served ahead costs none there); `hand-off per step`: what the "
+            "verifier waits for a proposal beyond the drafting in it (the Ray call, the feature "
+            "rows over the link, waking the drafter's process).",
             table(["drafter", "drafting ahead", *ROW_COLUMNS], rows),
             "### Remote prefill",
             PREFILL_NOTE,
