@@ -150,7 +150,7 @@ class DrafterWorker:
         except Exception:  # a lost guess costs nothing; the next proposal drafts afresh
             log.exception("%s: drafting ahead failed", self.name)
 
-    def _finish_ahead(self, abandon: bool = False) -> None:
+    def _finish_ahead(self, abandon: bool) -> None:
         """Stop drafting ahead (at its next forward, or with `abandon` inside the one under way)
         and wait for it."""
         if self._ahead is not None:

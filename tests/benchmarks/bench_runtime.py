@@ -240,11 +240,11 @@ def compare(
     method = config.pools.drafter.method
     runtime = Runtime.start(config, num_cpus=2)
     results: dict[str, Measured] = {}
-    local_steps: list[float] = []  # the in-process engine's drafting seconds per verify step
+    step_draft_s: list[float] = []  # the in-process engine's drafting, per verify step
 
     def listen(report: StepReport) -> None:
         if any(r.prefill_tokens == 0 for r in report.rounds):
-            local_steps.append(report.draft_s)
+            step_draft_s.append(report.draft_s)
 
     engine.step_listeners.append(listen)
     try:
@@ -253,13 +253,13 @@ def compare(
             measured = results[kind] = Measured([], [])
             for round_ in range(runs + 1):
                 for prompt in kind_prompts:
-                    local_steps.clear()
+                    step_draft_s.clear()
                     start = time.perf_counter()
                     done = engine.generate([prompt], params, RequestSpec(method=method))
                     local_s = time.perf_counter() - start
                     if round_:
-                        measured.local_draft_s += sum(local_steps)
-                        measured.local_steps += len(local_steps)
+                        measured.local_draft_s += sum(step_draft_s)
+                        measured.local_steps += len(step_draft_s)
                     start = time.perf_counter()
                     stream = runtime.submit(prompt, params, RequestSpec(method=method))
                     n = sum(len(c) for c in stream)

@@ -178,8 +178,9 @@ class DraftsAhead(Drafter):
     ) -> dict[str, Draft]:
         """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
         and then the `forced` ones (a previous draft, when drafting ahead; none for a
-        proposal). Drafts come back short when `stop()` turns true (checked between forwards)
-        or `abandon()` does (checked inside a forward too, where the drafter can)."""
+        proposal). Drafts come back short when `stop()` turns true (checked between forwards;
+        it is true whenever `abandon()` is) or `abandon()` does (checked inside a forward too,
+        where the drafter can)."""
 
     def ahead_may_hold(self, request_id: str, token_ids: Sequence[int]) -> bool:
         seq = self._seqs.get(request_id)
@@ -233,7 +234,7 @@ class DraftsAhead(Drafter):
             if k > 0:
                 active.append((req.request_id, seq, draft, k + 1))
         if active:
-            drafts = self._draft(active, stop, abandon)
+            drafts = self._draft(active, lambda: stop() or abandon(), abandon)
             for rid, seq, _, _ in active:
                 self.ahead_prepared += seq.ahead.keep(drafts[rid])
 

@@ -94,7 +94,7 @@ class DraftModelDrafter(DraftsAhead):
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
         running = list(active)
-        while running and not (stop() or abandon()):
+        while running and not stop():
             try:
                 logits = self._forward([(seq, pending[rid]) for rid, seq, _, _ in running], abandon)
             except NoFreeBlocksError:

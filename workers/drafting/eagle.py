@@ -170,10 +170,7 @@ class EagleDrafter(DraftsAhead):
         abandon: Callable[[], bool] = lambda: False,
     ) -> dict[str, Draft]:
         # The head is one layer: giving up a forward inside it saves nothing worth the
-        # bookkeeping, so `abandon` acts as `stop` does, between forwards.
-        def halt() -> bool:
-            return stop() or abandon()
-
+        # bookkeeping, so it stops between forwards only (`stop` covers `abandon`).
         drafts: dict[str, Draft] = {}
         if self.lookup is not None:
             rest = []
@@ -187,7 +184,7 @@ class EagleDrafter(DraftsAhead):
             self.looked_up += len(drafts)
             active = rest
         if active:
-            drafts |= self._draft_with_head(active, halt)
+            drafts |= self._draft_with_head(active, stop)
         return drafts
 
     def _draft_with_head(
