@@ -138,7 +138,8 @@ def teacher_force(
     max_len = max(len(p) + len(a) for p, a in sequences)
     block_size = 16
     num_blocks = -(-max_len // block_size)
-    runner = ModelRunner(target, PagedKVCache(target.config, num_blocks, block_size, target.dtype))
+    cache = PagedKVCache(target.config, num_blocks, block_size, target.dtype, target.device)
+    runner = ModelRunner(target, cache)
     ids, feats, top_ids, top_lps = [], [], [], []
     offsets, prompt_lens = [0], []
     for prompt, answer in tqdm(sequences, desc="features", disable=not progress):
@@ -149,10 +150,11 @@ def teacher_force(
         )
         logprobs = torch.log_softmax(out.output.logits, dim=-1)
         top = logprobs.topk(TOP_K, dim=-1)
+        hidden = torch.cat([out.output.hidden_states[i] for i in target_layers], -1)
         ids.append(torch.tensor(tokens))
-        feats.append(torch.cat([out.output.hidden_states[i] for i in target_layers], -1).bfloat16())
-        top_ids.append(top.indices)
-        top_lps.append(top.values)
+        feats.append(hidden.bfloat16().cpu())
+        top_ids.append(top.indices.cpu())
+        top_lps.append(top.values.cpu())
         offsets.append(offsets[-1] + len(tokens))
         prompt_lens.append(len(prompt))
     return EagleData(

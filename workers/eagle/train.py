@@ -58,6 +58,11 @@ class Batch:
     row_weight: torch.Tensor  # [B, T] 0 for rows without a label, PROMPT_WEIGHT in the prompt
     answer_rows: torch.Tensor  # [B, T] bool, rows that draft answer tokens
 
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            *(getattr(self, name).to(device, non_blocking=True) for name in self.__slots__)
+        )
+
 
 def make_batch(data: EagleData, seqs: list[int], to_draft: torch.Tensor) -> Batch:
     lens = [data.sequence(s).stop - data.sequence(s).start for s in seqs]
@@ -118,9 +123,9 @@ def unrolled_outputs(
     attn = layer.self_attn
     h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     groups = nh // nkv
-    cos, sin = head.rope(torch.arange(t), torch.float32)
+    rows = torch.arange(t, device=features.device)
+    cos, sin = head.rope(rows, torch.float32)
     g = head.fuse_features(features.reshape(b * t, -1)).view(b, t, h)
-    rows = torch.arange(t)
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: k, v [B, h, T, d]
     outputs: list[torch.Tensor] = []
     inp = g
@@ -178,7 +183,7 @@ class StepStats:
 def batch_loss(head: EagleHead, batch: Batch, depth: int) -> tuple[torch.Tensor, StepStats]:
     outputs = unrolled_outputs(head, batch.next_tokens, batch.features, depth)
     t = batch.next_tokens.shape[1]
-    total = torch.zeros(())
+    total = torch.zeros((), device=batch.features.device)
     weight_sum = 0.0
     matches, valid = [], []
     for j, a in enumerate(outputs):
@@ -194,8 +199,8 @@ def batch_loss(head: EagleHead, batch: Batch, depth: int) -> tuple[torch.Tensor,
         match[rows] = (logq.argmax(-1) == batch.label_ids[rows][:, 0]) & (
             batch.label_probs[rows][:, 0] > 0
         )
-        matches.append(match)
-        valid.append(rows & batch.answer_rows)
+        matches.append(match.cpu())  # for the acceptance log, which counts on the host
+        valid.append((rows & batch.answer_rows).cpu())
     loss = total / weight_sum
     return loss, StepStats(float(loss.detach()), weight_sum, matches, valid)
 
@@ -249,12 +254,14 @@ def batches_of(
 def evaluate(
     head: EagleHead, data: EagleData, batches: list[list[int]], to_draft: torch.Tensor, depth: int
 ) -> tuple[float, list[float], float]:
+    device = head.fuse.weight.device
     head.eval()
     stats = []
     losses = []
     with torch.no_grad():
         for seqs in batches:
-            loss, st = batch_loss(head, make_batch(data, seqs, to_draft), depth)
+            batch = make_batch(data, seqs, to_draft).to(device)
+            loss, st = batch_loss(head, batch, depth)
             losses.append(float(loss))
             stats.append(st)
     head.train()
@@ -280,7 +287,8 @@ def train(
     rng = random.Random(seed)
     vocab = draft_vocabulary(data, config.draft_vocab_size)
     head = EagleHead(config, vocab)
-    head.init_weights(seed)
+    head.init_weights(seed)  # on the host, so a seed gives the same start on any device
+    head.to(target.device)
     head.attach(target)
     head.embed = head.embed.float() if head.embed is not None else None
     head.lm_head = head.lm_head.float() if head.lm_head is not None else None
@@ -336,8 +344,9 @@ def train(
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss, st = batch_loss(head, make_batch(data, seqs, to_draft), depth)
+            batch = make_batch(data, seqs, to_draft).to(target.device)
+            with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss, st = batch_loss(head, batch, depth)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -413,6 +422,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the target and the head run (cuda: this process's GPU); the data and the "
+        "head file are the same format either way",
+    )
+    parser.add_argument(
         "--fp32", action="store_true", help="train in fp32 (default: bf16 autocast, ~2x faster)"
     )
     parser.add_argument("--output", type=Path, default=BUNDLED_HEAD)
@@ -423,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     progress = not args.no_progress
 
     checkpoint = load_checkpoint()
-    target = build_model(checkpoint, dtype=torch.bfloat16)
+    target = build_model(checkpoint, dtype=torch.bfloat16, device=args.device)
     config = EagleConfig.for_target(checkpoint.config, draft_vocab_size=args.draft_vocab)
 
     def source_data(source: str) -> EagleData:
@@ -450,7 +465,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # The parts live only in this expression: after the join, one copy of the data remains.
     data = EagleData.concat([source_data(source) for source in args.prompts.split(",")])
-    fp32_target = build_model(checkpoint, dtype=torch.float32)  # embedding and LM head rows
+    # The head borrows the target's embedding and LM head rows, in fp32 for training.
+    fp32_target = build_model(checkpoint, dtype=torch.float32, device=args.device)
     head, summary = train(
         fp32_target,
         data,
@@ -465,7 +481,7 @@ def main(argv: list[str] | None = None) -> None:
         autocast=not args.fp32,
     )
     command = "python -m workers.eagle.train " + shlex.join(sys.argv[1:] if argv is None else argv)
-    head.to(torch.bfloat16).save(
+    head.to("cpu", torch.bfloat16).save(
         args.output,
         {"command": command, "seed": str(args.seed), "summary": json.dumps(summary)},
     )
