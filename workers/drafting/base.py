@@ -174,13 +174,13 @@ class DraftsAhead(Drafter):
         self,
         active: list[tuple[str, Any, list[int], int]],
         stop: Callable[[], bool],
-        abandon: Callable[[], bool] = lambda: False,
+        abandon: Callable[[], bool] | None = None,
     ) -> dict[str, Draft]:
         """Draft `n` tokens for each (request, sequence, forced, n): after the committed tokens
         and then the `forced` ones (a previous draft, when drafting ahead; none for a
         proposal). Drafts come back short when `stop()` turns true (checked between forwards;
         it is true whenever `abandon()` is) or `abandon()` does (checked inside a forward too,
-        where the drafter can)."""
+        where the drafter can; None for a proposal, which is never abandoned)."""
 
     def ahead_may_hold(self, request_id: str, token_ids: Sequence[int]) -> bool:
         seq = self._seqs.get(request_id)

@@ -81,7 +81,7 @@ class DraftModelDrafter(DraftsAhead):
         self,
         active: list[tuple[str, _DraftSeq, list[int], int]],
         stop: Callable[[], bool],
-        abandon: Callable[[], bool] = lambda: False,
+        abandon: Callable[[], bool] | None = None,
     ) -> dict[str, Draft]:
         # First forward: whatever of the context the cache lacks (at least its last token, for
         # its logits); then one drafted token each.
@@ -117,7 +117,7 @@ class DraftModelDrafter(DraftsAhead):
         }
 
     def _forward(
-        self, batch: list[tuple[_DraftSeq, list[int]]], interrupt: Callable[[], bool]
+        self, batch: list[tuple[_DraftSeq, list[int]]], interrupt: Callable[[], bool] | None
     ) -> torch.Tensor:
         forwards = []
         for seq, new in batch:

@@ -167,7 +167,7 @@ class EagleDrafter(DraftsAhead):
         self,
         active: list[tuple[str, _EagleSeq, list[int], int]],
         stop: Callable[[], bool],
-        abandon: Callable[[], bool] = lambda: False,
+        abandon: Callable[[], bool] | None = None,
     ) -> dict[str, Draft]:
         # The head is one layer: giving up a forward inside it saves nothing worth the
         # bookkeeping, so it stops between forwards only (`stop` covers `abandon`).
