@@ -33,6 +33,7 @@ def engine_config(config: DeploymentConfig) -> EngineConfig:
         ngram_min=config.speculative.ngram_min,
         ngram_max=config.speculative.ngram_max,
         ngram_fallback_tokens=config.speculative.ngram_fallback_tokens,
+        min_draft_confidence=config.speculative.min_draft_confidence,
     )
     return EngineConfig(
         max_model_len=config.engine.max_model_len,

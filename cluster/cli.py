@@ -17,7 +17,13 @@ import torch
 from cluster import k8s
 from cluster.config import ConfigError, DeploymentConfig, load_config
 from cluster.runtime import Runtime
-from workers.engine.config import SPEC_METHODS, EngineConfig, RequestSpec, SpecConfig
+from workers.engine.config import (
+    DEFAULT_MIN_DRAFT_CONFIDENCE,
+    SPEC_METHODS,
+    EngineConfig,
+    RequestSpec,
+    SpecConfig,
+)
 from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
 from workers.engine.llm_engine import LLMEngine, RequestOutput
 from workers.engine.sampling_params import SamplingParams
@@ -64,6 +70,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens ngram/suffix draft from a match of the last token alone (default 8; 0: off)",
+    )
+    spec.add_argument(
+        "--min-draft-confidence",
+        type=float,
+        default=None,
+        help="draft_model and eagle end a draft once their probability of it falls below "
+        f"this (default {DEFAULT_MIN_DRAFT_CONFIDENCE}; 0: always k)",
     )
     spec.add_argument("--no-adaptive", action="store_true", help="always draft the full k")
     spec.add_argument(
@@ -139,6 +152,7 @@ ENGINE_DEFAULTS = {
     "ngram_min": 2,
     "ngram_max": 4,
     "ngram_fallback_tokens": 8,
+    "min_draft_confidence": DEFAULT_MIN_DRAFT_CONFIDENCE,
 }
 
 
@@ -158,6 +172,7 @@ def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         ngram_fallback_tokens=args.ngram_fallback_tokens,
+        min_draft_confidence=args.min_draft_confidence,
         adaptive=not args.no_adaptive,
         eagle_prompt_lookup=not args.no_eagle_lookup,
     )
@@ -198,6 +213,7 @@ def _deployment(args: argparse.Namespace) -> DeploymentConfig:
         "speculative.ngram_min": args.ngram_min,
         "speculative.ngram_max": args.ngram_max,
         "speculative.ngram_fallback_tokens": args.ngram_fallback_tokens,
+        "speculative.min_draft_confidence": args.min_draft_confidence,
         "pools.drafter.replicas": args.drafters,
         "pools.drafter.draft_model": args.draft_model,
         "pools.drafter.draft_layers": args.draft_layers,

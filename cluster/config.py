@@ -11,7 +11,8 @@ RayCluster). A config is checked as a whole when it is built, and every error na
     speculative: {method: eagle, num_speculative_tokens: 4, adaptive: true,
                   eagle_prompt_lookup: true,    # EAGLE copies where the text repeats
                   ngram_min: 2, ngram_max: 4,   # n-gram sizes prompt lookup matches
-                  ngram_fallback_tokens: 8}     # draft after a 1-token match (ngram, suffix)
+                  ngram_fallback_tokens: 8,     # draft after a 1-token match (ngram, suffix)
+                  min_draft_confidence: 0.5}    # a model draft ends where the drafter doubts it
     pools:
       prefill:  {replicas: 1, resources: {cpus: 1, gpus: 0}}
       verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
@@ -36,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from workers.engine.config import SPEC_METHODS
+from workers.engine.config import DEFAULT_MIN_DRAFT_CONFIDENCE, SPEC_METHODS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -124,6 +125,9 @@ class SpeculativeSettings:
     # ngram and suffix drafting: where no such suffix occurred, the last token alone proposes
     # at most this many tokens (0: no fallback).
     ngram_fallback_tokens: int = 8
+    # A model drafter ends a draft once its own probability of the draft so far falls below
+    # this (0: it always drafts k).
+    min_draft_confidence: float = DEFAULT_MIN_DRAFT_CONFIDENCE
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +209,11 @@ class DeploymentConfig:
             s.ngram_fallback_tokens >= 0,
             "speculative.ngram_fallback_tokens",
             f"must be >= 0, got {s.ngram_fallback_tokens}",
+        )
+        _check(
+            0.0 <= s.min_draft_confidence < 1.0,
+            "speculative.min_draft_confidence",
+            f"must be in [0, 1), got {s.min_draft_confidence}",
         )
         p = self.pools
         _check(p.prefill.replicas >= 0, "pools.prefill.replicas", "must be >= 0")

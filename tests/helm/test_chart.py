@@ -135,11 +135,17 @@ def test_grace_drafters_select_arm64_nodes_and_advertise_the_resource(chart) -> 
     off = one(render(chart, values), "ConfigMap")["data"]["outrider.yaml"]
     assert not from_dict(yaml.safe_load(off)).pools.drafter.draft_ahead
     # over the chart's defaults
-    values["speculative"] = {"ngramMin": 3, "ngramMax": 5, "ngramFallbackTokens": 2}
+    values["speculative"] = {
+        "ngramMin": 3,
+        "ngramMax": 5,
+        "ngramFallbackTokens": 2,
+        "minDraftConfidence": 0.25,
+    }
     sized = one(render(chart, values), "ConfigMap")["data"]["outrider.yaml"]
     speculative = from_dict(yaml.safe_load(sized)).speculative
     assert (speculative.ngram_min, speculative.ngram_max) == (3, 5)
     assert speculative.ngram_fallback_tokens == 2
+    assert speculative.min_draft_confidence == 0.25
     assert speculative.method == "eagle"  # the rest of the chart's speculative defaults stay
     assert "prefill" not in worker_groups(objects)  # prefill replicas 0: verifiers prefill
     # Without grace, drafters are not pinned to arm64.

@@ -61,6 +61,10 @@ def draft_net(checkpoint):  # type: ignore[no-untyped-def]
 
 
 def make_drafter(method: str, draft_net, model_fp32) -> Drafter:  # type: ignore[no-untyped-def]
+    """A drafter by test name; `_sure` ends a model drafter's drafts where it doubts them."""
+    min_confidence = 0.0
+    if method.endswith("_sure"):
+        method, min_confidence = method.removesuffix("_sure"), 0.4
     if method == "ngram":
         return NgramDrafter(NgramConfig(1, 4))
     if method == "suffix":
@@ -68,10 +72,14 @@ def make_drafter(method: str, draft_net, model_fp32) -> Drafter:  # type: ignore
     if method in ("eagle", "eagle_lookup"):
         lookup = NgramConfig(2, 4) if method == "eagle_lookup" else None
         return EagleDrafter(
-            EagleHead.load(BUNDLED_HEAD), model_fp32, num_blocks=1024, lookup=lookup
+            EagleHead.load(BUNDLED_HEAD),
+            model_fp32,
+            num_blocks=1024,
+            lookup=lookup,
+            min_confidence=min_confidence,
         )
     net = model_fp32 if method == "self_draft" else draft_net
-    return DraftModelDrafter(net, num_blocks=1024)
+    return DraftModelDrafter(net, num_blocks=1024, min_confidence=min_confidence)
 
 
 def make_engine(  # type: ignore[no-untyped-def]
@@ -191,6 +199,24 @@ def test_eagle_greedy_identical_to_plain_decoding(
     assert engine.allocator.num_free_blocks == engine.config.kv_blocks
 
 
+@pytest.mark.parametrize("method", ["draft_model_sure", "eagle_sure"])
+def test_drafts_ended_where_the_drafter_doubts_them_stay_exact(
+    method: str,
+    model_fp32,
+    checkpoint,
+    draft_net,
+    prompt_ids,
+    expected,  # type: ignore[no-untyped-def]
+) -> None:
+    drafter = make_drafter(method, draft_net, model_fp32)
+    engine = make_engine(model_fp32, checkpoint, drafter)
+    got = run_staggered(engine, prompt_ids[:8], GREEDY, RequestSpec(method=drafter.method))
+    assert got == expected[:8]
+    reached = engine.stats.drafted_per_position
+    assert reached[0] > 0 and reached[3] < reached[0]  # some drafts ended early
+    assert engine.allocator.num_free_blocks == engine.config.kv_blocks
+
+
 def test_eagle_exact_through_prefix_caching_and_preemption(
     model_fp32,
     checkpoint,
@@ -223,7 +249,7 @@ def test_adaptive_k_and_batch_fallback_stay_exact(
     assert run_staggered(engine, prompt_ids[:6], GREEDY, RequestSpec(), gap=3) == expected[:6]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle_sure"])
 def test_seeded_sampling_does_not_depend_on_the_batch(
     method: str,
     model_fp32,

@@ -67,6 +67,10 @@ def test_a_file_sets_nested_fields(tmp_path: Path) -> None:
             {"speculative": {"ngram_fallback_tokens": -1}},
             "speculative.ngram_fallback_tokens: must be >= 0",
         ),
+        (
+            {"speculative": {"min_draft_confidence": 1}},
+            "speculative.min_draft_confidence: must be in [0, 1), got 1.0",
+        ),
         ({"engine": []}, "engine: must be a mapping"),
         ({"telemetry": {"exporter": "jaeger"}}, "telemetry.exporter"),
     ],
@@ -101,6 +105,8 @@ def test_overrides_apply_dotted_keys_and_skip_unset_flags() -> None:
     off = config.with_overrides({"speculative.eagle_prompt_lookup": False})
     assert config.speculative.eagle_prompt_lookup and not off.speculative.eagle_prompt_lookup
     assert not engine_config(off).spec.eagle_prompt_lookup  # what verifiers and drafters build
+    sure = config.with_overrides({"speculative.min_draft_confidence": 0.4})
+    assert engine_config(sure).spec.min_draft_confidence == 0.4
     sizes = config.with_overrides({"speculative.ngram_min": 3, "speculative.ngram_max": 6})
     assert (engine_config(sizes).spec.ngram_min, engine_config(sizes).spec.ngram_max) == (3, 6)
     with pytest.raises(ConfigError, match=r"pools\.verifier\.gpus: no such setting"):

@@ -8,7 +8,13 @@ import pytest
 
 from cluster.remote_drafting import DrafterWorker
 from tests.factories import tiny_model
-from workers.drafting.base import WHOLE_RATE_DECAY, AheadState, DraftRequest, DraftStateError
+from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_bar
+from workers.drafting.base import (
+    WHOLE_RATE_DECAY,
+    AheadState,
+    DraftRequest,
+    DraftStateError,
+)
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter, prompt_lookup
 from workers.engine.config import SpecConfig
@@ -331,3 +337,16 @@ def test_sampled_drafting_ahead_returns_q_for_each_prepared_token(
     assert all(
         seq.ahead.prepared.probs[i, t] > 0 for i, t in enumerate(seq.ahead.prepared.token_ids)
     )
+
+
+def test_a_draft_model_draft_ends_where_the_model_doubts_it(draft_net: TransformerLM) -> None:
+    draft_ends_where_its_probability_falls_below_the_bar(
+        lambda bar: DraftModelDrafter(draft_net, num_blocks=32, block_size=4, min_confidence=bar),
+        [5, 17, 33, 8, 60],
+        lambda drafter: None,
+    )
+
+
+def test_min_draft_confidence_is_checked() -> None:
+    with pytest.raises(ValueError, match="min_draft_confidence"):
+        SpecConfig(min_draft_confidence=1.0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.factories import tiny_eagle_head, tiny_model
+from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_bar
 from workers.drafting.base import Draft, DraftRequest
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig
@@ -159,6 +160,16 @@ def test_sampled_drafts_return_q_over_the_draft_vocabulary(target) -> None:  # t
         assert row[token] > 0
 
 
+def test_a_head_draft_ends_where_the_head_doubts_it(target) -> None:  # type: ignore[no-untyped-def]
+    head = tiny_eagle_head(target)
+    features = features_for(target, head, 5)
+    draft_ends_where_its_probability_falls_below_the_bar(
+        lambda bar: EagleDrafter(head, target, num_blocks=32, block_size=4, min_confidence=bar),
+        list(range(6)),
+        lambda drafter: drafter.observe_hidden("a", 0, features),
+    )
+
+
 def test_out_of_cache_blocks_gives_an_empty_draft_and_recovers(target) -> None:  # type: ignore[no-untyped-def]
     head = tiny_eagle_head(target)
     drafter = EagleDrafter(head, target, num_blocks=2, block_size=4)
@@ -217,7 +228,7 @@ def test_training_loss_falls_and_acceptance_is_measured(target) -> None:  # type
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert losses[-1] - floor < 0.5 * (losses[0] - floor)
     rates, mean_len = acceptance([stats], depth=3)
     assert all(0.0 <= r <= 1.0 for r in rates)

@@ -7,10 +7,12 @@ import torch
 
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept, rejection_sample
 from kernels.sampling import logits_to_probs
+from workers.drafting.base import ConfidenceStop
 
 P = PLACEHOLDER_TOKEN_ID
 # Chi-square critical values at significance 0.001 by degrees of freedom.
 CHI2_CRITICAL_0_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+CHI2_CRITICAL_0_001[15] = 37.70
 
 
 def one_hot_probs(rows: list[int], vocab: int = 8) -> torch.Tensor:
@@ -108,6 +110,55 @@ def test_committed_tokens_follow_the_target_distribution(name: str, one_hot_q: b
         counts = torch.bincount(column, minlength=VOCAB).float()
         assert counts[p == 0].sum() == 0, "a token the target gives zero probability was emitted"
         assert chi_square(counts, p) < CHI2_CRITICAL_0_001[support - 1], (name, position, counts)
+
+
+# A chain over 4 tokens where each token's distribution depends on the one before: the target's
+# (rows of MARKOV_P) and a drafter's that is sure of itself after some tokens and unsure after
+# others (MARKOV_Q), so that drafts stopped by confidence come in every length.
+MARKOV_P = torch.tensor(
+    [[0.1, 0.6, 0.2, 0.1], [0.3, 0.1, 0.5, 0.1], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]]
+)
+MARKOV_Q = torch.tensor(
+    [[0.05, 0.9, 0.03, 0.02], [0.3, 0.3, 0.2, 0.2], [0.1, 0.1, 0.1, 0.7], [0.85, 0.05, 0.05, 0.05]]
+)
+
+
+def test_drafts_stopped_by_confidence_keep_the_target_distribution() -> None:
+    """Whole sequences, step after step as the engine runs them: each step drafts from where
+    the last one ended until the drafter's probability of its draft falls below the bar
+    (ConfidenceStop, what draft_model and eagle use), then rejection-samples. The first two
+    committed tokens must follow the target chain jointly, p(x1) p(x2 | x1)."""
+    gen = torch.Generator().manual_seed(11)
+    trials, k, start = 6000, 4, 0
+    lengths = torch.zeros(k + 1)
+    counts = torch.zeros(4, 4)
+    for trial in range(trials):
+        verify_gen = torch.Generator().manual_seed(1000 + trial)
+        committed: list[int] = []
+        while len(committed) < 2:
+            prev = committed[-1] if committed else start
+            drafts, stop = [], ConfidenceStop(0.4)
+            while len(drafts) < k:
+                q = MARKOV_Q[drafts[-1] if drafts else prev]
+                token = int(torch.multinomial(q, 1, generator=gen))
+                drafts.append(token)
+                if not stop.goes_on(float(q[token])):
+                    break
+            lengths[len(drafts)] += 1
+            contexts = torch.tensor([prev, *drafts])
+            out = rejection_sample(
+                torch.tensor([drafts], dtype=torch.long),
+                [len(drafts)],
+                [MARKOV_Q[contexts[:-1]]],
+                MARKOV_P[contexts].unsqueeze(0),
+                [False],
+                [verify_gen],
+            )[0]
+            committed += [t for t in out.tolist() if t != P]
+        counts[committed[0], committed[1]] += 1
+    assert all(lengths[n] > 100 for n in range(1, k + 1)), lengths  # every length drafted
+    joint = MARKOV_P[start][:, None] * MARKOV_P
+    assert chi_square(counts.flatten(), joint.flatten()) < CHI2_CRITICAL_0_001[15], counts
 
 
 def test_accepts_everything_when_q_equals_p_one_hot() -> None:

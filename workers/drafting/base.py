@@ -239,6 +239,24 @@ class DraftsAhead(Drafter):
                 self.ahead_prepared += seq.ahead.keep(drafts[rid])
 
 
+@dataclass(slots=True)
+class ConfidenceStop:
+    """Ends a model drafter's draft where the drafter itself doubts it: once the draft's
+    probability under the drafter (the product of its drawn tokens' probabilities) falls below
+    `min_confidence`. The token that crosses the bar stays in the draft. A drafter's confidence
+    tracks how often the target agrees (docs/benchmarks.md), so this keeps long drafts where
+    they will be accepted and saves verifying tails that will not. The length is decided from
+    the drafts before the target sees them, so speculation stays lossless; 0 never stops."""
+
+    min_confidence: float
+    probability: float = 1.0
+
+    def goes_on(self, token_probability: float) -> bool:
+        """Whether to draft another token after one drawn with this probability."""
+        self.probability *= token_probability
+        return self.probability >= self.min_confidence
+
+
 def draft_generator(params: SamplingParams, offset: int) -> torch.Generator | None:
     """A seeded request's generator for a drafter's own draws: seeded from the request's seed
     plus a per-drafter offset, so it never shares a stream with the verifier's draws."""

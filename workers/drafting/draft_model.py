@@ -24,6 +24,7 @@ import torch
 from kernels.sampling import sample_from_probs
 from workers.drafting.base import (
     AheadState,
+    ConfidenceStop,
     Draft,
     DraftsAhead,
     draft_generator,
@@ -51,13 +52,20 @@ class DraftModelDrafter(DraftsAhead):
     method = "draft_model"
 
     def __init__(
-        self, model: TransformerLM, num_blocks: int, block_size: int = 16, max_model_len: int = 0
+        self,
+        model: TransformerLM,
+        num_blocks: int,
+        block_size: int = 16,
+        max_model_len: int = 0,
+        min_confidence: float = 0.0,
     ) -> None:
         cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, cache)
         self.allocator = BlockAllocator(num_blocks)
         self.max_model_len = max_model_len or model.config.max_position_embeddings
         self._seqs: dict[str, _DraftSeq] = {}
+        # A draft ends once the draft model's probability of it falls below this (base.py).
+        self.min_confidence = min_confidence
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         table = BlockTable(self.allocator, self.runner.block_size)
@@ -93,6 +101,8 @@ class DraftModelDrafter(DraftsAhead):
             pending[rid] = context[common:]
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
+        confidence = {rid: ConfidenceStop(self.min_confidence) for rid, _, _, _ in active}
+        sure = dict.fromkeys(tokens, True)
         running = list(active)
         while running and not stop():
             try:
@@ -105,12 +115,13 @@ class DraftModelDrafter(DraftsAhead):
                 break
             for row, (rid, seq, _, _) in enumerate(running):
                 seq.cached.extend(pending[rid])
-                token, q = self._sample(seq, logits[row : row + 1])
+                token, q, p = self._sample(seq, logits[row : row + 1])
                 tokens[rid].append(token)
                 if q is not None:
                     probs[rid].append(q)
                 pending[rid] = [token]
-            running = [entry for entry in running if len(tokens[entry[0]]) < entry[3]]
+                sure[rid] = confidence[rid].goes_on(p)
+            running = [e for e in running if len(tokens[e[0]]) < e[3] and sure[e[0]]]
         return {
             rid: Draft(tokens[rid], torch.cat(probs[rid]) if probs[rid] else None)
             for rid, _, _, _ in active
@@ -126,13 +137,21 @@ class DraftModelDrafter(DraftsAhead):
             forwards.append(SeqForward(new, start, seq.table.block_ids))
         return self.runner.forward(forwards, interrupt=interrupt).output.logits  # [batch, vocab]
 
-    @staticmethod
-    def _sample(seq: _DraftSeq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _sample(
+        self, seq: _DraftSeq, logits: torch.Tensor
+    ) -> tuple[int, torch.Tensor | None, float]:
+        """(token, q or None when greedy, the model's probability of the token: 1.0 unless a
+        confidence bar needs it)."""
         params = seq.params
         if params.greedy:
-            return int(logits[0].argmax()), None
+            token = int(logits[0].argmax())
+            p = 1.0
+            if self.min_confidence > 0:
+                p = float(torch.softmax(logits[0].float(), dim=-1)[token])
+            return token, None, p
         q = params.probs(logits)
-        return int(sample_from_probs(q, [seq.generator])[0]), q
+        token = int(sample_from_probs(q, [seq.generator])[0])
+        return token, q, float(q[0, token])
 
     @staticmethod
     def _rollback(seq: _DraftSeq, num_tokens: int) -> None:

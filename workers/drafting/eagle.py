@@ -36,6 +36,7 @@ from kernels.attention import AttentionBackend, NativeCpuAttention
 from kernels.sampling import sample_from_probs
 from workers.drafting.base import (
     AheadState,
+    ConfidenceStop,
     Draft,
     DraftRequest,
     DraftsAhead,
@@ -80,6 +81,7 @@ class EagleDrafter(DraftsAhead):
         max_model_len: int = 0,
         attention: AttentionBackend | None = None,
         lookup: NgramConfig | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError("the EAGLE head was trained for a target of another hidden size")
@@ -99,6 +101,8 @@ class EagleDrafter(DraftsAhead):
         # followed them there is the draft, and the head does not run (None: the head always).
         self.lookup = lookup
         self.looked_up = 0  # proposals made by prompt lookup
+        # A head draft ends once the head's probability of it falls below this (base.py).
+        self.min_confidence = min_confidence
 
     # -- the Drafter boundary ------------------------------------------------------------------
 
@@ -195,6 +199,7 @@ class EagleDrafter(DraftsAhead):
         head = self.head
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
+        confidence = {rid: ConfidenceStop(self.min_confidence) for rid, _, _, _ in active}
         # Step 1: rows for newly verified positions (or the last one again); its output gives
         # the first token after the committed ones.
         batch: list[tuple[str, _EagleSeq, list[int], int, torch.Tensor]] = []
@@ -231,17 +236,19 @@ class EagleDrafter(DraftsAhead):
             logits = head.draft_logits(a[rows]) if rows else None
             next_batch: list[tuple[str, _EagleSeq, list[int], int, torch.Tensor]] = []
             for row, (rid, seq, forced, n, _) in enumerate(batch):
+                sure = True
                 if fed[rid] < len(forced):
                     token = forced[fed[rid]]
                     fed[rid] += 1
                 else:
                     assert logits is not None
                     i = drawing[row]
-                    token, q = self._sample(seq, logits[i : i + 1])
+                    token, q, p = self._sample(seq, logits[i : i + 1])
                     tokens[rid].append(token)
                     if q is not None:
                         probs[rid].append(q)
-                if len(tokens[rid]) < n:
+                    sure = confidence[rid].goes_on(p)
+                if len(tokens[rid]) < n and sure:
                     token_ids = torch.tensor([token], device=a.device)
                     x = head.layer_input(a[row : row + 1], token_ids)
                     next_batch.append((rid, seq, forced, n, x))
@@ -287,11 +294,20 @@ class EagleDrafter(DraftsAhead):
         self._truncate(seq, 0)
         seq.base, seq.features_end, seq.pending, seq.rows, seq.last_input = None, 0, [], 0, None
 
-    def _sample(self, seq: _EagleSeq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _sample(
+        self, seq: _EagleSeq, logits: torch.Tensor
+    ) -> tuple[int, torch.Tensor | None, float]:
+        """(token, q or None when greedy, the head's probability of the token: 1.0 unless a
+        confidence bar needs it)."""
         params = seq.params
         if params.greedy:
-            return int(self.vocab[int(logits[0].argmax())]), None
+            index = int(logits[0].argmax())
+            p = 1.0
+            if self.min_confidence > 0:
+                p = float(torch.softmax(logits[0].float(), dim=-1)[index])
+            return int(self.vocab[index]), None, p
         full = torch.full((1, self.full_vocab_size), -torch.inf)
         full[0, self.vocab] = logits[0].float().cpu()
         q = params.probs(full)
-        return int(sample_from_probs(q, [seq.generator])[0]), q
+        token = int(sample_from_probs(q, [seq.generator])[0])
+        return token, q, float(q[0, token])

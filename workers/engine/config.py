@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SPEC_METHODS = ("none", "ngram", "suffix", "draft_model", "eagle")
+# Where a model drafter's probability of its draft so far falls below this, the draft ends
+# (workers/drafting/base.py ConfidenceStop). Measured in docs/benchmarks.md: with adaptive k,
+# Qwen2.5-Coder-0.5B drafting for the 1.5B gained 11-17%; the EAGLE head about broke even.
+DEFAULT_MIN_DRAFT_CONFIDENCE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +26,9 @@ class SpecConfig:
     # EAGLE drafts by prompt lookup (ngram_min..ngram_max) where the text repeats, and with its
     # head elsewhere.
     eagle_prompt_lookup: bool = True
+    # A model drafter (draft_model, eagle) ends a draft once its own probability of the draft
+    # so far falls below this (workers/drafting/base.py ConfidenceStop); 0: always k tokens.
+    min_draft_confidence: float = DEFAULT_MIN_DRAFT_CONFIDENCE
     # Cost of a forward over n = 1, 2, 3, ... new tokens (entry n - 1) in one-token forwards:
     # one sequence verifying k drafts is n = k + 1, a batch's step the sum over its sequences.
     # Beyond the last entry, in proportion. None: the engine measures it at start-up
@@ -43,6 +50,10 @@ class SpecConfig:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
         if self.ngram_fallback_tokens < 0:
             raise ValueError("ngram_fallback_tokens must be >= 0")
+        if not 0.0 <= self.min_draft_confidence < 1.0:
+            raise ValueError(
+                f"min_draft_confidence must be in [0, 1), got {self.min_draft_confidence}"
+            )
         if self.verify_costs is not None and (
             not self.verify_costs or any(c <= 0 for c in self.verify_costs)
         ):

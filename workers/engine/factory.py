@@ -96,6 +96,7 @@ def build_drafters(
             num_blocks=config.kv_blocks,
             block_size=config.block_size,
             max_model_len=config.max_model_len,
+            min_confidence=config.spec.min_draft_confidence,
         )
         seconds["draft_model"] = forward_times(draft, [1], reps=5)[0]
     elif required == "draft_model" and "draft_model" not in skip:
@@ -111,6 +112,7 @@ def build_drafters(
             block_size=config.block_size,
             max_model_len=config.max_model_len,
             lookup=ngram if config.spec.eagle_prompt_lookup else None,
+            min_confidence=config.spec.min_draft_confidence,
         )
         drafters["eagle"] = eagle
         seconds["eagle"] = eagle.token_seconds()
