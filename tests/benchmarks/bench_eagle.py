@@ -3,10 +3,11 @@
     python -m tests.benchmarks.bench_eagle [--runs 3] [--max-tokens 128]
 
 Single stream, bf16, greedy, chat template. Every drafter runs at a fixed k = 4 (the acceptance
-numbers the issue asks for) and, for EAGLE and n-gram, with adaptive k (what `outrider serve`
-does). EAGLE runs as served (prompt lookup first where the text repeats) and with its head
-alone. Per prompt kind (chat, code, summary) the tokens of all that kind's prompts are pooled.
-Writes the `bench_eagle` section of docs/benchmarks.md.
+numbers the issue asks for) and, for EAGLE and n-gram, with adaptive k; EAGLE also as `outrider
+serve` runs it (adaptive k, drafts ended where the head doubts them). EAGLE runs as served
+(prompt lookup first where the text repeats) and with its head alone. Per prompt kind (chat,
+code, summary) the tokens of all that kind's prompts are pooled. Writes the `bench_eagle`
+section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from workers.eagle.head import BUNDLED_HEAD, EagleHead, head_metadata
 from workers.eagle.prompts import held_out_prompts
 from workers.eagle.trees import acceptance_ranks, best_tree, chain, level_widths, walk
 from workers.engine.calibration import forward_times, relative_token_cost, verify_costs
-from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.config import (
+    DEFAULT_MIN_DRAFT_CONFIDENCE,
+    EngineConfig,
+    RequestSpec,
+    SpecConfig,
+)
 from workers.engine.llm_engine import Completion, LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import Checkpoint, build_model, load_checkpoint, truncate_layers
@@ -39,15 +45,17 @@ from workers.model.transformer import TransformerLM
 
 K = 4
 DRAFT_LAYERS = 12
-# (label, method, adaptive k, EAGLE's prompt lookup first)
+SERVED = DEFAULT_MIN_DRAFT_CONFIDENCE  # what `outrider serve` ends a model draft at
+# (label, method, adaptive k, EAGLE's prompt lookup first, the head's min draft confidence)
 CONFIGS = [
-    ("none", "none", False, True),
-    ("ngram, k=4", "ngram", False, True),
-    ("draft_model (12 layers), k=4", "draft_model", False, True),
-    ("eagle, k=4", "eagle", False, True),
-    ("eagle head only, k=4", "eagle", False, False),
-    ("ngram, adaptive", "ngram", True, True),
-    ("eagle, adaptive", "eagle", True, True),
+    ("none", "none", False, True, 0.0),
+    ("ngram, k=4", "ngram", False, True, 0.0),
+    ("draft_model (12 layers), k=4", "draft_model", False, True, 0.0),
+    ("eagle, k=4", "eagle", False, True, 0.0),
+    ("eagle head only, k=4", "eagle", False, False, 0.0),
+    ("ngram, adaptive", "ngram", True, True, 0.0),
+    ("eagle, adaptive, whole drafts", "eagle", True, True, 0.0),
+    ("eagle, adaptive", "eagle", True, True, SERVED),
 ]
 
 
@@ -93,6 +101,13 @@ def run_one(engine: LLMEngine, prompts: list[list[int]], method: str, max_tokens
         completions += engine.generate([prompt], params, spec)
         seconds += time.perf_counter() - start
     return Result(seconds, completions)
+
+
+def paired_ratio(results: list[Result], base: list[Result]) -> float:
+    """Median over rounds of tokens/s against `base`'s in the same round."""
+    return statistics.median(
+        (r.tokens / r.seconds) / (b.tokens / b.seconds) for r, b in zip(results, base, strict=True)
+    )
 
 
 def stats(results: list[Result]) -> tuple[float, float, list[float]]:
@@ -225,16 +240,17 @@ def main() -> None:
         verify = verify_costs(target, K + 1, reps=5 if args.quick else 20)  # [k]: k drafts
         one_token_s = forward_times(target, [1], reps=5 if args.quick else 20)[0]
     eagles = {
-        lookup: EagleDrafter(
+        (lookup, confidence): EagleDrafter(
             EagleHead.load(args.head),
             target,
             num_blocks=512,
             max_model_len=1024,
             lookup=NgramConfig() if lookup else None,
+            min_confidence=confidence,
         )
-        for lookup in (True, False)
+        for _, _, _, lookup, confidence in CONFIGS
     }
-    eagle = eagles[True]
+    eagle = eagles[True, SERVED]
     eagle_cost = eagle.token_seconds(reps=5 if args.quick else 30) / one_token_s
     others: dict[str, Drafter] = {
         "ngram": NgramDrafter(NgramConfig()),
@@ -242,11 +258,10 @@ def main() -> None:
     }
     costs = {"draft_model": relative_token_cost(draft, target), "eagle": eagle_cost}
     engines = {
-        (adaptive, lookup): engine_for(
-            target, others | {"eagle": eagles[lookup]}, costs, adaptive, verify, tok
+        (adaptive, lookup, confidence): engine_for(
+            target, others | {"eagle": eagles[lookup, confidence]}, costs, adaptive, verify, tok
         )
-        for adaptive in (False, True)
-        for lookup in (True, False)
+        for _, _, adaptive, lookup, confidence in CONFIGS
     }
     prompts = {
         kind: [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ps]
@@ -260,25 +275,33 @@ def main() -> None:
         for kind, ids in prompts.items():
             results: dict[str, list[Result]] = {label: [] for label, *_ in CONFIGS}
             for round_ in range(args.runs + 1):  # round 0 warms up
-                for label, method, adaptive, lookup in CONFIGS:
-                    result = run_one(engines[adaptive, lookup], ids, method, args.max_tokens)
-                    if round_:
+                # Prompt by prompt, every drafter in turn: the runs a round's ratios compare
+                # are seconds apart, so a slow spell of the machine slows both sides alike.
+                round_results = {label: Result(0.0, []) for label, *_ in CONFIGS}
+                for prompt in ids:
+                    for label, method, *engine_key in CONFIGS:
+                        engine = engines[tuple(engine_key)]
+                        one = run_one(engine, [prompt], method, args.max_tokens)
+                        round_results[label].seconds += one.seconds
+                        round_results[label].completions += one.completions
+                if round_:
+                    for label, result in round_results.items():
                         results[label].append(result)
                 print(f"[bench_eagle] {kind}: round {round_}/{args.runs}", file=sys.stderr)
             answers[kind] = [
                 (c.prompt_token_ids, c.token_ids) for c in results["none"][0].completions
             ]
-            base = statistics.median(r.tokens / r.seconds for r in results["none"])
             for label, method, *_ in CONFIGS:
                 tps = statistics.median(r.tokens / r.seconds for r in results[label])
+                vs_none = paired_ratio(results[label], results["none"])
                 length, per_step, by_pos = stats(results[label])
-                goals[(kind, label)] = (tps / base, length)
+                goals[(kind, label)] = (vs_none, length)
                 rows.append(
                     [
                         kind,
                         label,
                         f"{tps:.1f}",
-                        f"{tps / base:.2f}x",
+                        f"{vs_none:.2f}x",
                         "" if method == "none" else f"{length:.2f}",
                         "" if method == "none" else f"{per_step:.2f}",
                         " / ".join(f"{a:.2f}" for a in by_pos),
@@ -306,7 +329,9 @@ def main() -> None:
             "## EAGLE draft head\n\n`python -m tests.benchmarks.bench_eagle`",
             f"Machine: {machine_line()}. Bundled SmolLM2-135M-Instruct, bf16, greedy, chat "
             f"template, up to {args.max_tokens} new tokens, one request at a time, medians of "
-            f"{args.runs} interleaved runs. Held-out prompts (workers/eagle/prompts.py "
+            f"{args.runs} rounds; in a round each prompt runs with every drafter in turn, and "
+            "`vs none` is the median over rounds of a round's tokens/s against `none`'s in that "
+            "round. Held-out prompts (workers/eagle/prompts.py "
             f"`HELD_OUT`): {', '.join(f'{len(v)} {k}' for k, v in prompts.items())}.",
             f"Head: `{args.head.name}`, made by `{meta.get('command', '?')}`. Drafting one token "
             f"costs {eagle_cost:.3f} target forwards (one-row head forward plus its "
@@ -317,9 +342,11 @@ def main() -> None:
             "### Results",
             "`eagle` is the drafter as `outrider serve` runs it: prompt lookup (n-gram 2..4) "
             "first where the text repeats, the head elsewhere; `eagle head only` drafts with the "
-            "head at every step. `acceptance by position`: of the steps that drafted an i-th "
-            "token, the share in which it was accepted (so every draft before it was accepted "
-            "too).",
+            "head at every step. A model drafter's draft ends where its own probability of the "
+            f"draft so far falls below `min_draft_confidence` ({SERVED} as served; the rows at "
+            "k = 4 and `whole drafts` draft all k). `acceptance by position`: of the steps that "
+            "drafted an i-th token, the share in which it was accepted (so every draft before it "
+            "was accepted too).",
             table(
                 [
                     "prompts",

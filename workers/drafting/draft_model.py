@@ -6,7 +6,8 @@ longest common prefix of those and the committed tokens, frees the rest (rollbac
 proposal first feeds what is missing (the prompt the first time, then the recovered or bonus
 token) before drafting k tokens one forward at a time, batched over sequences. Drafts are drawn
 from the draft model's distribution after the same temperature/top-k/top-p/min-p transform the
-target uses, and that distribution (q) is returned for the rejection test.
+target uses, and that distribution (q) is returned for the rejection test. A draft ends early
+once the model's probability of it falls below `min_confidence` (base.py `ConfidenceStop`).
 
 Drafting ahead (base.py): the cache continues past the last draft with the model's own choice of
 the bonus token and the next k tokens; a commit equal to that guess leaves the cache holding

@@ -12,7 +12,8 @@ draft's rows go), feeds the rows for newly verified positions in one batched for
 last output drafts the first token), then drafts one token per forward, batched over sequences,
 with the head's own output standing in for the target feature. Drafts follow the same
 temperature/top-k/top-p/min-p transform as the target, and q is returned for rejection sampling;
-tokens outside the draft vocabulary have q = 0.
+tokens outside the draft vocabulary have q = 0. A draft ends early once the head's probability
+of it falls below `min_confidence` (base.py `ConfidenceStop`).
 
 With `lookup` set, a sequence whose text ends in an n-gram that occurred before is drafted by
 prompt lookup instead (what followed the n-gram there; q one-hot) and the head does not run for
