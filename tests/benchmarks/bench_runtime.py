@@ -30,7 +30,12 @@ from cluster.config import DeploymentConfig, from_dict
 from cluster.runtime import Runtime
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 from workers.eagle.prompts import held_out_prompts
-from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.config import (
+    DEFAULT_MIN_DRAFT_CONFIDENCE,
+    EngineConfig,
+    RequestSpec,
+    SpecConfig,
+)
 from workers.engine.factory import ModelSpec, build_engine
 from workers.engine.llm_engine import LLMEngine, StepReport
 from workers.engine.sampling_params import SamplingParams
@@ -340,7 +345,8 @@ def qwen_pair(args: argparse.Namespace, params: SamplingParams) -> None:
             f"Machine: {machine_line()}. Qwen2.5-Coder-1.5B-Instruct (target) with "
             "Qwen2.5-Coder-0.5B-Instruct drafting (`make models-qwen`), both bf16 from their "
             f"GGUFs; a draft token costs {draft_cost:.2f} target forwards here. Greedy, k = {K} "
-            f"fixed, single stream over {count} held-out code and {count} chat prompts, up to "
+            f"fixed (drafts ended below confidence {DEFAULT_MIN_DRAFT_CONFIDENCE}), single "
+            f"stream over {count} held-out code and {count} chat prompts, up to "
             f"{args.max_tokens} new tokens, medians of {args.runs} interleaved runs per prompt; "
             "in-process and runtime as in the section above (one core each). This is the case "
             "drafting ahead is for: a drafter that costs the verifier most of a step when "
@@ -426,7 +432,9 @@ def main() -> None:
     body = "\n\n".join(
         [
             "## Disaggregated runtime\n\n`python -m tests.benchmarks.bench_runtime`",
-            f"Machine: {machine_line()}. Bundled model, bf16, greedy, k = {K} fixed, single "
+            f"Machine: {machine_line()}. Bundled model, bf16, greedy, k = {K} fixed (a model "
+            "draft ends sooner where the drafter's probability of it falls below "
+            f"{DEFAULT_MIN_DRAFT_CONFIDENCE}, as served), single "
             f"stream over held-out chat prompts, up to {args.max_tokens} new tokens, medians of "
             f"{args.runs} interleaved runs per prompt. In-process: the engine with its drafter on "
             "one core (torch threads = 1). Runtime: the verifier actor (1 CPU) and one drafter "
