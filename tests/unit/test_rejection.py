@@ -142,7 +142,8 @@ def test_drafts_stopped_by_confidence_keep_the_target_distribution() -> None:
                 q = MARKOV_Q[drafts[-1] if drafts else prev]
                 token = int(torch.multinomial(q, 1, generator=gen))
                 drafts.append(token)
-                if not stop.goes_on(float(q[token])):
+                stop.drew(float(q[token]))
+                if not stop.sure:
                     break
             lengths[len(drafts)] += 1
             contexts = torch.tensor([prev, *drafts])

@@ -251,10 +251,21 @@ class ConfidenceStop:
     min_confidence: float
     probability: float = 1.0
 
-    def goes_on(self, token_probability: float) -> bool:
-        """Whether to draft another token after one drawn with this probability."""
-        self.probability *= token_probability
+    @property
+    def sure(self) -> bool:
+        """Whether the draft so far is probable enough to draft another token after it."""
         return self.probability >= self.min_confidence
+
+    def drew(self, token_probability: float) -> None:
+        self.probability *= token_probability
+
+
+def greedy_probability(logits: torch.Tensor, index: int, needed: bool) -> float:
+    """A greedy draft token's probability under its drafter: the softmax of the drafter's
+    logits (`[1, n]`) at `index`, or 1.0 where no confidence bar needs it (no softmax then)."""
+    if not needed:
+        return 1.0
+    return float(torch.softmax(logits[0].float(), dim=-1)[index])
 
 
 def draft_generator(params: SamplingParams, offset: int) -> torch.Generator | None:

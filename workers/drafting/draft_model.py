@@ -29,6 +29,7 @@ from workers.drafting.base import (
     Draft,
     DraftsAhead,
     draft_generator,
+    greedy_probability,
 )
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
@@ -103,7 +104,6 @@ class DraftModelDrafter(DraftsAhead):
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
         confidence = {rid: ConfidenceStop(self.min_confidence) for rid, _, _, _ in active}
-        sure = dict.fromkeys(tokens, True)
         running = list(active)
         while running and not stop():
             try:
@@ -121,8 +121,8 @@ class DraftModelDrafter(DraftsAhead):
                 if q is not None:
                     probs[rid].append(q)
                 pending[rid] = [token]
-                sure[rid] = confidence[rid].goes_on(p)
-            running = [e for e in running if len(tokens[e[0]]) < e[3] and sure[e[0]]]
+                confidence[rid].drew(p)
+            running = [e for e in running if len(tokens[e[0]]) < e[3] and confidence[e[0]].sure]
         return {
             rid: Draft(tokens[rid], torch.cat(probs[rid]) if probs[rid] else None)
             for rid, _, _, _ in active
@@ -146,10 +146,7 @@ class DraftModelDrafter(DraftsAhead):
         params = seq.params
         if params.greedy:
             token = int(logits[0].argmax())
-            p = 1.0
-            if self.min_confidence > 0:
-                p = float(torch.softmax(logits[0].float(), dim=-1)[token])
-            return token, None, p
+            return token, None, greedy_probability(logits, token, self.min_confidence > 0)
         q = params.probs(logits)
         token = int(sample_from_probs(q, [seq.generator])[0])
         return token, q, float(q[0, token])

@@ -42,6 +42,7 @@ from workers.drafting.base import (
     DraftRequest,
     DraftsAhead,
     draft_generator,
+    greedy_probability,
 )
 from workers.drafting.ngram import NgramConfig, prompt_lookup
 from workers.eagle.head import EagleHead
@@ -237,7 +238,6 @@ class EagleDrafter(DraftsAhead):
             logits = head.draft_logits(a[rows]) if rows else None
             next_batch: list[tuple[str, _EagleSeq, list[int], int, torch.Tensor]] = []
             for row, (rid, seq, forced, n, _) in enumerate(batch):
-                sure = True
                 if fed[rid] < len(forced):
                     token = forced[fed[rid]]
                     fed[rid] += 1
@@ -248,8 +248,8 @@ class EagleDrafter(DraftsAhead):
                     tokens[rid].append(token)
                     if q is not None:
                         probs[rid].append(q)
-                    sure = confidence[rid].goes_on(p)
-                if len(tokens[rid]) < n and sure:
+                    confidence[rid].drew(p)
+                if len(tokens[rid]) < n and confidence[rid].sure:
                     token_ids = torch.tensor([token], device=a.device)
                     x = head.layer_input(a[row : row + 1], token_ids)
                     next_batch.append((rid, seq, forced, n, x))
@@ -303,9 +303,7 @@ class EagleDrafter(DraftsAhead):
         params = seq.params
         if params.greedy:
             index = int(logits[0].argmax())
-            p = 1.0
-            if self.min_confidence > 0:
-                p = float(torch.softmax(logits[0].float(), dim=-1)[index])
+            p = greedy_probability(logits, index, self.min_confidence > 0)
             return int(self.vocab[index]), None, p
         full = torch.full((1, self.full_vocab_size), -torch.inf)
         full[0, self.vocab] = logits[0].float().cpu()
