@@ -307,13 +307,13 @@ def _counters(runtime: Runtime) -> dict[str, float]:
     }
 
 
-def goals_table(runs: dict[tuple[str, bool], Measured], ttft_overhead: float) -> str:
+def goals_table(measured_by: dict[tuple[str, bool], Measured], ttft_overhead: float) -> str:
     """The issue's goals: each runtime drafting ahead (by its label) against the in-process
     engine, beside the most that hiding drafting could give, and the remote-prefill TTFT
     overhead."""
     measured = ", ".join(
         f"{label} {m.ratio:.2f}x (bound {m.bound:.2f}x)"
-        for (label, ahead), m in runs.items()
+        for (label, ahead), m in measured_by.items()
         if ahead
     )
     return table(
