@@ -370,7 +370,8 @@ def qwen_pair(args: argparse.Namespace, params: SamplingParams) -> None:
             "In the time of one verify forward the drafter makes at most about "
             f"{1 / draft_cost:.1f} draft forwards ahead (the guessed bonus token, then the "
             "draft), so a served draft is shorter than k: acceptance per step falls, and the "
-            "step no longer waits for drafting.",
+            "step waits not for a whole draft but for the draft forward under way when it asks "
+            "(most of `hand-off per step` with drafting ahead).",
             table(["prompts", "drafting ahead", *ROW_COLUMNS[:-1]], rows),
             "### Remote prefill",
             "As in the section above, with the 1.5B target (no features: the draft model reads "
