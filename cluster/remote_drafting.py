@@ -13,7 +13,11 @@ accepted (workers/drafting/base.py); the next call stops that thread and waits f
 right guess is answered without drafting. The thread ends at its next forward where a commit in
 the call may be its guess, and between two layers of the forward under way where none can be
 (a draft model's forward costs the verifier a third of its own, and half of that, on average,
-is what finishing it would add to the step). The drafter's core would idle otherwise.
+is what finishing it would add to the step). The drafter's core would idle otherwise. A drafter
+that `keeps_drafting_ahead` (the draft model) is not stopped by a call that only commits the
+guesses of the sequences it asks for: that call is answered from the chains drafted so far while
+drafting ahead goes on (`Drafter.take_ahead`), and waits at most for the forward under way where
+a chain holds no draft token yet.
 
 A drafter that died (its actor restarted by Ray, or replaced) comes back empty. The proxy notices
 (a failed call, or the restarted actor's new incarnation number), rebuilds the link and re-adds
@@ -38,6 +42,9 @@ from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.engine.sampling_params import SamplingParams
 
 MAX_SERVED_RECORDS = 10_000
+# The longest a step served from drafting ahead that goes on waits for the forward under way
+# (its guess or first draft token) before taking the usual path; a forward takes far less.
+TAKE_AHEAD_WAIT_S = 0.5
 log = logging.getLogger(__name__)
 
 # Events, in the order the engine produced them (per sequence that order matters).
@@ -66,6 +73,7 @@ class DraftReply:
     drafts: dict[str, tuple[list[int], torch.Tensor | None]]
     seconds: float  # drafting time inside the actor
     ahead_served: int = 0  # proposals of this step that were drafted ahead
+    kept_going: bool = False  # served while drafting ahead went on (take_ahead)
 
 
 class DrafterWorker:
@@ -77,6 +85,7 @@ class DrafterWorker:
         self.drafter = make_drafter()
         self.name = name
         self.draft_ahead = draft_ahead and self.drafter.drafts_ahead
+        self.keep_going = self.draft_ahead and self.drafter.keeps_drafting_ahead
         self.link: TensorLink | None = None
         self.incarnation = int(time.time_ns())  # a restarted actor gets a new one
         self._ahead: threading.Thread | None = None
@@ -97,6 +106,9 @@ class DrafterWorker:
         return self.incarnation
 
     def step(self, message: StepMessage) -> DraftReply:
+        taken = self._take_ahead(message)
+        if taken is not None:
+            return taken
         self._finish_ahead(abandon=not self.guess_may_hold(message.events))
         if message.incarnation != self.incarnation:
             raise DrafterRestarted(f"{self.name} restarted; the verifier must re-add its sequences")
@@ -135,6 +147,30 @@ class DrafterWorker:
             self._ahead.start()
         return reply
 
+    def _take_ahead(self, message: StepMessage) -> DraftReply | None:
+        """Answer a step from drafting ahead that goes on, when it only commits (once per
+        sequence, and for just the sequences it asks drafts of) and the commits are the
+        guesses; None otherwise."""
+        if not (self.keep_going and self._ahead is not None and self._ahead.is_alive()):
+            return None
+        if message.incarnation != self.incarnation or message.feature_rows:
+            return None
+        commits: dict[str, list[int]] = {}
+        for event in message.events:
+            if event[0] != "commit" or event[1] in commits:
+                return None
+            commits[event[1]] = event[2]
+        start = time.perf_counter()
+        drafts = self.drafter.take_ahead(commits, message.requests, TAKE_AHEAD_WAIT_S)
+        if drafts is None:
+            return None
+        return DraftReply(
+            {rid: (d.token_ids, d.probs) for rid, d in drafts.items()},
+            time.perf_counter() - start,
+            sum(bool(d.token_ids) for d in drafts.values()),
+            kept_going=True,
+        )
+
     def guess_may_hold(self, events: list[Any]) -> bool:
         """Whether the first commit of some sequence in `events` may be what drafting ahead
         guessed (so the forward under way is worth finishing)."""
@@ -146,7 +182,9 @@ class DrafterWorker:
 
     def _draft_ahead(self, requests: list[DraftRequest]) -> None:
         try:
-            self.drafter.draft_ahead(requests, self._stop_ahead.is_set, self._abandon_ahead.is_set)
+            self.drafter.draft_ahead(
+                requests, self._stop_ahead.is_set, self._abandon_ahead.is_set, self.keep_going
+            )
         except Exception:  # a lost guess costs nothing; the next proposal drafts afresh
             log.exception("%s: drafting ahead failed", self.name)
 
@@ -157,6 +195,7 @@ class DrafterWorker:
             if abandon:
                 self._abandon_ahead.set()
             self._stop_ahead.set()
+            self.drafter.wake_ahead()
             self._ahead.join()
             self._ahead = None
             self._stop_ahead.clear()
@@ -245,6 +284,7 @@ class RemoteStats:
     reconnects: int = 0
     feature_bytes: int = 0
     ahead_served: int = 0  # proposals the drafter had drafted ahead
+    ahead_kept_going: int = 0  # steps answered while its drafting ahead went on
     draft_s: float = 0.0  # drafting inside the actor, over answered steps
     wait_s: float = 0.0  # the verifier's wait from sending a step to its drafts, over all steps
 
@@ -344,6 +384,7 @@ class RemoteDrafter(Drafter):
         finally:
             self.stats.wait_s += time.perf_counter() - start
         self.stats.ahead_served += reply.ahead_served
+        self.stats.ahead_kept_going += reply.kept_going
         self.stats.draft_s += reply.seconds
         return {
             rid: Draft(tokens, probs)

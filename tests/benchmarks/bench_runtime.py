@@ -186,6 +186,7 @@ class Measured:
     steps: int = 0  # proposals asked of the drafter
     late: int = 0
     ahead_served: int = 0
+    ahead_kept_going: int = 0  # steps served while the drafter's drafting ahead went on
     feature_bytes: int = 0
     draft_s: float = 0.0  # inside the drafter actor
     wait_s: float = 0.0  # the verifier's wait for the drafter's replies
@@ -220,6 +221,7 @@ class Measured:
             f"{length:.2f}",
             f"{self.late / steps:.1%}",
             f"{self.ahead_served / steps:.1%}",
+            f"{self.ahead_kept_going / steps:.1%}",
             f"{self.local_draft_s / max(1, self.local_steps) * 1000:.1f} ms",
             f"{self.draft_s / steps * 1000:.1f} ms",
             f"{(self.wait_s - self.draft_s) / steps * 1000:.1f} ms",
@@ -235,6 +237,7 @@ ROW_COLUMNS = [
     "mean acceptance length",
     "steps without a draft (late)",
     "served ahead",
+    "served while drafting went on",
     "drafting per step, in-process",
     "drafting per step, drafter actor",
     "hand-off per step",
@@ -294,7 +297,15 @@ def compare(
     return results
 
 
-COUNTERS = ("steps", "late", "ahead_served", "feature_bytes", "draft_s", "wait_s")
+COUNTERS = (
+    "steps",
+    "late",
+    "ahead_served",
+    "ahead_kept_going",
+    "feature_bytes",
+    "draft_s",
+    "wait_s",
+)
 
 
 def _counters(runtime: Runtime) -> dict[str, float]:
@@ -458,14 +469,17 @@ def main() -> None:
             f"actor (1 CPU), features over a gloo link; draft_model is the first {DRAFT_LAYERS} "
             "layers. Drafting ahead: while the verifier checks a draft, the drafter prepares the "
             "next one on the guess that the whole draft is accepted and its own bonus token is "
-            "right; `served ahead` is the share of steps whose draft was ready that way. The "
+            "right; `served ahead` is the share of steps whose draft was ready that way, and "
+            "`served while drafting went on` the share answered from a draft model's chain "
+            "without stopping its drafting ahead (base.py `take_ahead`). The "
             "in-process engine is measured interleaved with each runtime, the same prompt on "
             "one right before the other; `runtime vs in-process` is the median of those pairs' "
             "ratios. `bound with drafting hidden`: the in-process engine's verify steps' time "
             "over their time without the drafting in them, the most a runtime could gain by "
             "hiding drafting (at the same acceptance, with no hand-off and every draft ready "
             "when asked for). `drafting per step`: in the in-process engine's step, and inside the "
-            "drafter actor (a draft served ahead costs none there); `hand-off per step`: what the "
+            "drafter actor (a draft served ahead costs none there but the wait for a forward "
+            "under way, when a chain has no draft token yet); `hand-off per step`: what the "
             "verifier waits for a proposal beyond the drafting in it (the Ray call, the feature "
             "rows over the link, waking the drafter's process).",
             table(["drafter", "drafting ahead", *ROW_COLUMNS], rows),

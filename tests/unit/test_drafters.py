@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import pytest
 
-from cluster.remote_drafting import DrafterWorker
+from cluster.remote_drafting import DrafterWorker, DraftReply, StepMessage
 from tests.factories import tiny_model
 from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_bar
 from workers.drafting.base import (
@@ -350,3 +352,100 @@ def test_a_draft_model_draft_ends_where_the_model_doubts_it(draft_net: Transform
 def test_min_draft_confidence_is_checked() -> None:
     with pytest.raises(ValueError, match="min_draft_confidence"):
         SpecConfig(min_draft_confidence=1.0)
+
+
+def _until(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_drafting_ahead_that_goes_on_serves_right_guesses_without_stopping(
+    draft_net: TransformerLM,
+) -> None:
+    """The drafter actor's side, driven as a verifier whose target is the draft model itself
+    (every guess right) would drive it: after the first proposal, steps that only commit the
+    guess are answered from the chain while its thread goes on; a rejection takes the usual
+    path, and its proposal is what a fresh drafter proposes."""
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [5, 17, 33, 8, 60, 2, 71]
+    reference = DraftModelDrafter(draft_net, num_blocks=64, block_size=4)
+    reference.add("r", prompt, greedy)
+    whole = reference.propose([DraftRequest("r", 7, 24)])["r"].token_ids  # greedy continuation
+    worker = DrafterWorker(lambda: DraftModelDrafter(draft_net, num_blocks=64, block_size=4), "d")
+    assert worker.keep_going
+    seq = lambda: worker.drafter._seqs["a"]  # noqa: E731
+
+    def step(events: list, n: int) -> DraftReply:  # type: ignore[type-arg]
+        return worker.step(StepMessage(worker.incarnation, events, [DraftRequest("a", n, 3)]))
+
+    first = step([("add", "a", prompt, greedy)], 7)
+    assert first.drafts["a"][0] == whole[:3] and not first.kept_going
+    # The chain after the proposal: the guessed bonus token, k draft tokens, the next guess.
+    _until(lambda: len(seq().ahead.chain) == 5)
+    second = step([("commit", "a", whole[:4])], 11)
+    assert second.kept_going and second.ahead_served == 1
+    assert second.drafts["a"][0] == whole[4:7]
+    assert worker._ahead is not None and worker._ahead.is_alive()  # never stopped
+    # At once this time: whatever is ready (the forward under way is not waited for unless
+    # the chain has no draft token yet).
+    third = step([("commit", "a", whole[4:8])], 15)
+    served = third.drafts["a"][0]
+    assert third.kept_going and 1 <= len(served) <= 3 and served == whole[8 : 8 + len(served)]
+    # A rejection: stopped, committed, proposed as a fresh drafter would.
+    wrong = [served[0], (whole[9] + 1) % 97] if len(served) > 1 else [(served[0] + 1) % 97]
+    n = 15 + len(wrong)
+    fourth = step([("commit", "a", wrong)], n)
+    assert not fourth.kept_going and fourth.ahead_served == 0
+    fresh = DraftModelDrafter(draft_net, num_blocks=64, block_size=4)
+    fresh.add("b", prompt + whole[:8] + wrong, greedy)
+    assert fourth.drafts["a"][0] == fresh.propose([DraftRequest("b", n, 3)])["b"].token_ids
+    # A step that also removes a sequence takes the usual path; everything is freed.
+    worker.step(StepMessage(worker.incarnation, [("remove", "a")], []))
+    worker._finish_ahead(abandon=True)
+    assert worker.drafter.allocator.num_free_blocks == worker.drafter.allocator.num_blocks
+
+
+def test_take_ahead_changes_nothing_when_a_commit_is_not_the_guess(
+    draft_net: TransformerLM,
+) -> None:
+    drafter = DraftModelDrafter(draft_net, num_blocks=32, block_size=4)
+    drafter.add("a", [5, 17, 33, 8], SamplingParams(temperature=0.9, seed=3))
+    request = [DraftRequest("a", 4, 2)]
+    draft = drafter.propose(request)["a"]
+    thread = threading.Thread(target=drafter.draft_ahead, args=(request,), daemon=True)
+    thread.start()  # without keep_going: the chain stops at the guess and k draft tokens
+    thread.join()
+    # A finished chain is not followed any more: nothing to take from.
+    assert drafter.take_ahead({"a": [*draft.token_ids, 1]}, [DraftRequest("a", 7, 2)], 0.1) is None
+    stop = threading.Event()
+    drafter.commit("a", [*draft.token_ids, 0])
+    drafter.propose([DraftRequest("a", 7, 2)])
+    ahead = threading.Thread(
+        target=drafter.draft_ahead,
+        args=([DraftRequest("a", 7, 2)], stop.is_set, lambda: False, True),
+        daemon=True,
+    )
+    ahead.start()
+    seq = drafter._seqs["a"]
+    _until(lambda: len(seq.ahead.chain) == 4)
+    guess = seq.ahead.draft + seq.ahead.chain[:1]
+    wrong = [*seq.ahead.draft, (seq.ahead.chain[0] + 1) % 97]
+    assert drafter.take_ahead({"a": wrong}, [DraftRequest("a", 10, 2)], 0.1) is None
+    assert drafter.take_ahead({"a": guess}, [DraftRequest("a", 9, 2)], 0.1) is None  # count
+    assert len(seq.tokens) == 7 and len(seq.ahead.chain) == 4
+    taken = drafter.take_ahead({"a": guess}, [DraftRequest("a", 10, 2)], 0.1)
+    assert taken is not None and taken["a"].token_ids == seq.ahead.draft
+    probs = taken["a"].probs  # sampled: q for each served token
+    assert probs is not None and probs.shape == (2, 97)
+    assert all(probs[i, t] > 0 for i, t in enumerate(taken["a"].token_ids))
+    # Stopped, the chain becomes the usual guess and prepared draft.
+    _until(lambda: len(seq.ahead.chain) == 4)
+    chain = list(seq.ahead.chain)
+    stop.set()
+    drafter.wake_ahead()
+    ahead.join(timeout=10)
+    assert not ahead.is_alive() and not seq.ahead.following
+    assert seq.ahead.guess == seq.ahead.draft + chain[:1]
+    assert seq.ahead.prepared is not None and seq.ahead.prepared.token_ids == chain[1:3]

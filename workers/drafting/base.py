@@ -93,7 +93,14 @@ class Drafter(ABC):
     # pays while a proposal is accepted whole more often than about 1 / (2k + 1) of the time.
     # Each sequence keeps a running rate of whole acceptance (`AheadState.whole_rate`) and is
     # drafted ahead for while it is at least `MIN_WHOLE_RATE`.
+    #
+    # A drafter that `keeps_drafting_ahead` can also go on across proposals: called with
+    # `keep_going`, `draft_ahead` extends one chain of draft tokens per sequence until stopped,
+    # and a step whose commits are all the guesses is answered by `take_ahead` from the chain
+    # without stopping it (the forward under way then makes the next guess). The step no longer
+    # waits for that forward, and the drafter's core never idles between proposals.
     drafts_ahead: bool = False
+    keeps_drafting_ahead: bool = False
     ahead_prepared: int = 0  # proposals drafted ahead so far
     ahead_served: int = 0  # of those, served because the guess was right
 
@@ -102,15 +109,34 @@ class Drafter(ABC):
         requests: Sequence[DraftRequest],
         stop: Callable[[], bool] = lambda: False,
         abandon: Callable[[], bool] = lambda: False,
+        keep_going: bool = False,
     ) -> None:
         """Prepare the next proposal of each sequence just drafted for (`requests`: the same
         requests `propose` got), unless `stop()` turns true first (the forward under way
-        finishes) or `abandon()` does (it is given up where the drafter can)."""
+        finishes) or `abandon()` does (it is given up where the drafter can). With
+        `keep_going` (drafters that `keeps_drafting_ahead`) it returns only then."""
 
     def ahead_may_hold(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """Whether committing `token_ids` (the next commit of the sequence) may be the guess
         its drafting ahead works on; False lets that work be abandoned."""
         return False
+
+    def take_ahead(
+        self,
+        commits: Mapping[str, Sequence[int]],
+        requests: Sequence[DraftRequest],
+        timeout: float,
+    ) -> dict[str, Draft] | None:
+        """While `draft_ahead(keep_going=True)` runs on another thread: commit `commits` (one
+        per sequence, nothing else happened to any) and serve `requests` from the chains, if
+        every commit is its sequence's guess, waiting at most `timeout` for draft tokens the
+        forward under way is making. None, with nothing changed, when it cannot: the caller
+        stops drafting ahead, commits and proposes as usual."""
+        return None
+
+    def wake_ahead(self) -> None:  # noqa: B027
+        """Wake drafting ahead that waits for a proposal to be taken (its `stop` just turned
+        true)."""
 
 
 # Drafting ahead breaks even at a whole-acceptance rate of 1 / (2k + 1) (0.11 at k = 4); the
@@ -129,6 +155,14 @@ class AheadState:
     guess: list[int] | None = None  # the commit a prepared draft assumes
     prepared: Draft | None = None  # drafted ahead on that guess
     ready: Draft | None = None  # a prepared draft whose guess came true
+    # Drafting ahead that goes on (`keep_going`): the tokens drawn after the last proposal
+    # (the guessed bonus token, then the next draft, then the guess after it), with q for each
+    # (sampled drafts) and the drafter's probability of each (for the confidence bar).
+    following: bool = False  # a thread is extending `chain`
+    k: int = 0  # the length of the draft in the chain
+    chain: list[int] = field(default_factory=list)
+    chain_q: list[torch.Tensor] = field(default_factory=list)
+    chain_p: list[float] = field(default_factory=list)
 
     @property
     def worth_it(self) -> bool:
@@ -152,6 +186,67 @@ class AheadState:
         probs = None if ahead.probs is None else ahead.probs[1:]
         self.prepared = Draft(ahead.token_ids[1:], probs)
         return True
+
+    # -- the chain -----------------------------------------------------------------------------
+
+    def follow(self, k: int) -> None:
+        """Start a chain after the last proposal, for drafts of `k` tokens."""
+        self.following, self.k = True, k
+        self.chain, self.chain_q, self.chain_p = [], [], []
+
+    def extend(self, token: int, q: torch.Tensor | None, probability: float) -> None:
+        self.chain.append(token)
+        if q is not None:
+            self.chain_q.append(q)
+        self.chain_p.append(probability)
+
+    def draft_in_chain(self, min_confidence: float) -> tuple[int, bool]:
+        """How many chain tokens after the guess form the next draft (at most k, ending with
+        the token whose probability crosses the bar), and whether that draft is complete."""
+        bar = ConfidenceStop(min_confidence)
+        n = 0
+        for probability in self.chain_p[1 : 1 + self.k]:
+            n += 1
+            bar.drew(probability)
+            if not bar.sure:
+                return n, True
+        return n, n == self.k
+
+    def wants_more(self, min_confidence: float, keep_going: bool) -> bool:
+        """Whether the chain needs another token: until its draft is complete, and then,
+        drafting ahead that goes on, the guess after that draft."""
+        n, complete = self.draft_in_chain(min_confidence)
+        if not complete:
+            return True
+        return len(self.chain) < 1 + n + keep_going
+
+    def guessed(self, token_ids: Sequence[int]) -> bool:
+        """Whether the commit `token_ids` is the chain's guess (known once its first token is)."""
+        return bool(self.chain) and list(token_ids) == self.draft + self.chain[:1]
+
+    def take(self, k: int, min_confidence: float) -> Draft:
+        """The guess was committed: its draft (the ready part, cut to `k`) becomes the last
+        proposal, and the chain goes on after it (the guess after it comes first)."""
+        if self.draft:
+            self.whole_rate = WHOLE_RATE_DECAY * self.whole_rate + (1 - WHOLE_RATE_DECAY)
+        n = min(self.draft_in_chain(min_confidence)[0], k)
+        tokens = self.chain[1 : 1 + n]
+        probs = torch.cat(self.chain_q[1 : 1 + n]) if self.chain_q and n else None
+        del self.chain[: 1 + n], self.chain_p[: 1 + n]
+        if self.chain_q:
+            del self.chain_q[: 1 + n]
+        self.draft, self.k = tokens, k
+        return Draft(tokens, probs)
+
+    def settle(self, min_confidence: float) -> bool:
+        """Drafting ahead ended: what the chain holds becomes the usual guess and prepared
+        draft (`keep`); True when a draft was prepared."""
+        n = 1 + self.draft_in_chain(min_confidence)[0]
+        probs = torch.cat(self.chain_q[:n]) if self.chain_q else None
+        kept = self.keep(Draft(self.chain[:n], probs))
+        self.following = False
+        self.chain, self.chain_q, self.chain_p = [], [], []
+        return kept
 
 
 class AheadSequence(Protocol):
@@ -220,6 +315,7 @@ class DraftsAhead(Drafter):
         requests: Sequence[DraftRequest],
         stop: Callable[[], bool] = lambda: False,
         abandon: Callable[[], bool] = lambda: False,
+        keep_going: bool = False,
     ) -> None:
         active: list[tuple[str, Any, list[int], int]] = []
         for req in requests:

@@ -12,12 +12,17 @@ once the model's probability of it falls below `min_confidence` (base.py `Confid
 Drafting ahead (base.py): the cache continues past the last draft with the model's own choice of
 the bonus token and the next k tokens; a commit equal to that guess leaves the cache holding
 exactly what the next proposal needs, so the prepared draft is served as it is. Abandoned, a
-forward stops between two layers, and the slots it had claimed are rolled back.
+forward stops between two layers, and the slots it had claimed are rolled back. Drafting ahead
+that goes on (`keep_going`) extends each sequence's chain one batched forward at a time, on its
+thread, and `take_ahead` serves from the chains between two of those forwards: the lock guards
+the chains and the committed tokens, never a forward, and only the thread touches the cache
+while it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +32,7 @@ from workers.drafting.base import (
     AheadState,
     ConfidenceStop,
     Draft,
+    DraftRequest,
     DraftsAhead,
     draft_generator,
     greedy_probability,
@@ -52,6 +58,7 @@ class _DraftSeq:
 
 class DraftModelDrafter(DraftsAhead):
     method = "draft_model"
+    keeps_drafting_ahead = True
 
     def __init__(
         self,
@@ -68,6 +75,7 @@ class DraftModelDrafter(DraftsAhead):
         self._seqs: dict[str, _DraftSeq] = {}
         # A draft ends once the draft model's probability of it falls below this (base.py).
         self.min_confidence = min_confidence
+        self._chains = threading.Condition()  # drafting ahead that goes on, and take_ahead
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         table = BlockTable(self.allocator, self.runner.block_size)
@@ -95,12 +103,7 @@ class DraftModelDrafter(DraftsAhead):
     ) -> dict[str, Draft]:
         # First forward: whatever of the context the cache lacks (at least its last token, for
         # its logits); then one drafted token each.
-        pending: dict[str, list[int]] = {}
-        for rid, seq, forced, _ in active:
-            context = seq.tokens + forced
-            common = min(_common_prefix(seq.cached, context), len(context) - 1)
-            self._rollback(seq, common)
-            pending[rid] = context[common:]
+        pending = {rid: self._to_feed(seq, forced) for rid, seq, forced, _ in active}
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
         confidence = {rid: ConfidenceStop(self.min_confidence) for rid, _, _, _ in active}
@@ -127,6 +130,124 @@ class DraftModelDrafter(DraftsAhead):
             rid: Draft(tokens[rid], torch.cat(probs[rid]) if probs[rid] else None)
             for rid, _, _, _ in active
         }
+
+    @torch.inference_mode()
+    def draft_ahead(
+        self,
+        requests: Sequence[DraftRequest],
+        stop: Callable[[], bool] = lambda: False,
+        abandon: Callable[[], bool] = lambda: False,
+        keep_going: bool = False,
+    ) -> None:
+        # One chain per sequence (base.py AheadState), extended a batched forward at a time.
+        with self._chains:
+            active = []
+            for req in requests:
+                seq = self._seqs.get(req.request_id)
+                if seq is not None and seq.ahead.draft and seq.ahead.worth_it:
+                    seq.ahead.follow(req.k)
+                    active.append(seq)
+        pending = [self._to_feed(seq, seq.ahead.draft) for seq in active]
+        try:
+            while active and not (stop() or abandon()):
+                with self._chains:
+                    running = [i for i, seq in enumerate(active) if self._extends(seq, keep_going)]
+                    if not running:
+                        if not keep_going:
+                            break
+                        self._chains.wait_for(  # a proposal taken from the chains, or stop
+                            lambda: (
+                                stop()
+                                or abandon()
+                                or any(self._extends(seq, True) for seq in active)
+                            ),
+                            timeout=0.5,  # stop() is also polled, should a wake be missed
+                        )
+                        continue
+                try:
+                    logits = self._forward([(active[i], pending[i]) for i in running], abandon)
+                except NoFreeBlocksError:
+                    break  # out of draft cache: the chains end here
+                except ForwardInterrupted:
+                    for i in running:  # the slots it wrote hold nothing now
+                        self._rollback(active[i], len(active[i].cached))
+                    break
+                with self._chains:
+                    for row, i in enumerate(running):
+                        seq = active[i]
+                        seq.cached.extend(pending[i])
+                        token, q, p = self._sample(seq, logits[row : row + 1])
+                        seq.ahead.extend(token, q, p)
+                        pending[i] = [token]
+                    self._chains.notify_all()
+        finally:
+            with self._chains:
+                for seq in active:
+                    self.ahead_prepared += seq.ahead.settle(self.min_confidence)
+                self._chains.notify_all()
+
+    def _extends(self, seq: _DraftSeq, keep_going: bool) -> bool:
+        """Whether drafting ahead draws another token for the sequence (called with the lock)."""
+        ahead = seq.ahead
+        room = len(seq.tokens) + len(ahead.draft) + len(ahead.chain) < self.max_model_len
+        return room and ahead.wants_more(self.min_confidence, keep_going)
+
+    def take_ahead(
+        self,
+        commits: Mapping[str, Sequence[int]],
+        requests: Sequence[DraftRequest],
+        timeout: float,
+    ) -> dict[str, Draft] | None:
+        if not requests or set(commits) != {req.request_id for req in requests}:
+            return None
+        with self._chains:
+            seqs = [self._seqs.get(req.request_id) for req in requests]
+            for req, seq in zip(requests, seqs, strict=True):
+                tokens = commits[req.request_id]
+                if seq is None or not seq.ahead.following:
+                    return None
+                if len(seq.tokens) + len(tokens) != req.num_tokens:
+                    return None  # the usual path reports it
+                if list(tokens[:-1]) != seq.ahead.draft:  # not the last draft accepted whole
+                    return None
+            # The guess and a first draft token each; the forward under way may be making them.
+            self._chains.wait_for(
+                lambda: all(self._ready(seq) for seq in seqs if seq is not None), timeout
+            )
+            if not all(
+                seq is not None and seq.ahead.guessed(commits[req.request_id])
+                for req, seq in zip(requests, seqs, strict=True)
+            ):
+                return None
+            drafts: dict[str, Draft] = {}
+            for req, seq in zip(requests, seqs, strict=True):
+                assert seq is not None
+                seq.tokens.extend(commits[req.request_id])
+                k = max(0, min(req.k, self.max_model_len - len(seq.tokens)))
+                drafts[req.request_id] = draft = seq.ahead.take(k, self.min_confidence)
+                self.ahead_prepared += bool(draft.token_ids)
+                self.ahead_served += bool(draft.token_ids)
+            self._chains.notify_all()
+            return drafts
+
+    def _ready(self, seq: _DraftSeq) -> bool:
+        """Whether a sequence's chain can be taken from now (called with the lock)."""
+        ahead = seq.ahead
+        if not ahead.following or len(ahead.chain) >= 2:
+            return True
+        return bool(ahead.chain) and not self._extends(seq, True)
+
+    def wake_ahead(self) -> None:
+        with self._chains:
+            self._chains.notify_all()
+
+    def _to_feed(self, seq: _DraftSeq, forced: list[int]) -> list[int]:
+        """Roll the cache back to what it shares with the committed tokens and then `forced`
+        ones, and return the rest of those (at least the last: its logits draw the next)."""
+        context = seq.tokens + forced
+        common = min(_common_prefix(seq.cached, context), len(context) - 1)
+        self._rollback(seq, common)
+        return context[common:]
 
     def _forward(
         self, batch: list[tuple[_DraftSeq, list[int]]], interrupt: Callable[[], bool] | None
