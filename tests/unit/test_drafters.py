@@ -382,11 +382,13 @@ def test_drafting_ahead_that_goes_on_serves_right_guesses_without_stopping(
 
     first = step([("add", "a", prompt, greedy)], 7)
     assert first.drafts["a"][0] == whole[:3] and not first.kept_going
-    # The chain after the proposal: the guessed bonus token, k draft tokens, the next guess.
-    _until(lambda: len(seq().ahead.chain) == 5)
+    # The chain after the proposal: the guessed bonus token, k draft tokens, the next guess,
+    # and the draft after that.
+    _until(lambda: len(seq().ahead.chain) == 8)
     second = step([("commit", "a", whole[:4])], 11)
     assert second.kept_going and second.ahead_served == 1
     assert second.drafts["a"][0] == whole[4:7]
+    assert seq().ahead.chain[:4] == whole[7:11]  # what is left goes on
     assert worker._ahead is not None and worker._ahead.is_alive()  # never stopped
     # At once this time: whatever is ready (the forward under way is not waited for unless
     # the chain has no draft token yet).
@@ -429,19 +431,19 @@ def test_take_ahead_changes_nothing_when_a_commit_is_not_the_guess(
     )
     ahead.start()
     seq = drafter._seqs["a"]
-    _until(lambda: len(seq.ahead.chain) == 4)
+    _until(lambda: len(seq.ahead.chain) == 6)
     guess = seq.ahead.draft + seq.ahead.chain[:1]
     wrong = [*seq.ahead.draft, (seq.ahead.chain[0] + 1) % 97]
     assert drafter.take_ahead({"a": wrong}, [DraftRequest("a", 10, 2)], 0.1) is None
     assert drafter.take_ahead({"a": guess}, [DraftRequest("a", 9, 2)], 0.1) is None  # count
-    assert len(seq.tokens) == 7 and len(seq.ahead.chain) == 4
+    assert len(seq.tokens) == 7 and len(seq.ahead.chain) == 6
     taken = drafter.take_ahead({"a": guess}, [DraftRequest("a", 10, 2)], 0.1)
     assert taken is not None and taken["a"].token_ids == seq.ahead.draft
     probs = taken["a"].probs  # sampled: q for each served token
     assert probs is not None and probs.shape == (2, 97)
     assert all(probs[i, t] > 0 for i, t in enumerate(taken["a"].token_ids))
     # Stopped, the chain becomes the usual guess and prepared draft.
-    _until(lambda: len(seq.ahead.chain) == 4)
+    _until(lambda: len(seq.ahead.chain) == 6)
     chain = list(seq.ahead.chain)
     stop.set()
     drafter.wake_ahead()

@@ -144,6 +144,7 @@ class Drafter(ABC):
 # and slows its forward a little (9% for Qwen2.5-Coder-0.5B beside the 1.5B, docs/benchmarks.md).
 MIN_WHOLE_RATE = 0.2
 WHOLE_RATE_DECAY = 0.8  # the weight of the past in the running rate: about the last 5 proposals
+KEEP_GOING_DRAFTS = 2  # how many proposals (each with its guess) a chain holds at most
 
 
 @dataclass(slots=True)
@@ -213,12 +214,13 @@ class AheadState:
         return n, n == self.k
 
     def wants_more(self, min_confidence: float, keep_going: bool) -> bool:
-        """Whether the chain needs another token: until its draft is complete, and then,
-        drafting ahead that goes on, the guess after that draft."""
-        n, complete = self.draft_in_chain(min_confidence)
-        if not complete:
-            return True
-        return len(self.chain) < 1 + n + keep_going
+        """Whether the chain needs another token: until its draft is complete; drafting ahead
+        that goes on, past that draft's end and the guess after it, through the draft after
+        that too (the drafter's core would idle otherwise: a draft served at once holds only
+        what is ready, so the chain runs behind the verifier where its drafts come true)."""
+        if keep_going:
+            return len(self.chain) < KEEP_GOING_DRAFTS * (self.k + 1)
+        return not self.draft_in_chain(min_confidence)[1]
 
     def guessed(self, token_ids: Sequence[int]) -> bool:
         """Whether the commit `token_ids` is the chain's guess (known once its first token is)."""
