@@ -380,9 +380,10 @@ def qwen_pair(args: argparse.Namespace, params: SamplingParams) -> None:
             "drafting in-line, and whole drafts accepted often enough that the guess comes true. "
             "In the time of one verify forward the drafter makes at most about "
             f"{1 / draft_cost:.1f} draft forwards ahead (the guessed bonus token, then the "
-            "draft), so a served draft is shorter than k: acceptance per step falls, and the "
-            "step waits not for a whole draft but for the draft forward under way when it asks "
-            "(most of `hand-off per step` with drafting ahead).",
+            "draft), so a served draft is shorter than k and acceptance per step falls. A step "
+            "that only commits the guess is answered from the chain drafted so far while "
+            "drafting ahead goes on (`served while drafting went on`); it waits for the draft "
+            "forward under way only where the chain holds no draft token yet.",
             table(["prompts", "drafting ahead", *ROW_COLUMNS[:-1]], rows),
             "### Remote prefill",
             "As in the section above, with the 1.5B target (no features: the draft model reads "
