@@ -114,7 +114,8 @@ class DrafterActor:
             return drafters[method]
 
         self.token_seconds = 0.0  # drafting one token here; the verifier weighs it
-        self.worker = DrafterWorker(make, name, deployment.pools.drafter.draft_ahead)
+        pool = deployment.pools.drafter
+        self.worker = DrafterWorker(make, name, pool.draft_ahead, pool.keep_drafting_ahead)
 
     def info(self) -> dict[str, Any]:
         return {

@@ -17,6 +17,7 @@ RayCluster). A config is checked as a whole when it is built, and every error na
       prefill:  {replicas: 1, resources: {cpus: 1, gpus: 0}}
       verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
       drafter:  {replicas: 1, method: eagle, num_speculative_tokens: 4, draft_ahead: true,
+                 keep_drafting_ahead: true,   # a draft model goes on across guessed steps
                  resources: {cpus: 1, custom: {grace_cpu: 1}}}
     router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256,
              requests_per_s: 0, burst: 0}                 # per-key token bucket, 0: none
@@ -95,6 +96,10 @@ class DrafterPool:
     draft_model: str | None = None  # for method draft_model: a smaller model, same tokenizer
     draft_layers: int | None = None  # or the target's first N layers as the draft model
     draft_ahead: bool = True  # prepare the next proposal while the verifier checks this one
+    # A draft model drafting ahead goes on across steps that only commit its guess (the step is
+    # answered from what it drafted so far); false: every step stops it and waits for the
+    # forward under way.
+    keep_drafting_ahead: bool = True
     resources: Resources = field(default_factory=Resources)
 
 

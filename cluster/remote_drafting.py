@@ -80,12 +80,16 @@ class DrafterWorker:
     """The drafter actor's state: one `Drafter` and the link its features arrive on."""
 
     def __init__(
-        self, make_drafter: Callable[[], Drafter], name: str, draft_ahead: bool = True
+        self,
+        make_drafter: Callable[[], Drafter],
+        name: str,
+        draft_ahead: bool = True,
+        keep_going: bool = True,
     ) -> None:
         self.drafter = make_drafter()
         self.name = name
         self.draft_ahead = draft_ahead and self.drafter.drafts_ahead
-        self.keep_going = self.draft_ahead and self.drafter.keeps_drafting_ahead
+        self.keep_going = keep_going and self.draft_ahead and self.drafter.keeps_drafting_ahead
         self.link: TensorLink | None = None
         self.incarnation = int(time.time_ns())  # a restarted actor gets a new one
         self._ahead: threading.Thread | None = None
@@ -99,6 +103,7 @@ class DrafterWorker:
             "hidden_layers": list(self.drafter.hidden_layers),
             "incarnation": self.incarnation,
             "draft_ahead": self.draft_ahead,
+            "keep_drafting_ahead": self.keep_going,
         }
 
     def open_link(self, address: LinkAddress) -> int:

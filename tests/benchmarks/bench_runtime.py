@@ -5,9 +5,11 @@
 Single stream, bf16, greedy, the held-out chat prompts. For each drafter method: the in-process
 engine (drafting and verifying on the same cores, one after the other) and the Ray runtime (the
 verifier actor on one core, the drafter actor on the other, features over a gloo link), with the
-drafter drafting ahead and without. Also the fraction of verify steps that went without a draft
-because the drafter missed its deadline, the proposals served from drafting ahead, and the
-feature bytes moved per step. Writes the `bench_runtime` section of docs/benchmarks.md.
+drafter drafting ahead and without (and, with `--pair qwen`, drafting ahead that stops at
+every step beside drafting ahead that goes on). Also the fraction of verify steps that went
+without a draft because the drafter missed its deadline, the proposals served from drafting
+ahead, and the feature bytes moved per step. Writes the `bench_runtime` section of
+docs/benchmarks.md.
 
 `--pair qwen`: instead, Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B (`make models-qwen`),
 the draft-model case with a drafter worth hiding, on held-out code and chat prompts; writes the
@@ -63,9 +65,17 @@ class Models:
 BUNDLED, QWEN = Models(), Models(QWEN_TARGET, QWEN_DRAFT)
 
 
+# How the drafter actor drafts ahead, by the label in the tables: (draft_ahead,
+# keep_drafting_ahead). "stops" ends drafting ahead at every step (the prepared draft is served
+# once the forward under way ends); "goes on" answers a step that only commits the guess from
+# the chain drafted so far and keeps drafting (a draft model; EAGLE always stops).
+AHEAD = {"no": (False, False), "stops": (True, False), "goes on": (True, True)}
+
+
 def deployment(
-    method: str, prefill: int = 0, draft_ahead: bool = True, models: Models = BUNDLED
+    method: str, prefill: int = 0, ahead: str = "goes on", models: Models = BUNDLED
 ) -> DeploymentConfig:
+    draft_ahead, keep_going = AHEAD[ahead]
     return from_dict(
         {
             "model": models.target,
@@ -79,6 +89,7 @@ def deployment(
                     "replicas": 1,
                     "method": method,
                     "draft_ahead": draft_ahead,
+                    "keep_drafting_ahead": keep_going,
                     "resources": {"cpus": 1},
                     **models.draft_settings(),
                 },
@@ -318,14 +329,15 @@ def _counters(runtime: Runtime) -> dict[str, float]:
     }
 
 
-def goals_table(measured_by: dict[tuple[str, bool], Measured], ttft_overhead: float) -> str:
-    """The issue's goals: each runtime drafting ahead (by its label) against the in-process
-    engine, beside the most that hiding drafting could give, and the remote-prefill TTFT
-    overhead."""
+def goals_table(measured_by: dict[tuple[str, str], Measured], ttft_overhead: float) -> str:
+    """The issue's goals: each runtime drafting ahead (by its label, and how it drafts ahead
+    where there is more than one way) against the in-process engine, beside the most that
+    hiding drafting could give, and the remote-prefill TTFT overhead."""
+    ways = {ahead for _, ahead in measured_by if ahead != "no"}
     measured = ", ".join(
-        f"{label} {m.ratio:.2f}x (bound {m.bound:.2f}x)"
+        f"{label}{f' ({ahead})' if len(ways) > 1 else ''} {m.ratio:.2f}x (bound {m.bound:.2f}x)"
         for (label, ahead), m in measured_by.items()
-        if ahead
+        if ahead != "no"
     )
     return table(
         ["goal", "target", "measured"],
@@ -356,11 +368,12 @@ def qwen_pair(args: argparse.Namespace, params: SamplingParams) -> None:
         for kind in ("code", "chat")
     }
     rows, results = [], {}
-    for ahead in (False, True):
-        config = deployment("draft_model", draft_ahead=ahead, models=QWEN)
+    for ahead in AHEAD:
+        config = deployment("draft_model", ahead=ahead, models=QWEN)
         for kind, measured in compare(local.engine, config, prompts, params, args.runs).items():
             results[(kind, ahead)] = measured
-            rows.append([kind, "yes" if ahead else "no", *measured.row()[:-1]])
+            rows.append([kind, ahead, *measured.row()[:-1]])
+    rows.sort(key=lambda row: row[0] != "code")  # each kind's three runtimes together
     del local
     ttft_table, ttft_overhead = prefill_section(
         load_tokenizer(QWEN.target), args.runs, args.quick, "draft_model", QWEN
@@ -380,10 +393,14 @@ def qwen_pair(args: argparse.Namespace, params: SamplingParams) -> None:
             "drafting in-line, and whole drafts accepted often enough that the guess comes true. "
             "In the time of one verify forward the drafter makes at most about "
             f"{1 / draft_cost:.1f} draft forwards ahead (the guessed bonus token, then the "
-            "draft), so a served draft is shorter than k and acceptance per step falls. A step "
-            "that only commits the guess is answered from the chain drafted so far while "
-            "drafting ahead goes on (`served while drafting went on`); it waits for the draft "
-            "forward under way only where the chain holds no draft token yet.",
+            "draft), so a served draft is shorter than k and acceptance per step falls. Three "
+            "runtimes, each beside the in-process engine: no drafting ahead; drafting ahead that "
+            "`stops` (`pools.drafter.keep_drafting_ahead: false`: every step stops the "
+            "drafter's thread at the end of the forward under way, and a commit equal to the "
+            "guess is answered with the prepared draft); and drafting ahead that `goes on` (the "
+            "default: a step that only commits the guess is answered from the chain drafted so "
+            "far while drafting goes on, `served while drafting went on`, waiting for the "
+            "forward under way only where the chain holds no draft token yet).",
             table(["prompts", "drafting ahead", *ROW_COLUMNS[:-1]], rows),
             "### Remote prefill",
             "As in the section above, with the 1.5B target (no features: the draft model reads "
@@ -452,11 +469,11 @@ def main() -> None:
         prompts = {"chat": encode_chats(tok, held_out_prompts()["chat"][: 1 if args.quick else 3])}
         # One Ray runtime at a time: each is measured interleaved with the in-process engine,
         # and compared with it.
-        for ahead in (False, True):
-            config = deployment(method, draft_ahead=ahead)
+        for ahead in ("no", "goes on"):  # the default; EAGLE stops at every step regardless
+            config = deployment(method, ahead=ahead)
             measured = compare(local.engine, config, prompts, params, args.runs)["chat"]
             results[(method, ahead)] = measured
-            rows.append([method, "yes" if ahead else "no", *measured.row()])
+            rows.append([method, "yes" if ahead != "no" else "no", *measured.row()])
     ttft_table, ttft_overhead = prefill_section(tok, args.runs, args.quick)
     body = "\n\n".join(
         [

@@ -129,11 +129,13 @@ def test_grace_drafters_select_arm64_nodes_and_advertise_the_resource(chart) -> 
     config = from_dict(yaml.safe_load(one(objects, "ConfigMap")["data"]["outrider.yaml"]))
     assert config.pools.drafter.resources.custom == {"grace_cpu": 1.0, "outrider_drafter": 1.0}
     assert config.pools.drafter.replicas == 4  # 2 pods x 2 actors
-    assert config.pools.drafter.draft_ahead  # the chart's default
+    assert config.pools.drafter.draft_ahead  # the chart's defaults
+    assert config.pools.drafter.keep_drafting_ahead
     values = load_values(CHART / "ci" / "grace-values.yaml")
-    values["drafter"] = {**values["drafter"], "draftAhead": False}
-    off = one(render(chart, values), "ConfigMap")["data"]["outrider.yaml"]
-    assert not from_dict(yaml.safe_load(off)).pools.drafter.draft_ahead
+    values["drafter"] = {**values["drafter"], "draftAhead": False, "keepDraftingAhead": False}
+    rendered = one(render(chart, values), "ConfigMap")["data"]["outrider.yaml"]
+    off = from_dict(yaml.safe_load(rendered))
+    assert not off.pools.drafter.draft_ahead and not off.pools.drafter.keep_drafting_ahead
     # over the chart's defaults
     values["speculative"] = {
         "ngramMin": 3,

@@ -409,6 +409,35 @@ def test_drafting_ahead_that_goes_on_serves_right_guesses_without_stopping(
     assert worker.drafter.allocator.num_free_blocks == worker.drafter.allocator.num_blocks
 
 
+def test_drafting_ahead_that_stops_at_every_step_when_told_to(draft_net: TransformerLM) -> None:
+    """`keep_drafting_ahead: false`: a step that only commits the guess stops the thread and
+    is answered with the prepared draft, not from a chain that goes on; same tokens."""
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [5, 17, 33, 8, 60, 2, 71]
+    reference = DraftModelDrafter(draft_net, num_blocks=64, block_size=4)
+    reference.add("r", prompt, greedy)
+    whole = reference.propose([DraftRequest("r", 7, 24)])["r"].token_ids
+    worker = DrafterWorker(
+        lambda: DraftModelDrafter(draft_net, num_blocks=64, block_size=4), "d", keep_going=False
+    )
+    assert worker.draft_ahead and not worker.keep_going
+    assert worker.info()["keep_drafting_ahead"] is False
+    first = worker.step(
+        StepMessage(worker.incarnation, [("add", "a", prompt, greedy)], [DraftRequest("a", 7, 3)])
+    )
+    assert first.drafts["a"][0] == whole[:3]
+    assert worker._ahead is not None
+    worker._ahead.join(timeout=30)  # without keep_going the thread ends at its prepared draft
+    second = worker.step(
+        StepMessage(worker.incarnation, [("commit", "a", whole[:4])], [DraftRequest("a", 11, 3)])
+    )
+    assert not second.kept_going and second.ahead_served == 1
+    assert second.drafts["a"][0] == whole[4:7]
+    worker.step(StepMessage(worker.incarnation, [("remove", "a")], []))
+    worker._finish_ahead(abandon=True)
+    assert worker.drafter.allocator.num_free_blocks == worker.drafter.allocator.num_blocks
+
+
 def test_take_ahead_changes_nothing_when_a_commit_is_not_the_guess(
     draft_net: TransformerLM,
 ) -> None:
