@@ -204,6 +204,7 @@ class Measured:
     local_draft_s: float = 0.0  # the in-process engine's drafting, over its verify steps
     local_forward_s: float = 0.0  # and its forwards with verification, over the same steps
     local_steps: int = 0
+    local_drafted: int = 0  # the draft tokens of those steps
 
     @property
     def ratio(self) -> float:
@@ -221,6 +222,16 @@ class Measured:
         acceptance, with no hand-off and every draft ready when asked for)."""
         return (self.local_draft_s + self.local_forward_s) / max(1e-9, self.local_forward_s)
 
+    @property
+    def pace_bound(self) -> float:
+        """The most a runtime with one drafter could gain by drafting ahead: a drafter that
+        goes on drafting makes one chain token (guess or draft) per draft forward, so its
+        drafts cannot carry the stream faster than one token per draft forward (timed in the
+        in-process engine, on the same one core as the drafter actor gets). Relative to the
+        in-process engine's tokens/s."""
+        per_token = self.local_draft_s / max(1, self.local_drafted)
+        return 1 / max(1e-9, per_token * statistics.median(self.local_tps))
+
     def row(self) -> list[str]:
         steps = max(1, self.steps)
         length = (self.accepted + self.verify_steps) / max(1, self.verify_steps)
@@ -229,6 +240,7 @@ class Measured:
             f"{statistics.median(self.remote_tps):.1f}",
             f"{self.ratio:.2f}x",
             f"{self.bound:.2f}x",
+            f"{self.pace_bound:.2f}x",
             f"{length:.2f}",
             f"{self.late / steps:.1%}",
             f"{self.ahead_served / steps:.1%}",
@@ -245,6 +257,7 @@ ROW_COLUMNS = [
     "runtime tokens/s",
     "runtime vs in-process",
     "bound with drafting hidden",
+    "bound at the drafter's pace",
     "mean acceptance length",
     "steps without a draft (late)",
     "served ahead",
@@ -269,11 +282,13 @@ def compare(
     method = config.pools.drafter.method
     runtime = Runtime.start(config, num_cpus=2)
     results: dict[str, Measured] = {}
-    step_s: list[tuple[float, float]] = []  # the in-process engine's (drafting, forward)
+    # The in-process engine's verify steps: (drafting, forward) seconds, draft tokens.
+    step_s: list[tuple[float, float, int]] = []
 
     def listen(report: StepReport) -> None:
         if any(r.prefill_tokens == 0 for r in report.rounds):  # a verify step
-            step_s.append((report.draft_s, report.forward_s))
+            drafted = sum(r.drafted for r in report.rounds)
+            step_s.append((report.draft_s, report.forward_s, drafted))
 
     engine.step_listeners.append(listen)
     try:
@@ -287,8 +302,9 @@ def compare(
                     done = engine.generate([prompt], params, RequestSpec(method=method))
                     local_s = time.perf_counter() - start
                     if round_:
-                        measured.local_draft_s += sum(d for d, _ in step_s)
-                        measured.local_forward_s += sum(f for _, f in step_s)
+                        measured.local_draft_s += sum(d for d, _, _ in step_s)
+                        measured.local_forward_s += sum(f for _, f, _ in step_s)
+                        measured.local_drafted += sum(n for _, _, n in step_s)
                         measured.local_steps += len(step_s)
                     start = time.perf_counter()
                     stream = runtime.submit(prompt, params, RequestSpec(method=method))
@@ -335,7 +351,8 @@ def goals_table(measured_by: dict[tuple[str, str], Measured], ttft_overhead: flo
     hiding drafting could give, and the remote-prefill TTFT overhead."""
     ways = {ahead for _, ahead in measured_by if ahead != "no"}
     measured = ", ".join(
-        f"{label}{f' ({ahead})' if len(ways) > 1 else ''} {m.ratio:.2f}x (bound {m.bound:.2f}x)"
+        f"{label}{f' ({ahead})' if len(ways) > 1 else ''} {m.ratio:.2f}x "
+        f"(bounds {m.bound:.2f}x, {m.pace_bound:.2f}x at the drafter's pace)"
         for (label, ahead), m in measured_by.items()
         if ahead != "no"
     )
@@ -495,8 +512,12 @@ def main() -> None:
             "ratios. `bound with drafting hidden`: the in-process engine's verify steps' time "
             "over their time without the drafting in them, the most a runtime could gain by "
             "hiding drafting (at the same acceptance, with no hand-off and every draft ready "
-            "when asked for). `drafting per step`: in the in-process engine's step, and inside the "
-            "drafter actor (a draft served ahead costs none there but the wait for a forward "
+            "when asked for). `bound at the drafter's pace`: a drafter drafting ahead makes one "
+            "token of its chain (guess or draft) per draft forward, so one drafter cannot carry "
+            "the stream faster than that; one over the in-process draft forward's time per "
+            "token, over the in-process tokens/s. `drafting per step`: in the in-process "
+            "engine's step, and inside the drafter actor (a draft served ahead costs none there "
+            "but the wait for a forward "
             "under way, when a chain has no draft token yet); `hand-off per step`: what the "
             "verifier waits for a proposal beyond the drafting in it (the Ray call, the feature "
             "rows over the link, waking the drafter's process).",
