@@ -517,8 +517,8 @@ def main() -> None:
             "the stream faster than that; one over the in-process draft forward's time per "
             "token, over the in-process tokens/s. `drafting per step`: in the in-process "
             "engine's step, and inside the drafter actor (a draft served ahead costs none there "
-            "but the wait for a forward "
-            "under way, when a chain has no draft token yet); `hand-off per step`: what the "
+            "but the wait for a forward under way, when a chain has no draft token yet); "
+            "`hand-off per step`: what the "
             "verifier waits for a proposal beyond the drafting in it (the Ray call, the feature "
             "rows over the link, waking the drafter's process).",
             table(["drafter", "drafting ahead", *ROW_COLUMNS], rows),
