@@ -136,10 +136,11 @@ def _amx_lib() -> ctypes.CDLL:
 
 def pack_bf16(
     weight: torch.Tensor,  # [out_features, in_features] bf16
-) -> torch.Tensor:  # [ceil(out_features / 16) * 16 * in_features] bf16, for linear_amx
-    """`weight` [out, in] re-laid in AMX tile order (out padded to a multiple of 16 with zeros);
-    `in` must be a multiple of 32. Call only when `amx_available()`."""
-    lib = _amx_lib()
+) -> torch.Tensor:  # [ceil(out_features / 16) * 16 * in_features] bf16
+    """`weight` [out, in] re-laid in AMX tile order (out padded to a multiple of 16 with zeros),
+    for `linear_amx` and `linear_packed`; `in` must be a multiple of 32. Call only when
+    `available()`."""
+    lib = _lib()
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise TypeError("pack_bf16 takes a 2-D bf16 CPU weight")
     out_features, in_features = weight.shape
@@ -163,13 +164,34 @@ def linear_amx(
     lib = _amx_lib()
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu":
         raise TypeError("linear_amx takes 2-D bf16 CPU rows")
-    in_features = x.shape[1]
+    _check_pack(x.shape[1], packed, out_features, x.shape)
+    return _project(lib.outrider_linear_amx, x, packed, bias, out_features)
+
+
+def _check_pack(
+    in_features: int, packed: torch.Tensor, out_features: int, x_shape: torch.Size
+) -> None:
     padded = -(-out_features // TILE_OUTPUTS) * TILE_OUTPUTS
     if in_features % TILE_FEATURES or packed.numel() != padded * in_features:
         raise ValueError(
-            f"the packed weight does not fit x {tuple(x.shape)} and {out_features} outputs"
+            f"the packed weight does not fit x {tuple(x_shape)} and {out_features} outputs"
         )
-    return _project(lib.outrider_linear_amx, x, packed, bias, out_features)
+
+
+def linear_packed(
+    x: torch.Tensor,  # [rows, in_features] bf16
+    packed: torch.Tensor,  # pack_bf16 of a [out_features, in_features] weight
+    out_features: int,
+    bias: torch.Tensor | None = None,  # [out_features] bf16
+) -> torch.Tensor:  # [rows, out_features] bf16
+    """`x W^T + b` with AVX512 dot products over a weight `pack_bf16` re-laid, fp32 sums rounded
+    once to bf16; a row's result does not depend on the other rows nor on the thread count. For
+    CPUs without AMX. Call only when `available()`."""
+    lib = _lib()
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu":
+        raise TypeError("linear_packed takes 2-D bf16 CPU rows")
+    _check_pack(x.shape[1], packed, out_features, x.shape)
+    return _project(lib.outrider_linear_packed, x, packed, bias, out_features)
 
 
 def linear_bf16(
@@ -320,7 +342,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         linear.restype = None
         ptr, int_, float_ = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
         linear.argtypes = [ptr, ptr, ptr, ptr, int_, int_, int_, int_]
-        for name in ("outrider_linear_amx",):
+        for name in ("outrider_linear_amx", "outrider_linear_packed"):
             fn = getattr(lib, name)
             fn.restype = None
             fn.argtypes = [ptr, ptr, ptr, ptr, int_, int_, int_, int_]

@@ -31,6 +31,13 @@ static inline __m512 bf16x32_dot(__m512 acc, bf16x32 a, bf16x32 b) {
 static inline __m256i bf16_round16(__m512 v) {
     return (__m256i)_mm512_cvtneps_pbh(v);
 }
+
+/* The two bf16 at p, repeated in every pair of lanes. */
+static inline bf16x32 bf16x32_pair(const uint16_t *p) {
+    int32_t two;
+    __builtin_memcpy(&two, p, sizeof two);
+    return (__m512bh)_mm512_set1_epi32(two);
+}
 #else
 /* 32 bf16 split into their even and odd elements as fp32 (a bf16 is the high half of an fp32). */
 typedef struct {
@@ -41,6 +48,16 @@ static inline bf16x32 bf16x32_load(const uint16_t *p, __mmask32 m) {
     const __m512i raw = _mm512_maskz_loadu_epi16(m, p);
     const bf16x32 r = {_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)),
                        _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(~0xffff)))};
+    return r;
+}
+
+/* The two bf16 at p, repeated in every pair of lanes. */
+static inline bf16x32 bf16x32_pair(const uint16_t *p) {
+    uint32_t even = (uint32_t)p[0] << 16, odd = (uint32_t)p[1] << 16;
+    float e, o;
+    __builtin_memcpy(&e, &even, sizeof e);
+    __builtin_memcpy(&o, &odd, sizeof o);
+    const bf16x32 r = {_mm512_set1_ps(e), _mm512_set1_ps(o)};
     return r;
 }
 

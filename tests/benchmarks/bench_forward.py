@@ -174,8 +174,11 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
     }
     if native.available():
         kernels[f"ours, {native.variant()} build"] = native.linear_bf16
-    if native.amx_available():
         packed = {id(w): native.pack_bf16(w) for w in weights}
+        kernels["ours, AVX512 (packed weight)"] = lambda x, w: native.linear_packed(
+            x, packed[id(w)], w.shape[0]
+        )
+    if native.amx_available():
         kernels["ours, AMX tiles (packed weight)"] = lambda x, w: native.linear_amx(
             x, packed[id(w)], w.shape[0]
         )
@@ -195,11 +198,13 @@ def gemv_section(model: TransformerLM, reps: int) -> str:
             rows.append([num_rows, name, f"{t * 1e3:.1f}", f"{nbytes / t / 1e9:.1f}"])
     return (
         "The MLP weights of all 30 layers (bf16), our kernels in kernels/native.py: why "
-        f"`kernels/linear.py` sends up to {AMX_MAX_ROWS} rows to the AMX kernel where the "
-        "weight is packed for it (any row count up to 16 costs the same), else rows to our "
-        "AVX512 one (as fast for one row, but its dot products make it compute-bound as rows "
-        f"grow): up to {NATIVE_MAX_ROWS} with AVX512-BF16, all of them without (where torch "
-        "emulates bf16 too), else one row to `torch.mv` and a few to `W @ x^T`.\n\n"
+        "`kernels/linear.py` packs the weights at load and sends the rows of a packed weight "
+        f"to the AMX kernel where the CPU has AMX (up to {AMX_MAX_ROWS}; any row count up to "
+        "16 costs the same), else to the packed AVX512 one (each weight it loads serves up to "
+        "8 rows), whatever their number; the unpacked AVX512 kernel (its dot products grow "
+        f"dearer with every row) takes up to {NATIVE_MAX_ROWS} rows of an unpacked weight "
+        "with AVX512-BF16, all of them without (where torch emulates bf16 too), else one row "
+        "goes to `torch.mv` and a few to `W @ x^T`.\n\n"
         + table(["rows", "kernel", "ms for all layers", "GB/s of weights"], rows)
     )
 
@@ -244,8 +249,8 @@ def prefill_section(model: TransformerLM, reps: int, lengths: tuple[int, ...]) -
         "`SdpaAttention` attends over the whole gathered blocks and masks the keys past the "
         "prompt's end (the same answer: tests/unit/test_attention.py). The last column is the "
         "whole-block forward on torch's kernels alone (no native projection or RMSNorm "
-        f"kernels; the AMX one takes chunks of up to {AMX_MAX_ROWS} tokens, the avx512f build's "
-        "any chunk).\n\n"
+        f"kernels; the AMX one takes chunks of up to {AMX_MAX_ROWS} tokens, the packed AVX512 "
+        "one any chunk).\n\n"
         + table(
             [
                 "prompt tokens",
