@@ -7,8 +7,8 @@ tests/benchmarks/bench_forward.py prints the comparison):
 - a weight packed once at load (`pack`: its features in pairs, 16 outputs side by side) goes
   through `native.linear_amx` for up to AMX_MAX_ROWS bf16 rows where the CPU has AMX (~25
   GB/s, and 1 to 16 rows cost the same), else through `native.linear_packed`, AVX512 dot
-  products that use each weight they load for up to 8 rows: on an AMD Zen 4, 1.4x faster than
-  the unpacked kernel below for one row, 8 rows for ~1.1x one row's time, and faster than
+  products that use each weight they load for up to 8 rows: on an AMD Zen 4, 1.3x faster than
+  the unpacked kernel below for one row, 8 rows for about one row's time, and faster than
   torch's bf16 GEMM at any row count, so it takes them all;
 - our AVX512 kernel (`native.linear_bf16`) for an unpacked weight, whose dot products grow dearer
   with every row. Where the CPU has AVX512-BF16 it takes up to NATIVE_MAX_ROWS rows; where it

@@ -3,8 +3,10 @@
 - `linear_amx` multiplies up to a few hundred bf16 rows by a weight that `pack_bf16` re-laid
   once for AMX tiles: 1 to 16 rows cost the same, ~1.5x less than torch's one-row kernel
   (tests/benchmarks/bench_forward.py prints the comparison). CPUs with AMX (Sapphire Rapids on).
-- `linear_bf16` does the same for an unpacked weight with AVX512 dot products, as fast for one
-  row but dearer per extra row: for CPUs without AMX.
+- `linear_packed` takes the same packed weight with AVX512 dot products, for CPUs without AMX:
+  each weight it loads serves up to 8 rows, so 8 rows cost ~1.1x one row's time.
+- `linear_bf16` multiplies rows by an unpacked weight with AVX512 dot products: faster than
+  torch's kernels for one row, but dearer per extra row.
 - `rms_norm_bf16` is RMSNorm, optionally fused with the residual add before it, in one call
   instead of half a dozen torch ops.
 - `paged_attention_bf16` attends a few new tokens per sequence (decode, verification) over the
