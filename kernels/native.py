@@ -163,21 +163,7 @@ def linear_amx(
 ) -> torch.Tensor:  # [rows, out_features] bf16
     """`x W^T + b` on AMX tiles, fp32 sums rounded once to bf16; a row's result does not depend
     on the other rows nor on the thread count. Call only when `amx_available()`."""
-    lib = _amx_lib()
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu":
-        raise TypeError("linear_amx takes 2-D bf16 CPU rows")
-    _check_pack(x.shape[1], packed, out_features, x.shape)
-    return _project(lib.outrider_linear_amx, x, packed, bias, out_features)
-
-
-def _check_pack(
-    in_features: int, packed: torch.Tensor, out_features: int, x_shape: torch.Size
-) -> None:
-    padded = -(-out_features // TILE_OUTPUTS) * TILE_OUTPUTS
-    if in_features % TILE_FEATURES or packed.numel() != padded * in_features:
-        raise ValueError(
-            f"the packed weight does not fit x {tuple(x_shape)} and {out_features} outputs"
-        )
+    return _project_packed(_amx_lib().outrider_linear_amx, x, packed, out_features, bias)
 
 
 def linear_packed(
@@ -189,11 +175,7 @@ def linear_packed(
     """`x W^T + b` with AVX512 dot products over a weight `pack_bf16` re-laid, fp32 sums rounded
     once to bf16; a row's result does not depend on the other rows nor on the thread count. For
     CPUs without AMX. Call only when `available()`."""
-    lib = _lib()
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu":
-        raise TypeError("linear_packed takes 2-D bf16 CPU rows")
-    _check_pack(x.shape[1], packed, out_features, x.shape)
-    return _project(lib.outrider_linear_packed, x, packed, bias, out_features)
+    return _project_packed(_lib().outrider_linear_packed, x, packed, out_features, bias)
 
 
 def linear_bf16(
@@ -213,6 +195,25 @@ def linear_bf16(
     if not weight.is_contiguous():
         raise ValueError("the weight must be contiguous")
     return _project(lib.outrider_linear_bf16, x, weight, bias, weight.shape[0])
+
+
+def _project_packed(
+    kernel: Callable[..., None],
+    x: torch.Tensor,  # [rows, in_features] bf16
+    packed: torch.Tensor,  # pack_bf16 of a [out_features, in_features] weight
+    out_features: int,
+    bias: torch.Tensor | None,  # [out_features] bf16
+) -> torch.Tensor:  # [rows, out_features] bf16
+    """What the two kernels over a packed weight check before `_project`."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu":
+        raise TypeError("a packed projection takes 2-D bf16 CPU rows")
+    in_features = x.shape[1]
+    padded = -(-out_features // TILE_OUTPUTS) * TILE_OUTPUTS
+    if in_features % TILE_FEATURES or packed.numel() != padded * in_features:
+        raise ValueError(
+            f"the packed weight does not fit x {tuple(x.shape)} and {out_features} outputs"
+        )
+    return _project(kernel, x, packed, bias, out_features)
 
 
 def _project(

@@ -113,87 +113,63 @@ def test_linear_bf16_refuses_what_it_cannot_compute() -> None:
         native.linear_bf16(x, w, _bf16(7, gen=gen))
 
 
-@needs_native
+# The kernels over a packed weight: AVX512 dot products anywhere, AMX tiles where the CPU has them.
+PACKED_KERNELS = [
+    pytest.param("linear_packed", marks=needs_native),
+    pytest.param("linear_amx", marks=needs_amx),
+]
+
+
+@pytest.mark.parametrize("kernel", PACKED_KERNELS)
 @pytest.mark.parametrize(
     ("rows", "in_features", "out_features"),
     [
         (1, 576, 960),
         (2, 64, 5),  # one partial block of outputs
-        (5, 1536, 200),  # 5 rows: tiles of 4 blocks; 13 blocks: a partial group
-        (7, 96, 577),  # 7 rows: tiles of 3 blocks, the last output alone in its block
-        (9, 1024, 40),  # a tile of 8 rows and one of 1
+        (5, 1536, 200),  # AVX512: 5 rows take tiles of 4 blocks; 13 blocks, a partial group
+        (7, 96, 577),  # AVX512: tiles of 3 blocks, the last output alone in its block
+        (9, 1024, 40),  # AVX512: a tile of 8 rows and one of 1
+        (16, 96, 40),  # AMX: one full tile of rows
         (17, 576, 33),
         (300, 64, 48),
     ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_packed_matches_an_fp64_reference(
-    rows: int, in_features: int, out_features: int, with_bias: bool
+def test_packed_projections_match_an_fp64_reference(
+    kernel: str, rows: int, in_features: int, out_features: int, with_bias: bool
 ) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = _bf16(rows, in_features, gen=gen)
     w = _bf16(out_features, in_features, gen=gen, scale=in_features**-0.5)
     b = _bf16(out_features, gen=gen) if with_bias else None
     expected = x.double() @ w.double().T + (0 if b is None else b.double())
-    out = native.linear_packed(x, native.pack_bf16(w), out_features, b)
+    out = getattr(native, kernel)(x, native.pack_bf16(w), out_features, b)
     assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)
     theirs = (x @ w.T + (0 if b is None else b)).double()
     assert (out.double() - expected).abs().max() <= (theirs - expected).abs().max() + 1e-2
 
 
-@needs_native
-def test_linear_packed_gives_each_row_the_same_bits_whatever_the_batch_and_threads() -> None:
-    gen = torch.Generator().manual_seed(9)
-    x = _bf16(21, 128, gen=gen)  # tiles of 8 rows, the last partial
-    w = _bf16(70, 128, gen=gen, scale=0.1)  # 5 blocks of 16 outputs, the last partial
+@pytest.mark.parametrize("kernel", PACKED_KERNELS)
+def test_packed_projections_give_each_row_the_same_bits_whatever_the_batch_and_threads(
+    kernel: str,
+) -> None:
+    project = getattr(native, kernel)
+    gen = torch.Generator().manual_seed(8)
+    # 40 rows: tiles of 8 rows (AVX512) or three of 16 (AMX), the last partial; alone, a row
+    # takes AVX512 tiles of 4 blocks instead of 3.
+    x = _bf16(40, 128, gen=gen)
+    w = _bf16(70, 128, gen=gen, scale=0.1)  # an odd number of 16-output blocks, the last partial
     b = _bf16(70, gen=gen)
     packed = native.pack_bf16(w)
-    together = native.linear_packed(x, packed, 70, b)
-    for r in range(x.shape[0]):  # alone, a row is tiled with 4 blocks instead of 3
-        assert torch.equal(native.linear_packed(x[r : r + 1], packed, 70, b)[0], together[r])
-    assert torch.equal(native.linear_packed(x[3:9], packed, 70, b), together[3:9])
+    together = project(x, packed, 70, b)
+    for r in range(x.shape[0]):
+        assert torch.equal(project(x[r : r + 1], packed, 70, b)[0], together[r])
+    assert torch.equal(project(x[3:12], packed, 70, b), together[3:12])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(native.linear_packed(x, packed, 70, b), together)
-    finally:
-        torch.set_num_threads(threads)
-
-
-@needs_amx
-@pytest.mark.parametrize(
-    ("rows", "in_features", "out_features"),
-    [(1, 576, 960), (2, 64, 5), (9, 1024, 577), (16, 96, 40), (17, 576, 33), (300, 64, 48)],
-)
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_amx_matches_an_fp64_reference(
-    rows: int, in_features: int, out_features: int, with_bias: bool
-) -> None:
-    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
-    x = _bf16(rows, in_features, gen=gen)
-    w = _bf16(out_features, in_features, gen=gen, scale=in_features**-0.5)
-    b = _bf16(out_features, gen=gen) if with_bias else None
-    expected = x.double() @ w.double().T + (0 if b is None else b.double())
-    out = native.linear_amx(x, native.pack_bf16(w), out_features, b)
-    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-3)
-
-
-@needs_amx
-def test_linear_amx_gives_each_row_the_same_bits_whatever_the_batch_and_threads() -> None:
-    gen = torch.Generator().manual_seed(8)
-    x = _bf16(40, 128, gen=gen)  # three tiles of rows, the last partial
-    w = _bf16(70, 128, gen=gen, scale=0.1)  # an odd number of 16-output blocks, the last partial
-    packed = native.pack_bf16(w)
-    together = native.linear_amx(x, packed, 70)
-    for r in (0, 15, 16, 39):
-        assert torch.equal(native.linear_amx(x[r : r + 1], packed, 70)[0], together[r])
-    assert torch.equal(native.linear_amx(x[3:12], packed, 70), together[3:12])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(native.linear_amx(x, packed, 70), together)
+        assert torch.equal(project(x, packed, 70, b), together)
     finally:
         torch.set_num_threads(threads)
 
