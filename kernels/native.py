@@ -11,6 +11,9 @@
   instead of half a dozen torch ops.
 - `paged_attention_bf16` attends a few new tokens per sequence (decode, verification) over the
   paged KV cache in place, where torch must gather the blocks before calling SDPA.
+- `rotary_kv_bf16` rotates a layer's Q and K heads in place and writes K and V into their cache
+  slots, and `silu_mul_bf16` is SwiGLU's `silu(gate) * up`: one call each where torch runs a
+  dozen small ops (the elementwise work of a decode forward cost as much as a tenth of it).
 
 The library is built with the machine's C compiler (`$CC`, else `cc`) into Outrider's cache
 folder (`$OUTRIDER_CACHE_DIR/kernels`, else `~/.cache/outrider/kernels`), named by a hash of the
@@ -283,6 +286,107 @@ def rms_norm_bf16(
     return out, total
 
 
+def rotary_kv_problem(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 kv_heads) * head_dim]
+    cos_table: torch.Tensor,  # [positions, head_dim] fp32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor,
+) -> str | None:
+    """Why `rotary_kv_bf16` cannot take these tensors, or None when it can."""
+    head_dim = key_cache.shape[-1]
+    if any(t.dtype != torch.bfloat16 for t in (qkv, key_cache, value_cache)):
+        return "rotary_kv_bf16 takes a bf16 projection and cache"
+    if cos_table.dtype != torch.float32 or cos_table.shape[-1] != head_dim:
+        return "the angle tables must be fp32 [positions, head_dim]"
+    tensors = (qkv, cos_table, key_cache, value_cache)
+    if any(t.device.type != "cpu" for t in tensors):
+        return "rotary_kv_bf16 takes CPU tensors"
+    if head_dim % 32 or qkv.dim() != 2 or qkv.stride(1) != 1:
+        return f"unsupported shape: qkv {tuple(qkv.shape)}, head_dim {head_dim}"
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return "the KV cache must be contiguous"
+    return None
+
+
+def rotary_kv_bf16(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 kv_heads) * head_dim] bf16, rows strided
+    num_heads: int,
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_table: torch.Tensor,  # [max_positions, head_dim] fp32
+    sin_table: torch.Tensor,  # same
+    slot_mapping: torch.Tensor,  # [num_tokens] int64: cache slot of each token
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16, contiguous
+    value_cache: torch.Tensor,  # same
+) -> None:
+    """Rotate the Q and K heads of each row of `qkv` in place (rotate-half layout, fp32 from the
+    tables, rounded once to bf16) and write the rotated K heads and the V heads into the token's
+    cache slot (kernels/csrc/rotary_kv_bf16.c). head_dim must be a multiple of 32. Raises
+    IndexError, before writing anything, for a position or slot out of range. Call only when
+    `available()`."""
+    lib = _lib()
+    problem = rotary_kv_problem(qkv, cos_table, key_cache, value_cache)
+    if problem:
+        raise ValueError(problem)
+    kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    tokens = qkv.shape[0]
+    if qkv.shape[1] != (num_heads + 2 * kv_heads) * head_dim:
+        raise ValueError(f"qkv rows of {qkv.shape[1]} do not hold {num_heads}+2x{kv_heads} heads")
+    if sin_table.shape != cos_table.shape or not (
+        cos_table.is_contiguous() and sin_table.is_contiguous()
+    ):
+        raise ValueError("the angle tables must be contiguous and of one shape")
+    for t in (positions, slot_mapping):
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (tokens,):
+            raise TypeError("positions and slots must be contiguous int64, one per token")
+    if not tokens:
+        return
+    code = lib.outrider_rotary_kv_bf16(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        tokens,
+        num_heads,
+        kv_heads,
+        head_dim,
+        positions.data_ptr(),
+        cos_table.data_ptr(),
+        sin_table.data_ptr(),
+        cos_table.shape[0],
+        slot_mapping.data_ptr(),
+        key_cache.shape[0] * key_cache.shape[1],
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if code == 1:
+        raise IndexError(f"a position is outside the rotary tables' {cos_table.shape[0]}")
+    if code == 2:
+        raise IndexError("a slot is outside the KV cache")
+
+
+def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2 inter] -> [rows, inter]
+    """`silu(gate) * up` of rows `[gate | up]`, in fp32, rounded once to bf16
+    (kernels/csrc/silu_mul_bf16.c). Call only when `available()`."""
+    lib = _lib()
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(
+            f"gate_up must be [rows, 2 * inter] with unit-stride rows, not {gate_up.shape}"
+        )
+    if gate_up.dtype != torch.bfloat16 or gate_up.device.type != "cpu":
+        raise TypeError("silu_mul_bf16 takes a bf16 CPU tensor")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((rows, inter))
+    if rows:
+        lib.outrider_silu_mul_bf16(
+            gate_up.data_ptr(),
+            gate_up.stride(0),
+            rows,
+            inter,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+    return out
+
+
 def paged_attention_bf16(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16, tokens may be strided
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16, contiguous
@@ -360,6 +464,14 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         attention.restype = None
         attention.argtypes = [ptr, int_, ptr, ptr, ptr, int_, ptr, ptr, ptr, int_, int_, int_]
         attention.argtypes += [int_, int_, float_, ptr, int_, int_]
+        rotary = lib.outrider_rotary_kv_bf16
+        rotary.restype = int_
+        long_ = ctypes.c_int64
+        rotary.argtypes = [ptr, int_, int_, int_, int_, int_, ptr, ptr, ptr, long_, ptr, long_]
+        rotary.argtypes += [ptr, ptr, int_]
+        silu = lib.outrider_silu_mul_bf16
+        silu.restype = None
+        silu.argtypes = [ptr, int_, int_, int_, ptr, int_]
         return lib, None
     log.warning("native CPU kernels unavailable (%s); using torch's kernels", reason)
     return None, reason

@@ -26,7 +26,7 @@ from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.linear import WeightPacks
-from kernels.rotary import rope_cos_sin
+from kernels.rotary import RotaryAngles, rope_cos_sin
 from workers.model.config import ModelConfig
 from workers.model.transformer import DecoderLayer, RMSNorm, TransformerLM
 
@@ -165,12 +165,10 @@ class EagleHead(nn.Module):
         assert self.lm_head is not None, "attach() the target first"
         return self.packs.linear("lm_head", self.norm(a), self.lm_head)
 
-    def rope(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
         if self._cos.device != positions.device:  # moved with the target (a GPU, say)
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
-        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+        return RotaryAngles(self._cos, self._sin, positions, dtype)
 
     def forward_paged(
         self,
@@ -180,8 +178,8 @@ class EagleHead(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
     ) -> torch.Tensor:  # a, [num_tokens, hidden]
-        cos, sin = self.rope(positions, x.dtype)
-        return self.layer(x, cos, sin, kv_cache, meta, backend, backend.prepare(meta))
+        angles = self.rope(positions, x.dtype)
+        return self.layer(x, angles, kv_cache, meta, backend, backend.prepare(meta))
 
     # -- files ---------------------------------------------------------------------------------
 

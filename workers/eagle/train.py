@@ -125,7 +125,7 @@ def unrolled_outputs(
     h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     groups = nh // nkv
     rows = torch.arange(t, device=features.device)
-    cos, sin = head.rope(rows, torch.float32)
+    cos, sin = head.rope(rows, torch.float32).cos_sin()
     g = head.fuse_features(features.reshape(b * t, -1)).view(b, t, h)
     keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step: k, v [B, h, T, d]
     outputs: list[torch.Tensor] = []

@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels.attention import AttentionBackend, AttentionMetadata, NativeCpuAttention, write_kv
+from kernels.activation import silu_and_mul
+from kernels.attention import AttentionBackend, AttentionMetadata, NativeCpuAttention
 from kernels.linear import WeightPacks
 from kernels.norm import rms_norm
-from kernels.rotary import apply_rotary, rope_cos_sin
+from kernels.rotary import RotaryAngles, rope_cos_sin, rotate_and_store
 from workers.model.config import ModelConfig
 
 
@@ -63,8 +63,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        cos: torch.Tensor,  # [num_tokens, head_dim]
-        sin: torch.Tensor,  # [num_tokens, head_dim]
+        angles: RotaryAngles,
         kv_cache: tuple[
             torch.Tensor, torch.Tensor
         ],  # 2 x [num_blocks, block_size, kv_heads, head_dim]
@@ -74,13 +73,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
         qkv = self.packs.linear("qkv", x, self.qkv_proj.weight, self.qkv_proj.bias)
-        heads = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        # Q and K heads sit side by side in the fused output: rotate them in one go.
-        qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = heads[:, self.num_heads + self.num_kv_heads :]
         key_cache, value_cache = kv_cache
-        write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        q = rotate_and_store(qkv, self.num_heads, angles, key_cache, value_cache, meta.slot_mapping)
         out = backend.forward(q, key_cache, value_cache, plan, self.scale)
         return self.packs.linear("o", out.reshape(num_tokens, self.q_size), self.o_proj.weight)
 
@@ -95,8 +89,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.packs.linear("gate_up", x, self.gate_up_proj.weight)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.packs.linear("down", F.silu(gate) * up, self.down_proj.weight)
+        return self.packs.linear("down", silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -110,15 +103,14 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        angles: RotaryAngles,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
         plan: object,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend, plan)
+        attn = self.self_attn(self.input_layernorm(h), angles, kv_cache, meta, backend, plan)
         normed, h = self.post_attention_layernorm.add_forward(
             attn if reduce is None else reduce(attn), h
         )
@@ -219,12 +211,12 @@ class TransformerLM(nn.Module):
         the verifier has just proved wrong). Never for a sharded model, whose ranks must run
         the same layers."""
         plan = self.attention.prepare(meta)
-        cos, sin = self._rope(positions)
+        angles = self._angles(positions)
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta, self.attention, plan, self.reduce)
+            h = layer(h, angles, kv_caches[i], meta, self.attention, plan, self.reduce)
             if i in wanted:
                 hidden[i] = h
             if interrupt is not None and interrupt():
@@ -234,11 +226,10 @@ class TransformerLM(nn.Module):
         logits = self.packs.linear("lm_head", rows, self.lm_head_weight()).float()
         return ModelOutput(logits, hidden, h if return_final_hidden else None)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _angles(self, positions: torch.Tensor) -> RotaryAngles:
         if self._cos.device != positions.device:
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
-        dtype = self.dtype
-        return self._cos[positions].to(dtype), self._sin[positions].to(dtype)
+        return RotaryAngles(self._cos, self._sin, positions, self.dtype)
 
 
 def _hf_names(config: ModelConfig) -> set[str]:
