@@ -2,13 +2,15 @@
  * (kernels/native.py builds this file; kernels/attention.py's NativeCpuAttention calls it for
  * decode and verification, where torch would first gather every block and then call SDPA).
  *
- * For each sequence and KV head, every new token of the sequence and every query head of the
- * group: scores over the token's visible keys (bf16 products summed in fp32, 16 keys at a time;
- * VDPBF16PS or its two-FMA stand-in, see simd.h),
- * an fp32 softmax, and the fp32 sum of the values weighted by it, rounded once to bf16. New
- * token j of a sequence with L context tokens and q new ones sits at position L - q + j and sees
- * keys 0..L - q + j. Each output depends only on its own query and keys, so a sequence's result
- * does not depend on its batch.
+ * For each new token of a sequence and each query head: scores over the token's visible keys
+ * (bf16 products summed in fp32, 16 keys at a time; VDPBF16PS or its two-FMA stand-in, see
+ * simd.h), an fp32 softmax, and the fp32 sum of the values weighted by it, rounded once to
+ * bf16. New token j of a sequence with L context tokens and q new ones sits at position
+ * L - q + j and sees keys 0..L - q + j. The query heads of one KV head and a sequence's new
+ * tokens are taken together in tiles that share each key and value they load: one token's
+ * rows alone would stream the head's keys and values from L2 (at 16 new tokens attention cost
+ * ~4x its one-token time that way). Each output depends only on its own query and keys, and is
+ * computed the same way whatever its tile, so a sequence's result does not depend on its batch.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -51,105 +53,229 @@ static inline const uint16_t *walk_next(row_walk *w) {
     return row;
 }
 
-/* One query head of one token over keys 0..n-1 of KV head g; `scores` holds n floats. */
-static void attend_one(const cache_view *c, int g, const uint16_t *q, int n, float scale,
-                       float *scores, uint16_t *out) {
-    const int chunks = c->head_dim / 32;
-    bf16x32 qv[MAX_HEAD_DIM / 32];
-    for (int d = 0; d < chunks; d++) qv[d] = bf16x32_load(q + 32 * d, (__mmask32)~0u);
-    /* Scores, 16 keys at a time; the lanes past n are never read. */
-    __m512 running_max = _mm512_set1_ps(-INFINITY);
-    row_walk keys = walk_start(c, c->k_cache, g);
-    for (int t0 = 0; t0 < n; t0 += 16) {
-        __m512 acc[16];
-        const int m = n - t0 < 16 ? n - t0 : 16;
-        for (int i = 0; i < 16; i++) {
-            acc[i] = _mm512_setzero_ps();
-            if (i < m) {
-                const uint16_t *k = walk_next(&keys);
-                for (int d = 0; d < chunks; d++)
-                    acc[i] = bf16x32_dot(acc[i], bf16x32_load(k + 32 * d, (__mmask32)~0u), qv[d]);
-            }
-        }
-        const __mmask16 valid = (__mmask16)((1u << m) - 1u);
-        const __m512 s = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(scores + t0, valid, s);
-        running_max = _mm512_mask_max_ps(running_max, valid, running_max, s);
-    }
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(running_max));
-    __m512 total = _mm512_setzero_ps();
-    for (int t0 = 0; t0 < n; t0 += 16) {
-        const int m = n - t0 < 16 ? n - t0 : 16;
-        const __mmask16 valid = (__mmask16)((1u << m) - 1u);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, scores + t0), max));
-        _mm512_mask_storeu_ps(scores + t0, valid, e);
-        total = _mm512_mask_add_ps(total, valid, total, e);
-    }
-    /* Values: a row of 32 bf16 splits into its even and odd elements as fp32 with one shift
-     * and one mask, so the sums run on even and odd halves and are interleaved at the end. */
-    __m512 even[MAX_HEAD_DIM / 32], odd[MAX_HEAD_DIM / 32];
-    for (int d = 0; d < chunks; d++) even[d] = odd[d] = _mm512_setzero_ps();
+/* A tile: query rows (new tokens x query heads of one KV head) that share their keys and values.
+ * Rows come token by token, so their visible key counts never decrease along the tile. */
+#define MAX_TILE_ROWS 16
+#define VALUE_ROWS 8 /* rows whose value sums share a pass over the values, in registers */
+
+typedef struct {
+    const uint16_t *q;
+    uint16_t *out;
+    int visible; /* keys 0..visible-1 */
+} query_row;
+
+/* The weighted value sums of RG rows (a constant where it is inlined, so that the 2 RG sums stay
+ * in registers) over 32 elements of each value, `d` chunks in, normalized by inv[r] and stored
+ * rounded to bf16. Row r's sums are the same fused multiply-adds, key after key, as if it were
+ * alone. A row of 32 bf16 splits into its even and odd elements as fp32 with one shift and one
+ * mask, so the sums run on even and odd halves and are interleaved at the end. */
+static inline __attribute__((always_inline)) void value_sums(const uint16_t *const *vrows,
+                                                             const query_row *rows, const int RG,
+                                                             const float *scores, int stride,
+                                                             int d, const float *inv) {
+    __m512 even[VALUE_ROWS], odd[VALUE_ROWS];
+    for (int r = 0; r < RG; r++) even[r] = odd[r] = _mm512_setzero_ps();
     const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    row_walk values = walk_start(c, c->v_cache, g);
+    const int common = rows[0].visible, n = rows[RG - 1].visible;
     for (int t = 0; t < n; t++) {
-        const __m512 w = _mm512_set1_ps(scores[t]);
-        const uint16_t *v = walk_next(&values);
-        for (int d = 0; d < chunks; d++) {
-            const __m512i raw = _mm512_loadu_si512(v + 32 * d);
-            even[d] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), even[d]);
-            odd[d] = _mm512_fmadd_ps(w, _mm512_castsi512_ps(_mm512_and_si512(raw, high)), odd[d]);
+        const __m512i raw = _mm512_loadu_si512(vrows[t] + 32 * d);
+        const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+        const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+        for (int r = 0; r < RG; r++) {
+            if (t >= common && t >= rows[r].visible) continue; /* the last few keys only */
+            const __m512 w = _mm512_set1_ps(scores[(size_t)r * stride + t]);
+            even[r] = _mm512_fmadd_ps(w, ve, even[r]);
+            odd[r] = _mm512_fmadd_ps(w, vo, odd[r]);
         }
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
     const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i hi_idx =
         _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
-    for (int d = 0; d < chunks; d++) {
-        const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(even[d], lo_idx, odd[d]), inv);
-        const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(even[d], hi_idx, odd[d]), inv);
-        _mm512_storeu_si512(out + 32 * d, bf16_round32(lo, hi));
+    for (int r = 0; r < RG; r++) {
+        const __m512 k = _mm512_set1_ps(inv[r]);
+        const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(even[r], lo_idx, odd[r]), k);
+        const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(even[r], hi_idx, odd[r]), k);
+        _mm512_storeu_si512(rows[r].out + 32 * d, bf16_round32(lo, hi));
     }
+}
+
+/* The dot products of one query row with keys k[0..m-1] (m <= 16), in lanes 0..m-1 (lanes past
+ * m hold 0). CH, the head's chunks of 32, and m are constants where it is inlined for the common
+ * cases; each lane is the same sum of VDPBF16PS products whatever they are. */
+static inline __attribute__((always_inline)) __m512 block_scores(const uint16_t *const *k,
+                                                                 const uint16_t *q, const int CH,
+                                                                 const int m) {
+    bf16x32 qv[MAX_HEAD_DIM / 32];
+    for (int d = 0; d < CH; d++) qv[d] = bf16x32_load(q + 32 * d, (__mmask32)~0u);
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) {
+        a[i] = _mm512_setzero_ps();
+        if (i < m)
+            for (int d = 0; d < CH; d++)
+                a[i] = bf16x32_dot(a[i], bf16x32_load(k[i] + 32 * d, (__mmask32)~0u), qv[d]);
+    }
+    return sum16(a);
+}
+
+/* Every row of the tile over its visible keys of KV head g. Each row's result is computed
+ * exactly as it would be alone (the same operations on the same values in the same order): the
+ * tile only shares the walk through the blocks and the loads of each key and value, which stay
+ * in L1 while the rows use them, where a row alone streams them from L2. `scores` holds
+ * rows x stride floats and `krows`, `vrows` stride pointers (stride >= the last row's visible
+ * count rounded up to 16). */
+static void attend_tile(const cache_view *c, int g, const query_row *rows, int nrows, float scale,
+                        float *scores, int stride, const uint16_t **krows,
+                        const uint16_t **vrows) {
+    const int chunks = c->head_dim / 32;
+    const int n = rows[nrows - 1].visible;
+    row_walk keys = walk_start(c, c->k_cache, g), values = walk_start(c, c->v_cache, g);
+    for (int t = 0; t < n; t++) {
+        krows[t] = walk_next(&keys);
+        vrows[t] = walk_next(&values);
+    }
+    /* Scores, 16 keys at a time; the lanes past a row's visible keys are never read. */
+    __m512 running_max[MAX_TILE_ROWS];
+    for (int r = 0; r < nrows; r++) running_max[r] = _mm512_set1_ps(-INFINITY);
+    int first = 0; /* rows before it see none of this block's keys */
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        while (rows[first].visible <= t0) first++;
+        for (int r = first; r < nrows; r++) {
+            const int left = rows[r].visible - t0, m = left < 16 ? left : 16;
+            __m512 s;
+            if (m == 16 && chunks == 2) /* the common cases, unrolled */
+                s = block_scores(krows + t0, rows[r].q, 2, 16);
+            else if (m == 16 && chunks == 4)
+                s = block_scores(krows + t0, rows[r].q, 4, 16);
+            else
+                s = block_scores(krows + t0, rows[r].q, chunks, m);
+            const __mmask16 valid = (__mmask16)((1u << m) - 1u);
+            s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(scores + (size_t)r * stride + t0, valid, s);
+            running_max[r] = _mm512_mask_max_ps(running_max[r], valid, running_max[r], s);
+        }
+    }
+    float inv[MAX_TILE_ROWS];
+    for (int r = 0; r < nrows; r++) {
+        float *sc = scores + (size_t)r * stride;
+        const int vis = rows[r].visible;
+        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(running_max[r]));
+        __m512 total = _mm512_setzero_ps();
+        for (int t0 = 0; t0 < vis; t0 += 16) {
+            const int m = vis - t0 < 16 ? vis - t0 : 16;
+            const __mmask16 valid = (__mmask16)((1u << m) - 1u);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sc + t0), max));
+            _mm512_mask_storeu_ps(sc + t0, valid, e);
+            total = _mm512_mask_add_ps(total, valid, total, e);
+        }
+        inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+    for (int r0 = 0; r0 < nrows; r0 += VALUE_ROWS) {
+        const int rg = nrows - r0 < VALUE_ROWS ? nrows - r0 : VALUE_ROWS;
+        const float *sc = scores + (size_t)r0 * stride;
+        for (int d = 0; d < chunks; d++) {
+            switch (rg) {
+#define VALUE_CASE(k)                                                  \
+    case k:                                                            \
+        value_sums(vrows, rows + r0, k, sc, stride, d, inv + r0);      \
+        break;
+                VALUE_CASE(1)
+                VALUE_CASE(2)
+                VALUE_CASE(3)
+                VALUE_CASE(4)
+                VALUE_CASE(5)
+                VALUE_CASE(6)
+                VALUE_CASE(7)
+                VALUE_CASE(8)
+#undef VALUE_CASE
+            }
+        }
+    }
+}
+
+/* How a sequence's work is cut into tiles: `heads` query heads of one KV head by `tokens` new
+ * tokens at most, and how many tiles that makes. */
+typedef struct {
+    int heads, tokens, head_tiles;
+} tiling;
+
+static inline int seq_tiles(const tiling *t, int kv_heads, int q_len) {
+    return kv_heads * t->head_tiles * ((q_len + t->tokens - 1) / t->tokens);
 }
 
 /* q [tokens, num_heads, head_dim] with `q_stride` elements between tokens; out likewise with
  * `out_stride`. Sequence s owns new tokens q_starts[s] .. q_starts[s] + q_lens[s] - 1 and has
  * seq_lens[s] context tokens (the new ones included) in the blocks of row s of block_tables.
  * head_dim must be a multiple of 32 (at most 256), num_heads a multiple of kv_heads. The
- * (token, head) pairs are shared out between `threads` threads. */
+ * work is cut into tiles (query heads of one KV head by new tokens of one sequence), small
+ * enough that every thread gets a few, and the tiles are shared out between `threads`
+ * threads; a row's result does not depend on its tile. */
 void outrider_paged_attention_bf16(const uint16_t *q, int q_stride, const uint16_t *k_cache,
                                    const uint16_t *v_cache, const int32_t *block_tables,
                                    int table_stride, const int32_t *q_starts, const int32_t *q_lens,
                                    const int32_t *seq_lens, int num_seqs, int num_heads,
                                    int kv_heads, int head_dim, int block_size, float scale,
                                    uint16_t *out, int out_stride, int threads) {
-    int longest = 1, items = 0;
+    int longest = 1, total_rows = 0;
     for (int s = 0; s < num_seqs; s++) {
         longest = seq_lens[s] > longest ? seq_lens[s] : longest;
-        items += q_lens[s] * num_heads;
+        total_rows += q_lens[s] * num_heads;
     }
-    const int group = num_heads / kv_heads;
     if (threads < 1) threads = 1;
+    const int group = num_heads / kv_heads;
+    /* Rows per tile: as many as fit, but at least two tiles per thread where there are rows
+     * enough. */
+    int per_tile = total_rows / (2 * threads);
+    per_tile = per_tile < 1 ? 1 : per_tile > MAX_TILE_ROWS ? MAX_TILE_ROWS : per_tile;
+    tiling tl;
+    tl.heads = group < per_tile ? group : per_tile;
+    tl.tokens = per_tile / tl.heads;
+    tl.head_tiles = (group + tl.heads - 1) / tl.heads;
+    int items = 0;
+    for (int s = 0; s < num_seqs; s++) items += seq_tiles(&tl, kv_heads, q_lens[s]);
+    if (items == 0) return;
     if (threads > items) threads = items;
+    const int stride = (longest + 15) / 16 * 16;
 #pragma omp parallel num_threads(threads)
     {
-        float *scores =
-            (float *)aligned_alloc(64, (((size_t)longest + 16) * sizeof(float) + 63) / 64 * 64);
-        /* Items in order (sequence, new token, head), dealt out in contiguous runs. */
+        float *scores = (float *)aligned_alloc(
+            64, ((size_t)MAX_TILE_ROWS * stride * sizeof(float) + 63) / 64 * 64);
+        const uint16_t **krows = (const uint16_t **)malloc(2 * (size_t)stride * sizeof(void *));
+        const uint16_t **vrows = krows + stride;
+        query_row rows[MAX_TILE_ROWS];
+        /* Tiles in order (sequence, KV head, head tile, token tile), dealt out in contiguous
+         * runs. */
         int first, last;
         thread_share(items, &first, &last);
         int s = 0, base = 0;
-        while (s < num_seqs && base + q_lens[s] * num_heads <= first)
-            base += q_lens[s++] * num_heads;
+        while (s < num_seqs && base + seq_tiles(&tl, kv_heads, q_lens[s]) <= first)
+            base += seq_tiles(&tl, kv_heads, q_lens[s++]);
         for (int item = first; item < last; item++) {
-            while (item - base >= q_lens[s] * num_heads) base += q_lens[s++] * num_heads;
-            const int j = (item - base) / num_heads, h = (item - base) % num_heads, g = h / group;
+            while (item - base >= seq_tiles(&tl, kv_heads, q_lens[s]))
+                base += seq_tiles(&tl, kv_heads, q_lens[s++]);
+            const int token_tiles = (q_lens[s] + tl.tokens - 1) / tl.tokens;
+            const int local = item - base, tt = local % token_tiles;
+            const int ht = (local / token_tiles) % tl.head_tiles;
+            const int g = local / token_tiles / tl.head_tiles;
+            const int h0 = g * group + ht * tl.heads;
+            const int h1 = h0 + tl.heads < (g + 1) * group ? h0 + tl.heads : (g + 1) * group;
+            const int j0 = tt * tl.tokens;
+            const int j1 = j0 + tl.tokens < q_lens[s] ? j0 + tl.tokens : q_lens[s];
+            int nrows = 0;
+            for (int j = j0; j < j1; j++) {
+                const size_t token = (size_t)q_starts[s] + j;
+                for (int h = h0; h < h1; h++) {
+                    rows[nrows].q = q + token * q_stride + (size_t)h * head_dim;
+                    rows[nrows].out = out + token * out_stride + (size_t)h * head_dim;
+                    rows[nrows].visible = seq_lens[s] - q_lens[s] + j + 1;
+                    nrows++;
+                }
+            }
             const cache_view c = {k_cache,    v_cache,  block_tables + (size_t)s * table_stride,
                                   block_size, kv_heads, head_dim};
-            const size_t token = (size_t)q_starts[s] + j;
-            const int visible = seq_lens[s] - q_lens[s] + j + 1;
-            attend_one(&c, g, q + token * q_stride + (size_t)h * head_dim, visible, scale, scores,
-                       out + token * out_stride + (size_t)h * head_dim);
+            attend_tile(&c, g, rows, nrows, scale, scores, stride, krows, vrows);
         }
+        free(krows);
         free(scores);
     }
 }

@@ -188,6 +188,43 @@ def test_native_cpu_attention_matches_reference(
             assert torch.equal(solo, out[starts[i] : starts[i + 1]])
 
 
+@pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_attention_of_a_verified_token_is_its_decode_step_bit_for_bit(threads: int) -> None:
+    """The kernel takes a sequence's new tokens and the query heads of a KV head together in
+    tiles (which depend on the batch and the thread count); each token's rows must still be
+    exactly what a decode step of that token alone (the keys up to it) computes, or speculative
+    output would drift from plain decoding."""
+    query_lens, seq_lens = [17, 6, 1], [60, 20, 33]
+    query, key_cache, value_cache, meta, _, _ = build_case(
+        query_lens, seq_lens, 8, torch.bfloat16, seed=3, head_dim=64
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        backend = NativeCpuAttention()
+        out = backend.forward(query, key_cache, value_cache, backend.prepare(meta), 0.125)
+        starts = meta.query_start_loc.tolist()
+        for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            for j in range(q_len):
+                row = starts[i] + j
+                step = AttentionMetadata(
+                    block_size=8,
+                    query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                    seq_lens=torch.tensor([s_len - q_len + j + 1], dtype=torch.int32),
+                    block_tables=meta.block_tables[i : i + 1],
+                    slot_mapping=meta.slot_mapping[row : row + 1],
+                    query_lens_host=(1,),
+                    seq_lens_host=(s_len - q_len + j + 1,),
+                )
+                decode = backend.forward(
+                    query[row : row + 1], key_cache, value_cache, backend.prepare(step), 0.125
+                )
+                assert torch.equal(decode[0], out[row]), (i, j)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_native_cpu_attention_is_sdpa_where_its_kernel_cannot_run() -> None:
     """fp32, or a head size the kernel does not take: the SDPA answer, exactly."""
     for dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, HEAD_DIM)):
