@@ -21,8 +21,8 @@ from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter, prompt_lookup
 from workers.engine.config import SpecConfig
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import Sequence
-from workers.engine.speculator import SPEC_STEP_OVERHEAD, Speculator, expected_tokens
+from workers.engine.sequence import Sequence, SpecStats
+from workers.engine.speculator import SPEC_STEP_OVERHEAD, Speculator, acceptance_curve
 from workers.kv_cache import BlockAllocator, BlockTable
 from workers.model.transformer import TransformerLM
 
@@ -107,10 +107,38 @@ def chooser(costs: list[float], draft_cost: float = 0.0) -> Speculator:
     )
 
 
-def test_expected_tokens() -> None:
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+def test_acceptance_curve_is_geometric_at_one_rate_and_follows_each_position() -> None:
+    # No steps yet: the prior's rate at every position.
+    assert acceptance_curve(SpecStats(), 0.5, 3) == pytest.approx([0.5, 0.25, 0.125])
+    # One rate everywhere (1000 one-token drafts, no positions recorded): geometric.
+    assert acceptance_curve(decoding(0.6).stats, 0.5, 3) == pytest.approx(
+        [0.6, 0.36, 0.216], abs=1e-3
+    )
+    # Copied text: half the drafts fail at their first token, the other half hold to the end.
+    stats = SpecStats()
+    for _ in range(50):
+        stats.record(4, 0)
+        stats.record(4, 4)
+    assert stats.reached_per_position == [100, 50, 50, 50]
+    reach = acceptance_curve(stats, 0.5, 8)
+    assert reach[0] == pytest.approx(0.5, abs=0.01)
+    assert reach[3] == pytest.approx(0.5, abs=0.03)  # once the first holds, the rest do
+    assert reach[7] == pytest.approx(0.5, abs=0.03)  # past the measured positions: like the last
+
+
+def test_copied_text_drafts_longer_than_one_overall_rate_would() -> None:
+    cpu = chooser([1.0] + [1.25 + 0.01 * n for n in range(1, 17)])
+    copied = decoding(0.0, k_max=16)
+    copied.stats = SpecStats()
+    for _ in range(50):
+        copied.stats.record(4, 0)
+        copied.stats.record(4, 4)
+    same_rate = decoding(0.0, k_max=16)  # the same counts, without positions
+    same_rate.stats.accepted, same_rate.stats.verify_steps_with_rejection = 200, 50
+    same_rate.stats.verify_steps = 100
+    geometric = cpu.num_draft_tokens([same_rate], 1)[0]
+    assert 0 < geometric < 16
+    assert cpu.num_draft_tokens([copied], 1) == [16]
 
 
 def test_one_sequence_drafts_the_k_with_most_tokens_per_cost() -> None:

@@ -36,6 +36,9 @@ class SpecStats:
     verify_steps_with_rejection: int = 0  # steps where a draft was rejected
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at i
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: steps with a draft at i
+    # [i]: steps that drafted an i-th token after accepting every earlier one (what acceptance
+    # at i is conditional on)
+    reached_per_position: list[int] = field(default_factory=list)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -53,6 +56,7 @@ class SpecStats:
         self.verify_steps_with_rejection += num_accepted < num_drafted
         _add_counts(self.accepted_per_position, [1] * num_accepted)
         _add_counts(self.drafted_per_position, [1] * num_drafted)
+        _add_counts(self.reached_per_position, [1] * min(num_accepted + 1, num_drafted))
 
     def merge(self, other: SpecStats) -> None:
         self.drafted += other.drafted
@@ -61,6 +65,7 @@ class SpecStats:
         self.verify_steps_with_rejection += other.verify_steps_with_rejection
         _add_counts(self.accepted_per_position, other.accepted_per_position)
         _add_counts(self.drafted_per_position, other.drafted_per_position)
+        _add_counts(self.reached_per_position, other.reached_per_position)
 
     def as_dict(self) -> dict[str, float | int]:
         return {

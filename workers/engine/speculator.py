@@ -1,23 +1,31 @@
 """Which drafter drafts for whom, and how many tokens (adaptive k).
 
-With per-token acceptance rate a, a draft of k tokens yields E(k) = (1 - a^(k+1)) / (1 - a)
-committed tokens per verify step. A step is one forward over every decoding sequence's last
-token and drafts, so its cost depends on the batch's total: a forward over n new tokens costs
-verify(n) one-token forwards (measured at start-up: workers/engine/calibration.py), plus each
-draft token at its drafter's cost (zero for n-gram drafters, measured for a draft model) and a
-fixed host overhead per speculating sequence. The engine picks the k of every sequence (each in
-0..its k_max) that maximizes the batch's committed tokens per unit of cost, each sequence judged
-by its own measured a, under a prior: the acceptance its method had over the finished
-requests' drafts (1/2 before any). For one sequence that is the k maximizing E(k) / cost(k);
-in a batch, one sequence's drafts also make everyone's forward longer, so k shrinks as the
-batch grows. From `disable_batch_size` unfinished requests on (decoding, prefilling or
-waiting), nobody speculates at all. A request held at k = 0 still tries one draft token now and
-then (rarely for a draft model, which must first catch up on everything committed since its
-last draft); and while no finished request has drafted with its method, a request drafts its
-full k at its first step, so that a method the prior of 1/2 rules out (a draft model costing
-0.4 target forwards a token, say) is measured once instead of never. A seeded sampled request
-judges by its own drafts under the plain prior and explores only on its own schedule, so its
-draws do not depend on what the engine served before it.
+If the i-th draft token (i = 1, 2, ...) is accepted with probability c_i once every earlier one
+was, a draft of k tokens yields E(k) = 1 + c_1 + c_1 c_2 + ... + c_1...c_k committed tokens per
+verify step. A sequence's c_i are measured from its own steps: each is its acceptance rate at
+position i among the steps that reached i, shrunk towards c_(i-1) (c_1 towards the sequence's
+overall per-token rate, itself shrunk towards a prior: the acceptance its method had over the
+finished requests' drafts, 1/2 before any). With one rate a everywhere that is the geometric
+E(k) = (1 - a^(k+1)) / (1 - a). Measured per position, it also sees text that is being copied
+(an edited file, a quoted passage), where a draft is often wrong at its first token but, once
+that one holds, right for long: one overall rate would end such drafts after a few tokens, as
+if each were as risky as the first.
+
+A step is one forward over every decoding sequence's last token and drafts, so its cost depends
+on the batch's total: a forward over n new tokens costs verify(n) one-token forwards (measured at
+start-up: workers/engine/calibration.py), plus each draft token at its drafter's cost (zero for
+n-gram drafters, measured for a draft model) and a fixed host overhead per speculating sequence.
+The engine picks the k of every sequence (each in 0..its k_max) that maximizes the batch's
+committed tokens per unit of cost, each sequence judged by its own c_i. For one sequence that is
+the k maximizing E(k) / cost(k); in a batch, one sequence's drafts also make everyone's forward
+longer, so k shrinks as the batch grows. From `disable_batch_size` unfinished requests on
+(decoding, prefilling or waiting), nobody speculates at all. A request held at k = 0 still tries
+one draft token now and then (rarely for a draft model, which must first catch up on everything
+committed since its last draft); and while no finished request has drafted with its method, a
+request drafts its full k at its first step, so that a method the prior of 1/2 rules out (a
+draft model costing 0.4 target forwards a token, say) is measured once instead of never. A
+seeded sampled request judges by its own drafts under the plain prior and explores only on its
+own schedule, so its draws do not depend on what the engine served before it.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 
 from workers.drafting.base import EMPTY_DRAFT, Drafter, DraftRequest
 from workers.engine.config import RequestSpec, SpecConfig
-from workers.engine.sequence import Sequence
+from workers.engine.sequence import Sequence, SpecStats
 
 # Drafting, rejection sampling and rollback are host work that a verify step does on top of its
 # forward: a few percent of a one-token forward for the bundled model on a CPU. Charged to every
@@ -39,15 +47,9 @@ SPEC_STEP_OVERHEAD = 0.05
 EXPLORE_EVERY_STEPS = {"draft_model": 64}
 DEFAULT_EXPLORE_EVERY_STEPS = 16
 # Beta prior on a sequence's acceptance rate: as if PRIOR_WEIGHT drafts at the prior's rate
-# (its method's pooled rate, itself under a prior of 1/2) were already seen.
+# (its method's pooled rate, itself under a prior of 1/2) were already seen. Each position's
+# rate is shrunk towards the one before it by as much.
 PRIOR_WEIGHT = 2.0
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Committed tokens per verify step with k drafts each accepted with prob `acceptance`."""
-    if acceptance >= 1.0:
-        return float(k + 1)
-    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
 class Speculator:
@@ -120,8 +122,8 @@ class Speculator:
             return rooms
         seeded = [seq.params.seed is not None and not seq.params.greedy for seq in seqs]
         acceptance = [
-            _acceptance(seq, 0.5 if alone else self.prior(seq.spec_method))
-            for seq, alone in zip(seqs, seeded, strict=True)
+            acceptance_curve(seq.stats, 0.5 if alone else self.prior(seq.spec_method), room)
+            for seq, alone, room in zip(seqs, seeded, rooms, strict=True)
         ]
         methods = [seq.spec_method for seq in seqs]
         ks, limits = [0] * len(seqs), list(rooms)
@@ -149,16 +151,19 @@ class Speculator:
         return (accepted + 1) / (accepted + rejected + 2)
 
     def _allocate(
-        self, acceptance: list[float], methods: list[str], rooms: list[int], start: list[int]
+        self, reach: list[list[float]], methods: list[str], rooms: list[int], start: list[int]
     ) -> list[int]:
         """Draft lengths from `start` up to `rooms` with the most committed tokens per cost.
+        `reach[s][i]`: the probability that sequence s's draft token i + 1 is accepted (with
+        every one before it), for i < rooms[s].
 
         Draft tokens go one at a time to the sequence whose next draft adds the most expected
-        tokens (a^(k+1)); for each total this gives the most committed tokens, so the best total
-        on that path is the best allocation up to the per-sequence costs."""
+        tokens (reach[s][k], falling with k); for each total this gives the most committed
+        tokens, so the best total on that path is the best allocation up to the per-sequence
+        costs."""
 
         def rate(ks: list[int]) -> float:
-            committed = sum(expected_tokens(a, k) for a, k in zip(acceptance, ks, strict=True))
+            committed = sum(1 + sum(r[:k]) for r, k in zip(reach, ks, strict=True))
             return committed / self.step_cost(methods, ks)
 
         ks = list(start)
@@ -167,7 +172,7 @@ class Speculator:
             growing = [i for i, room in enumerate(rooms) if ks[i] < room]
             if not growing:
                 return best
-            i = max(growing, key=lambda i: acceptance[i] ** (ks[i] + 1))
+            i = max(growing, key=lambda i: reach[i][ks[i]])
             ks[i] += 1
             r = rate(ks)
             if r > best_rate * (1 + 1e-9):
@@ -240,8 +245,17 @@ class Speculator:
                 seq.draft = drafts.get(seq.request_id, EMPTY_DRAFT).truncated(req.k)
 
 
-def _acceptance(seq: Sequence, prior: float) -> float:
-    """The sequence's per-token acceptance rate so far, under a prior of this rate."""
-    stats = seq.stats
+def acceptance_curve(stats: SpecStats, prior: float, length: int) -> list[float]:
+    """[i]: the probability that draft token i + 1 is accepted along with every one before it
+    (c_1 ... c_(i+1), see the module docstring), for i < length, from a sequence's `stats` under
+    a prior acceptance rate."""
     accepted, rejected = stats.accepted, stats.verify_steps_with_rejection
-    return (accepted + PRIOR_WEIGHT * prior) / (accepted + rejected + PRIOR_WEIGHT)
+    rate = (accepted + PRIOR_WEIGHT * prior) / (accepted + rejected + PRIOR_WEIGHT)
+    reach, survive = [], 1.0
+    for i in range(length):
+        hits = stats.accepted_per_position[i] if i < len(stats.accepted_per_position) else 0
+        tries = stats.reached_per_position[i] if i < len(stats.reached_per_position) else 0
+        rate = (hits + PRIOR_WEIGHT * rate) / (tries + PRIOR_WEIGHT)
+        survive *= rate
+        reach.append(survive)
+    return reach
