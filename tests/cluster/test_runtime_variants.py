@@ -12,18 +12,26 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.parametrize("keep_going", [True, False])
 def test_draft_model_pool_is_exact_and_drafts_ahead(  # type: ignore[no-untyped-def]
-    prompts, expected, checkpoint, tmp_path
+    prompts, expected, checkpoint, tmp_path, keep_going: bool
 ) -> None:
     """A copy of the target in its own model folder as the draft model: whole drafts are
     accepted, so the drafter's guesses while the verifier works come true and proposals are
-    served from drafting ahead, most of them while it goes on. A draft model from its own file
-    is all the drafter actor loads (the target's config aside)."""
+    served from drafting ahead: most of them while it goes on (the default), or, with
+    `keep_drafting_ahead: false`, by stopping it at each step and answering from the prepared
+    draft. A draft model from its own file is all the drafter actor loads (the target's config
+    aside)."""
     from cluster.runtime import Runtime
     from workers.model.loader import save_safetensors_dir
 
     save_safetensors_dir(checkpoint, tmp_path / "draft")
-    config = deployment("draft_model", drafters=1, draft_model=str(tmp_path / "draft"))
+    config = deployment(
+        "draft_model",
+        drafters=1,
+        draft_model=str(tmp_path / "draft"),
+        keep_drafting_ahead=keep_going,
+    )
     runtime = Runtime.start(config, num_cpus=2)
     try:
         assert run_all(runtime, prompts, "draft_model") == expected
@@ -31,9 +39,10 @@ def test_draft_model_pool_is_exact_and_drafts_ahead(  # type: ignore[no-untyped-
         (stats,) = runtime.verifier_stats()
         assert stats["spec"]["drafted"] > 0
         assert stats["remote_drafting"]["ahead_served"] > 0
-        assert stats["remote_drafting"]["ahead_kept_going"] > 0
+        assert (stats["remote_drafting"]["ahead_kept_going"] > 0) == keep_going
         (drafter,) = runtime.actor_info()["drafters"]
         assert drafter["draft_ahead"] and drafter["token_seconds"] > 0
+        assert drafter["keep_drafting_ahead"] == keep_going
     finally:
         runtime.shutdown()
 
