@@ -483,3 +483,16 @@ def test_rotate_and_store_and_silu_and_mul_agree_with_torch_in_fp32_and_bf16() -
         results[dtype] = (q, cache[0].view(-1, 64)[slots], silu_and_mul(qkv[:, :128].to(dtype)))
     for ours, exact in zip(results[torch.bfloat16], results[torch.float32], strict=True):
         torch.testing.assert_close(ours.float(), exact, rtol=2**-7, atol=2e-2)
+
+
+@needs_native
+def test_silu_mul_bf16_refuses_what_it_cannot_compute() -> None:
+    gen = torch.Generator().manual_seed(4)
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        native.silu_mul_bf16(_bf16(2, 31, gen=gen))  # not two halves
+    with pytest.raises(ValueError, match="unit-stride"):
+        native.silu_mul_bf16(_bf16(64, 2, gen=gen).T)  # columns apart
+    with pytest.raises(ValueError, match="2 \\* inter"):
+        native.silu_mul_bf16(_bf16(2, 2, 8, gen=gen))  # not 2-D
+    with pytest.raises(TypeError, match="bf16"):
+        native.silu_mul_bf16(torch.zeros(2, 8))
