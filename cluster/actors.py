@@ -125,11 +125,9 @@ class DrafterActor:
             **where(),
         }
 
-    def open_link(self, address: Any) -> int:
+    def open_link(self, address: Any) -> Any:
+        """The feature link, and the step channel the verifier's messages come over."""
         return self.worker.open_link(address)
-
-    def step(self, message: Any) -> Any:
-        return self.worker.step(message)
 
 
 class PrefillActor:

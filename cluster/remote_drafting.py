@@ -2,10 +2,13 @@
 
 `RemoteDrafter` is a `Drafter` inside the verifier's engine. It buffers what the engine tells
 it (sequences added and removed, features, commits) and sends all of it with the next proposal
-in one Ray call per step (`DrafterWorker.step`); the feature rows of that step travel as one
+in one message per step (`DrafterWorker.step`) over the pair's step channel (cluster/
+step_channel.py: a TCP connection the drafter's thread waits on, set up by a Ray call; a Ray
+call per step would cost 2-3 ms on a busy node). The feature rows of that step travel as one
 tensor over the pair's `TensorLink`, never through the object store. The proposal is awaited for
 at most `deadline_s`: a late or failed drafter means k = 0 for its sequences this step (the
-engine verifies without drafts), never a stalled verifier.
+engine verifies without drafts), never a stalled verifier; a late reply is dropped when it
+comes.
 
 While the verifier checks a proposal, a drafter that can (`Drafter.drafts_ahead`: the model
 drafters) prepares the next one on a thread of its actor, guessing that the whole draft is
@@ -20,7 +23,8 @@ drafting ahead goes on (`Drafter.take_ahead`), and waits at most for the forward
 a chain holds no draft token yet.
 
 A drafter that died (its actor restarted by Ray, or replaced) comes back empty. The proxy notices
-(a failed call, or the restarted actor's new incarnation number), rebuilds the link and re-adds
+(a broken channel, or the restarted actor's new incarnation number), rebuilds the link and the
+channel and re-adds
 every live sequence with its whole token history; a feature-reading drafter then starts its
 context at the next features it gets. Output stays exactly the target's either way: drafts only
 ever change speed.
@@ -38,6 +42,14 @@ from typing import Any
 import torch
 
 from cluster.links import LinkAddress, LinkError, TensorLink
+from cluster.step_channel import (
+    ChannelAddress,
+    ChannelError,
+    ChannelTimeout,
+    Failure,
+    StepClient,
+    StepServer,
+)
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.engine.sampling_params import SamplingParams
 
@@ -74,10 +86,21 @@ class DraftReply:
     seconds: float  # drafting time inside the actor
     ahead_served: int = 0  # proposals of this step that were drafted ahead
     kept_going: bool = False  # served while drafting ahead went on (take_ahead)
+    handled_s: float = 0.0  # the whole step inside the actor: events, features, drafting
+
+
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    """The drafter's answer to `open_link`: which life of the actor this is, and where its step
+    channel listens (with the token for one connection)."""
+
+    incarnation: int
+    channel: ChannelAddress
 
 
 class DrafterWorker:
-    """The drafter actor's state: one `Drafter` and the link its features arrive on."""
+    """The drafter actor's state: one `Drafter`, the link its features arrive on and the step
+    channel its verifier's messages arrive on."""
 
     def __init__(
         self,
@@ -91,6 +114,7 @@ class DrafterWorker:
         self.draft_ahead = draft_ahead and self.drafter.drafts_ahead
         self.keep_going = keep_going and self.draft_ahead and self.drafter.keeps_drafting_ahead
         self.link: TensorLink | None = None
+        self.channel: StepServer | None = None  # opened with the first link
         self.incarnation = int(time.time_ns())  # a restarted actor gets a new one
         self._ahead: threading.Thread | None = None
         self._stop_ahead = threading.Event()
@@ -106,11 +130,19 @@ class DrafterWorker:
             "keep_drafting_ahead": self.keep_going,
         }
 
-    def open_link(self, address: LinkAddress) -> int:
+    def open_link(self, address: LinkAddress) -> Handshake:
         self.link = TensorLink.join(address)
-        return self.incarnation
+        if self.channel is None:
+            self.channel = StepServer(self.step, f"{self.name}-steps")
+        return Handshake(self.incarnation, self.channel.address())
 
     def step(self, message: StepMessage) -> DraftReply:
+        entered = time.perf_counter()
+        reply = self._step(message)
+        reply.handled_s = time.perf_counter() - entered
+        return reply
+
+    def _step(self, message: StepMessage) -> DraftReply:
         taken = self._take_ahead(message)
         if taken is not None:
             return taken
@@ -172,7 +204,7 @@ class DrafterWorker:
         return DraftReply(
             {rid: (d.token_ids, d.probs) for rid, d in drafts.items()},
             time.perf_counter() - start,
-            sum(bool(d.token_ids) for d in drafts.values()),
+            ahead_served=sum(bool(d.token_ids) for d in drafts.values()),
             kept_going=True,
         )
 
@@ -261,8 +293,8 @@ class ShardedDrafter(Drafter):
         ]
         deadline = time.monotonic() + max(s.deadline_s for s in self.shards)
         drafts: dict[str, Draft] = {}
-        for shard, ref in pending:
-            drafts.update(shard.collect(ref, deadline))
+        for shard, seq in pending:
+            drafts.update(shard.collect(seq, deadline))
         return drafts
 
     @property
@@ -291,6 +323,7 @@ class RemoteStats:
     ahead_served: int = 0  # proposals the drafter had drafted ahead
     ahead_kept_going: int = 0  # steps answered while its drafting ahead went on
     draft_s: float = 0.0  # drafting inside the actor, over answered steps
+    handled_s: float = 0.0  # the actor's whole calls (drafting included), over answered steps
     wait_s: float = 0.0  # the verifier's wait from sending a step to its drafts, over all steps
 
 
@@ -317,6 +350,7 @@ class RemoteDrafter(Drafter):
         self._features: list[torch.Tensor] = []
         self._seqs: dict[str, _Tracked] = {}
         self._link: TensorLink | None = None
+        self._channel: StepClient | None = None
         self._incarnation: int | None = None
         self._connect()
 
@@ -345,9 +379,9 @@ class RemoteDrafter(Drafter):
     def has_events(self) -> bool:
         return bool(self._events)
 
-    def submit(self, requests: Sequence[DraftRequest]) -> Any:
-        """Send this step's events and requests; returns a handle for `collect` (None when the
-        drafter is down)."""
+    def submit(self, requests: Sequence[DraftRequest]) -> int | None:
+        """Send this step's events and requests; returns the message's sequence number for
+        `collect` (None when the drafter is down)."""
         if self._incarnation is None and not self._reconnect():
             self._drop_buffer()  # the drafter is down; its state is rebuilt when it is back
             return None
@@ -358,39 +392,43 @@ class RemoteDrafter(Drafter):
             message.feature_dtype = str(features.dtype).removeprefix("torch.")
         self._drop_buffer()
         self.stats.steps += 1
+        assert self._channel is not None and self._link is not None
         try:
-            ref = self.actor.step.remote(message)
+            seq = self._channel.request(message)
             if features is not None:
-                assert self._link is not None
                 self._link.send(features, wait=False)
                 self.stats.feature_bytes += features.numel() * features.element_size()
-        except LinkError:
+        except (ChannelError, LinkError):
             self._lost()
             return None
-        return ref
+        return seq
 
-    def collect(self, ref: Any, deadline: float | None = None) -> dict[str, Draft]:
+    def collect(self, seq: int | None, deadline: float | None = None) -> dict[str, Draft]:
         """The drafts of a `submit`, waiting until `deadline` (a `time.monotonic()` value;
         default: `deadline_s` from now). Late or failed: no drafts."""
-        import ray
-
-        if ref is None:
+        if seq is None or self._channel is None:
             return {}
-        timeout = self.deadline_s if deadline is None else max(0.0, deadline - time.monotonic())
+        if deadline is None:
+            deadline = time.monotonic() + self.deadline_s
         start = time.perf_counter()
         try:
-            reply: DraftReply = ray.get(ref, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
+            reply: DraftReply | Failure = self._channel.reply(seq, deadline)
+        except ChannelTimeout:
             self.stats.late += 1
             return {}
-        except ray.exceptions.RayError:
+        except ChannelError:
             self._lost()
             return {}
         finally:
             self.stats.wait_s += time.perf_counter() - start
+        if isinstance(reply, Failure):  # e.g. DrafterRestarted, or its link broke
+            log.warning("%s: step failed: %s: %s", self.name, reply.kind, reply.message)
+            self._lost()
+            return {}
         self.stats.ahead_served += reply.ahead_served
         self.stats.ahead_kept_going += reply.kept_going
         self.stats.draft_s += reply.seconds
+        self.stats.handled_s += reply.handled_s
         return {
             rid: Draft(tokens, probs)
             for rid, (tokens, probs) in reply.drafts.items()
@@ -410,7 +448,11 @@ class RemoteDrafter(Drafter):
         link = TensorLink.host(f"{self.name}-{time.time_ns()}", self.backend)
         joined = self.actor.open_link.remote(link.address)
         link.connect()  # collective with the actor's join
-        self._incarnation = ray.get(joined, timeout=30)
+        handshake: Handshake = ray.get(joined, timeout=30)
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = StepClient(handshake.channel)
+        self._incarnation = handshake.incarnation
         self._link = link
 
     def _reconnect(self) -> bool:

@@ -200,6 +200,7 @@ class Measured:
     ahead_kept_going: int = 0  # steps served while the drafter's drafting ahead went on
     feature_bytes: int = 0
     draft_s: float = 0.0  # inside the drafter actor
+    handled_s: float = 0.0  # the drafter actor's whole steps, drafting included
     wait_s: float = 0.0  # the verifier's wait for the drafter's replies
     local_draft_s: float = 0.0  # the in-process engine's drafting, over its verify steps
     local_forward_s: float = 0.0  # and its forwards with verification, over the same steps
@@ -248,6 +249,7 @@ class Measured:
             f"{self.local_draft_s / max(1, self.local_steps) * 1000:.1f} ms",
             f"{self.draft_s / steps * 1000:.1f} ms",
             f"{(self.wait_s - self.draft_s) / steps * 1000:.1f} ms",
+            f"{max(0.0, self.wait_s - self.handled_s) / steps * 1000:.2f} ms",
             f"{self.feature_bytes / steps / 1024:.1f}",
         ]
 
@@ -265,6 +267,7 @@ ROW_COLUMNS = [
     "drafting per step, in-process",
     "drafting per step, drafter actor",
     "hand-off per step",
+    "of which transport",
     "feature KiB per step",
 ]
 
@@ -331,6 +334,7 @@ COUNTERS = (
     "ahead_kept_going",
     "feature_bytes",
     "draft_s",
+    "handled_s",
     "wait_s",
 )
 
@@ -519,8 +523,11 @@ def main() -> None:
             "engine's step, and inside the drafter actor (a draft served ahead costs none there "
             "but the wait for a forward under way, when a chain has no draft token yet); "
             "`hand-off per step`: what the "
-            "verifier waits for a proposal beyond the drafting in it (the Ray call, the feature "
-            "rows over the link, waking the drafter's process).",
+            "verifier waits for a proposal beyond the drafting in it (taking in the feature rows "
+            "and events, waiting for a forward drafting ahead had under way, and the transport); "
+            "`of which transport`: the part outside the drafter actor, the step's message and "
+            "reply over the pair's step channel (cluster/step_channel.py; a Ray call per step "
+            "cost 2-3 ms here).",
             table(["drafter", "drafting ahead", *ROW_COLUMNS], rows),
             "### Remote prefill",
             PREFILL_NOTE,
