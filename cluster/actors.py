@@ -6,6 +6,8 @@ workers and the ranks > 0 of a tensor-parallel verifier group, with the helpers 
 from __future__ import annotations
 
 import os
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,6 +17,14 @@ from cluster.config import DeploymentConfig, from_dict
 from cluster.links import TensorLink
 from cluster.prefill import PrefillWorker
 from cluster.remote_drafting import DrafterWorker
+from cluster.step_channel import (
+    ChannelAddress,
+    ChannelError,
+    ChannelTimeout,
+    Failure,
+    StepClient,
+    StepServer,
+)
 from workers.engine.config import EngineConfig, SpecConfig
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.kv_cache import PagedKVCache
@@ -167,14 +177,16 @@ class StepPlan:
 
 
 class TensorParallelRunner(ModelRunner):
-    """Rank 0's runner: before each forward, the batch plan goes to the other ranks (in order,
-    one Ray call each, not awaited); the forward's all-reduces keep the ranks in step."""
+    """Rank 0's runner: before each forward, the batch plan goes to the other ranks over their
+    step channels (cluster/step_channel.py; a Ray call each would start them 2-3 ms late on a
+    busy node), not awaited; the forward's all-reduces keep the ranks in step. Their replies
+    (None, or the `Failure` a rank raised) are read as they come."""
 
-    def __init__(self, runner: ModelRunner, ranks: list[Any]) -> None:
+    def __init__(self, runner: ModelRunner, ranks: list[StepClient]) -> None:
         super().__init__(runner.model, runner.kv_cache)
         self.ranks = ranks
         self._copies: list[tuple[int, int]] = []
-        self._pending: list[Any] = []
+        self._pending: deque[tuple[StepClient, int]] = deque()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self._copies += copies
@@ -187,27 +199,39 @@ class TensorParallelRunner(ModelRunner):
         return_final_hidden: bool = False,
         interrupt: Callable[[], bool] | None = None,
     ) -> RunnerOutput:
-        import ray
-
         if interrupt is not None:  # every rank must run every layer (their all-reduces pair up)
             raise ValueError("a tensor-parallel forward cannot be interrupted")
         # The other ranks need no logits: only rank 0 samples.
         plan = StepPlan(self._copies, [replace(s, num_logits=0) for s in seqs])
         self._copies = []
-        self._pending = [r for r in self._pending if not _done(r)]
-        self._pending += [rank.step.remote(plan) for rank in self.ranks]
-        if len(self._pending) > 64 * len(self.ranks):  # a rank fell far behind, or failed
-            ray.get(self._pending.pop(0), timeout=60)
+        self._reap()
+        try:
+            self._pending.extend((rank, rank.request(plan)) for rank in self.ranks)
+        except ChannelError as err:
+            raise RankFailed(f"a tensor-parallel rank is gone: {err}") from err
         return super().forward(seqs, hidden_layers, return_final_hidden)
 
+    def _reap(self) -> None:
+        """Read the replies that have come; wait for the oldest where a rank fell far behind.
+        A rank's failure is raised here."""
+        while self._pending:
+            rank, seq = self._pending[0]
+            behind = len(self._pending) > 64 * len(self.ranks)
+            try:
+                reply = rank.reply(seq, time.monotonic() + (60.0 if behind else 0.0))
+            except ChannelTimeout:
+                if behind:
+                    raise RankFailed("a tensor-parallel rank is 64 steps behind") from None
+                return
+            except ChannelError as err:
+                raise RankFailed(f"a tensor-parallel rank is gone: {err}") from err
+            self._pending.popleft()
+            if isinstance(reply, Failure):
+                raise RankFailed(f"a tensor-parallel rank failed: {reply.kind}: {reply.message}")
 
-def _done(ref: Any) -> bool:
-    import ray
 
-    ready, _ = ray.wait([ref], timeout=0)
-    if ready:
-        ray.get(ref)  # raises what the rank raised
-    return bool(ready)
+class RankFailed(RuntimeError):
+    """A rank of a tensor-parallel group failed or vanished; the group cannot go on."""
 
 
 class VerifierRankActor:
@@ -229,13 +253,18 @@ class VerifierRankActor:
         cache = PagedKVCache(model.config, blocks, block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, cache)
         self.link: TensorLink | None = None
+        self.plans: StepServer | None = None  # rank 0's plans arrive here
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "rank": self.rank, **where()}
 
-    def join_group(self, address: Any) -> None:
+    def join_group(self, address: Any) -> ChannelAddress:
+        """Join the group's link; returns where rank 0 sends its plans."""
         self.link = TensorLink.join(address, timeout_s=60.0, rank=self.rank)
         self.runner.model.reduce = self.link.all_reduce
+        if self.plans is None:
+            self.plans = StepServer(self.step, f"{self.name}-plans")
+        return self.plans.address()
 
     def step(self, plan: StepPlan) -> None:
         self.runner.copy_blocks(plan.block_copies)

@@ -85,7 +85,8 @@ class _Frames:
 
     def recv(self, deadline: float | None, max_size: int = MAX_FRAME_BYTES) -> bytes:
         """The next frame; ChannelTimeout at `deadline` (a `time.monotonic()` value; None:
-        wait for ever) with whatever arrived kept for the next call."""
+        wait for ever; one already past: only what has arrived) with whatever arrived kept for
+        the next call."""
         while True:
             if len(self._buffer) >= HEADER.size:
                 (size,) = HEADER.unpack_from(self._buffer)
@@ -99,16 +100,13 @@ class _Frames:
             self._fill(deadline)
 
     def _fill(self, deadline: float | None) -> None:
-        if deadline is None:
-            self.sock.settimeout(None)
-        else:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ChannelTimeout("no reply by the deadline")
-            self.sock.settimeout(remaining)
+        # A timeout of 0 makes the socket non-blocking: a deadline already past still takes
+        # what has arrived.
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self.sock.settimeout(timeout)
         try:
             chunk = self.sock.recv(1 << 20)
-        except TimeoutError as err:
+        except (TimeoutError, BlockingIOError) as err:
             raise ChannelTimeout("no reply by the deadline") from err
         except OSError as err:
             raise ChannelError(f"receive failed: {err}") from err
@@ -211,8 +209,9 @@ class StepClient:
         return seq
 
     def reply(self, seq: int, deadline: float | None) -> Any:
-        """The answer to request `seq`: ChannelTimeout at `deadline`, ChannelError when the
-        channel broke; a `Failure` when the handler raised."""
+        """The answer to request `seq`: ChannelTimeout at `deadline` (one already past: unless
+        it has arrived), ChannelError when the channel broke; a `Failure` when the handler
+        raised."""
         while True:
             got, payload = pickle.loads(self._frames.recv(deadline))
             if got == seq:

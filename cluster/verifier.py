@@ -26,6 +26,7 @@ from cluster.config import from_dict
 from cluster.links import TensorLink, link_backend
 from cluster.prefill import plan_for, receive
 from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
+from cluster.step_channel import ChannelAddress, StepClient
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.llm_engine import Prefilled, RequestOutput
@@ -140,9 +141,10 @@ class VerifierActor:
         group = TensorLink.host(f"{self.name}-tp", backend, timeout_s=60.0, world=world)
         joined = [r.join_group.remote(group.address) for r in ranks]
         group.connect()
-        ray.get(joined, timeout=120)
+        addresses: list[ChannelAddress] = ray.get(joined, timeout=120)
+        plans = [StepClient(address) for address in addresses]
         engine.runner.model.reduce = group.all_reduce
-        engine.runner = TensorParallelRunner(engine.runner, ranks)
+        engine.runner = TensorParallelRunner(engine.runner, plans)
         self.group = group
 
     def info(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ tests/cluster), give the whole model's logits; uneven head splits included."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -73,3 +74,41 @@ def test_sharded_forward_matches_the_whole_model(kv_heads: int, world: int) -> N
         t.join()
     for r in range(world):
         torch.testing.assert_close(results[r], want, rtol=1e-5, atol=1e-5)
+
+
+def test_rank_zero_sends_plans_and_raises_a_rank_failure() -> None:
+    """Rank 0's runner sends each forward's plan (copies, sequences without logits) over the
+    step channels before its own forward, and a rank's failure surfaces at a later forward."""
+    from cluster.actors import RankFailed, StepPlan, TensorParallelRunner
+    from cluster.step_channel import StepClient, StepServer
+
+    config = tiny_config()
+    checkpoint = Checkpoint(config, random_hf_weights(config, seed=2), tokenizer=None)  # type: ignore[arg-type]
+    model = build_sharded_model(checkpoint, 0, 1, None)
+    plans: list[StepPlan] = []
+
+    def rank(plan: StepPlan) -> None:
+        plans.append(plan)
+        if len(plans) == 2:
+            raise ValueError("out of memory, say")
+
+    server = StepServer(rank)
+    runner = TensorParallelRunner(
+        ModelRunner(model, PagedKVCache(model.config, 4, 4, torch.float32)),
+        [StepClient(server.address())],
+    )
+    try:
+        runner.copy_blocks([(0, 1)])
+        runner.forward([SeqForward([5, 9, 11], 0, [2], num_logits=3)])
+        runner.forward([SeqForward([4], 3, [2], num_logits=1)])
+        deadline = time.monotonic() + 5
+        while len(plans) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the failure's reply
+        with pytest.raises(RankFailed, match="out of memory"):
+            runner.forward([SeqForward([7], 4, [2, 3], num_logits=1)])
+        assert plans[0].block_copies == [(0, 1)] and plans[1].block_copies == []
+        assert [s.token_ids for p in plans for s in p.seqs] == [[5, 9, 11], [4]]
+        assert all(s.num_logits == 0 for p in plans for s in p.seqs)
+    finally:
+        server.close()
