@@ -78,6 +78,9 @@ class _Frames:
         self._buffer = bytearray()
 
     def send(self, payload: bytes) -> None:
+        # Blocking, whatever timeout the last receive left; a peer that takes nothing for
+        # this long is as good as gone (and a frame cut off in the middle breaks the channel).
+        self.sock.settimeout(CONNECT_TIMEOUT_S)
         try:
             self.sock.sendall(HEADER.pack(len(payload)) + payload)
         except OSError as err:

@@ -147,3 +147,26 @@ def test_an_oversized_frame_is_refused() -> None:
         _Frames(a).recv(soon(), max_size=1 << 20)
     a.close()
     b.close()
+
+
+def test_a_send_after_a_polling_receive_still_blocks_until_sent() -> None:
+    """A receive with a past deadline leaves the socket non-blocking; a frame larger than the
+    socket's buffers must still go whole."""
+    release = threading.Event()
+
+    def handle(data: bytes) -> int:
+        release.wait(5)
+        return len(data)
+
+    server = StepServer(handle)
+    client = StepClient(server.address())
+    try:
+        with pytest.raises(ChannelTimeout):
+            client.reply(client.request(b""), time.monotonic())
+        # The server reads nothing until released, so the frame fills the socket's buffers.
+        threading.Timer(0.2, release.set).start()
+        big = b"x" * (64 << 20)
+        assert client.reply(client.request(big), soon()) == len(big)
+    finally:
+        client.close()
+        server.close()
