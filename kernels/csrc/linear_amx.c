@@ -66,7 +66,7 @@ static void emit(const float *c, int ldc, const uint16_t *bias, uint16_t *y, int
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + n0)), 16));
     for (int r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * ldc), b);
-        _mm256_mask_storeu_epi16(y + (size_t)r * out + n0, m, bf16_round16(v));
+        store_bf16x16(y + (size_t)r * out + n0, v, m);
     }
 }
 

@@ -62,8 +62,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
         const __m512 b = bias ? load_bf16x16(bias + o, m) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int i = 0; i < nr; i++) {
-            const __m256i v = bf16_round16(bias ? _mm512_add_ps(acc[i][j], b) : acc[i][j]);
-            _mm256_mask_storeu_epi16(y + (size_t)(r0 + i) * out + o, m, v);
+            store_bf16x16(y + (size_t)(r0 + i) * out + o,
+                          bias ? _mm512_add_ps(acc[i][j], b) : acc[i][j], m);
         }
     }
 }

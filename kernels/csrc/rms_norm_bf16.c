@@ -15,10 +15,6 @@
 
 #include "simd.h"
 
-static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
-    _mm256_mask_storeu_epi16(p, m, bf16_round16(v));
-}
-
 static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, float eps,
                      uint16_t *out, uint16_t *sum_out, int dim) {
     const int chunks = (dim + 15) / 16;
@@ -29,7 +25,7 @@ static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t
             const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
             const __m512 v =
                 _mm512_add_ps(load_bf16x16(x + 16 * c, m), load_bf16x16(residual + 16 * c, m));
-            store_bf16(sum_out + 16 * c, v, m);
+            store_bf16x16(sum_out + 16 * c, v, m);
         }
         s = sum_out;
     }
@@ -45,7 +41,7 @@ static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t
         const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
         const __m512 v = _mm512_mul_ps(_mm512_mul_ps(load_bf16x16(s + 16 * c, m), k),
                                        load_bf16x16(weight + 16 * c, m));
-        store_bf16(out + 16 * c, v, m);
+        store_bf16x16(out + 16 * c, v, m);
     }
 }
 

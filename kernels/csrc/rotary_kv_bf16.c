@@ -17,10 +17,6 @@
 
 #include "simd.h"
 
-static inline void store_bf16x16(uint16_t *p, __m512 v) {
-    _mm256_storeu_si256((__m256i *)p, bf16_round16(v));
-}
-
 /* x[i] cos[i] - x[i + half] sin[i] and x[i + half] cos[i + half] + x[i] sin[i + half], for one
  * head of head_dim elements (half a multiple of 16). */
 static void rotate_head(uint16_t *x, const float *cos, const float *sin, int head_dim) {
@@ -32,8 +28,8 @@ static void rotate_head(uint16_t *x, const float *cos, const float *sin, int hea
                                                _mm512_mul_ps(lo, _mm512_loadu_ps(cos + i)));
         const __m512 new_hi = _mm512_fmadd_ps(lo, _mm512_loadu_ps(sin + half + i),
                                               _mm512_mul_ps(hi, _mm512_loadu_ps(cos + half + i)));
-        store_bf16x16(x + i, new_lo);
-        store_bf16x16(x + half + i, new_hi);
+        store_bf16x16(x + i, new_lo, 0xffff);
+        store_bf16x16(x + half + i, new_hi, 0xffff);
     }
 }
 

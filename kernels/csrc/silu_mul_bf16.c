@@ -31,7 +31,7 @@ void outrider_silu_mul_bf16(const uint16_t *gate_up, int in_stride, int rows, in
             const __m512 numerator = _mm512_mask_blend_ps(negative, one, e);
             const __m512 sigmoid = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
             const __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load_bf16x16(up + 16 * c, m));
-            _mm256_mask_storeu_epi16(o + 16 * c, m, bf16_round16(y));
+            store_bf16x16(o + 16 * c, y, m);
         }
     }
 }

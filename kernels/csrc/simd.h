@@ -114,6 +114,11 @@ static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
+/* 16 fp32 -> bf16 at p, rounded to nearest even (masked-off lanes are left as they are). */
+static inline void store_bf16x16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, bf16_round16(v));
+}
+
 /* e^x to ~1 ulp for x <= 0 down to the fp32 underflow (range reduction by ln 2, degree-6
  * polynomial, exponent by scalef). */
 static inline __m512 exp_ps(__m512 x) {
