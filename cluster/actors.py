@@ -14,9 +14,9 @@ from typing import Any
 
 from cluster import telemetry
 from cluster.config import DeploymentConfig, from_dict
+from cluster.drafter_worker import DrafterWorker
 from cluster.links import TensorLink
 from cluster.prefill import PrefillWorker
-from cluster.remote_drafting import DrafterWorker
 from cluster.step_channel import (
     ChannelAddress,
     ChannelError,

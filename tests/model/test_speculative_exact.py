@@ -118,7 +118,7 @@ def test_greedy_identical_to_plain_decoding(
 
 class AheadEveryStep(Drafter):
     """A drafter that drafts ahead after every proposal, as a drafter actor does while the
-    verifier works (cluster/remote_drafting.py), here in step with the engine. With
+    verifier works (cluster/drafter_worker.py), here in step with the engine. With
     `abandon_at`, every other time drafting ahead is abandoned at that check of `abandon` (a
     draft model checks before each forward and after each layer), as when the next step
     arrives with a commit that cannot be the guess."""

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cluster.remote_drafting import DrafterWorker, DraftReply, StepMessage
+from cluster.drafter_worker import DrafterWorker, DraftReply, StepMessage
 from tests.factories import tiny_model
 from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_bar
 from workers.drafting.base import (
