@@ -29,7 +29,7 @@ from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
 from cluster.step_channel import ChannelAddress, StepClient
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
-from workers.engine.llm_engine import Prefilled, RequestOutput
+from workers.engine.llm_engine import Prefilled, RequestOutput, StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.model.tensor_parallel import build_sharded_model
 
@@ -49,6 +49,20 @@ class StepMessage:
 
     output: RequestOutput
     served_by: ServedBy | None = None  # with the last step
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Where the verifier's engine steps spend their time (an engine step listener)."""
+
+    steps: int = 0
+    draft_s: float = 0.0  # waiting for drafts (remote drafters: the step's hand-off included)
+    forward_s: float = 0.0  # the target's forwards with verification
+
+    def __call__(self, report: StepReport) -> None:
+        self.steps += 1
+        self.draft_s += report.draft_s
+        self.forward_s += report.forward_s
 
 
 class VerifierActor:
@@ -110,6 +124,8 @@ class VerifierActor:
             deployment.redis.password(),
         )
         loaded.engine.step_listeners.append(self.rounds)
+        self.step_times = StepTimes()
+        loaded.engine.step_listeners.append(self.step_times)
         self.loop = EngineLoop(loaded.engine)
         self.dtype = deployment.dtype
         self.min_remote_prompt = deployment.pools.prefill.min_remote_prompt_tokens
@@ -245,6 +261,7 @@ class VerifierActor:
             "spec": engine_stats.as_dict(),
             "remote_drafting": None if self.drafters is None else asdict(self.drafters.stats),
             "prefill": dict(self.prefill_stats),
+            "steps": asdict(self.step_times),
         }
 
     def finished_spans(self) -> list[dict[str, Any]]:
