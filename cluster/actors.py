@@ -14,8 +14,8 @@ from typing import Any
 
 from cluster import telemetry
 from cluster.config import DeploymentConfig, from_dict
-from cluster.drafter_worker import DrafterWorker
-from cluster.links import TensorLink
+from cluster.drafter_worker import DrafterWorker, Handshake
+from cluster.links import LinkAddress, TensorLink
 from cluster.prefill import PrefillWorker
 from cluster.step_channel import (
     ChannelAddress,
@@ -135,7 +135,7 @@ class DrafterActor:
             **where(),
         }
 
-    def open_link(self, address: Any) -> Any:
+    def open_link(self, address: LinkAddress) -> Handshake:
         """The feature link, and the step channel the verifier's messages come over."""
         return self.worker.open_link(address)
 
