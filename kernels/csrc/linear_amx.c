@@ -60,10 +60,7 @@ int outrider_amx_init(void) {
 static void emit(const float *c, int ldc, const uint16_t *bias, uint16_t *y, int out, int rows,
                  int n0, int width) {
     const __mmask16 m = (__mmask16)((1u << width) - 1u);
-    __m512 b = _mm512_setzero_ps();
-    if (bias)
-        b = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + n0)), 16));
+    const __m512 b = bias ? load_bf16x16(bias + n0, m) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * ldc), b);
         store_bf16x16(y + (size_t)r * out + n0, v, m);
