@@ -15,8 +15,8 @@ the step may be its guess, and between two layers of the forward under way where
 is what finishing it would add to the step). The drafter's core would idle otherwise. A drafter
 that `keeps_drafting_ahead` (the draft model) is not stopped by a step that only commits the
 guesses of the sequences it asks for: that step is answered from the chains drafted so far while
-drafting ahead goes on (`Drafter.take_ahead`), and waits at most for the forward under way where
-a chain holds no draft token yet.
+drafting ahead goes on (`Drafter.take_ahead`), once each chain holds the whole draft an in-line
+proposal would make.
 
 A restarted actor comes back empty with a new incarnation number; a step meant for the old one
 raises `DrafterRestarted`, and the verifier re-adds its sequences.
@@ -38,8 +38,9 @@ from cluster.step_channel import ChannelAddress, StepServer
 from workers.drafting.base import Drafter, DraftRequest
 from workers.engine.sampling_params import SamplingParams
 
-# The longest a step served from drafting ahead that goes on waits for the forward under way
-# (its guess or first draft token) before taking the usual path; a forward takes far less.
+# The longest a step served from drafting ahead that goes on waits for the chains to hold their
+# whole drafts (k draft forwards at most); past it the step takes what they hold, or the usual
+# path where a chain does not hold its guess yet.
 TAKE_AHEAD_WAIT_S = 0.5
 log = logging.getLogger(__name__)
 

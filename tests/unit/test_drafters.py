@@ -14,6 +14,7 @@ from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_
 from workers.drafting.base import (
     WHOLE_RATE_DECAY,
     AheadState,
+    Draft,
     DraftRequest,
     DraftStateError,
 )
@@ -418,11 +419,10 @@ def test_drafting_ahead_that_goes_on_serves_right_guesses_without_stopping(
     assert second.drafts["a"][0] == whole[4:7]
     assert seq().ahead.chain[:4] == whole[7:11]  # what is left goes on
     assert worker._ahead is not None and worker._ahead.is_alive()  # never stopped
-    # At once this time: whatever is ready (the forward under way is not waited for unless
-    # the chain has no draft token yet).
+    # The chain already holds the next whole draft: served at once.
     third = step([("commit", "a", whole[4:8])], 15)
     served = third.drafts["a"][0]
-    assert third.kept_going and 1 <= len(served) <= 3 and served == whole[8 : 8 + len(served)]
+    assert third.kept_going and served == whole[8:11]
     # A rejection: stopped, committed, proposed as a fresh drafter would.
     wrong = [served[0], (whole[9] + 1) % 97] if len(served) > 1 else [(served[0] + 1) % 97]
     n = 15 + len(wrong)
@@ -464,6 +464,69 @@ def test_drafting_ahead_that_stops_at_every_step_when_told_to(draft_net: Transfo
     worker.step(StepMessage(worker.incarnation, [("remove", "a")], []))
     worker._finish_ahead(abandon=True)
     assert worker.drafter.allocator.num_free_blocks == worker.drafter.allocator.num_blocks
+
+
+def test_take_ahead_waits_for_the_whole_draft_an_in_line_proposal_would_make(
+    draft_net: TransformerLM,
+) -> None:
+    """A step that commits the guess while the chain holds only part of the next draft waits
+    for the rest (the draft is what `propose` would make, so acceptance per step stays the
+    in-line engine's); past its timeout it takes what the chain holds; a wrong guess ends the
+    wait at once."""
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [5, 17, 33, 8, 60, 2, 71]
+    reference = DraftModelDrafter(draft_net, num_blocks=64, block_size=4)
+    reference.add("r", prompt, greedy)
+    whole = reference.propose([DraftRequest("r", 7, 24)])["r"].token_ids
+    drafter = DraftModelDrafter(draft_net, num_blocks=64, block_size=4)
+    drafter.add("a", prompt, greedy)
+    assert drafter.propose([DraftRequest("a", 7, 3)])["a"].token_ids == whole[:3]
+    permits = threading.Semaphore(0)  # one per forward drafting ahead makes
+    forward = drafter._forward
+
+    def gated(*args, **kwargs):  # type: ignore[no-untyped-def]
+        permits.acquire()
+        return forward(*args, **kwargs)
+
+    drafter._forward = gated  # type: ignore[method-assign]
+    stop = threading.Event()
+    ahead = threading.Thread(
+        target=drafter.draft_ahead,
+        args=([DraftRequest("a", 7, 3)], stop.is_set, lambda: False, True),
+        daemon=True,
+    )
+    ahead.start()
+    seq = drafter._seqs["a"]
+    permits.release(2)  # the guess and one draft token
+    _until(lambda: len(seq.ahead.chain) == 2)
+    taken: list[dict[str, Draft] | None] = []
+    step = threading.Thread(
+        target=lambda: taken.append(
+            drafter.take_ahead({"a": whole[:4]}, [DraftRequest("a", 11, 3)], 30.0)
+        )
+    )
+    step.start()
+    step.join(timeout=0.3)
+    assert step.is_alive() and len(seq.tokens) == 7  # waiting, nothing committed yet
+    permits.release(2)  # the rest of the draft
+    step.join(timeout=30)
+    assert taken and taken[0] is not None and taken[0]["a"].token_ids == whole[4:7]
+    # The next draft's guess and one token, then no more forwards: past the timeout the step
+    # takes the one token.
+    permits.release(2)
+    _until(lambda: len(seq.ahead.chain) == 2)
+    # A commit whose bonus token is not the guess is not waited for: nothing would be served.
+    wrong = [*whole[4:7], (whole[7] + 1) % 97]
+    start = time.monotonic()
+    assert drafter.take_ahead({"a": wrong}, [DraftRequest("a", 15, 3)], 30.0) is None
+    assert time.monotonic() - start < 5 and len(seq.tokens) == 11
+    short = drafter.take_ahead({"a": whole[4:8]}, [DraftRequest("a", 15, 3)], 0.2)
+    assert short is not None and short["a"].token_ids == whole[8:9]
+    stop.set()
+    permits.release(8)
+    drafter.wake_ahead()
+    ahead.join(timeout=10)
+    assert not ahead.is_alive()
 
 
 def test_take_ahead_changes_nothing_when_a_commit_is_not_the_guess(

@@ -97,8 +97,9 @@ class Drafter(ABC):
     # A drafter that `keeps_drafting_ahead` can also go on across proposals: called with
     # `keep_going`, `draft_ahead` extends one chain of draft tokens per sequence until stopped,
     # and a step whose commits are all the guesses is answered by `take_ahead` from the chain
-    # without stopping it (the forward under way then makes the next guess). The step no longer
-    # waits for that forward, and the drafter's core never idles between proposals.
+    # without stopping it, once the chain holds the whole draft an in-line proposal would make
+    # (usually drafted already). The step never waits for drafting it does not use, and the
+    # drafter's core never idles between proposals.
     drafts_ahead: bool = False
     keeps_drafting_ahead: bool = False
     ahead_prepared: int = 0  # proposals drafted ahead so far
@@ -129,9 +130,10 @@ class Drafter(ABC):
     ) -> dict[str, Draft] | None:
         """While `draft_ahead(keep_going=True)` runs on another thread: commit `commits` (one
         per sequence, nothing else happened to any) and serve `requests` from the chains, if
-        every commit is its sequence's guess, waiting at most `timeout` for draft tokens the
-        forward under way is making. None, with nothing changed, when it cannot: the caller
-        stops drafting ahead, commits and proposes as usual."""
+        every commit is its sequence's guess, waiting at most `timeout` for the chains to hold
+        the drafts an in-line `propose` would make (what they hold then is served). None, with
+        nothing changed, when it cannot: the caller stops drafting ahead, commits and proposes
+        as usual."""
         return None
 
     def wake_ahead(self) -> None:  # noqa: B027
@@ -201,23 +203,31 @@ class AheadState:
             self.chain_q.append(q)
         self.chain_p.append(probability)
 
-    def draft_in_chain(self, min_confidence: float) -> tuple[int, bool]:
-        """How many chain tokens after the guess form the next draft (at most k, ending with
-        the token whose probability crosses the bar), and whether that draft is complete."""
+    def draft_in_chain(self, min_confidence: float, k: int | None = None) -> tuple[int, bool]:
+        """How many chain tokens after the guess form the next draft (at most `k`, default the
+        chain's, ending with the token whose probability crosses the bar), and whether that
+        draft is complete."""
+        k = self.k if k is None else k
         bar = ConfidenceStop(min_confidence)
         n = 0
-        for probability in self.chain_p[1 : 1 + self.k]:
+        for probability in self.chain_p[1 : 1 + k]:
             n += 1
             bar.drew(probability)
             if not bar.sure:
                 return n, True
-        return n, n == self.k
+        return n, n == k
+
+    def holds_draft(self, k: int, min_confidence: float) -> bool:
+        """Whether the chain holds the guess and the whole draft after it: the proposal of at
+        most `k` tokens an in-line `propose` would make (k tokens, or fewer where the bar ends
+        the draft)."""
+        return bool(self.chain) and self.draft_in_chain(min_confidence, k)[1]
 
     def wants_more(self, min_confidence: float, keep_going: bool) -> bool:
         """Whether the chain needs another token: until its draft is complete; drafting ahead
         that goes on, past that draft's end and the guess after it, through the draft after
-        that too (the drafter's core would idle otherwise: a draft served at once holds only
-        what is ready, so the chain runs behind the verifier where its drafts come true)."""
+        that too (the drafter's core would idle otherwise while the verifier checks the draft,
+        and the next step would wait for all of its draft)."""
         if keep_going:
             return len(self.chain) < KEEP_GOING_DRAFTS * (self.k + 1)
         return not self.draft_in_chain(min_confidence)[1]
@@ -225,6 +235,10 @@ class AheadState:
     def guessed(self, token_ids: Sequence[int]) -> bool:
         """Whether the commit `token_ids` is the chain's guess (known once its first token is)."""
         return bool(self.chain) and list(token_ids) == self.draft + self.chain[:1]
+
+    def missed(self, token_ids: Sequence[int]) -> bool:
+        """Whether the chain's guess is known and the commit `token_ids` is not it."""
+        return bool(self.chain) and not self.guessed(token_ids)
 
     def take(self, k: int, min_confidence: float) -> Draft:
         """The guess was committed: its draft (the ready part, cut to `k`) becomes the last
