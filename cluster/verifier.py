@@ -58,11 +58,16 @@ class StepTimes:
     steps: int = 0
     draft_s: float = 0.0  # waiting for drafts (remote drafters: the step's hand-off included)
     forward_s: float = 0.0  # the target's forwards with verification
+    verify_steps: int = 0  # steps that verified (a sequence decoding), and their forwards
+    verify_forward_s: float = 0.0
 
     def __call__(self, report: StepReport) -> None:
         self.steps += 1
         self.draft_s += report.draft_s
         self.forward_s += report.forward_s
+        if any(r.prefill_tokens == 0 for r in report.rounds):
+            self.verify_steps += 1
+            self.verify_forward_s += report.forward_s
 
 
 class VerifierActor:

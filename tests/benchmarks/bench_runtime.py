@@ -30,6 +30,7 @@ import torch
 
 from cluster.config import DeploymentConfig, from_dict
 from cluster.runtime import Runtime
+from tests.benchmarks.concurrency import concurrency_section
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 from workers.eagle.prompts import held_out_prompts
 from workers.engine.config import (
@@ -206,6 +207,8 @@ class Measured:
     local_forward_s: float = 0.0  # and its forwards with verification, over the same steps
     local_steps: int = 0
     local_drafted: int = 0  # the draft tokens of those steps
+    verify_steps_timed: int = 0  # the runtime verifier's verify steps (StepTimes)
+    verify_forward_s: float = 0.0  # and their forwards with verification
 
     @property
     def ratio(self) -> float:
@@ -246,6 +249,8 @@ class Measured:
             f"{self.late / steps:.1%}",
             f"{self.ahead_served / steps:.1%}",
             f"{self.ahead_kept_going / steps:.1%}",
+            f"{self.local_forward_s / max(1, self.local_steps) * 1000:.0f} / "
+            f"{self.verify_forward_s / max(1, self.verify_steps_timed) * 1000:.0f} ms",
             f"{self.local_draft_s / max(1, self.local_steps) * 1000:.1f} ms",
             f"{self.draft_s / steps * 1000:.1f} ms",
             f"{(self.wait_s - self.draft_s) / steps * 1000:.1f} ms",
@@ -264,6 +269,7 @@ ROW_COLUMNS = [
     "steps without a draft (late)",
     "served ahead",
     "served while drafting went on",
+    "verify forward per step, in-process / runtime",
     "drafting per step, in-process",
     "drafting per step, drafter actor",
     "hand-off per step",
@@ -341,10 +347,12 @@ COUNTERS = (
 
 def _counters(runtime: Runtime) -> dict[str, float]:
     (stats,) = runtime.verifier_stats()
-    spec, remote = stats["spec"], stats["remote_drafting"]
+    spec, remote, steps = stats["spec"], stats["remote_drafting"], stats["steps"]
     return {
         "accepted": spec["accepted"],
         "verify_steps": spec["verify_steps"],
+        "verify_steps_timed": steps["verify_steps"],
+        "verify_forward_s": steps["verify_forward_s"],
         **{k: remote[k] for k in COUNTERS},
     }
 
@@ -396,6 +404,9 @@ def qwen_pair(args: argparse.Namespace, params: SamplingParams) -> None:
             rows.append([kind, ahead, *measured.row()[:-1]])
     rows.sort(key=lambda row: row[0] != "code")  # each kind's three runtimes together
     del local
+    both_table, target_slowdown = concurrency_section(
+        QWEN.target, QWEN.draft, K, rounds=1 if args.quick else 3
+    )
     ttft_table, ttft_overhead = prefill_section(
         load_tokenizer(QWEN.target), args.runs, args.quick, "draft_model", QWEN
     )
@@ -412,17 +423,25 @@ def qwen_pair(args: argparse.Namespace, params: SamplingParams) -> None:
             "in-process and runtime as in the section above (one core each). This is the case "
             "drafting ahead is for: a drafter that costs the verifier most of a step when "
             "drafting in-line, and whole drafts accepted often enough that the guess comes true. "
-            "In the time of one verify forward the drafter makes at most about "
+            "In the time of one verify forward alone the drafter makes about "
             f"{1 / draft_cost:.1f} draft forwards ahead (the guessed bonus token, then the "
-            "draft), so a served draft is shorter than k and acceptance per step falls. Three "
+            "draft), fewer while the two forwards share the memory bandwidth (below). Three "
             "runtimes, each beside the in-process engine: no drafting ahead; drafting ahead that "
             "`stops` (`pools.drafter.keep_drafting_ahead: false`: every step stops the "
             "drafter's thread at the end of the forward under way, and a commit equal to the "
             "guess is answered with the prepared draft); and drafting ahead that `goes on` (the "
             "default: a step that only commits the guess is answered from the chain drafted so "
-            "far while drafting goes on, `served while drafting went on`, waiting for the "
-            "forward under way only where the chain holds no draft token yet).",
+            "far while drafting goes on, `served while drafting went on`, once the chain holds "
+            "the whole draft an in-line proposal would make).",
             table(["prompts", "drafting ahead", *ROW_COLUMNS[:-1]], rows),
+            "### Running both at once",
+            "Outside the runtime, two Ray actors of one CPU each: the 1.5B's verify forward "
+            f"({K + 1} new tokens) and the 0.5B's one-token forward, each timed alone and beside "
+            "the other's forward loop, in interleaved rounds (tests/benchmarks/concurrency.py). "
+            "Both stream their weights from memory, so drafting ahead beside the verifier is "
+            f"not free here: the verify forward is {target_slowdown:.2f}x slower beside the "
+            "drafter, which is what the runtime's `verify forward per step` above shows too.",
+            both_table,
             "### Remote prefill",
             "As in the section above, with the 1.5B target (no features: the draft model reads "
             "none).",
@@ -519,9 +538,13 @@ def main() -> None:
             "when asked for). `bound at the drafter's pace`: a drafter drafting ahead makes one "
             "token of its chain (guess or draft) per draft forward, so one drafter cannot carry "
             "the stream faster than that; one over the in-process draft forward's time per "
-            "token, over the in-process tokens/s. `drafting per step`: in the in-process "
+            "token, over the in-process tokens/s. `verify forward per step`: the target's "
+            "forward with verification in a step that verified, in the in-process engine and in "
+            "the verifier actor, where a drafter drafting ahead beside it shares the memory "
+            "bandwidth. `drafting per step`: in the in-process "
             "engine's step, and inside the drafter actor (a draft served ahead costs none there "
-            "but the wait for a forward under way, when a chain has no draft token yet); "
+            "but the wait for the forwards that complete it, when a chain does not hold it all "
+            "yet); "
             "`hand-off per step`: what the "
             "verifier waits for a proposal beyond the drafting in it (taking in the feature rows "
             "and events, waiting for a forward drafting ahead had under way, and the transport); "

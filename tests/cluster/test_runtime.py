@@ -40,6 +40,8 @@ def test_eagle_pool_with_remote_prefill_is_exact_and_drafts(
     steps = stats["steps"]
     # Engine steps, batched: fewer than the sequences' verify steps.
     assert steps["steps"] > 0 and steps["forward_s"] > 0
+    assert 0 < steps["verify_steps"] <= steps["steps"]  # the steps that verified drafts
+    assert 0 < steps["verify_forward_s"] <= steps["forward_s"]
     assert steps["draft_s"] >= remote["wait_s"]  # the engine's drafting wait holds the replies'
     assert stats["prefill"]["remote"] == len(prompts) and stats["prefill"]["failures"] == 0
     assert stats["prefill"]["bytes"] > 0
