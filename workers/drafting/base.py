@@ -143,7 +143,8 @@ class Drafter(ABC):
 
 # Drafting ahead breaks even at a whole-acceptance rate of 1 / (2k + 1) (0.11 at k = 4); the
 # threshold leaves a margin: a drafter working beside the verifier shares the memory bandwidth
-# and slows its forward a little (9% for Qwen2.5-Coder-0.5B beside the 1.5B, docs/benchmarks.md).
+# and slows its forward (Qwen2.5-Coder-0.5B beside the 1.5B on a 2-vCPU EPYC: 1.42x in one run,
+# none in another; docs/benchmarks.md, `Running both at once`).
 MIN_WHOLE_RATE = 0.2
 WHOLE_RATE_DECAY = 0.8  # the weight of the past in the running rate: about the last 5 proposals
 KEEP_GOING_DRAFTS = 2  # how many proposals (each with its guess) a chain holds at most
