@@ -466,6 +466,19 @@ def test_drafting_ahead_that_stops_at_every_step_when_told_to(draft_net: Transfo
     assert worker.drafter.allocator.num_free_blocks == worker.drafter.allocator.num_blocks
 
 
+def _keep_drafting_ahead(
+    drafter: DraftModelDrafter, request: DraftRequest, stop: threading.Event
+) -> threading.Thread:
+    """Drafting ahead that goes on, on its own thread, until `stop` is set."""
+    thread = threading.Thread(
+        target=drafter.draft_ahead,
+        args=([request], stop.is_set, lambda: False, True),
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
 def test_take_ahead_waits_for_the_whole_draft_an_in_line_proposal_would_make(
     draft_net: TransformerLM,
 ) -> None:
@@ -490,12 +503,7 @@ def test_take_ahead_waits_for_the_whole_draft_an_in_line_proposal_would_make(
 
     drafter._forward = gated  # type: ignore[method-assign]
     stop = threading.Event()
-    ahead = threading.Thread(
-        target=drafter.draft_ahead,
-        args=([DraftRequest("a", 7, 3)], stop.is_set, lambda: False, True),
-        daemon=True,
-    )
-    ahead.start()
+    ahead = _keep_drafting_ahead(drafter, DraftRequest("a", 7, 3), stop)
     seq = drafter._seqs["a"]
     permits.release(2)  # the guess and one draft token
     _until(lambda: len(seq.ahead.chain) == 2)
@@ -544,12 +552,7 @@ def test_take_ahead_changes_nothing_when_a_commit_is_not_the_guess(
     stop = threading.Event()
     drafter.commit("a", [*draft.token_ids, 0])
     drafter.propose([DraftRequest("a", 7, 2)])
-    ahead = threading.Thread(
-        target=drafter.draft_ahead,
-        args=([DraftRequest("a", 7, 2)], stop.is_set, lambda: False, True),
-        daemon=True,
-    )
-    ahead.start()
+    ahead = _keep_drafting_ahead(drafter, DraftRequest("a", 7, 2), stop)
     seq = drafter._seqs["a"]
     _until(lambda: len(seq.ahead.chain) == 6)
     guess = seq.ahead.draft + seq.ahead.chain[:1]
