@@ -65,7 +65,7 @@ class StepTimes:
         self.steps += 1
         self.draft_s += report.draft_s
         self.forward_s += report.forward_s
-        if any(r.prefill_tokens == 0 for r in report.rounds):
+        if report.verified:
             self.verify_steps += 1
             self.verify_forward_s += report.forward_s
 

@@ -295,7 +295,7 @@ def compare(
     step_s: list[tuple[float, float, int]] = []
 
     def listen(report: StepReport) -> None:
-        if any(r.prefill_tokens == 0 for r in report.rounds):  # a verify step
+        if report.verified:
             drafted = sum(r.drafted for r in report.rounds)
             step_s.append((report.draft_s, report.forward_s, drafted))
 

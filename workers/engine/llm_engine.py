@@ -77,6 +77,11 @@ class StepReport:
     forward_s: float  # the target's forward and verification
     rounds: list[RoundReport]
 
+    @property
+    def verified(self) -> bool:
+        """Whether the step verified: a sequence in it was decoding, not only prefilling."""
+        return any(r.prefill_tokens == 0 for r in self.rounds)
+
 
 @dataclass(slots=True)
 class Completion:
