@@ -9,13 +9,15 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from cluster import telemetry
 from cluster.config import DeploymentConfig, from_dict
 from cluster.drafter_worker import DrafterWorker, Handshake
-from cluster.links import LinkAddress, TensorLink
+from cluster.links import LinkAddress, LinkError, TensorLink
 from cluster.prefill import PrefillWorker
 from cluster.step_channel import (
     ChannelAddress,
@@ -170,10 +172,15 @@ class PrefillActor:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """What the other ranks of a verifier group replay each step (plain data)."""
+    """What the other ranks of a verifier group replay each step (plain data). `kv_writes`:
+    the cache slots of each remote prefill that landed on rank 0 since the last step; each rank
+    receives its heads' slice of those K/V from rank 0 over the group, in this order, before
+    the block copies and the forward (rank 0 wrote them at `add_request`, before scheduling the
+    step that made the copies)."""
 
     block_copies: list[tuple[int, int]]
     seqs: list[SeqForward]
+    kv_writes: list[list[int]] = field(default_factory=list)
 
 
 class TensorParallelRunner(ModelRunner):
@@ -182,15 +189,35 @@ class TensorParallelRunner(ModelRunner):
     busy node), not awaited; the forward's all-reduces keep the ranks in step. Their replies
     (None, or the `Failure` a rank raised) are read as they come."""
 
-    def __init__(self, runner: ModelRunner, ranks: list[StepClient]) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        ranks: list[StepClient],
+        group: TensorLink | None = None,
+        kv_heads: Sequence[range] = (),
+    ) -> None:
         super().__init__(runner.model, runner.kv_cache)
         self.ranks = ranks
+        self.group = group  # the group's link: remote-prefill slices go to the ranks over it
+        self.kv_heads = list(kv_heads)  # each rank's KV heads of the whole model's
         self._copies: list[tuple[int, int]] = []
+        self._writes: list[tuple[list[int], list[torch.Tensor]]] = []  # slots, a slice per rank
         self._pending: deque[tuple[StepClient, int]] = deque()
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self._copies += copies
         super().copy_blocks(copies)
+
+    def write_prefilled(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """`kv` holds every KV head of the whole model: this rank's go into its cache now, the
+        others' to their ranks with the next plan."""
+        if len(self.kv_heads) != 1 + len(self.ranks) or self.group is None:
+            raise ValueError("a tensor-parallel runner writes remote prefills with its group")
+        if kv.shape[3] != self.kv_heads[-1].stop:
+            raise ValueError(f"K/V of {kv.shape[3]} heads; the group splits {self.kv_heads}")
+        mine, *theirs = (kv[:, :, :, h.start : h.stop] for h in self.kv_heads)
+        super().write_prefilled(slots, mine.contiguous())
+        self._writes.append((slots.tolist(), [t.contiguous() for t in theirs]))
 
     def forward(
         self,
@@ -202,14 +229,24 @@ class TensorParallelRunner(ModelRunner):
         if interrupt is not None:  # every rank must run every layer (their all-reduces pair up)
             raise ValueError("a tensor-parallel forward cannot be interrupted")
         # The other ranks need no logits: only rank 0 samples.
-        plan = StepPlan(self._copies, [replace(s, num_logits=0) for s in seqs])
+        writes, self._writes = self._writes, []
+        plan = StepPlan(
+            self._copies, [replace(s, num_logits=0) for s in seqs], [w[0] for w in writes]
+        )
         self._copies = []
         self._reap()
         try:
             self._pending.extend((rank, rank.request(plan)) for rank in self.ranks)
-        except ChannelError as err:
+            for _, slices in writes:
+                for peer, part in enumerate(slices, start=1):
+                    assert self.group is not None  # write_prefilled checked it
+                    self.group.send(part, wait=False, peer=peer)
+        except (ChannelError, LinkError) as err:
             raise RankFailed(f"a tensor-parallel rank is gone: {err}") from err
-        return super().forward(seqs, hidden_layers, return_final_hidden)
+        out = super().forward(seqs, hidden_layers, return_final_hidden)
+        if writes and self.group is not None:
+            self.group.flush()  # the ranks received them before their first all-reduce
+        return out
 
     def _reap(self) -> None:
         """Read the replies that have come; wait for the oldest where a rank fell far behind.
@@ -267,5 +304,18 @@ class VerifierRankActor:
         return self.plans.address()
 
     def step(self, plan: StepPlan) -> None:
-        self.runner.copy_blocks(plan.block_copies)
-        self.runner.forward(plan.seqs)
+        assert self.link is not None  # plans come only once the group is joined
+        replay(self.runner, self.link, plan)
+
+
+def replay(runner: ModelRunner, group: TensorLink, plan: StepPlan) -> None:
+    """Rank r > 0's side of a step: the remote prefills' K/V slices from rank 0 into their
+    slots, the block copies, the forward."""
+    cache = runner.kv_cache
+    layers, _, _, _, heads, dim = cache.data.shape
+    for slots in plan.kv_writes:
+        kv = torch.empty((layers, 2, len(slots), heads, dim), dtype=cache.data.dtype)
+        group.recv_into(kv, peer=0)
+        cache.write_slots(torch.tensor(slots, device=cache.data.device), kv)
+    runner.copy_blocks(plan.block_copies)
+    runner.forward(plan.seqs)

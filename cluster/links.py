@@ -68,8 +68,9 @@ def link_backend(*devices: torch.device | str) -> str:
 
 
 class TensorLink:
-    """One member of a link: rank 0 hosts, the others join. A pair (world 2) sends and
-    receives; any size all-reduces (the tensor-parallel group of a verifier)."""
+    """One member of a link: rank 0 hosts, the others join. Any two members send and receive
+    (in a pair the peer is implied; a bigger group names it); any size all-reduces (the
+    tensor-parallel group of a verifier)."""
 
     def __init__(self, address: LinkAddress, rank: int, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.address = address
@@ -144,14 +145,14 @@ class TensorLink:
 
     # -- moving tensors ------------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, wait: bool = True) -> None:
+    def send(self, tensor: torch.Tensor, wait: bool = True, peer: int | None = None) -> None:
         """Send to the peer. A send completes only once the peer posts the matching `recv`; with
         `wait=False` it is left in flight (the tensor kept alive) and reaped later, so a caller
         never blocks on a peer that is still busy with earlier work."""
         tensor = tensor.to(self.device).contiguous()  # a GPU tensor over gloo: a host copy
         group = self._require()
         try:
-            work = group.send([tensor], self.peer, 0)
+            work = group.send([tensor], self._peer(peer), 0)
         except RuntimeError as err:  # a broken pair fails at once
             self.close()
             raise LinkError(f"link {self.address.link_id}: {err}") from err
@@ -161,11 +162,13 @@ class TensorLink:
         else:
             self._reap()
 
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def recv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, peer: int | None = None
+    ) -> torch.Tensor:
         """The next tensor from the peer, on `self.device`."""
-        return self.recv_into(torch.empty(shape, dtype=dtype, device=self.device))
+        return self.recv_into(torch.empty(shape, dtype=dtype, device=self.device), peer)
 
-    def recv_into(self, out: torch.Tensor) -> torch.Tensor:
+    def recv_into(self, out: torch.Tensor, peer: int | None = None) -> torch.Tensor:
         """Receive into `out` (contiguous: a slice of a bigger buffer is fine; elsewhere than
         `self.device`, through a buffer there)."""
         if not out.is_contiguous():
@@ -174,7 +177,7 @@ class TensorLink:
         staged = out if here else torch.empty_like(out, device=self.device)
         group = self._require()
         try:
-            work = group.recv([staged], self.peer, 0)
+            work = group.recv([staged], self._peer(peer), 0)
         except RuntimeError as err:
             self.close()
             raise LinkError(f"link {self.address.link_id}: {err}") from err
@@ -210,6 +213,15 @@ class TensorLink:
             return bool(work.is_completed())
         except RuntimeError:
             return True  # finished with an error: `_wait` raises it
+
+    def _peer(self, peer: int | None) -> int:
+        if peer is None:
+            if self.peer < 0:
+                raise ValueError(f"a link of {self.address.world} members needs the peer named")
+            return self.peer
+        if not 0 <= peer < self.address.world or peer == self.rank:
+            raise ValueError(f"no peer {peer} for member {self.rank} of {self.address.world}")
+        return peer
 
     def _require(self) -> Any:
         if self._group is None:

@@ -31,7 +31,8 @@ from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.llm_engine import Prefilled, RequestOutput, StepReport
 from workers.engine.sampling_params import SamplingParams
-from workers.model.tensor_parallel import build_sharded_model
+from workers.model.loader import load_config
+from workers.model.tensor_parallel import build_sharded_model, split_evenly
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,9 @@ class VerifierActor:
             remote,
             lambda ck, dtype: build_sharded_model(ck, 0, world, None, dtype, self.device),
         )
+        # The whole model's config: a prefill worker sends every KV head (the engine's model
+        # is this rank's slice of them).
+        self.model_config = load_config(deployment.model)
         if world > 1:
             self._join_group(loaded.engine, world)
         self.tokenizer = loaded.tokenizer
@@ -134,8 +138,7 @@ class VerifierActor:
         self.loop = EngineLoop(loaded.engine)
         self.dtype = deployment.dtype
         self.min_remote_prompt = deployment.pools.prefill.min_remote_prompt_tokens
-        # Remote prefill writes whole-model K/V; a tensor-parallel group prefills itself.
-        self.prefill_names = list(prefill_names or []) if world == 1 else []
+        self.prefill_names = list(prefill_names or [])
         self.prefill_actors = [
             ray.get_actor(n, namespace=RAY_NAMESPACE) for n in self.prefill_names
         ]
@@ -165,7 +168,8 @@ class VerifierActor:
         addresses: list[ChannelAddress] = ray.get(joined, timeout=120)
         plans = [StepClient(address) for address in addresses]
         engine.runner.model.reduce = group.all_reduce
-        engine.runner = TensorParallelRunner(engine.runner, plans)
+        kv_heads = split_evenly(self.model_config.num_kv_heads, world)
+        engine.runner = TensorParallelRunner(engine.runner, plans, group, kv_heads)
         self.group = group
 
     def info(self) -> dict[str, Any]:
@@ -220,7 +224,7 @@ class VerifierActor:
         layers = tuple(drafter.hidden_layers) if drafter is not None else ()
         index = self._next_prefill % len(self.prefill_actors)
         self._next_prefill += 1
-        plan = plan_for(engine.runner.model.config, len(prompt_ids), layers, self.dtype)
+        plan = plan_for(self.model_config, len(prompt_ids), layers, self.dtype)
         span = telemetry.tracer().start_span(
             "outrider.kv_transfer", context=telemetry.extract(carrier)
         )

@@ -80,6 +80,38 @@ def test_a_gloo_link_moves_tensors_of_any_device(device: str) -> None:
         assert t.device.type == device and torch.equal(t.cpu(), torch.full((5,), 3.0))
 
 
+def test_a_group_sends_between_named_members_beside_its_all_reduces() -> None:
+    """What a tensor-parallel group does with a remote prefill: rank 0 sends each other rank
+    its slice, then all three all-reduce (a forward), in the same order on every member."""
+    host = TensorLink.host("group-of-3", timeout_s=5.0, world=3)
+    members: dict[int, TensorLink] = {0: host}
+    got: dict[int, torch.Tensor] = {}
+
+    def member(rank: int) -> None:
+        link = members.setdefault(rank, TensorLink.join(host.address, 5.0, rank=rank))
+        got[rank] = link.recv((2,), torch.float32, peer=0)
+        link.all_reduce(ones := torch.full((3,), float(rank)))
+        got[rank + 10] = ones
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in (1, 2)]
+    for t in threads:
+        t.start()
+    host.connect()
+    host.send(torch.full((2,), 2.0), wait=False, peer=2)  # the later rank first
+    host.send(torch.full((2,), 1.0), wait=False, peer=1)
+    host.all_reduce(total := torch.zeros(3))
+    host.flush()
+    for t in threads:
+        t.join()
+    assert torch.equal(got[1], torch.ones(2)) and torch.equal(got[2], torch.full((2,), 2.0))
+    for t in (total, got[11], got[12]):
+        assert torch.equal(t, torch.full((3,), 3.0))
+    with pytest.raises(ValueError, match="needs the peer named"):
+        host.send(torch.zeros(1))
+    with pytest.raises(ValueError, match="no peer 0"):
+        host.recv((1,), torch.float32, peer=0)
+
+
 def test_two_links_in_one_process_do_not_mix() -> None:
     a_host, a_peer = pair("link-a")
     b_host, b_peer = pair("link-b")

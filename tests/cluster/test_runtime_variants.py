@@ -48,7 +48,8 @@ def test_draft_model_pool_is_exact_and_drafts_ahead(  # type: ignore[no-untyped-
 
 
 def test_tensor_parallel_verifier_is_exact(prompts, expected) -> None:  # type: ignore[no-untyped-def]
-    """TP = 2 over gloo (SmolLM2's 3 KV heads split 2 + 1), with a remote EAGLE drafter."""
+    """TP = 2 over gloo (SmolLM2's 3 KV heads split 2 + 1), with a remote EAGLE drafter and
+    every prompt prefilled by the prefill worker (rank 0 passes rank 1 its heads' K/V)."""
     from cluster.runtime import Runtime
 
     config = deployment("eagle", drafters=1, prefill=1).with_overrides(
@@ -63,8 +64,9 @@ def test_tensor_parallel_verifier_is_exact(prompts, expected) -> None:  # type: 
         stream = runtime.submit(prompts[2], GREEDY, RequestSpec(method="eagle"))
         assert [t for c in stream for t in c] == expected[2]
         assert stream.served_by.verifier == ["verifier-g0-r0", "verifier-g0-r1"]
-        assert stream.served_by.prefill is None  # a TP group prefills itself
+        assert stream.served_by.prefill == "prefill-0"
         (stats,) = runtime.verifier_stats()
         assert stats["spec"]["accepted"] > 0
+        assert stats["prefill"]["remote"] == len(prompts) + 3 and stats["prefill"]["failures"] == 0
     finally:
         runtime.shutdown()

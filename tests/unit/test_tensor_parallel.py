@@ -112,3 +112,45 @@ def test_rank_zero_sends_plans_and_raises_a_rank_failure() -> None:
         assert all(s.num_logits == 0 for p in plans for s in p.seqs)
     finally:
         server.close()
+
+
+def test_a_remote_prefill_lands_on_every_rank_of_the_group() -> None:
+    """Rank 0 receives the whole model's K/V of a prompt (every head), keeps its heads and sends
+    the other rank its own with the next plan; the next forward matches the whole model's as if
+    the group had computed the prompt itself (3 KV heads split 2 + 1, slots in reused blocks)."""
+    from cluster.actors import TensorParallelRunner, replay
+    from cluster.step_channel import StepClient, StepServer
+
+    config = tiny_config(num_heads=6, num_kv_heads=3, architecture="qwen2")
+    checkpoint = Checkpoint(config, random_hf_weights(config, seed=3), tokenizer=None)  # type: ignore[arg-type]
+    prompt, block_size = [5, 9, 11, 3, 7, 2], 4
+    whole = ModelRunner(
+        build_sharded_model(checkpoint, 0, 1, None),
+        PagedKVCache(config, 4, block_size, torch.float32),
+    )
+    whole.forward([SeqForward(prompt, 0, [0, 1])])
+    kv = whole.kv_cache.read_slots(torch.arange(len(prompt)))  # what a prefill worker sends
+    want = whole.forward([SeqForward([13], len(prompt), [0, 1], num_logits=1)]).output.logits
+
+    links = group(2)
+    ranks = [build_sharded_model(checkpoint, r, 2, links[r].all_reduce) for r in range(2)]
+    runners = [ModelRunner(m, PagedKVCache(m.config, 4, block_size, torch.float32)) for m in ranks]
+    server = StepServer(lambda plan: replay(runners[1], links[1], plan))
+    runner = TensorParallelRunner(
+        runners[0], [StepClient(server.address())], links[0], split_evenly(3, 2)
+    )
+    try:
+        blocks = [3, 1]  # other blocks than the whole model's: slots are what the plan carries
+        slots = torch.tensor(
+            [blocks[i // block_size] * block_size + i % block_size for i in range(6)]
+        )
+        runner.write_prefilled(slots, kv)
+        got = runner.forward([SeqForward([13], len(prompt), blocks, num_logits=1)]).output.logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # Each rank's cache holds its own heads of the prompt: rank 0 heads 0-1, rank 1 head 2.
+        torch.testing.assert_close(runners[0].kv_cache.read_slots(slots), kv[:, :, :, :2])
+        torch.testing.assert_close(runners[1].kv_cache.read_slots(slots), kv[:, :, :, 2:])
+        with pytest.raises(ValueError, match="K/V of 2 heads"):
+            runner.write_prefilled(slots, kv[:, :, :, :2])
+    finally:
+        server.close()

@@ -48,10 +48,11 @@ class RequestOutput:
 @dataclass(slots=True)
 class Prefilled:
     """A prompt computed elsewhere (a prefill worker): the K/V of its first n tokens,
-    `[num_layers, 2, n, num_kv_heads, head_dim]`, optionally those positions' hidden states of
-    some layers (for a feature-reading drafter), and, when n is the whole prompt, the logits of
-    its last position (`[vocab]`, fp32), from which the engine samples the first token without a
-    forward of its own."""
+    `[num_layers, 2, n, num_kv_heads, head_dim]` (every KV head of the model: a tensor-parallel
+    runner keeps its own and passes the rest to its ranks), optionally those positions' hidden
+    states of some layers (for a feature-reading drafter), and, when n is the whole prompt, the
+    logits of its last position (`[vocab]`, fp32), from which the engine samples the first
+    token without a forward of its own."""
 
     kv: torch.Tensor
     hidden: dict[int, torch.Tensor] | None = None
@@ -198,7 +199,7 @@ class LLMEngine:
         except NoFreeBlocksError:
             return None
         slots = torch.tensor(seq.block_table.slots(0, n), device=self.runner.model.device)
-        self.runner.kv_cache.write_slots(slots, prefilled.kv)
+        self.runner.write_prefilled(slots, prefilled.kv)
         seq.num_computed_tokens = n
         if prefilled.hidden:
             self.speculator.observe_hidden(seq, 0, prefilled.hidden)

@@ -128,6 +128,10 @@ class ModelRunner:
         """Copy-on-write block copies, before the forward that writes into the copies."""
         self.kv_cache.copy_blocks(copies)
 
+    def write_prefilled(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """A remote prefill's K/V (`[num_layers, 2, n, kv_heads, head_dim]`) into `slots`."""
+        self.kv_cache.write_slots(slots, kv)
+
     @torch.inference_mode()
     def forward(
         self,
