@@ -99,6 +99,21 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     ray_group.add_argument(
         "--drafters", type=int, default=None, help="drafter actors (default: the config's, 1)"
     )
+    ray_group.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks per verifier group (default: the config's, 1; implies "
+        "--cluster)",
+    )
+    ray_group.add_argument(
+        "--prefill",
+        default=None,
+        choices=["remote", "local"],
+        help="remote: every prompt prefills on a prefill worker (at least one is started); "
+        "local: the verifier prefills (no prefill pool); default: the config's (workers take "
+        "prompts of pools.prefill.min_remote_prompt_tokens and more). Implies --cluster",
+    )
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -189,7 +204,7 @@ def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
 
 
 def _uses_cluster(args: argparse.Namespace) -> bool:
-    return bool(args.cluster or args.config or args.address)
+    return bool(args.cluster or args.config or args.address or args.prefill) or args.tp is not None
 
 
 def _deployment(args: argparse.Namespace) -> DeploymentConfig:
@@ -217,8 +232,14 @@ def _deployment(args: argparse.Namespace) -> DeploymentConfig:
         "pools.drafter.replicas": args.drafters,
         "pools.drafter.draft_model": args.draft_model,
         "pools.drafter.draft_layers": args.draft_layers,
+        "pools.verifier.tensor_parallel_size": args.tp,
         "ray.address": args.address,
     }
+    if args.prefill == "remote":
+        overrides["pools.prefill.replicas"] = max(1, config.pools.prefill.replicas)
+        overrides["pools.prefill.min_remote_prompt_tokens"] = 1
+    elif args.prefill == "local":
+        overrides["pools.prefill.replicas"] = 0
     if method is not None and method not in ("none", "ngram", "suffix"):
         overrides["pools.drafter.method"] = method  # model-free methods run in the verifier
     return config.with_overrides(overrides)

@@ -34,3 +34,35 @@ def test_generate_on_the_cluster_matches_in_process() -> None:
         "drafter": "drafter-0",
     }
     assert set(remote["spec"]) == {"drafted", "accepted", "mean_acceptance_length", "verify_steps"}
+
+
+def test_tp_and_prefill_flags_set_the_pools() -> None:
+    from cluster.cli import _build_parser, _deployment, _uses_cluster
+
+    def config(*flags: str):  # type: ignore[no-untyped-def]
+        args = _build_parser().parse_args(["generate", "hi", *flags])
+        assert _uses_cluster(args)  # either flag implies --cluster
+        return _deployment(args)
+
+    remote = config("--tp", "2", "--prefill", "remote").pools
+    assert remote.verifier.tensor_parallel_size == 2
+    assert remote.prefill.replicas == 1 and remote.prefill.min_remote_prompt_tokens == 1
+    assert config("--prefill", "local").pools.prefill.replicas == 0
+    default = config("--cluster").pools
+    assert default.verifier.tensor_parallel_size == 1
+    assert default.prefill.min_remote_prompt_tokens > 1  # the config's threshold stands
+
+
+def test_generate_on_a_tensor_parallel_group_with_remote_prefill() -> None:
+    """`--tp 2 --prefill remote`: the prefill worker computes the prompt, rank 0 passes rank 1
+    its KV heads, and the output is the in-process engine's."""
+    local = run_generate("--spec-method", "ngram")
+    remote = run_generate(
+        "--tp", "2", "--prefill", "remote", "--spec-method", "draft_model", "--draft-layers", "6"
+    )
+    assert remote["token_ids"] == local["token_ids"]
+    assert remote["served_by"] == {
+        "prefill": "prefill-0",
+        "verifier": ["verifier-g0-r0", "verifier-g0-r1"],
+        "drafter": "drafter-0",
+    }
