@@ -86,7 +86,7 @@ def where() -> dict[str, Any]:
     import ray
 
     ctx = ray.get_runtime_context()
-    return {"node_id": ctx.get_node_id(), "pid": os.getpid()}
+    return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "gpu_ids": list(ray.get_gpu_ids())}
 
 
 def start_tracing(config: DeploymentConfig) -> None:

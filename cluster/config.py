@@ -14,8 +14,9 @@ RayCluster). A config is checked as a whole when it is built, and every error na
                   ngram_fallback_tokens: 8,     # draft after a 1-token match (ngram, suffix)
                   min_draft_confidence: 0.5}    # a model draft ends where the drafter doubts it
     pools:
-      prefill:  {replicas: 1, resources: {cpus: 1, gpus: 0}}
-      verifier: {groups: 1, tensor_parallel_size: 1, resources: {cpus: 1, gpus: 0}}
+      prefill:  {replicas: 1, resources: {cpus: 1, gpus: null}}   # null: a GPU each where
+      verifier: {groups: 1, tensor_parallel_size: 1,              # the cluster has enough
+                 resources: {cpus: 1, gpus: null}}                # at start, else CPUs
       drafter:  {replicas: 1, method: eagle, num_speculative_tokens: 4, draft_ahead: true,
                  keep_drafting_ahead: true,   # a draft model goes on across guessed steps
                  resources: {cpus: 1, custom: {grace_cpu: 1}}}
@@ -57,13 +58,15 @@ class Resources:
     """What one actor of a pool asks Ray for."""
 
     cpus: float = 1.0
-    gpus: float = 0.0
+    gpus: float | None = None  # None: decided at start (`resolve_gpus`)
     memory_gb: float | None = None
     custom: dict[str, float] = field(default_factory=dict)  # e.g. {"grace_cpu": 1}
 
     def validate(self, where: str) -> None:
         _check(self.cpus >= 0, f"{where}.cpus", f"must be >= 0, got {self.cpus}")
-        _check(self.gpus >= 0, f"{where}.gpus", f"must be >= 0, got {self.gpus}")
+        _check(
+            self.gpus is None or self.gpus >= 0, f"{where}.gpus", f"must be >= 0, got {self.gpus}"
+        )
         _check(
             self.memory_gb is None or self.memory_gb > 0,
             f"{where}.memory_gb",
@@ -289,6 +292,28 @@ class DeploymentConfig:
             _check(last in node, dotted, "no such setting")
             node[last] = value
         return from_dict(raw)
+
+
+def resolve_gpus(config: DeploymentConfig, cluster_gpus: float) -> DeploymentConfig:
+    """`config` with every pool's `gpus: null` decided. Verifier ranks, then prefill workers,
+    get one GPU per actor where the cluster's GPUs that no pool has claimed yet (pools that name
+    their GPUs claim first) cover all of the pool's actors, and none otherwise (the pool runs
+    on CPUs). Drafters get none: they are placed by CPUs and custom resources."""
+    pools = config.pools
+    actors = {
+        "verifier": pools.verifier.groups * pools.verifier.tensor_parallel_size,
+        "prefill": pools.prefill.replicas,
+        "drafter": pools.drafter.replicas,
+    }
+    gpus = {name: getattr(pools, name).resources.gpus for name in actors}
+    free = cluster_gpus - sum(actors[n] * g for n, g in gpus.items() if g is not None)
+    overrides: dict[str, Any] = {}
+    for name in ("verifier", "prefill", "drafter"):
+        if gpus[name] is None:
+            take = name != "drafter" and 0 < actors[name] <= free
+            free -= actors[name] if take else 0
+            overrides[f"pools.{name}.resources.gpus"] = 1.0 if take else 0.0
+    return config.with_overrides(overrides)
 
 
 def from_dict(raw: dict[str, Any] | None) -> DeploymentConfig:

@@ -38,7 +38,7 @@ from cluster.actors import (
     VerifierRankActor,
     start_tracing,
 )
-from cluster.config import DeploymentConfig, Resources
+from cluster.config import DeploymentConfig, Resources, resolve_gpus
 from cluster.verifier import ServedBy, StepMessage, VerifierActor
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
@@ -241,6 +241,8 @@ class Runtime:
                 for i, (name, actor_args) in enumerate(zip(names, args, strict=True))
             ]
 
+        # Pools that leave `gpus` null get a GPU per actor where the cluster has enough.
+        config = resolve_gpus(config, ray.cluster_resources().get("GPU", 0.0))
         groups: list[Any] = []
         drafters: list[Any] = []
         prefills: list[Any] = []

@@ -22,7 +22,8 @@ def multi_node() -> Iterator[object]:
         initialize_head=True,
         head_node_args={"num_cpus": 0, "include_dashboard": False},
     )
-    cluster.add_node(num_cpus=1, resources={"gpu_node": 1})
+    # Ray counts GPUs it is told of: the "GPU node" has two, with no CUDA behind them.
+    cluster.add_node(num_cpus=2, num_gpus=2, resources={"gpu_node": 1})
     grace = cluster.add_node(num_cpus=2, resources={"grace_cpu": 2})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="outrider", log_to_driver=False)
@@ -54,10 +55,52 @@ def test_drafters_land_on_the_grace_node(multi_node) -> None:  # type: ignore[no
         info = runtime.actor_info()
         assert {d["node_id"] for d in info["drafters"]} == {multi_node.node_id}
         assert info["verifiers"][0]["node_id"] != multi_node.node_id
-        # No pool asked for GPUs: every actor's models are on its CPU.
+        # The verifier left `gpus` null and the cluster has two: it got one, the drafters none.
+        # This torch has no CUDA, so every actor's models are on its CPU all the same.
+        assert len(info["verifiers"][0]["gpu_ids"]) == 1
+        assert all(d["gpu_ids"] == [] for d in info["drafters"])
         assert {a["device"] for pool in info.values() for a in pool} == {"cpu"}
     finally:
         runtime.shutdown()
+
+
+def test_pools_left_to_decide_take_gpus_only_where_the_cluster_has_enough(
+    multi_node,  # type: ignore[no-untyped-def]
+) -> None:
+    """Two GPUs: the verifier's rank and the prefill worker get one each (both land on the GPU
+    node, with no custom resource asked for); with TP = 2 the ranks take both and the prefill
+    worker runs on CPUs."""
+    from cluster.runtime import Runtime
+
+    def start(tp: int) -> dict:  # type: ignore[type-arg]
+        config = from_dict(
+            {
+                "dtype": "float32",
+                "speculative": {"method": "ngram"},
+                "pools": {
+                    "prefill": {"replicas": 1, "resources": {"cpus": 0.5}},
+                    "verifier": {"tensor_parallel_size": tp, "resources": {"cpus": 0.5}},
+                    "drafter": {"replicas": 0, "method": "ngram"},
+                },
+            }
+        )
+        assert config.pools.verifier.resources.gpus is None  # the default: decide at start
+        runtime = Runtime.start(config)
+        try:
+            return {
+                "info": runtime.actor_info(),
+                "pools": runtime.config.pools,
+            }
+        finally:
+            runtime.shutdown()
+
+    one = start(1)
+    (verifier,), (prefill,) = one["info"]["verifiers"], one["info"]["prefill"]
+    assert len(verifier["gpu_ids"]) == len(prefill["gpu_ids"]) == 1
+    assert verifier["node_id"] == prefill["node_id"] != multi_node.node_id
+    assert one["pools"].verifier.resources.gpus == one["pools"].prefill.resources.gpus == 1.0
+    two = start(2)["pools"]
+    assert two.verifier.resources.gpus == 1.0 and two.prefill.resources.gpus == 0.0
 
 
 def test_an_actor_given_a_gpu_runs_its_models_there(monkeypatch: pytest.MonkeyPatch) -> None:

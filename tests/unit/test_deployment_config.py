@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from cluster.actors import engine_config
-from cluster.config import ConfigError, DeploymentConfig, from_dict, load_config
+from cluster.config import ConfigError, DeploymentConfig, from_dict, load_config, resolve_gpus
 
 
 def test_defaults_are_valid_and_round_trip_through_yaml(tmp_path: Path) -> None:
@@ -35,6 +35,39 @@ def test_a_file_sets_nested_fields(tmp_path: Path) -> None:
     assert config.pools.drafter.resources.custom == {"grace_cpu": 1.0}
     assert config.pools.drafter.draft_layers == 8
     assert config.redis.tls
+
+
+@pytest.mark.parametrize(
+    ("cluster_gpus", "verifier", "prefill"),
+    # With 7, the ranks do not fit and the prefill worker takes one (a CPU verifier still gets
+    # prompts computed on a GPU).
+    [(0, 0.0, 0.0), (7, 0.0, 1.0), (8, 1.0, 0.0), (9, 1.0, 1.0), (10, 1.0, 1.0)],
+)
+def test_pools_that_leave_gpus_null_take_one_each_where_the_cluster_has_enough(
+    cluster_gpus: int, verifier: float, prefill: float
+) -> None:
+    """Eight verifier ranks claim first, then the prefill worker; drafters stay on CPUs."""
+    pools = {"verifier": {"groups": 2, "tensor_parallel_size": 4}, "prefill": {"replicas": 1}}
+    config = from_dict({"pools": pools})
+    got = resolve_gpus(config, cluster_gpus).pools
+    assert (got.verifier.resources.gpus, got.prefill.resources.gpus) == (verifier, prefill)
+    assert got.drafter.resources.gpus == 0.0
+
+
+def test_pools_that_name_their_gpus_claim_them_first() -> None:
+    config = from_dict(
+        {
+            "pools": {
+                "prefill": {"replicas": 2, "resources": {"gpus": 2}},  # 4 of the 8
+                "verifier": {"tensor_parallel_size": 4},
+                "drafter": {"replicas": 1, "resources": {"gpus": 0.5}},  # and half of one
+            }
+        }
+    )
+    pools = resolve_gpus(config, 8).pools
+    assert pools.verifier.resources.gpus == 0.0  # 3.5 left for 4 ranks
+    assert (pools.prefill.resources.gpus, pools.drafter.resources.gpus) == (2.0, 0.5)
+    assert resolve_gpus(config, 8.5).pools.verifier.resources.gpus == 1.0
 
 
 @pytest.mark.parametrize(
