@@ -356,7 +356,10 @@ def _serve(args: argparse.Namespace) -> int:
         runtime, tokenizer, name = _start_runtime(args, config)
         backend = RuntimeBackend(runtime)
         info = runtime.actor_info()
-        names = [a["name"] for pool in info.values() for a in pool]
+        # A verifier's info names the other ranks of its group.
+        names = [
+            n for pool in info.values() for a in pool for n in [a["name"], *a.get("ranks", [])]
+        ]
         print(f"Ray runtime up: {', '.join(names)}", flush=True)
         if runtime.owns_ray:
             ray_cfg = runtime.config.ray
