@@ -6,6 +6,7 @@ streams each request's steps to its caller as typed messages.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from workers.engine.llm_engine import Prefilled, RequestOutput, StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import load_config
 from workers.model.tensor_parallel import build_sharded_model, split_evenly
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +238,13 @@ class VerifierActor:
                 ref: Any = self.prefill_actors[index].prefill.remote(prompt_ids, layers)
                 result = await loop.run_in_executor(None, receive, link, plan)
                 timing = await ref
-        except Exception:
+        except Exception as err:
+            log.warning(
+                "remote prefill on %s failed (%s: %s); prefilling here",
+                self.prefill_names[index],
+                type(err).__name__,
+                err,
+            )
             self.prefill_stats["failures"] += 1
             self.prefill_links[index] = None
             span.end()

@@ -129,3 +129,46 @@ def test_cancel_frees_the_request(eagle_runtime, prompts) -> None:  # type: igno
     # The engine keeps serving.
     short = SamplingParams(max_tokens=4, temperature=0)
     assert len([t for c in eagle_runtime.submit(prompts[1], short) for t in c]) == 4
+
+
+def test_a_prefill_worker_that_dies_costs_no_request(  # type: ignore[no-untyped-def]
+    eagle_runtime, model_fp32, checkpoint
+) -> None:
+    """A request that finds the prefill worker gone (dead, or restarting: Ray fails calls to a
+    restarting actor at once) prefills on the verifier instead, with the same output; once Ray
+    has restarted the worker, the next request rebuilds the link and prefills there again.
+    New prompts: one the verifier's prefix cache holds whole would not go to the worker."""
+    from workers.engine.sequential import SequentialEngine
+
+    texts = [
+        "The tallest volcano in the solar system is",
+        "A short poem about the sea:\n",
+        "Three facts about owls:",
+    ]
+    fresh = [checkpoint.tokenizer.encode(t) for t in texts]
+    plain = SequentialEngine(model_fp32, eos_token_ids=checkpoint.config.eos_token_ids)
+    want = [plain.generate(p, GREEDY).token_ids for p in fresh]
+
+    def served(i: int) -> str | None:
+        stream = eagle_runtime.submit(fresh[i], GREEDY, RequestSpec(method="eagle"))
+        assert [t for c in stream for t in c] == want[i]
+        return stream.served_by.prefill
+
+    assert served(0) == "prefill-0"  # the link is up
+    (before,) = eagle_runtime.verifier_stats()
+    (worker,) = eagle_runtime.prefills
+    ray.kill(worker, no_restart=False)
+    assert served(1) is None  # prefilled on the verifier
+    (mid,) = eagle_runtime.verifier_stats()
+    assert mid["prefill"]["failures"] == before["prefill"]["failures"] + 1
+    deadline = time.monotonic() + 120
+    while True:  # until Ray has the worker back (its model loaded)
+        try:
+            ray.get(worker.info.remote(), timeout=60)
+            break
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert served(2) == "prefill-0"  # the restarted worker, over a new link
+    (after,) = eagle_runtime.verifier_stats()
+    assert after["prefill"]["remote"] == before["prefill"]["remote"] + 1
