@@ -32,7 +32,6 @@ from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.llm_engine import Prefilled, RequestOutput, StepReport
 from workers.engine.sampling_params import SamplingParams
-from workers.model.loader import load_config
 from workers.model.tensor_parallel import build_sharded_model, split_evenly
 
 log = logging.getLogger(__name__)
@@ -126,7 +125,7 @@ class VerifierActor:
         )
         # The whole model's config: a prefill worker sends every KV head (the engine's model
         # is this rank's slice of them).
-        self.model_config = load_config(deployment.model)
+        self.model_config = loaded.model_config
         if world > 1:
             self._join_group(loaded.engine, world)
         self.tokenizer = loaded.tokenizer

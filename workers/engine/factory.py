@@ -44,6 +44,7 @@ class LoadedEngine:
     engine: LLMEngine
     tokenizer: Tokenizer
     model_name: str
+    model_config: ModelConfig  # the whole target's (a tensor-parallel engine holds a slice)
 
 
 def build_drafters(
@@ -164,4 +165,6 @@ def build_engine(
         drafters=drafters,
         draft_costs=draft_costs,
     )
-    return LoadedEngine(engine, checkpoint.tokenizer, spec.model or BUNDLED_MODEL_NAME)
+    return LoadedEngine(
+        engine, checkpoint.tokenizer, spec.model or BUNDLED_MODEL_NAME, checkpoint.config
+    )
