@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.sampling import draw
+
 PLACEHOLDER_TOKEN_ID = -1
 
 
@@ -76,15 +78,13 @@ def _random_row(
     # u < p/q, written without dividing by q (q(x) > 0 for any drafted x).
     rejected = (uniform * q_draft >= p_draft).nonzero()
     if len(rejected) == 0:
-        bonus = torch.multinomial(p[k], 1, generator=generator)
-        return [*drafts.tolist(), int(bonus)]
+        return [*drafts.tolist(), draw(p[k], generator)]
     j = int(rejected[0])
     q_j = _one_hot(drafts[j], p.shape[-1]) if q is None else q[j]
     residual = (p[j] - q_j).clamp_min(0)
     if float(residual.sum()) <= 0:  # p == q exactly; cannot happen after a rejection in theory
         residual = p[j]
-    recovered = torch.multinomial(residual, 1, generator=generator)
-    return [*drafts[:j].tolist(), int(recovered)]
+    return [*drafts[:j].tolist(), draw(residual, generator)]
 
 
 def _one_hot(token: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -64,6 +64,24 @@ def _renormalize(probs: torch.Tensor) -> torch.Tensor:
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One index of `weights` (`[vocab]`, >= 0, not all 0), drawn with probability in proportion
+    to its weight from `generator` (else the global RNG): the inverse of the cumulative weights,
+    in fp64, at one uniform draw.
+
+    The same law as `torch.multinomial(weights, 1)`, which costs ~1 ms on the CPU for a 49k
+    vocabulary against ~0.15 ms here (it validates and normalizes the row first), and which
+    draws other numbers from the generator: a seed gives other tokens than it did with it.
+    """
+    cdf = weights.double().cumsum(0)
+    device = generator.device if generator is not None else torch.device("cpu")
+    u = torch.rand(1, dtype=torch.float64, generator=generator, device=device)
+    index = int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True))
+    if index >= len(cdf):  # u * total rounded up to the total: the last token with any weight
+        index = int(weights.nonzero()[-1])
+    return index
+
+
 def sample_from_probs(
     probs: torch.Tensor,  # [num_rows, vocab] fp32
     generators: list[torch.Generator | None],
@@ -75,7 +93,6 @@ def sample_from_probs(
     """
     if len(generators) != probs.shape[0]:
         raise ValueError("sample_from_probs needs one generator (or None) per row")
-    draws = [
-        torch.multinomial(row, 1, generator=gen) for row, gen in zip(probs, generators, strict=True)
-    ]
-    return torch.cat(draws) if draws else torch.empty(0, dtype=torch.long)
+    return torch.tensor(
+        [draw(row, gen) for row, gen in zip(probs, generators, strict=True)], dtype=torch.long
+    )

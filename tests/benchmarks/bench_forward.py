@@ -12,7 +12,9 @@ Measures, in one process and interleaved run by run:
   3. few-row projections through `F.linear`, `torch.mv`, `W @ x^T` and our kernel (why
      kernels/linear.py routes them as it does);
   4. a prompt's prefill forward with attention over exact key lengths vs whole KV blocks (why
-     `SdpaAttention` pads masked calls to whole blocks).
+     `SdpaAttention` pads masked calls to whole blocks);
+  5. drawing a sampled token: `kernels.sampling.draw` vs `torch.multinomial`, alone and in a
+     sampled decode beside greedy decode.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ import argparse
 import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
+import kernels.rejection
+import kernels.sampling
 from kernels import native
 from kernels.attention import SdpaAttention
 from kernels.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS
@@ -264,6 +269,69 @@ def prefill_section(model: TransformerLM, reps: int, lengths: tuple[int, ...]) -
     )
 
 
+def _multinomial_draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """How the engine drew a token before `kernels.sampling.draw`."""
+    return int(torch.multinomial(weights, 1, generator=generator))
+
+
+@contextlib.contextmanager
+def _multinomial_draws() -> Iterator[None]:
+    with (
+        mock.patch.object(kernels.sampling, "draw", _multinomial_draw),
+        mock.patch.object(kernels.rejection, "draw", _multinomial_draw),
+    ):
+        yield
+
+
+def sampling_section(checkpoint: Checkpoint, runs: int, new_tokens: int, reps: int) -> str:
+    model = build_model(checkpoint, dtype=torch.bfloat16)
+    ids = checkpoint.tokenizer.encode(PROMPT)
+    cache = PagedKVCache(model.config, -(-len(ids) // BLOCK_SIZE) + 1, BLOCK_SIZE, model.dtype)
+    logits = ModelRunner(model, cache).forward([SeqForward(ids, 0, range(cache.num_blocks))])
+    probs = torch.softmax(logits.output.logits[-1].float() / 0.8, dim=-1)
+    gen = torch.Generator().manual_seed(0)
+    draws = {
+        "`torch.multinomial`": lambda: _multinomial_draw(probs, gen),
+        "`kernels.sampling.draw` (inverse CDF, fp64)": lambda: kernels.sampling.draw(probs, gen),
+    }
+    micro = [[name, f"{median_time(fn, max(reps, 100)) * 1e6:.0f}"] for name, fn in draws.items()]
+
+    engine = SequentialEngine(
+        model, eos_token_ids=checkpoint.tokenizer.eos_token_ids, max_model_len=1024
+    )
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=new_tokens, temperature=0.8, seed=0, ignore_eos=True)
+    kinds = ["greedy", "temperature 0.8, `draw`", "temperature 0.8, `torch.multinomial`"]
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for run in range(runs + 1):  # run 0 warms up and is dropped
+        measured = {
+            kinds[0]: engine.generate(ids, greedy).elapsed_s,
+            kinds[1]: engine.generate(ids, sampled).elapsed_s,
+        }
+        with _multinomial_draws():
+            measured[kinds[2]] = engine.generate(ids, sampled).elapsed_s
+        if run:
+            for kind, seconds in measured.items():
+                times[kind].append(seconds)
+    rows = [
+        [
+            kind,
+            f"{new_tokens / statistics.median(t):.1f}",
+            f"{statistics.median(g / x for g, x in zip(times[kinds[0]], t, strict=True)):.2f}x",
+        ]
+        for kind, t in times.items()
+    ]
+    return (
+        f"One draw from the model's {probs.shape[0]:,}-token distribution after the prompt "
+        f"(temperature 0.8), median of {max(reps, 100)}:\n\n"
+        + table(["draw", "microseconds"], micro)
+        + f"\n\n`SequentialEngine`, bf16, {new_tokens} tokens after the same prompt, {runs} "
+        "interleaved runs; `vs greedy` is the median of per-run ratios. Sampling is host work "
+        "(docs/architecture.md, Devices): the logits come to the CPU, the transform and the draw "
+        "run there.\n\n" + table(["decode", "tokens/s (median)", "vs greedy"], rows)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -299,6 +367,8 @@ def main() -> None:
                 max(3, args.reps // 3),
                 PREFILL_LENGTHS[:2] if args.quick else PREFILL_LENGTHS,
             ),
+            "### Drawing a sampled token",
+            sampling_section(checkpoint, args.runs, args.new_tokens, args.reps),
         ]
     body = "\n\n".join(parts)
     print(body)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kernels.sampling import logits_to_probs, sample_from_probs
+import kernels.sampling
+from kernels.sampling import draw, logits_to_probs, sample_from_probs
 
 
 def transform(
@@ -78,3 +80,44 @@ def test_seeded_sampling_is_reproducible_and_follows_probs() -> None:
     first = sample_from_probs(probs[:1], [torch.Generator().manual_seed(11)])
     assert torch.equal(first, sample_from_probs(probs[:1], [torch.Generator().manual_seed(11)]))
     assert draws.shape == again.shape
+
+
+def test_draw_follows_unnormalized_weights() -> None:
+    """A chi-square test of 40,000 draws against weights that do not sum to 1 (a residual
+    max(0, p - q) is drawn from as it is), zeros included, at a 1e-4 false-alarm rate."""
+    weights = torch.tensor([0.0, 3.0, 0.5, 0.0, 1.5, 2.0, 0.0, 0.01])
+    gen = torch.Generator().manual_seed(3)
+    n = 40_000
+    counts = torch.bincount(torch.tensor([draw(weights, gen) for _ in range(n)]), minlength=8)
+    assert counts[weights == 0].sum() == 0
+    expected = n * weights / weights.sum()
+    kept = weights > 0
+    chi2 = float((((counts[kept] - expected[kept]) ** 2) / expected[kept]).sum())
+    assert chi2 < 25.7  # 99.99th percentile of chi-square with 4 degrees of freedom
+
+
+def test_draw_is_seeded_and_uses_the_global_rng_without_a_generator() -> None:
+    probs = torch.softmax(torch.randn(49152, generator=torch.Generator().manual_seed(0)), -1)
+    first = [draw(probs, torch.Generator().manual_seed(5)) for _ in range(3)]
+    assert len(set(first)) == 1
+    gen = torch.Generator().manual_seed(5)
+    run = [draw(probs, gen) for _ in range(20)]
+    gen = torch.Generator().manual_seed(5)
+    assert run == [draw(probs, gen) for _ in range(20)]
+    torch.manual_seed(9)
+    unseeded = draw(probs)
+    torch.manual_seed(9)
+    assert draw(probs) == unseeded
+
+
+def test_draw_at_the_top_of_the_range_takes_the_last_weighted_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """u * total may round up to the total; the draw then falls past the cumulative sum and
+    must land on the last token with weight, never on a zero-weight one past it."""
+
+    def top(*args: object, **kwargs: object) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.float64)
+
+    monkeypatch.setattr(kernels.sampling.torch, "rand", top)
+    assert draw(torch.tensor([0.5, 0.0, 0.25, 0.0, 0.0])) == 2
