@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import native
 
@@ -37,6 +38,11 @@ MAX_BATCHED_QUERY_LEN = 16
 # projections of kernels/native.py, a token's logits then do not depend on how many tokens its
 # forward verified, so bf16 speculative decoding commits exactly what bf16 decoding does.
 NATIVE_MAX_QUERY_LEN = 32
+# The SDPA backends a CUDA call may use. Left to itself, torch 2.11 picks cuDNN's attention for
+# masked calls on an H100, which builds a graph for every new shape: a decode group's key length
+# grows each step, and the call cost ~0.45 ms of host time (all 30 layers: most of a step; see
+# docs/architecture.md, Devices). The others plan nothing per shape.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,9 +253,15 @@ class SdpaAttention(AttentionBackend):
         q = q.view(b, q_len, num_heads, head_dim).transpose(1, 2)
         k = _gather(key_cache, group.block_tables, kv_len)
         v = _gather(value_cache, group.block_tables, kv_len)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
-        )  # [b, num_heads, q_len, head_dim]
+        if q.is_cuda:
+            with sdpa_kernel(CUDA_SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+                )
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+            )  # [b, num_heads, q_len, head_dim]
         return out.transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
 
 
