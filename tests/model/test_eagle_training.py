@@ -37,6 +37,16 @@ def test_training_smoke_writes_a_loadable_head(tmp_path: Path) -> None:
     assert events[0] == "start" and events[-1] == "done" and "train" in events
 
 
+def test_data_only_makes_the_data_and_trains_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "head.safetensors"
+    args = ["--seed", "1", "--limit", "2", "--max-answer-tokens", "6", "--prompts", "templates"]
+    main([*args, "--data-only", "--max-num-seqs", "2", "--output", str(out)])
+    assert "templates: 2 sequences" in capsys.readouterr().out
+    assert not out.exists()
+
+
 def test_shipped_head_matches_its_manifest_and_the_bundled_model(checkpoint) -> None:  # type: ignore[no-untyped-def]
     manifest = json.loads(BUNDLED_HEAD.with_suffix(".json").read_text())
     assert manifest["file"] == BUNDLED_HEAD.name
@@ -61,6 +71,18 @@ def test_the_target_writes_user_turns(checkpoint, model_fp32) -> None:  # type: 
     assert 1 <= len(turns) <= 3
     assert len({t.lower() for t in turns}) == len(turns)
     assert all(keep_turn(t, True, []) and "<|im_" not in t for t in turns)
+    # Each sample's seed is its index, so other chunks and batch sizes draw the same turns.
+    again = sample_user_turns(
+        model_fp32,
+        tokenizer,
+        count=3,
+        seed=5,
+        max_tokens=48,
+        chunk=4,
+        max_num_seqs=2,
+        progress=False,
+    )
+    assert again == turns
 
 
 def test_shipped_self_instruct_prompts_are_distinct_and_held_out_stays_out() -> None:

@@ -101,11 +101,17 @@ def generate_answers(
     max_tokens: int,
     seed: int,
     progress: bool = True,
+    max_num_seqs: int = 64,
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids) per prompt, from the target with our batched engine."""
+    """(prompt ids, answer ids) per prompt, from the target with our batched engine;
+    `max_num_seqs` sequences at a time (64 suits a CPU, a few hundred a GPU)."""
     engine = LLMEngine(
         target,
-        EngineConfig(max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=1024),
+        EngineConfig(
+            max_model_len=1024,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(1024, 4 * max_num_seqs),
+        ),
         tokenizer=tokenizer,
         eos_token_ids=tokenizer.eos_token_ids,
     )
@@ -120,7 +126,7 @@ def generate_answers(
         for i in range(len(prompts))
     ]
     answers: list[tuple[list[int], list[int]]] = []
-    batch = 256  # generate() runs a chunk to completion; the engine batches within it
+    batch = max(256, 4 * max_num_seqs)  # generate() runs a chunk to completion
     for start in tqdm(range(0, len(prompts), batch), desc="generate", disable=not progress):
         done = engine.generate(prompt_ids[start : start + batch], params[start : start + batch])
         answers += [(c.prompt_token_ids, c.token_ids) for c in done]
@@ -213,8 +219,11 @@ def build_data(
     limit: int | None = None,
     progress: bool = True,
     source: str = "templates",
+    max_num_seqs: int = 64,
 ) -> EagleData:
     prompts = source_prompts(source, seed)[:limit]
     torch.manual_seed(seed)
-    answers = generate_answers(target, tokenizer, prompts, max_tokens, seed, progress)
+    answers = generate_answers(
+        target, tokenizer, prompts, max_tokens, seed, progress, max_num_seqs=max_num_seqs
+    )
     return teacher_force(target, answers, target_layers, progress)

@@ -73,16 +73,23 @@ def sample_user_turns(
     max_tokens: int = 160,
     chunk: int = 256,
     max_rounds: int = 100,
+    max_num_seqs: int = 64,
     progress: bool = True,
 ) -> list[str]:
     """`count` distinct user turns sampled from the target (fewer if `max_rounds` chunks of
-    samples do not yield enough), in the order they were drawn."""
+    samples do not yield enough), in the order they were drawn. Sample i always has seed
+    `seed * 1_000_003 + i`, so neither `chunk` nor `max_num_seqs` (how many sequences the
+    engine batches: 64 suits a CPU, a few hundred a GPU) changes which turns are drawn."""
     from workers.eagle.prompts import held_out_prompts
 
     held_out = [p for prompts in held_out_prompts().values() for p in prompts]
     engine = LLMEngine(
         target,
-        EngineConfig(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=1024),
+        EngineConfig(
+            max_model_len=512,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(1024, 4 * max_num_seqs),
+        ),
         tokenizer=tokenizer,
         eos_token_ids=tokenizer.eos_token_ids,
     )
@@ -122,6 +129,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where the target runs (cuda: a GPU)")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="sequences the engine batches (a few hundred on a GPU); the turns drawn are the same",
+    )
     parser.add_argument("--output", type=Path, default=SELF_INSTRUCT_FILE)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -129,9 +143,17 @@ def main(argv: list[str] | None = None) -> None:
     from workers.model.loader import build_model, load_checkpoint
 
     checkpoint = load_checkpoint()
-    target = build_model(checkpoint, dtype=torch.bfloat16)
+    target = build_model(checkpoint, dtype=torch.bfloat16, device=args.device)
+    chunk = max(256, 4 * args.max_num_seqs)  # the engine refills its batch within a chunk
     turns = sample_user_turns(
-        target, checkpoint.tokenizer, args.count, args.seed, max_tokens=args.max_tokens
+        target,
+        checkpoint.tokenizer,
+        args.count,
+        args.seed,
+        max_tokens=args.max_tokens,
+        chunk=chunk,
+        max_rounds=-(-20 * args.count // chunk),  # gives up below a 5% keep rate
+        max_num_seqs=args.max_num_seqs,
     )
     command = "python -m workers.eagle.self_instruct " + " ".join(
         f"--{k.replace('_', '-')} {v}"

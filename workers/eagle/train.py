@@ -2,6 +2,8 @@
 
     python -m workers.eagle.train --seed 0              # on the CPU, about an hour on 2 cores
     python -m workers.eagle.train --seed 0 --device cuda  # the same on a GPU, minutes
+    python -m workers.eagle.train --seed 0 --device cuda --max-num-seqs 256 --data-only
+                                                          # make and cache the data, no training
 
 Makes (or reuses) the training data (workers/eagle/data.py), picks the draft vocabulary, trains
 with the head unrolled `--depth` steps (EAGLE-3's training-time test: step 1 reads the target's
@@ -436,6 +438,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--fp32", action="store_true", help="train in fp32 (default: bf16 autocast, ~2x faster)"
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="sequences the engine batches while it writes the answers (a few hundred on a GPU)",
+    )
+    parser.add_argument(
+        "--data-only", action="store_true", help="make and cache the training data, then stop"
+    )
     parser.add_argument("--output", type=Path, default=BUNDLED_HEAD)
     parser.add_argument("--log", type=Path, default=None)
     parser.add_argument("--no-progress", action="store_true")
@@ -464,11 +475,17 @@ def main(argv: list[str] | None = None) -> None:
             args.limit,
             progress,
             source,
+            max_num_seqs=args.max_num_seqs,
         )
         if args.limit is None:
             part.save(data_path)
         return part
 
+    if args.data_only:
+        for source in args.prompts.split(","):
+            part = source_data(source)
+            print(f"{source}: {part.num_sequences} sequences, {len(part.token_ids)} positions")
+        return
     # The parts live only in this expression: after the join, one copy of the data remains.
     data = EagleData.concat([source_data(source) for source in args.prompts.split(",")])
     # The head borrows the target's embedding and LM head rows, in fp32 for training.
