@@ -11,7 +11,7 @@ from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_
 from workers.drafting.base import Draft, DraftRequest
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig
-from workers.eagle.data import EagleData, draft_vocabulary
+from workers.eagle.data import EagleData, draft_vocabulary, teacher_force
 from workers.eagle.head import EagleHead, head_metadata
 from workers.eagle.self_instruct import keep_turn
 from workers.eagle.train import acceptance, batch_loss, make_batch, unrolled_outputs
@@ -338,3 +338,29 @@ def test_drafting_ahead_serves_a_right_guess_and_drops_a_wrong_one(target) -> No
     got = drafter.propose(request_for("a", 16, 3))["a"].token_ids
     assert got == fresh.propose(request_for("b", 16, 3))["b"].token_ids
     assert (drafter.ahead_prepared, drafter.ahead_served) == (2, 1)
+
+
+def test_teacher_force_packs_sequences_without_changing_the_data(target) -> None:  # type: ignore[no-untyped-def]
+    """Sequences that share a forward get what each got from a forward of its own."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = [(5, 7), (20, 30), (3, 2), (40, 10), (9, 9)]
+    seqs = [
+        (
+            torch.randint(0, 97, (p,), generator=gen).tolist(),
+            torch.randint(0, 97, (a,), generator=gen).tolist(),
+        )
+        for p, a in lengths
+    ]
+    layers = (0, 1)
+    alone = teacher_force(target, seqs, layers, progress=False, tokens_per_forward=16)
+    packed = teacher_force(target, seqs, layers, progress=False, tokens_per_forward=1024)
+    assert packed.offsets.tolist() == alone.offsets.tolist() == [0, 12, 62, 67, 117, 135]
+    assert packed.prompt_lens.tolist() == [p for p, _ in lengths]
+    assert torch.equal(packed.token_ids, torch.tensor([t for p, a in seqs for t in p + a]))
+    assert torch.equal(packed.token_ids, alone.token_ids)
+    assert packed.features.shape == (135, 2 * target.config.hidden_size)
+    torch.testing.assert_close(
+        packed.features.float(), alone.features.float(), atol=2e-2, rtol=2e-2
+    )
+    torch.testing.assert_close(packed.top_logprobs, alone.top_logprobs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(packed.top_ids, alone.top_ids)

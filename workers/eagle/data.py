@@ -139,30 +139,54 @@ def teacher_force(
     sequences: Sequence[tuple[list[int], list[int]]],
     target_layers: tuple[int, ...],
     progress: bool = True,
+    tokens_per_forward: int = 2048,
 ) -> EagleData:
-    """Hidden states and top-k next-token log-probabilities at every position of each sequence."""
-    max_len = max(len(p) + len(a) for p, a in sequences)
+    """Hidden states and top-k next-token log-probabilities at every position of each sequence.
+
+    Consecutive sequences share a forward up to `tokens_per_forward` tokens of KV blocks (a
+    longer one has a forward of its own): one sequence per forward left a GPU idle (20
+    sequences/s on an H100).
+    """
     block_size = 16
-    num_blocks = -(-max_len // block_size)
+
+    def blocks(seq: tuple[list[int], list[int]]) -> int:
+        return -(-(len(seq[0]) + len(seq[1])) // block_size)
+
+    num_blocks = max(max(blocks(s) for s in sequences), tokens_per_forward // block_size)
     cache = PagedKVCache(target.config, num_blocks, block_size, target.dtype, target.device)
     runner = ModelRunner(target, cache)
+    packs: list[list[int]] = []
+    used = num_blocks
+    for i, seq in enumerate(sequences):
+        if used + blocks(seq) > num_blocks:
+            packs.append([])
+            used = 0
+        packs[-1].append(i)
+        used += blocks(seq)
     ids, feats, top_ids, top_lps = [], [], [], []
     offsets, prompt_lens = [0], []
-    for prompt, answer in tqdm(sequences, desc="features", disable=not progress):
-        tokens = prompt + answer
-        out = runner.forward(
-            [SeqForward(tokens, 0, range(num_blocks), num_logits=len(tokens))],
-            hidden_layers=target_layers,
-        )
-        logprobs = torch.log_softmax(out.output.logits, dim=-1)
-        top = logprobs.topk(TOP_K, dim=-1)
+    bar = tqdm(total=len(sequences), desc="features", disable=not progress)
+    for pack in packs:
+        forwards, first_block = [], 0
+        for i in pack:
+            tokens = sequences[i][0] + sequences[i][1]
+            span = range(first_block, first_block + blocks(sequences[i]))
+            forwards.append(SeqForward(tokens, 0, span, num_logits=len(tokens)))
+            first_block = span.stop
+        out = runner.forward(forwards, hidden_layers=target_layers)
+        top = torch.log_softmax(out.output.logits, dim=-1).topk(TOP_K, dim=-1)
         hidden = torch.cat([out.output.hidden_states[i] for i in target_layers], -1)
-        ids.append(torch.tensor(tokens))
-        feats.append(hidden.bfloat16().cpu())
-        top_ids.append(top.indices.cpu())
-        top_lps.append(top.values.cpu())
-        offsets.append(offsets[-1] + len(tokens))
-        prompt_lens.append(len(prompt))
+        rows = out.inputs.query_start_loc  # every position is scored: logits rows match
+        for n, forward in enumerate(forwards):
+            part = slice(rows[n], rows[n + 1])
+            ids.append(torch.tensor(forward.token_ids))
+            feats.append(hidden[part].bfloat16().cpu())
+            top_ids.append(top.indices[part].cpu())
+            top_lps.append(top.values[part].cpu())
+            offsets.append(offsets[-1] + len(forward.token_ids))
+            prompt_lens.append(len(sequences[pack[n]][0]))
+        bar.update(len(pack))
+    bar.close()
     return EagleData(
         token_ids=torch.cat(ids),
         offsets=torch.tensor(offsets),
