@@ -70,7 +70,7 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int
     in fp64, at one uniform draw.
 
     The same law as `torch.multinomial(weights, 1)`, which costs ~1 ms on the CPU for a 49k
-    vocabulary against ~0.15 ms here (it validates and normalizes the row first), and which
+    vocabulary against ~0.08 ms here (tests/benchmarks/bench_forward.py), and which
     draws other numbers from the generator: a seed gives other tokens than it did with it.
     """
     cdf = weights.double().cumsum(0)

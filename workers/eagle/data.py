@@ -144,8 +144,8 @@ def teacher_force(
     """Hidden states and top-k next-token log-probabilities at every position of each sequence.
 
     Consecutive sequences share a forward up to `tokens_per_forward` tokens of KV blocks (a
-    longer one has a forward of its own): one sequence per forward left a GPU idle (20
-    sequences/s on an H100).
+    longer one has a forward of its own). On an H100: 41 sequences/s one per forward, 84 packed
+    into 2,048 tokens.
     """
     block_size = 16
 
