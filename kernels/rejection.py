@@ -40,17 +40,20 @@ def rejection_sample(
         raise ValueError("rejection_sample needs one k, q, greedy flag and generator per sequence")
     if target_probs.shape[:2] != (num_seqs, max_k + 1):
         raise ValueError(f"target_probs must be [{num_seqs}, {max_k + 1}, vocab]")
-    output = torch.full((num_seqs, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    rows: list[list[int]] = []
     for i in range(num_seqs):
         k = num_draft_tokens[i]
         drafts = draft_token_ids[i, :k]
         p = target_probs[i, : k + 1]
         if greedy[i]:
-            row = greedy_accept(drafts.tolist(), p.argmax(dim=-1).tolist())
+            rows.append(greedy_accept(drafts.tolist(), p.argmax(dim=-1).tolist()))
+        elif k == 0:  # no draft (decode without speculation): the bonus token, and nothing else
+            rows.append([draw(p[0], generators[i])])
         else:
-            row = _random_row(drafts, draft_probs[i], p, generators[i])
-        output[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return output
+            rows.append(_random_row(drafts, draft_probs[i], p, generators[i]))
+    width = max_k + 1
+    padded = [row + [PLACEHOLDER_TOKEN_ID] * (width - len(row)) for row in rows]
+    return torch.tensor(padded, dtype=torch.long).view(num_seqs, width)
 
 
 def greedy_accept(draft_token_ids: Sequence[int], target_argmax: Sequence[int]) -> list[int]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept, rejection_sample
-from kernels.sampling import logits_to_probs
+from kernels.sampling import draw, logits_to_probs
 from workers.drafting.base import ConfidenceStop
 
 P = PLACEHOLDER_TOKEN_ID
@@ -194,3 +194,21 @@ def test_greedy_accept_needs_only_the_argmax() -> None:
     assert greedy_accept([], [3]) == [3]  # no draft: the argmax
     with pytest.raises(ValueError):
         greedy_accept([5], [5])
+
+
+def test_rows_without_a_draft_draw_from_the_target_beside_rows_with_one() -> None:
+    """A sampled row with k = 0 draws its one token from p (as `draw` does with its seed),
+    padded to the widest row, beside a greedy row and a sampled row with drafts."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 3, 8, generator=gen), dim=-1)
+    drafts = torch.tensor([[P, P], [4, 5], [P, P]])
+    ks = [0, 2, 0]
+    q = torch.softmax(torch.randn(2, 8, generator=gen), dim=-1)
+    seeds = [torch.Generator().manual_seed(s) for s in (7, 8, 9)]
+    out = rejection_sample(drafts, ks, [None, q, None], p, [False, False, True], seeds)
+    assert out.shape == (3, 3)
+    assert out[0].tolist() == [draw(p[0, 0], torch.Generator().manual_seed(7)), P, P]
+    assert out[2].tolist() == [int(p[2, 0].argmax()), P, P]
+    assert P not in out[1, :1].tolist()
+    empty = rejection_sample(torch.empty(0, 2, dtype=torch.long), [], [], p[:0], [], [])
+    assert empty.shape == (0, 3)
