@@ -71,7 +71,9 @@ def test_the_target_writes_user_turns(checkpoint, model_fp32) -> None:  # type: 
     assert 1 <= len(turns) <= 3
     assert len({t.lower() for t in turns}) == len(turns)
     assert all(keep_turn(t, True, []) and "<|im_" not in t for t in turns)
-    # Each sample's seed is its index, so other chunks and batch sizes draw the same turns.
+    # Each sample's seed is its index, so other chunks and batch sizes draw the same turns;
+    # after each chunk the turns so far are handed on (the CLI writes its file then).
+    seen: list[list[str]] = []
     again = sample_user_turns(
         model_fp32,
         tokenizer,
@@ -81,8 +83,11 @@ def test_the_target_writes_user_turns(checkpoint, model_fp32) -> None:  # type: 
         chunk=4,
         max_num_seqs=2,
         progress=False,
+        on_chunk=lambda so_far: seen.append(list(so_far)),
     )
     assert again == turns
+    assert seen and seen[-1] == turns
+    assert all(snapshot == turns[: len(snapshot)] for snapshot in seen)
 
 
 def test_shipped_self_instruct_prompts_are_distinct_and_held_out_stays_out() -> None:

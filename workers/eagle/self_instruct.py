@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -75,11 +75,13 @@ def sample_user_turns(
     max_rounds: int = 100,
     max_num_seqs: int = 64,
     progress: bool = True,
+    on_chunk: Callable[[list[str]], None] | None = None,
 ) -> list[str]:
     """`count` distinct user turns sampled from the target (fewer if `max_rounds` chunks of
     samples do not yield enough), in the order they were drawn. Sample i always has seed
     `seed * 1_000_003 + i`, so neither `chunk` nor `max_num_seqs` (how many sequences the
-    engine batches: 64 suits a CPU, a few hundred a GPU) changes which turns are drawn."""
+    engine batches: 64 suits a CPU, a few hundred a GPU) changes which turns are drawn.
+    `on_chunk` sees the turns so far after each chunk."""
     from workers.eagle.prompts import held_out_prompts
 
     held_out = [p for prompts in held_out_prompts().values() for p in prompts]
@@ -115,6 +117,8 @@ def sample_user_turns(
             bar.update(1)
             if len(turns) == count:
                 break
+        if on_chunk is not None:
+            on_chunk(turns)
     bar.close()
     return turns
 
@@ -145,6 +149,17 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = load_checkpoint()
     target = build_model(checkpoint, dtype=torch.bfloat16, device=args.device)
     chunk = max(256, 4 * args.max_num_seqs)  # the engine refills its batch within a chunk
+
+    def write(turns: list[str]) -> None:
+        """The file after every chunk, so a run stopped early leaves what it drew. The first n
+        turns are what `--count n` draws, and the command it names says so."""
+        options = {"count": len(turns), "seed": args.seed, "max_tokens": args.max_tokens}
+        command = "python -m workers.eagle.self_instruct " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in options.items()
+        )
+        record = {"command": command, "model": checkpoint.config.name, "prompts": turns}
+        args.output.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+
     turns = sample_user_turns(
         target,
         checkpoint.tokenizer,
@@ -154,14 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         chunk=chunk,
         max_rounds=-(-20 * args.count // chunk),  # gives up below a 5% keep rate
         max_num_seqs=args.max_num_seqs,
+        on_chunk=write,
     )
-    command = "python -m workers.eagle.self_instruct " + " ".join(
-        f"--{k.replace('_', '-')} {v}"
-        for k, v in vars(args).items()
-        if k in ("count", "seed", "max_tokens")
-    )
-    record = {"command": command, "model": checkpoint.config.name, "prompts": turns}
-    args.output.write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
+    write(turns)
     print(f"{len(turns)} user turns -> {args.output}")
 
 
