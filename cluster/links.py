@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,39 @@ class TensorLink:
                 )
         except RuntimeError as err:
             raise LinkError(f"link {self.address.link_id}: could not connect: {err}") from err
+
+    def connect_racing(self, joined: Any, poll_s: float = 0.05) -> None:
+        """`connect()` on the hosting side while the peer's Ray call `joined` (an ObjectRef)
+        joins; given up with `LinkError` as soon as that call fails (the peer died before it
+        joined) instead of after the link's timeout, which a prefill link sets at minutes. The
+        abandoned half times out on its own thread. The caller still `ray.get`s `joined`."""
+        import ray
+
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.connect()
+            except BaseException as err:  # handed to the caller below
+                errors.append(err)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"link-{self.address.link_id}", daemon=True).start()
+        peer_joined = False
+        while not done.wait(poll_s):
+            if peer_joined or not ray.wait([joined], timeout=0)[0]:
+                continue
+            try:
+                ray.get(joined)
+            except Exception as err:
+                raise LinkError(
+                    f"link {self.address.link_id}: the peer failed before it joined: {err}"
+                ) from err
+            peer_joined = True  # its half is done: ours completes at once
+        if errors:
+            raise errors[0]
 
     @property
     def connected(self) -> bool:

@@ -242,7 +242,7 @@ class RemoteDrafter(Drafter):
 
         link = TensorLink.host(f"{self.name}-{time.time_ns()}", self.backend)
         joined = self.actor.open_link.remote(link.address)
-        link.connect()  # collective with the actor's join
+        link.connect_racing(joined)  # collective with the actor's join
         handshake: Handshake = ray.get(joined, timeout=30)
         if self._channel is not None:
             self._channel.close()

@@ -200,7 +200,7 @@ class VerifierActor:
             name = f"{self.name}-{self.prefill_names[index]}"
             link = TensorLink.host(name, backend, timeout_s=120.0)
             joined: Any = self.prefill_actors[index].open_link.remote(link.address)
-            link.connect()
+            link.connect_racing(joined)  # a worker that dies now fails here at once
             ray.get(joined, timeout=60)
             self.prefill_links[index] = link
         return link

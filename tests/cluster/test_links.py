@@ -1,10 +1,12 @@
-"""Tensor links between two endpoints (threads here; actors in test_runtime.py): tensors arrive
-intact and in order, sends can stay in flight, a vanished peer is a prompt `LinkError`, and GPU
-tensors cross a gloo link through host memory (the CUDA cases run where a GPU is)."""
+"""Tensor links between two endpoints (threads and Ray tasks here; actors in test_runtime.py):
+tensors arrive intact and in order, sends can stay in flight, a vanished peer is a prompt
+`LinkError`, and GPU tensors cross a gloo link through host memory (the CUDA cases run where a
+GPU is)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -129,6 +131,40 @@ def test_a_peer_that_never_answers_is_a_timeout_not_a_hang() -> None:
     with pytest.raises(LinkError, match="not connected"):
         host.send(torch.zeros(2))
     del peer
+
+
+def test_a_peer_that_fails_before_it_joins_fails_the_link_at_once() -> None:
+    """The host's half of a link races the peer's Ray call: a call that fails (the worker died
+    between the verifier's two calls) ends the wait at once, not at the link's timeout; a call
+    that joins completes the link as `connect()` would."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+
+        @ray.remote
+        def dies(address: object) -> None:
+            raise RuntimeError("gone before joining")
+
+        @ray.remote
+        def joins(address: object) -> float:
+            link = TensorLink.join(address, timeout_s=30.0)  # type: ignore[arg-type]
+            return float(link.recv((3,), torch.float32).sum())
+
+        host = TensorLink.host("dies-first", timeout_s=60.0)
+        start = time.perf_counter()
+        with pytest.raises(LinkError, match="failed before it joined"):
+            host.connect_racing(dies.remote(host.address))
+        assert time.perf_counter() - start < 30  # the link's own timeout is 60 s
+        assert not host.connected
+
+        host = TensorLink.host("joins", timeout_s=60.0)
+        joined = joins.remote(host.address)
+        host.connect_racing(joined)
+        assert host.connected
+        host.send(torch.ones(3))
+        assert ray.get(joined, timeout=30) == 3.0
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.parametrize("device", DEVICES)
