@@ -16,6 +16,7 @@ per forward (`prepare`), then called once per layer (`forward`), and give the sa
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -253,12 +254,8 @@ class SdpaAttention(AttentionBackend):
         q = q.view(b, q_len, num_heads, head_dim).transpose(1, 2)
         k = _gather(key_cache, group.block_tables, kv_len)
         v = _gather(value_cache, group.block_tables, kv_len)
-        if q.is_cuda:
-            with sdpa_kernel(CUDA_SDPA_BACKENDS):
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
-                )
-        else:
+        backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
+        with backends:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
             )  # [b, num_heads, q_len, head_dim]
