@@ -94,6 +94,29 @@ class EagleData:
         return cls(**raw)
 
 
+def data_engine(
+    target: TransformerLM, tokenizer: Tokenizer, max_model_len: int, max_num_seqs: int
+) -> LLMEngine:
+    """The batched engine that writes training text (answers, user turns): `max_num_seqs`
+    sequences at a time (64 suits a CPU, a few hundred a GPU)."""
+    return LLMEngine(
+        target,
+        EngineConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(1024, 4 * max_num_seqs),
+        ),
+        tokenizer=tokenizer,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
+
+
+def prompts_per_chunk(max_num_seqs: int) -> int:
+    """Prompts handed to one `generate()` call, which runs them to completion: enough for the
+    engine to refill its batch as sequences finish."""
+    return max(256, 4 * max_num_seqs)
+
+
 def generate_answers(
     target: TransformerLM,
     tokenizer: Tokenizer,
@@ -103,18 +126,9 @@ def generate_answers(
     progress: bool = True,
     max_num_seqs: int = 64,
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids) per prompt, from the target with our batched engine;
-    `max_num_seqs` sequences at a time (64 suits a CPU, a few hundred a GPU)."""
-    engine = LLMEngine(
-        target,
-        EngineConfig(
-            max_model_len=1024,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(1024, 4 * max_num_seqs),
-        ),
-        tokenizer=tokenizer,
-        eos_token_ids=tokenizer.eos_token_ids,
-    )
+    """(prompt ids, answer ids) per prompt, from the target with our batched engine
+    (`data_engine`)."""
+    engine = data_engine(target, tokenizer, 1024, max_num_seqs)
     prompt_ids = [
         tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
         for p in prompts
@@ -126,7 +140,7 @@ def generate_answers(
         for i in range(len(prompts))
     ]
     answers: list[tuple[list[int], list[int]]] = []
-    batch = max(256, 4 * max_num_seqs)  # generate() runs a chunk to completion
+    batch = prompts_per_chunk(max_num_seqs)
     for start in tqdm(range(0, len(prompts), batch), desc="generate", disable=not progress):
         done = engine.generate(prompt_ids[start : start + batch], params[start : start + batch])
         answers += [(c.prompt_token_ids, c.token_ids) for c in done]

@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from workers.engine.config import EngineConfig
-from workers.engine.llm_engine import LLMEngine
+from workers.eagle.data import data_engine, prompts_per_chunk
 from workers.engine.sampling_params import SamplingParams
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
@@ -85,16 +84,7 @@ def sample_user_turns(
     from workers.eagle.prompts import held_out_prompts
 
     held_out = [p for prompts in held_out_prompts().values() for p in prompts]
-    engine = LLMEngine(
-        target,
-        EngineConfig(
-            max_model_len=512,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(1024, 4 * max_num_seqs),
-        ),
-        tokenizer=tokenizer,
-        eos_token_ids=tokenizer.eos_token_ids,
-    )
+    engine = data_engine(target, tokenizer, 512, max_num_seqs)
     prefix = tokenizer.encode(user_turn_prefix(tokenizer))
     kept: dict[str, None] = {}  # ordered set of normalized turns
     turns: list[str] = []
@@ -148,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
 
     checkpoint = load_checkpoint()
     target = build_model(checkpoint, dtype=torch.bfloat16, device=args.device)
-    chunk = max(256, 4 * args.max_num_seqs)  # the engine refills its batch within a chunk
+    chunk = prompts_per_chunk(args.max_num_seqs)
 
     def write(turns: list[str]) -> None:
         """The file after every chunk, so a run stopped early leaves what it drew. The first n
