@@ -162,21 +162,18 @@ def teacher_force(
     into 2,048 tokens.
     """
     block_size = 16
-
-    def blocks(seq: tuple[list[int], list[int]]) -> int:
-        return -(-(len(seq[0]) + len(seq[1])) // block_size)
-
-    num_blocks = max(max(blocks(s) for s in sequences), tokens_per_forward // block_size)
+    blocks = [-(-(len(p) + len(a)) // block_size) for p, a in sequences]
+    num_blocks = max(max(blocks), tokens_per_forward // block_size)
     cache = PagedKVCache(target.config, num_blocks, block_size, target.dtype, target.device)
     runner = ModelRunner(target, cache)
     packs: list[list[int]] = []
     used = num_blocks
-    for i, seq in enumerate(sequences):
-        if used + blocks(seq) > num_blocks:
+    for i, needed in enumerate(blocks):
+        if used + needed > num_blocks:
             packs.append([])
             used = 0
         packs[-1].append(i)
-        used += blocks(seq)
+        used += needed
     ids, feats, top_ids, top_lps = [], [], [], []
     offsets, prompt_lens = [0], []
     bar = tqdm(total=len(sequences), desc="features", disable=not progress)
@@ -184,7 +181,7 @@ def teacher_force(
         forwards, first_block = [], 0
         for i in pack:
             tokens = sequences[i][0] + sequences[i][1]
-            span = range(first_block, first_block + blocks(sequences[i]))
+            span = range(first_block, first_block + blocks[i])
             forwards.append(SeqForward(tokens, 0, span, num_logits=len(tokens)))
             first_block = span.stop
         out = runner.forward(forwards, hidden_layers=target_layers)
