@@ -66,6 +66,10 @@ def create_app(service: RouterService) -> FastAPI:
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
+        # A refused generation request counts whatever refused it (key, rate limit, body,
+        # admission), as on gRPC. A resume is counted by `_serve`, which knows its API.
+        if api := _GENERATION_PATHS.get(request.url.path):
+            service.metrics.requests.labels(api, "refused").inc()
         return _error(exc)
 
     @app.exception_handler(HTTPException)
@@ -156,7 +160,8 @@ def create_app(service: RouterService) -> FastAPI:
         try:
             first = await anext(steps)  # refusals surface here, before any 200 goes out
         except RouterError:
-            service.metrics.requests.labels(_api(generate), "refused").inc()
+            if resumed is not None:  # the error handler counts the others
+                service.metrics.requests.labels(_api(generate), "refused").inc()
             raise
         headers = {"X-Request-Id": request_id}
         if generate.stream:
@@ -197,6 +202,9 @@ def create_app(service: RouterService) -> FastAPI:
 
     app.openapi = _openapi  # type: ignore[method-assign]
     return app
+
+
+_GENERATION_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
 def _api(generate: GenerateRequest) -> str:
