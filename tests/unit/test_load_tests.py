@@ -1,0 +1,286 @@
+"""The load generator's pieces: workload files, arrival schedules, the SSE parser, level
+summaries, the routers' metrics and the report files. The real path (a router on loopback) is in
+tests/router/test_load_tests.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from load_tests import report
+from load_tests.clients import RequestRecord, SseParser
+from load_tests.runner import Level, run_level
+from load_tests.server_metrics import ServerView, difference, parse, total
+from load_tests.stats import Slo, percentile, summarize, time_per_output_token
+from load_tests.workload import WorkItem, load_workload, poisson_offsets
+
+
+def test_percentile_matches_numpy() -> None:
+    rng = random.Random(0)
+    for n in (1, 2, 7, 100):
+        values = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (0, 50, 90, 99, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert math.isnan(percentile([], 50))
+
+
+def test_sse_parser_reads_events_cut_anywhere() -> None:
+    events = [{"choices": [{"delta": {"content": "Hi"}}]}, {"usage": {"prompt_tokens": 3}}]
+    stream = (
+        b": a comment\r\n"
+        + b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events)
+        + b"data: first line\ndata: second line\n\n"
+        + b"data: [DONE]\n\n"
+    )
+    expected = [json.dumps(e) for e in events] + ["first line\nsecond line", "[DONE]"]
+    for cut in range(1, 12):
+        parser, got = SseParser(), []
+        for i in range(0, len(stream), cut):
+            got += parser.feed(stream[i : i + cut])
+        assert got == expected
+
+
+def test_workload_file_checks_each_line(tmp_path: Path) -> None:
+    shipped = load_workload()
+    assert len(shipped.items) >= 30
+    assert {"chat", "code", "summary", "multi-turn", "completion"} <= {
+        i.kind for i in shipped.items
+    }
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n\n{"kind": "chat"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: .*either messages or a prompt"):
+        load_workload(bad)
+    bad.write_text('{"prompt": "a", "max_tokens": 0}\n')
+    with pytest.raises(ValueError, match=r":1: max_tokens"):
+        load_workload(bad)
+    bad.write_text("\n")
+    with pytest.raises(ValueError, match="no requests"):
+        load_workload(bad)
+
+
+def test_workload_stream_is_seeded_and_covers_every_item() -> None:
+    workload = load_workload()
+    n = len(workload.items)
+    first = [next(s) for s in [workload.stream(3)] for _ in range(2 * n)]
+    again = workload.stream(3)
+    assert first == [next(again) for _ in range(2 * n)]
+    assert sorted(map(id, first[:n])) == sorted(map(id, workload.items))
+
+
+def test_poisson_offsets_have_the_rate() -> None:
+    offsets = poisson_offsets(4.0, 20_000, seed=1)
+    assert offsets[0] == 0.0 and offsets == poisson_offsets(4.0, 20_000, seed=1)
+    gaps = np.diff(offsets)
+    assert (gaps > 0).all()
+    # The mean of 20,000 exponential gaps has a standard deviation of 0.7% of 1/rate.
+    assert float(gaps.mean()) == pytest.approx(0.25, rel=0.04)
+    with pytest.raises(ValueError):
+        poisson_offsets(0.0, 3, seed=0)
+
+
+def test_level_checks_and_names() -> None:
+    assert Level(8, concurrency=1).name == "1 user"
+    assert Level(8, concurrency=4).name == "4 users"
+    assert Level(8, rate=0.5, max_concurrency=2).name == "0.5 req/s, <= 2 in flight"
+    for bad in (
+        {"concurrency": 2, "rate": 1.0},
+        {},
+        {"concurrency": 0},
+        {"rate": -1.0},
+        {"rate": 1.0, "max_concurrency": 0},
+    ):
+        with pytest.raises(ValueError):
+            Level(4, **bad)  # type: ignore[arg-type]
+
+
+def _record(start: float, ttft: float, latency: float, tokens: int, **kw: object) -> RequestRecord:
+    chunks = [ttft + i * (latency - ttft) / max(1, tokens - 1) for i in range(tokens)]
+    return RequestRecord(
+        "lvl", "http", "chat", start, start, ttft, latency, chunks, 10, tokens, **kw
+    )  # type: ignore[arg-type]
+
+
+def test_summary_of_a_level() -> None:
+    records = [
+        _record(0.0, 0.1, 1.1, 11, drafted=8, accepted=4, verify_steps=6),
+        _record(0.5, 0.3, 2.3, 21, drafted=0, accepted=0, verify_steps=20),
+        RequestRecord("lvl", "http", "chat", 1.0, 1.0, latency=0.01, status="429"),
+        RequestRecord("lvl", "http", "chat", 1.0, 1.0, latency=0.01, status="429"),
+    ]
+    slo = Slo(ttft_s=0.2, tpot_s=0.15)
+    s = summarize("lvl", records, slo)
+    assert (s.sent, s.ok, s.refused) == (4, 2, {"429": 2})
+    assert s.duration_s == pytest.approx(2.8)  # from 0.0 to the second request's end
+    assert s.requests_per_s == pytest.approx(2 / 2.8)
+    assert s.output_tokens_per_s == pytest.approx(32 / 2.8)
+    assert time_per_output_token(records[0]) == pytest.approx(0.1)
+    assert s.tpot_s["p50"] == pytest.approx(0.1)
+    assert s.ttft_s["p50"] == pytest.approx(0.2)
+    assert s.itl_s["p50"] == pytest.approx(0.1)
+    assert s.mean_acceptance_length == pytest.approx((4 + 26) / 26)
+    assert s.goodput_per_s == pytest.approx(1 / 2.8)  # the second misses the TTFT bound
+    assert summarize("lvl", []).sent == 0
+
+
+def test_router_metrics_growth() -> None:
+    from router.metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    metrics.requests.labels("chat", "ok").inc()
+    before = parse(metrics.render().decode())
+    for _ in range(3):
+        metrics.requests.labels("chat", "ok").inc()
+        metrics.ttft.observe(0.2)
+    metrics.requests.labels("completions", "refused").inc(2)
+    metrics.generation_tokens.inc(40)
+    metrics.queue_depth.labels("g0").set(3)
+    after = parse(metrics.render().decode())
+    outcomes, counters = difference(before, after)
+    assert outcomes == {"ok": 3, "refused": 2}
+    assert counters["generated"] == 40 and counters["ttft_count"] == 3
+    assert ServerView(counters=counters).mean_ttft == pytest.approx(0.2)
+    assert total(after, "outrider_verifier_queue_depth", group="g0") == 3
+
+
+def test_report_round_trip_and_comparison(tmp_path: Path) -> None:
+    records = [_record(0.0, 0.1, 1.1, 11), _record(0.2, 0.2, 1.0, 5)]
+    for r in records:
+        r.level = "2 users"
+    view = ServerView(requests={"ok": 2}, counters={"generated": 16}, max_queue={"g0": 2})
+    run = report.Run(
+        {"title": "t", "slo": {"ttft_s": 0.15, "tpot_s": None}}, ["2 users"], records, {}
+    )
+    run.servers["2 users"] = view
+    report.save(tmp_path, run)
+    loaded = report.load(tmp_path)
+    assert report.render(loaded) == (tmp_path / report.REPORT).read_text()
+    text = report.render(loaded)
+    assert "| 2 users | 2 / 2 | 0 | - |" in text and "goodput" in text
+    assert "16 / 16" in text and "g0 2" in text
+    side = report.compare([("a", loaded), ("b", loaded)])
+    assert side.count("| 2 users |") == 1 and "a: tok/s" in side and side.startswith("# ")
+
+
+class _FakeClient:
+    """Answers after a fixed delay and tracks how many requests it holds at once."""
+
+    api = "fake"
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.open, self.most_open, self.sent = delay, 0, 0, []
+
+    async def send(self, item: WorkItem, record: RequestRecord) -> None:
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        self.sent.append(item)
+        await asyncio.sleep(self.delay)
+        record.ttft, record.latency, record.output_tokens = self.delay, self.delay, 1
+        self.open -= 1
+
+    async def close(self) -> None:
+        pass
+
+
+def test_closed_loop_keeps_its_users_busy() -> None:
+    items = [WorkItem("chat", prompt=str(i)) for i in range(10)]
+    client = _FakeClient(0.01)
+    records = asyncio.run(run_level(client, Level(10, concurrency=3), iter(items)))
+    assert client.sent == items[: len(client.sent)] and len(client.sent) == 10
+    assert client.most_open == 3
+    assert all(r.ok and r.scheduled == pytest.approx(r.start, abs=1e-3) for r in records)
+
+
+def test_open_loop_arrives_on_schedule_under_its_cap() -> None:
+    items = [WorkItem("chat", prompt=str(i)) for i in range(12)]
+    client = _FakeClient(0.05)
+    level = Level(12, rate=200.0, max_concurrency=2)
+    records = asyncio.run(run_level(client, level, iter(items), seed=5))
+    assert [r.scheduled for r in records] == poisson_offsets(200.0, 12, seed=5)
+    assert client.most_open == 2
+    # Arrivals faster than two can be served wait for the cap: each starts after it was due.
+    assert all(r.start >= r.scheduled for r in records)
+    assert statistics.mean(r.start - r.scheduled for r in records) > 0.05
+
+
+def test_repeats_count_inputs_sent_earlier_in_the_run() -> None:
+    levels = {"a": [0, 1, 1], "b": [1, 2, 3]}
+    records = [
+        RequestRecord(level, "http", "chat", 0.0, latency=0.1, output_tokens=1, item=item)
+        for level, items in levels.items()
+        for item in items
+    ]
+    run = report.Run({}, list(levels), records, {})
+    assert [s.repeats for s in run.summaries()] == [1, 1]
+
+
+def test_http_client_records_what_a_stream_did() -> None:
+    """Against a small aiohttp server: a good stream, one cut by an error event, one not in
+    OpenAI's format, a refusal; and a server without /metrics is a clear error."""
+    from aiohttp import web
+
+    from load_tests.clients import HttpClient, Sampling
+    from load_tests.server_metrics import MetricsPoller
+
+    piece = {"choices": [{"delta": {"content": "hi"}, "finish_reason": None}]}
+    usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}
+    streams = {
+        "good": [piece, piece, usage],
+        "cut": [piece, {"error": {"message": "verifier lost"}}],
+        "garbled": ["{not json"],
+    }
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        name = body["messages"][0]["content"]
+        if name == "refused":
+            return web.json_response({"error": {"message": "slow down"}}, status=429)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for event in streams[name]:
+            data = event if isinstance(event, str) else json.dumps(event)
+            await resp.write(f"data: {data}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def scenario() -> tuple[list[RequestRecord], str]:
+        import aiohttp
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        url = f"http://127.0.0.1:{port}"
+        client = HttpClient(url, Sampling(model="m"))
+        records = []
+        for name in ("good", "cut", "garbled", "refused"):
+            record = RequestRecord("l", "http", "chat", 0.0)
+            await client.send(WorkItem("chat", messages=(("user", name),)), record)
+            records.append(record)
+        await client.close()
+        async with aiohttp.ClientSession() as session:
+            try:
+                await MetricsPoller(session, [url + "/metrics"]).start()
+                message = ""
+            except RuntimeError as exc:
+                message = str(exc)
+        await runner.cleanup()
+        return records, message
+
+    (good, cut, garbled, refused), message = asyncio.run(scenario())
+    assert good.ok and len(good.chunks) == 2 and good.ttft == good.chunks[0]
+    assert (good.prompt_tokens, good.output_tokens) == (4, 2)
+    assert (cut.status, cut.error, len(cut.chunks)) == ("failed", "verifier lost", 1)
+    assert garbled.status == "bad-response"
+    assert (refused.status, refused.error) == ("429", "slow down")
+    assert all(r.latency is not None for r in (good, cut, garbled, refused))
+    assert "--metrics-url none" in message
