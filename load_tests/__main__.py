@@ -49,8 +49,12 @@ def parser() -> argparse.ArgumentParser:
     target.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP URL")
     target.add_argument("--api", choices=("http", "grpc"), default="http")
     target.add_argument("--grpc-target", help="host:port of the gRPC API (default: URL host:50051)")
-    target.add_argument(
+    keys = target.add_mutually_exclusive_group()
+    keys.add_argument(
         "--api-key", default=os.environ.get("OUTRIDER_API_KEY"), help="($OUTRIDER_API_KEY)"
+    )
+    keys.add_argument(
+        "--api-keys-file", type=Path, help="use the first key of a router's API keys file"
     )
     target.add_argument("--model", help="model name to ask for (default: the served one)")
     target.add_argument(
@@ -85,6 +89,11 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT bound")
     out.add_argument("--slo-tpot-ms", type=float, help="goodput: time per output token bound")
     out.add_argument("--title")
+    out.add_argument(
+        "--max-refused",
+        type=int,
+        help="exit with status 1 when more requests than this did not succeed (a smoke test)",
+    )
     out.add_argument("--out", type=Path, help=f"folder (default {REPORTS}/<time>)")
     rep = commands.add_parser("report", help="rebuild report.md from run folders")
     rep.add_argument("folders", type=Path, nargs="+")
@@ -117,7 +126,19 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
         return str((await resp.json())["data"][0]["id"])
 
 
-async def run(args: argparse.Namespace) -> Path:
+def first_key(path: Path) -> str:
+    """The first key of an API keys file, in the router's format."""
+    from router.server import read_keys_file
+
+    keys = read_keys_file(path)
+    if not keys:
+        raise ValueError(f"{path}: no API keys")
+    return keys[0].key
+
+
+async def run(args: argparse.Namespace) -> tuple[Path, report.Run]:
+    if args.api_keys_file is not None:
+        args.api_key = first_key(args.api_keys_file)
     levels = levels_from(args)
     workload = load_workload(args.workload)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -165,7 +186,7 @@ async def run(args: argparse.Namespace) -> Path:
         finally:
             await client.close()
     print(report.client_table(result.summaries(), result.slo))
-    return folder
+    return folder, result
 
 
 def run_info(
@@ -235,11 +256,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             rebuild(args.folders, args.compare)
             return 0
-        folder = asyncio.run(run(args))
+        folder, result = asyncio.run(run(args))
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"report: {folder / report.REPORT}")
+    failed = sum(not record.ok for record in result.records)
+    if args.max_refused is not None and failed > args.max_refused:
+        print(f"{failed} requests did not succeed (at most {args.max_refused} allowed)")
+        return 1
     return 0
 
 

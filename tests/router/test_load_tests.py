@@ -90,6 +90,10 @@ def test_refusals_are_counted_and_the_run_goes_on(
     view = result.servers["1 user"]
     assert view is not None and view.requests == {"ok": 2, "refused": 3}
     assert "3x 429" in (tmp_path / report.REPORT).read_text()
+    # As a smoke test: any refusal beyond --max-refused is exit status 1 (the bucket is empty).
+    smoke = ["run", "--url", keyed_router.url, "--api-key", KEY, "--model", MODEL, "--warmup"]
+    smoke += ["0", "--requests", "1", "--max-refused", "0", "--out", str(tmp_path / "smoke")]
+    assert main(smoke) == 1
     # A wrong key is refused before any level runs: a clear error, exit status 2.
     wrong = ["run", "--url", keyed_router.url, "--api-key", "sk-wrong", "--out", str(tmp_path)]
     assert main(wrong) == 2

@@ -284,3 +284,16 @@ def test_http_client_records_what_a_stream_did() -> None:
     assert (refused.status, refused.error) == ("429", "slow down")
     assert all(r.latency is not None for r in (good, cut, garbled, refused))
     assert "--metrics-url none" in message
+
+
+def test_the_first_key_of_a_router_keys_file(tmp_path: Path) -> None:
+    from load_tests.__main__ import first_key, parser
+
+    keys = tmp_path / "keys"
+    keys.write_text("# operators\nsk-first-key ops 5 10\nsk-second-key\n")
+    assert first_key(keys) == "sk-first-key"
+    keys.write_text("# nothing yet\n")
+    with pytest.raises(ValueError, match="no API keys"):
+        first_key(keys)
+    with pytest.raises(SystemExit):  # one key source at a time
+        parser().parse_args(["run", "--api-key", "k", "--api-keys-file", str(keys)])
