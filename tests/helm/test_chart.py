@@ -192,6 +192,36 @@ def test_router_probes_service_and_secrets(chart) -> None:  # type: ignore[no-un
     ]
 
 
+def test_helm_test_pod_sends_a_load_through_the_router_service(chart) -> None:  # type: ignore[no-untyped-def]
+    from load_tests.__main__ import parser
+
+    objects = render(chart, load_values(CHART / "ci" / "cpu-values.yaml"))
+    pod = one(objects, "Pod", "demo-outrider-load-test")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    c = container(pod)
+    assert c["image"] == container(one(objects, "Deployment")["spec"]["template"])["image"]
+    assert c["command"][:4] == ["python", "-m", "load_tests", "run"]
+    # The arguments are the load generator's own: they parse, and name the Service's HTTP port.
+    args = parser().parse_args(c["command"][3:])
+    service = one(objects, "Service", "demo-outrider")
+    (http,) = [p["port"] for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert args.url == f"http://demo-outrider:{http}"
+    assert (args.concurrency, args.requests, args.max_refused) == ([1, 4], 8, 0)
+    assert args.metrics_url == ["none"]
+    # The key comes from the Secret the routers read their keys from.
+    router_spec = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (router_keys,) = [v for v in router_spec["volumes"] if "secret" in v]
+    (pod_keys,) = pod["spec"]["volumes"]
+    assert pod_keys["secret"] == router_keys["secret"]
+    (mount,) = c["volumeMounts"]
+    assert str(args.api_keys_file).startswith(mount["mountPath"] + "/")
+    open_router = render(chart, {"router": {"apiKeys": {"enabled": False}}})
+    command = container(one(open_router, "Pod"))["command"]
+    assert "--api-keys-file" not in command
+    assert not by_kind(render(chart, {"loadTest": {"enabled": False}}), "Pod")
+
+
 def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> None:  # type: ignore[no-untyped-def]
     objects = render(chart, load_values(CHART / "ci" / "gpu-values.yaml"))
     secret_names = {s["metadata"]["name"] for s in by_kind(objects, "Secret")}
@@ -230,6 +260,7 @@ def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> N
         ({"drafter": {"draftAhead": "yes"}}, "/drafter/draftAhead"),
         ({"speculative": {"method": "medusa"}}, "/speculative/method"),
         ({"dtype": "int4"}, "/dtype"),
+        ({"loadTest": {"concurrency": [0]}}, "/loadTest/concurrency/0"),
         ({"replicaCount": 3}, "replicaCount"),
         ({"redis": {"enabled": False}}, "/redis/externalUrl"),
         ({"redis": {"externalUrl": "http://redis:6379"}}, "/redis/externalUrl"),

@@ -76,7 +76,9 @@ def test_copied_sources_exist_and_are_not_ignored(commands) -> None:  # type: ig
     ]
     assert {".git", ".venv", "tests"} <= set(ignored)
     copied = [src for c in commands if c.cmd == "COPY" for src in c.value[:-1]]
-    assert {"cluster", "workers", "router", "kernels", "pyproject.toml"} <= set(copied)
+    assert {"cluster", "workers", "router", "kernels", "load_tests", "pyproject.toml"} <= set(
+        copied
+    )
     for src in copied:
         assert (ROOT / src).exists(), src
         assert not any(fnmatch.fnmatch(src, pattern) for pattern in ignored), src
