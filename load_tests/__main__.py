@@ -102,13 +102,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def levels_from(args: argparse.Namespace) -> list[Level]:
+    if args.metrics_interval <= 0 or args.warmup < 0:
+        raise ValueError("--metrics-interval must be positive and --warmup not negative")
     if args.rate:
-        count = args.requests or 16
+        count = 16 if args.requests is None else args.requests
         return [Level(count, rate=r, max_concurrency=args.max_concurrency) for r in args.rate]
     if args.max_concurrency is not None:
         raise ValueError("--max-concurrency applies to --rate levels")
     users = args.concurrency or [1, 2, 4]
-    return [Level(args.requests or max(16, 4 * c), concurrency=c) for c in users]
+    count = args.requests
+    return [Level(max(16, 4 * c) if count is None else count, concurrency=c) for c in users]
 
 
 def client_line() -> str:

@@ -297,3 +297,18 @@ def test_the_first_key_of_a_router_keys_file(tmp_path: Path) -> None:
         first_key(keys)
     with pytest.raises(SystemExit):  # one key source at a time
         parser().parse_args(["run", "--api-key", "k", "--api-keys-file", str(keys)])
+
+
+def test_bad_arguments_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from load_tests.__main__ import main
+
+    url = "http://127.0.0.1:9"  # refused before anything is sent
+    for extra, message in (
+        (["--metrics-interval", "0"], "--metrics-interval must be positive"),
+        (["--concurrency", "2", "--max-concurrency", "2"], "applies to --rate levels"),
+        (["--requests", "0"], "at least one request"),
+    ):
+        assert main(["run", "--url", url, *extra]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", "--concurrency", "0"])
