@@ -10,6 +10,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+import aiohttp
+
 from load_tests.workload import WorkItem
 
 
@@ -110,8 +112,6 @@ class HttpClient:
     api = "http"
 
     def __init__(self, base_url: str, sampling: Sampling, api_key: str | None = None) -> None:
-        import aiohttp
-
         self.base_url = base_url.rstrip("/")
         self.sampling = sampling
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -147,8 +147,6 @@ class HttpClient:
         return body
 
     async def send(self, item: WorkItem, record: RequestRecord) -> None:
-        import aiohttp
-
         path = "/v1/chat/completions" if item.chat else "/v1/completions"
         start = time.perf_counter()
         try:
@@ -157,11 +155,15 @@ class HttpClient:
                     record.status = str(resp.status)
                     record.error = _error_message(await resp.text())
                     return
-                parser = SseParser()
+                parser, done = SseParser(), False
                 async for piece in resp.content.iter_any():
                     for data in parser.feed(piece):
-                        if data != "[DONE]":
+                        if data == "[DONE]":
+                            done = True
+                        else:
                             _on_event(json.loads(data), record, time.perf_counter() - start)
+                if not done and record.ok:
+                    record.status, record.error = "failed", "the stream ended before [DONE]"
         except TimeoutError:
             record.status, record.error = "timeout", f"no answer in {self.sampling.timeout_s} s"
         except aiohttp.ClientError as exc:

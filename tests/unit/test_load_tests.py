@@ -222,7 +222,8 @@ def test_repeats_count_inputs_sent_earlier_in_the_run() -> None:
 
 def test_http_client_records_what_a_stream_did() -> None:
     """Against a small aiohttp server: a good stream, one cut by an error event, one not in
-    OpenAI's format, a refusal; and a server without /metrics is a clear error."""
+    OpenAI's format, a refusal, one that ends without [DONE]; and a server without /metrics is
+    a clear error."""
     from aiohttp import web
 
     from load_tests.clients import HttpClient, Sampling
@@ -234,6 +235,7 @@ def test_http_client_records_what_a_stream_did() -> None:
         "good": [piece, piece, usage],
         "cut": [piece, {"error": {"message": "verifier lost"}}],
         "garbled": ["{not json"],
+        "truncated": [piece],
     }
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -246,7 +248,8 @@ def test_http_client_records_what_a_stream_did() -> None:
         for event in streams[name]:
             data = event if isinstance(event, str) else json.dumps(event)
             await resp.write(f"data: {data}\n\n".encode())
-        await resp.write(b"data: [DONE]\n\n")
+        if name != "truncated":
+            await resp.write(b"data: [DONE]\n\n")
         return resp
 
     async def scenario() -> tuple[list[RequestRecord], str]:
@@ -262,7 +265,7 @@ def test_http_client_records_what_a_stream_did() -> None:
         url = f"http://127.0.0.1:{port}"
         client = HttpClient(url, Sampling(model="m"))
         records = []
-        for name in ("good", "cut", "garbled", "refused"):
+        for name in ("good", "cut", "garbled", "refused", "truncated"):
             record = RequestRecord("l", "http", "chat", 0.0)
             await client.send(WorkItem("chat", messages=(("user", name),)), record)
             records.append(record)
@@ -276,12 +279,13 @@ def test_http_client_records_what_a_stream_did() -> None:
         await runner.cleanup()
         return records, message
 
-    (good, cut, garbled, refused), message = asyncio.run(scenario())
+    (good, cut, garbled, refused, truncated), message = asyncio.run(scenario())
     assert good.ok and len(good.chunks) == 2 and good.ttft == good.chunks[0]
     assert (good.prompt_tokens, good.output_tokens) == (4, 2)
     assert (cut.status, cut.error, len(cut.chunks)) == ("failed", "verifier lost", 1)
     assert garbled.status == "bad-response"
     assert (refused.status, refused.error) == ("429", "slow down")
+    assert (truncated.status, truncated.error) == ("failed", "the stream ended before [DONE]")
     assert all(r.latency is not None for r in (good, cut, garbled, refused))
     assert "--metrics-url none" in message
 
