@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--requests", type=int, help="requests per level (default max(16, 4 x users); rate: 16)"
     )
+    load.add_argument(
+        "--turns", type=int, default=1, help="a chat continues for up to this many turns"
+    )
     load.add_argument("--warmup", type=int, default=2, help="unrecorded requests first")
     load.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="JSONL requests")
     load.add_argument("--seed", type=int, default=0, help="workload order and arrival times")
@@ -106,12 +109,18 @@ def levels_from(args: argparse.Namespace) -> list[Level]:
         raise ValueError("--metrics-interval must be positive and --warmup not negative")
     if args.rate:
         count = 16 if args.requests is None else args.requests
-        return [Level(count, rate=r, max_concurrency=args.max_concurrency) for r in args.rate]
+        return [
+            Level(count, rate=r, max_concurrency=args.max_concurrency, turns=args.turns)
+            for r in args.rate
+        ]
     if args.max_concurrency is not None:
         raise ValueError("--max-concurrency applies to --rate levels")
     users = args.concurrency or [1, 2, 4]
     count = args.requests
-    return [Level(max(16, 4 * c) if count is None else count, concurrency=c) for c in users]
+    return [
+        Level(max(16, 4 * c) if count is None else count, concurrency=c, turns=args.turns)
+        for c in users
+    ]
 
 
 def client_line() -> str:

@@ -59,7 +59,8 @@ class RequestRecord:
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0
-    item: int = -1  # the workload's request (WorkItem.index)
+    item: int = -1  # the workload's request (WorkItem.index); -1 for a follow-up turn
+    turn: int = 1  # its place in its conversation
 
     @property
     def ok(self) -> bool:
@@ -78,7 +79,9 @@ class RequestRecord:
 class Client(Protocol):
     api: str
 
-    async def send(self, item: WorkItem, record: RequestRecord) -> None: ...
+    async def send(self, item: WorkItem, record: RequestRecord) -> str:
+        """Send `item`, filling in `record`; the text it got back."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -146,22 +149,24 @@ class HttpClient:
             body["speculative"] = spec
         return body
 
-    async def send(self, item: WorkItem, record: RequestRecord) -> None:
+    async def send(self, item: WorkItem, record: RequestRecord) -> str:
         path = "/v1/chat/completions" if item.chat else "/v1/completions"
+        text: list[str] = []
         start = time.perf_counter()
         try:
             async with self._session.post(self.base_url + path, json=self.body(item)) as resp:
                 if resp.status != 200:
                     record.status = str(resp.status)
                     record.error = _error_message(await resp.text())
-                    return
+                    return ""
                 parser, done = SseParser(), False
                 async for piece in resp.content.iter_any():
                     for data in parser.feed(piece):
                         if data == "[DONE]":
                             done = True
                         else:
-                            _on_event(json.loads(data), record, time.perf_counter() - start)
+                            event = json.loads(data)
+                            text.append(_on_event(event, record, time.perf_counter() - start))
                 if not done and record.ok:
                     record.status, record.error = "failed", "the stream ended before [DONE]"
         except TimeoutError:
@@ -172,22 +177,26 @@ class HttpClient:
             record.status, record.error = "bad-response", f"{type(exc).__name__}: {exc}"
         finally:
             record.latency = time.perf_counter() - start
+        return "".join(text)
 
     async def close(self) -> None:
         await self._session.close()
 
 
-def _on_event(event: dict[str, Any], record: RequestRecord, now: float) -> None:
+def _on_event(event: dict[str, Any], record: RequestRecord, now: float) -> str:
+    """Take one event into `record`; the text it carried."""
     if "error" in event:  # failed after the 200 went out
         record.status = "failed"
         record.error = str(event["error"].get("message", event["error"]))
-        return
+        return ""
+    pieces = []
     for choice in event.get("choices") or []:
         text = choice.get("text") or (choice.get("delta") or {}).get("content")
         if text:
             if record.ttft is None:
                 record.ttft = now
             record.chunks.append(now)
+            pieces.append(text)
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
     if usage := event.get("usage"):
@@ -197,6 +206,7 @@ def _on_event(event: dict[str, Any], record: RequestRecord, now: float) -> None:
         record.drafted = int(spec.get("drafted", 0))
         record.accepted = int(spec.get("accepted", 0))
         record.verify_steps = int(spec.get("verify_steps", 0))
+    return "".join(pieces)
 
 
 def _error_message(text: str) -> str:
@@ -248,9 +258,10 @@ class GrpcClient:
         fields["speculative"] = spec
         return pb.GenerateRequest(**fields)
 
-    async def send(self, item: WorkItem, record: RequestRecord) -> None:
+    async def send(self, item: WorkItem, record: RequestRecord) -> str:
         import grpc
 
+        text: list[str] = []
         start = time.perf_counter()
         call = self._stub.Generate(
             self.request(item), metadata=self._metadata, timeout=self.sampling.timeout_s
@@ -262,6 +273,7 @@ class GrpcClient:
                     if record.ttft is None:
                         record.ttft = now
                     record.chunks.append(now)
+                    text.append(response.text)
                 if response.finished:
                     record.finish_reason = response.finish_reason
                     usage, spec = response.usage, response.usage.speculative
@@ -279,6 +291,7 @@ class GrpcClient:
             raise
         finally:
             record.latency = time.perf_counter() - start
+        return "".join(text)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -13,7 +13,7 @@ from typing import Any
 
 from load_tests.clients import RequestRecord
 from load_tests.server_metrics import ServerView
-from load_tests.stats import LevelSummary, Slo, summarize
+from load_tests.stats import LevelSummary, Slo, percentile, summarize
 
 SUMMARY = "summary.json"
 RESULTS = "results.jsonl"
@@ -142,6 +142,7 @@ def server_table(summaries: Sequence[LevelSummary], servers: dict[str, ServerVie
     headers = [
         "level",
         "router outcomes",
+        "routed by",
         "tokens generated (router / client)",
         "drafted / accepted",
         "mean TTFT at the router (ms)",
@@ -161,6 +162,7 @@ def server_table(summaries: Sequence[LevelSummary], servers: dict[str, ServerVie
             [
                 s.level,
                 ", ".join(f"{n:g} {k}" for k, n in sorted(view.requests.items())) or "-",
+                ", ".join(f"{n:g} {k}" for k, n in sorted(view.routed.items())) or "-",
                 f"{c.get('generated', 0):g} / {s.output_tokens}",
                 f"{c.get('drafted', 0):g} / {c.get('accepted', 0):g}",
                 _ms(view.mean_ttft),
@@ -170,6 +172,30 @@ def server_table(summaries: Sequence[LevelSummary], servers: dict[str, ServerVie
                 f"{view.polls} ({view.failed_polls})",
             ]
         )
+    return table(headers, rows)
+
+
+def turn_table(run: Run) -> str:
+    """Per level and turn of a conversation: later turns resend the history, which the
+    verifiers' prefix caches hold."""
+    rows = []
+    for level in run.levels:
+        records = [r for r in run.records if r.level == level]
+        for turn in sorted({r.turn for r in records}):
+            same = [r for r in records if r.turn == turn]
+            ok = [r for r in same if r.ok]
+            ttfts = [r.ttft for r in ok if r.ttft is not None]
+            prompt = sum(r.prompt_tokens for r in ok) / len(ok) if ok else math.nan
+            rows.append(
+                [
+                    level,
+                    turn,
+                    f"{len(ok)} / {len(same)}",
+                    " / ".join(_ms(percentile(ttfts, q)) for q in (50, 90)),
+                    "-" if math.isnan(prompt) else f"{prompt:.0f}",
+                ]
+            )
+    headers = ["level", "turn", "ok / sent", "TTFT p50 / p90 (ms)", "prompt tokens (mean)"]
     return table(headers, rows)
 
 
@@ -195,6 +221,11 @@ def render(run: Run) -> str:
         "",
         client_table(summaries, run.slo),
         "",
+        *(
+            ["## By turn of a conversation", "", turn_table(run), ""]
+            if any(r.turn > 1 for r in run.records)
+            else []
+        ),
         "## What the routers reported",
         "",
         server_table(summaries, run.servers),
@@ -224,9 +255,10 @@ last request's end. Acceptance length: tokens committed per verify step over the
 successful requests (from their usage). Refused: requests that did not succeed, by HTTP status
 or gRPC code (`timeout`, `connection`, `bad-response`, a stream not in OpenAI's format, and
 `failed`, a failure after the stream began, are the client's names). The routers' columns are
-the growth of their Prometheus counters over the level and the highest gauges seen while
-polling; `tokens generated` counts every request the routers served in that time, so it exceeds
-the client's count when other traffic was present."""
+the growth of their Prometheus counters (`routed by`: the routing decisions' reasons, `prefix`
+where a cached prefix chose the group) over the level and the highest gauges seen while polling;
+`tokens generated` counts every request the routers served in that time, so it exceeds the
+client's count when other traffic was present."""
 
 
 def compare(runs: Sequence[tuple[str, Run]]) -> str:

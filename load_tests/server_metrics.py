@@ -51,6 +51,7 @@ class ServerView:
     """What the routers reported over one level."""
 
     requests: dict[str, float] = field(default_factory=dict)  # by outcome
+    routed: dict[str, float] = field(default_factory=dict)  # by reason: prefix, load, only
     counters: dict[str, float] = field(default_factory=dict)  # COUNTERS' growth
     max_in_flight: float = 0.0
     max_queue: dict[str, float] = field(default_factory=dict)  # by verifier group
@@ -66,6 +67,7 @@ class ServerView:
     def to_json(self) -> dict[str, Any]:
         return {
             "requests": self.requests,
+            "routed": self.routed,
             "counters": self.counters,
             "max_in_flight": self.max_in_flight,
             "max_queue": self.max_queue,
@@ -79,16 +81,20 @@ class ServerView:
         return cls(**row)
 
 
+def growth_by(before: Samples, after: Samples, name: str, label: str) -> dict[str, float]:
+    """How much a labelled counter grew from `before` to `after`, summed by one label."""
+    grown: dict[str, float] = defaultdict(float)
+    for (sample, labels), value in after.items():
+        if sample == name and (delta := value - before.get((sample, labels), 0.0)):
+            grown[dict(labels).get(label, "?")] += delta
+    return dict(grown)
+
+
 def difference(before: Samples, after: Samples) -> tuple[dict[str, float], dict[str, float]]:
     """(requests by outcome, COUNTERS) grown from `before` to `after`."""
-    outcomes: dict[str, float] = defaultdict(float)
-    for (name, labels), value in after.items():
-        if name == "outrider_requests_total":
-            grown = value - before.get((name, labels), 0.0)
-            if grown:
-                outcomes[dict(labels).get("status", "?")] += grown
+    outcomes = growth_by(before, after, "outrider_requests_total", "status")
     counters = {key: total(after, name) - total(before, name) for key, name in COUNTERS.items()}
-    return dict(outcomes), counters
+    return outcomes, counters
 
 
 class MetricsPoller:
@@ -134,6 +140,7 @@ class MetricsPoller:
             return self.view
         self._note(after)
         self.view.requests, self.view.counters = difference(self._before, after)
+        self.view.routed = growth_by(self._before, after, "outrider_routed_total", "reason")
         return self.view
 
     async def _poll(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ def time_per_output_token(record: RequestRecord) -> float | None:
 def inter_chunk_gaps(record: RequestRecord) -> list[float]:
     """Seconds between consecutive streamed pieces (a piece can carry several tokens: a verify
     step commits its accepted drafts at once)."""
-    return [b - a for a, b in zip(record.chunks, record.chunks[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(record.chunks)]
 
 
 @dataclass

@@ -10,6 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_WORKLOAD = Path(__file__).resolve().parent / "workloads" / "mixed.jsonl"
+# What a user says next in a conversation (`--turns`), drawn per turn.
+FOLLOW_UPS = (
+    "Can you say more about that?",
+    "Give me a concrete example.",
+    "Summarize that in one sentence.",
+    "Why is that?",
+    "What should I do first?",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +40,12 @@ class WorkItem:
     @property
     def chat(self) -> bool:
         return bool(self.messages)
+
+    def follow_up(self, answer: str, question: str) -> WorkItem:
+        """The next turn: this conversation, the answer it got, and the user's next question
+        (a new input: no workload index)."""
+        turns = (*self.messages, ("assistant", answer), ("user", question))
+        return WorkItem(self.kind, messages=turns, max_tokens=self.max_tokens)
 
 
 @dataclass(frozen=True)

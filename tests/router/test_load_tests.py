@@ -5,6 +5,7 @@ runtime is in test_router_runtime.py."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +49,19 @@ def test_http_levels_against_a_router(open_router: RunningRouter, tmp_path: Path
     check_agrees_with_the_router(result, tmp_path, ["1 user", "3 users"])
     kinds = {r.kind for r in result.records}
     assert kinds == {"chat", "multi-turn", "completion"}
+
+
+def test_conversations_carry_their_history(open_router: RunningRouter, tmp_path: Path) -> None:
+    result = run(open_router.url, tmp_path, "--concurrency", "2", "--requests", "3", "--turns", "2")
+    check_agrees_with_the_router(result, tmp_path, ["2 users, 2 turns"])
+    records = result.records
+    assert {r.turn for r in records if r.kind == "completion"} <= {1}  # no next turn
+    chats = [r for r in records if r.turn == 1 and r.kind != "completion"]
+    assert chats and sum(r.turn == 2 for r in records) == len(chats)
+    for first, second in itertools.pairwise(records):
+        if second.turn == 2:  # the history, the answer and a question came back
+            assert second.prompt_tokens > first.prompt_tokens + first.output_tokens
+    assert "## By turn of a conversation" in (tmp_path / report.REPORT).read_text()
 
 
 def test_grpc_at_a_poisson_rate(open_router: RunningRouter, tmp_path: Path) -> None:

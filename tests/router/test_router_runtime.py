@@ -292,3 +292,4 @@ def test_a_load_test_over_the_runtime(router, tmp_path) -> None:  # type: ignore
     assert view is not None and view.requests == {"ok": 4}
     assert view.counters["generated"] == summary.output_tokens > 0
     assert len(view.max_queue) == 2  # both verifier groups reported their queues
+    assert sum(view.routed.values()) == 4  # every request was routed, for a reason it names

@@ -17,9 +17,9 @@ import pytest
 from load_tests import report
 from load_tests.clients import RequestRecord, SseParser
 from load_tests.runner import Level, run_level
-from load_tests.server_metrics import ServerView, difference, parse, total
+from load_tests.server_metrics import ServerView, difference, growth_by, parse, total
 from load_tests.stats import Slo, percentile, summarize, time_per_output_token
-from load_tests.workload import WorkItem, load_workload, poisson_offsets
+from load_tests.workload import FOLLOW_UPS, WorkItem, load_workload, poisson_offsets
 
 
 def test_percentile_matches_numpy() -> None:
@@ -141,7 +141,10 @@ def test_router_metrics_growth() -> None:
     metrics.requests.labels("completions", "refused").inc(2)
     metrics.generation_tokens.inc(40)
     metrics.queue_depth.labels("g0").set(3)
+    metrics.routed.labels("g0", "prefix").inc()
+    metrics.routed.labels("g1", "load").inc(2)
     after = parse(metrics.render().decode())
+    assert growth_by(before, after, "outrider_routed_total", "reason") == {"prefix": 1, "load": 2}
     outcomes, counters = difference(before, after)
     assert outcomes == {"ok": 3, "refused": 2}
     assert counters["generated"] == 40 and counters["ttft_count"] == 3
@@ -176,13 +179,16 @@ class _FakeClient:
     def __init__(self, delay: float) -> None:
         self.delay, self.open, self.most_open, self.sent = delay, 0, 0, []
 
-    async def send(self, item: WorkItem, record: RequestRecord) -> None:
+    async def send(self, item: WorkItem, record: RequestRecord) -> str:
         self.open += 1
         self.most_open = max(self.most_open, self.open)
         self.sent.append(item)
         await asyncio.sleep(self.delay)
         record.ttft, record.latency, record.output_tokens = self.delay, self.delay, 1
+        if item.messages and item.messages[-1][1] == "refuse me":
+            record.status = "429"
         self.open -= 1
+        return f"answer {len(self.sent)}"
 
     async def close(self) -> None:
         pass
@@ -316,3 +322,35 @@ def test_bad_arguments_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> N
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", "--concurrency", "0"])
+
+
+def test_conversations_send_each_answer_back_with_a_follow_up() -> None:
+    items = [
+        WorkItem("chat", messages=(("user", "hello"),), index=0),
+        WorkItem("completion", prompt="Once upon a time", index=1),
+        WorkItem("chat", messages=(("user", "refuse me"),), index=2),
+    ]
+    client = _FakeClient(0.001)
+    level = Level(3, concurrency=1, turns=3)
+    assert level.name == "1 user, 3 turns"
+    records = asyncio.run(run_level(client, level, iter(items), seed=4))
+    # The chat runs 3 turns; a completion has no next turn; a refused turn ends its chat.
+    assert [(r.item, r.turn, r.status) for r in records] == [
+        (0, 1, "ok"),
+        (-1, 2, "ok"),
+        (-1, 3, "ok"),
+        (1, 1, "ok"),
+        (2, 1, "429"),
+    ]
+    third = client.sent[2].messages
+    assert third[0] == ("user", "hello") and third[1] == ("assistant", "answer 1")
+    assert third[3] == ("assistant", "answer 2") and third[2][1] in FOLLOW_UPS
+    assert len(third) == 5 and third[-1][0] == "user"
+    # Follow-ups are seeded: the same run asks the same questions.
+    again = _FakeClient(0.001)
+    asyncio.run(run_level(again, level, iter(items), seed=4))
+    assert again.sent == client.sent
+    text = report.render(report.Run({}, [level.name], records, {}))
+    assert "## By turn of a conversation" in text and "| 1 user, 3 turns | 3 | 1 / 1 |" in text
+    with pytest.raises(ValueError):
+        Level(3, concurrency=1, turns=0)
