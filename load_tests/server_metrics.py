@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
@@ -65,16 +65,7 @@ class ServerView:
         return self.counters.get("ttft_sum", 0.0) / count if count else None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "requests": self.requests,
-            "routed": self.routed,
-            "counters": self.counters,
-            "max_in_flight": self.max_in_flight,
-            "max_queue": self.max_queue,
-            "max_kv_usage": self.max_kv_usage,
-            "polls": self.polls,
-            "failed_polls": self.failed_polls,
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> ServerView:
@@ -90,11 +81,9 @@ def growth_by(before: Samples, after: Samples, name: str, label: str) -> dict[st
     return dict(grown)
 
 
-def difference(before: Samples, after: Samples) -> tuple[dict[str, float], dict[str, float]]:
-    """(requests by outcome, COUNTERS) grown from `before` to `after`."""
-    outcomes = growth_by(before, after, "outrider_requests_total", "status")
-    counters = {key: total(after, name) - total(before, name) for key, name in COUNTERS.items()}
-    return outcomes, counters
+def counter_growth(before: Samples, after: Samples) -> dict[str, float]:
+    """How much each of COUNTERS grew from `before` to `after`, over all its labels."""
+    return {key: total(after, name) - total(before, name) for key, name in COUNTERS.items()}
 
 
 class MetricsPoller:
@@ -139,9 +128,11 @@ class MetricsPoller:
             self.view.failed_polls += 1  # the routers are gone: no growth to report
             return self.view
         self._note(after)
-        self.view.requests, self.view.counters = difference(self._before, after)
-        self.view.routed = growth_by(self._before, after, "outrider_routed_total", "reason")
-        return self.view
+        before, view = self._before, self.view
+        view.requests = growth_by(before, after, "outrider_requests_total", "status")
+        view.routed = growth_by(before, after, "outrider_routed_total", "reason")
+        view.counters = counter_growth(before, after)
+        return view
 
     async def _poll(self) -> None:
         while True:

@@ -17,7 +17,7 @@ import pytest
 from load_tests import report
 from load_tests.clients import RequestRecord, SseParser
 from load_tests.runner import Level, run_level
-from load_tests.server_metrics import ServerView, difference, growth_by, parse, total
+from load_tests.server_metrics import ServerView, counter_growth, growth_by, parse, total
 from load_tests.stats import Slo, percentile, summarize, time_per_output_token
 from load_tests.workload import FOLLOW_UPS, WorkItem, load_workload, poisson_offsets
 
@@ -145,8 +145,8 @@ def test_router_metrics_growth() -> None:
     metrics.routed.labels("g1", "load").inc(2)
     after = parse(metrics.render().decode())
     assert growth_by(before, after, "outrider_routed_total", "reason") == {"prefix": 1, "load": 2}
-    outcomes, counters = difference(before, after)
-    assert outcomes == {"ok": 3, "refused": 2}
+    assert growth_by(before, after, "outrider_requests_total", "status") == {"ok": 3, "refused": 2}
+    counters = counter_growth(before, after)
     assert counters["generated"] == 40 and counters["ttft_count"] == 3
     assert ServerView(counters=counters).mean_ttft == pytest.approx(0.2)
     assert total(after, "outrider_verifier_queue_depth", group="g0") == 3
