@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import os
 import platform
-import re
 import shlex
 import sys
 import time
@@ -124,11 +123,8 @@ def levels_from(args: argparse.Namespace) -> list[Level]:
 
 
 def client_line() -> str:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file() and (found := re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())):
-        cpu = found.group(1).strip()
-    return f"{platform.node()}, {cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    node, cpu, cores = platform.node(), report.cpu_name(), os.cpu_count()
+    return f"{node}, {cpu}, {cores} cores, Python {platform.python_version()}"
 
 
 async def served_model(session: aiohttp.ClientSession, url: str) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import platform
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,9 +97,18 @@ def _spread_ms(spread: dict[str, float], *keys: str) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table (the benchmarks' tables too: tests/benchmarks/report.py)."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    """This machine's CPU model, as reports name it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file() and (found := re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())):
+        return found.group(1).strip()
+    return platform.processor() or platform.machine()
 
 
 def client_table(summaries: Sequence[LevelSummary], slo: Slo) -> str:

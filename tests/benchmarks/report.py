@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import platform
-import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kernels import native
+from load_tests.report import cpu_name
+from load_tests.report import table as table  # the benchmarks take their tables from here
 
 DEFAULT_REPORT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 _HEADER = (
@@ -20,12 +20,6 @@ _HEADER = (
     "Numbers are medians of several runs measured side by side in one process on the machine "
     "named in the section (these machines are noisy: compare ratios, not absolute times).\n"
 )
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
@@ -41,13 +35,8 @@ def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
 
 
 def machine_line() -> str:
-    cpu = platform.processor() or "cpu"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
-        cpu = found.group(1).strip() if found else cpu
     return (
-        f"{cpu} ({cpu_features()}), {torch.get_num_threads()} torch threads, "
+        f"{cpu_name()} ({cpu_features()}), {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
     )
 
