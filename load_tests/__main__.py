@@ -144,7 +144,7 @@ def first_key(path: Path) -> str:
     return keys[0].key
 
 
-async def run(args: argparse.Namespace) -> tuple[Path, report.Run]:
+async def run(args: argparse.Namespace, command: str) -> tuple[Path, report.Run]:
     if args.api_keys_file is not None:
         args.api_key = first_key(args.api_keys_file)
     levels = levels_from(args)
@@ -171,7 +171,7 @@ async def run(args: argparse.Namespace) -> tuple[Path, report.Run]:
         watch = metrics_urls != ["none"]
         folder = args.out or REPORTS / time.strftime("%Y%m%d-%H%M%S")
         result = report.Run(
-            info=run_info(args, model, workload, sampling),
+            info=run_info(args, command, model, workload, sampling),
             levels=[],
             records=[],
             servers={},
@@ -198,13 +198,13 @@ async def run(args: argparse.Namespace) -> tuple[Path, report.Run]:
 
 
 def run_info(
-    args: argparse.Namespace, model: str, workload: Workload, sampling: Sampling
+    args: argparse.Namespace, command: str, model: str, workload: Workload, sampling: Sampling
 ) -> dict[str, Any]:
     """What a report says about its run."""
     return {
         "title": args.title,
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": "python -m load_tests " + shlex.join(sys.argv[1:]),
+        "command": command,
         "url": args.url,
         "api": args.api,
         "model": model,
@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             rebuild(args.folders, args.compare)
             return 0
-        folder, result = asyncio.run(run(args))
+        command = "python -m load_tests " + shlex.join(sys.argv[1:] if argv is None else argv)
+        folder, result = asyncio.run(run(args, command))
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ runtime is in test_router_runtime.py."""
 from __future__ import annotations
 
 import itertools
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,9 @@ def run(url: str, folder: Path, *extra: str, warmup: int = 1) -> report.Run:
     argv = ["run", "--url", url, "--workload", small_workload(folder), "--out", str(folder)]
     argv += ["--max-tokens", "8", "--warmup", str(warmup), "--metrics-interval", "0.2", *extra]
     assert main(argv) == 0
-    return report.load(folder)
+    result = report.load(folder)
+    assert result.info["command"] == "python -m load_tests " + shlex.join(argv)
+    return result
 
 
 def check_agrees_with_the_router(result: report.Run, folder: Path, levels: list[str]) -> None:
