@@ -26,6 +26,7 @@ from workers.engine.config import (
 )
 from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
 from workers.engine.llm_engine import LLMEngine, RequestOutput
+from workers.engine.logprobs import TokenLogprob
 from workers.engine.sampling_params import SamplingParams
 from workers.model.tokenizer import Tokenizer
 
@@ -132,6 +133,13 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each token's log-probability and the N likeliest at its position",
+    )
     _add_engine_args(gen)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and gRPC")
@@ -274,6 +282,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
+        logprobs=args.logprobs,
     )
     runtime: Runtime | None = None
     if _uses_cluster(args):
@@ -297,8 +306,10 @@ def _generate(args: argparse.Namespace) -> int:
         )
         token_ids: list[int] = []
         pieces: list[str] = []
+        logprobs: list[TokenLogprob] = []
         for out in outputs:
             token_ids += out.new_token_ids
+            logprobs += out.logprobs
             pieces.append(out.text)
             if not args.json:
                 sys.stdout.write(out.text)
@@ -319,6 +330,11 @@ def _generate(args: argparse.Namespace) -> int:
             "tokens_per_s": round(tokens_per_s, 2),
             "spec": final.spec.as_dict(),
         }
+        if params.logprobs is not None:
+            result["logprobs"] = [
+                {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                for lp in logprobs
+            ]
         if stream is not None:
             result["served_by"] = asdict(stream.served_by) if stream.served_by else None
         print(json.dumps(result))

@@ -19,6 +19,7 @@ from router.errors import RouterError
 from router.proto import codegen
 from router.protocol import ChatCompletionRequest, CompletionRequest, validate
 from router.service import RouterService
+from workers.engine.logprobs import TokenLogprob
 from workers.engine.sequence import SpecStats
 
 codegen.ensure()
@@ -37,6 +38,12 @@ def _body(request: Any) -> tuple[dict[str, Any], bool]:
     if request.stop:
         body["stop"] = list(request.stop)
     body["ignore_eos"] = request.ignore_eos
+    chat = request.WhichOneof("input") == "chat"
+    if request.HasField("logprobs"):
+        if chat:
+            body["logprobs"], body["top_logprobs"] = True, request.logprobs
+        else:
+            body["logprobs"] = request.logprobs
     if request.HasField("speculative"):
         s = request.speculative
         spec: dict[str, Any] = {"enabled": not s.disabled}
@@ -45,11 +52,10 @@ def _body(request: Any) -> tuple[dict[str, Any], bool]:
         if s.HasField("num_speculative_tokens"):
             spec["num_speculative_tokens"] = s.num_speculative_tokens
         body["speculative"] = spec
-    which = request.WhichOneof("input")
-    if which == "chat":
+    if chat:
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         return body, True
-    if which == "prompt_token_ids":
+    if request.WhichOneof("input") == "prompt_token_ids":
         body["prompt"] = list(request.prompt_token_ids.ids)
     else:
         body["prompt"] = request.prompt
@@ -90,6 +96,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     text=step.text,
                     finished=step.finished,
                     finish_reason=step.finish_reason or "",
+                    logprobs=[_token_logprob(lp) for lp in step.logprobs],
                 )
                 if step.finished:
                     response.usage.CopyFrom(
@@ -104,6 +111,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             service.metrics.requests.labels("grpc", "refused").inc()
             await _abort(context, exc)
         service.metrics.requests.labels("grpc", "ok").inc()
+
+
+def _token_logprob(logprob: TokenLogprob) -> Any:
+    top = [generate_pb2.TopLogprob(token_id=i, logprob=v) for i, v in logprob.top]
+    return generate_pb2.TokenLogprob(token_id=logprob.token_id, logprob=logprob.logprob, top=top)
 
 
 def _spec_stats(stats: SpecStats) -> Any:

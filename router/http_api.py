@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException
 from router import errors
 from router.backends import Step
 from router.errors import RouterError
+from router.logprobs import LogprobFormatter
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,6 +64,7 @@ def create_app(service: RouterService) -> FastAPI:
         version="0.1.0",
         summary="OpenAI-compatible API of a disaggregated speculative-decoding server",
     )
+    formatter = LogprobFormatter(service.builder.tokenizer)
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
@@ -165,22 +167,26 @@ def create_app(service: RouterService) -> FastAPI:
             raise
         headers = {"X-Request-Id": request_id}
         if generate.stream:
-            events = _events(service, generate, request_id, first, steps, prefix)
+            events = _events(service, formatter, generate, request_id, first, steps, prefix)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        text, last = [prefix, first.text], first
+        text, last, logprobs = [prefix, first.text], first, list(first.logprobs)
         async for step in steps:
             text.append(step.text)
+            logprobs += step.logprobs
             last = step
             if await request.is_disconnected():
                 await steps.aclose()  # aborts the request and frees its KV blocks
                 return Response(status_code=499)
         service.metrics.requests.labels(_api(generate), "ok").inc()
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
+        wanted = generate.params.logprobs is not None
         if generate.chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
+            choice["logprobs"] = formatter.chat(logprobs) if wanted else None
         else:
             choice["text"] = "".join(text)
-            choice["logprobs"] = None
+            # A resumed request's log-probabilities start at the tokens generated now.
+            choice["logprobs"] = formatter.completion(logprobs, len(prefix))[0] if wanted else None
         envelope = _envelope(service, request_id, generate.chat, [choice])
         envelope["usage"] = usage(generate, last)
         if resumed is not None:
@@ -225,6 +231,7 @@ def _envelope(
 
 async def _events(
     service: RouterService,
+    formatter: LogprobFormatter,
     generate: GenerateRequest,
     request_id: str,
     first: Step,
@@ -245,7 +252,14 @@ async def _events(
 
     async def steps() -> AsyncIterator[Step]:
         if prefix:  # a resumed request: what was committed before, as one step
-            yield replace(first, new_token_ids=[], text=prefix, finished=False, finish_reason=None)
+            yield replace(
+                first,
+                new_token_ids=[],
+                logprobs=[],
+                text=prefix,
+                finished=False,
+                finish_reason=None,
+            )
         yield first
         async for step in rest:
             yield step
@@ -255,21 +269,24 @@ async def _events(
             [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
         )
     last = first
+    wanted = generate.params.logprobs is not None
+    offset = len(prefix)  # of the next token's text in the choice's text (completions)
     try:
         async for step in steps():
             last = step
-            if not step.text and not step.finished:
+            if not step.text and not step.finished and not step.logprobs:
                 continue
+            logprobs: dict[str, Any] | None = None
             if chat:
+                if wanted:
+                    logprobs = formatter.chat(step.logprobs)
                 delta = {"content": step.text} if step.text else {}
-                choice = {"index": 0, "delta": delta, "finish_reason": step.finish_reason}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs}
             else:
-                choice = {
-                    "index": 0,
-                    "text": step.text,
-                    "logprobs": None,
-                    "finish_reason": step.finish_reason,
-                }
+                if wanted:
+                    logprobs, offset = formatter.completion(step.logprobs, offset)
+                choice = {"index": 0, "text": step.text, "logprobs": logprobs}
+            choice["finish_reason"] = step.finish_reason
             yield chunk([choice])
     except RouterError as exc:  # failed after the 200 went out: say so in the stream
         service.metrics.requests.labels(_api(generate), "failed").inc()

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router import errors
 from workers.engine.config import RequestSpec
+from workers.engine.logprobs import MAX_LOGPROBS
 from workers.engine.sampling_params import SamplingParams
 from workers.model.tokenizer import Tokenizer
 
@@ -69,7 +70,12 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(description="text, or token ids")
     echo: bool = Field(False, description="not served: must be false")
-    logprobs: int | None = Field(None, description="not served: must be null or 0")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each token's log-probability and those of the N likeliest at its position",
+    )
 
 
 class TextPart(_Strict):
@@ -90,7 +96,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(
         None, ge=1, description="OpenAI's newer name for max_tokens (wins over it)"
     )
-    logprobs: bool = Field(False, description="not served: must be false")
+    logprobs: bool = Field(False, description="each output token's log-probability")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the N likeliest per position"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +138,10 @@ def validate(model: type[M], body: Any) -> M:
 
 
 def sampling_params(
-    body: _SamplingFields, max_tokens: int | None, default_max_tokens: int
+    body: _SamplingFields,
+    max_tokens: int | None,
+    default_max_tokens: int,
+    logprobs: int | None = None,
 ) -> SamplingParams:
     stop = body.stop
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -146,6 +158,7 @@ def sampling_params(
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             stop=stops,
+            logprobs=logprobs,
         )
     except ValueError as exc:
         raise errors.bad_request(str(exc)) from exc
@@ -181,8 +194,6 @@ class RequestBuilder:
         self.check_model(body.model)
         if body.echo:
             raise errors.bad_request("echo is not supported", "echo")
-        if body.logprobs:
-            raise errors.bad_request("logprobs are not supported by this engine", "logprobs")
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise errors.bad_request("prompt must not be empty", "prompt")
@@ -192,17 +203,25 @@ class RequestBuilder:
             vocab = self.tokenizer.vocab_size
             if not prompt_ids or any(not 0 <= t < vocab for t in prompt_ids):
                 raise errors.bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return self._build(body, prompt_ids, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, False)
+        return self._build(
+            body,
+            prompt_ids,
+            body.max_tokens,
+            COMPLETIONS_DEFAULT_MAX_TOKENS,
+            False,
+            body.logprobs,
+        )
 
     def chat(self, body: ChatCompletionRequest) -> GenerateRequest:
         self.check_model(body.model)
-        if body.logprobs:
-            raise errors.bad_request("logprobs are not supported by this engine", "logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise errors.bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         messages = [_message_text(m) for m in body.messages]
         prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
         max_tokens = body.max_completion_tokens or body.max_tokens
         remaining = max(1, self.max_model_len - len(prompt_ids))
-        return self._build(body, prompt_ids, max_tokens, remaining, True)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return self._build(body, prompt_ids, max_tokens, remaining, True, logprobs)
 
     def _build(
         self,
@@ -211,8 +230,9 @@ class RequestBuilder:
         max_tokens: int | None,
         default_max_tokens: int,
         chat: bool,
+        logprobs: int | None,
     ) -> GenerateRequest:
-        params = sampling_params(body, max_tokens, default_max_tokens)
+        params = sampling_params(body, max_tokens, default_max_tokens, logprobs)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise errors.bad_request(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "

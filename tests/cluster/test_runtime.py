@@ -56,6 +56,33 @@ def test_eagle_pool_with_remote_prefill_is_exact_and_drafts(
     assert {d["pid"] for d in info["drafters"]}.isdisjoint({v["pid"] for v in info["verifiers"]})
 
 
+def test_logprobs_from_the_prefill_worker_and_the_verifier(  # type: ignore[no-untyped-def]
+    eagle_runtime, model_fp32, checkpoint, prompts
+) -> None:
+    """The first token is drawn from the logits the prefill worker sent, the rest from the
+    verifier's forwards over EAGLE drafts: each step's output has one log-probability per new
+    token, and all are those of the in-process engine without speculation."""
+    from workers.engine.config import EngineConfig
+    from workers.engine.llm_engine import LLMEngine
+
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=2)
+    stream = eagle_runtime.submit(prompts[2], params, RequestSpec(method="eagle"))
+    outputs = list(stream.outputs())
+    assert stream.served_by.prefill == "prefill-0"
+    assert all(len(o.logprobs) == len(o.new_token_ids) for o in outputs)
+    got = [lp for o in outputs for lp in o.logprobs]
+    plain = LLMEngine(
+        model_fp32, EngineConfig(max_model_len=512), eos_token_ids=checkpoint.config.eos_token_ids
+    ).generate([prompts[2]], params)[0]
+    assert [lp.token_id for lp in got] == plain.token_ids
+    assert [lp.logprob for lp in got] == pytest.approx(
+        [lp.logprob for lp in plain.logprobs], abs=1e-4
+    )
+    assert [[i for i, _ in lp.top] for lp in got] == [
+        [i for i, _ in lp.top] for lp in plain.logprobs
+    ]
+
+
 def test_a_span_per_request_and_round_across_ray_calls(eagle_runtime, prompts, expected) -> None:  # type: ignore[no-untyped-def]
     from cluster import telemetry
 

@@ -49,8 +49,10 @@ def test_generate_json_matches_the_engine(model_fp32, checkpoint) -> None:  # ty
 
 def test_generate_with_speculation_gives_the_same_tokens(checkpoint) -> None:  # type: ignore[no-untyped-def]
     prompt = "A B C D E F G A B C D E F G A B C"
-    base = ["--temperature", "0", "--max-tokens", "16", "--json", "--ignore-eos"]
+    base = ["--temperature", "0", "--max-tokens", "16", "--json", "--ignore-eos", "--logprobs", "2"]
     plain = json.loads(run_cli(prompt, *base).stdout)
+    assert [lp["token_id"] for lp in plain["logprobs"]] == plain["token_ids"]
+    assert all(len(lp["top"]) == 2 for lp in plain["logprobs"])
     for extra in (
         ["--spec-method", "ngram"],
         ["--spec-method", "draft_model", "--draft-layers", "10"],
@@ -59,6 +61,9 @@ def test_generate_with_speculation_gives_the_same_tokens(checkpoint) -> None:  #
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         assert out["token_ids"] == plain["token_ids"]
+        assert [lp["logprob"] for lp in out["logprobs"]] == pytest.approx(
+            [lp["logprob"] for lp in plain["logprobs"]], abs=1e-4
+        )
         assert out["spec"]["drafted"] > 0  # it did speculate (whatever was accepted)
         assert out["spec"]["verify_steps"] + out["spec"]["accepted"] == 15
 
@@ -67,6 +72,9 @@ def test_generate_rejects_bad_parameters() -> None:
     proc = run_cli(PROMPT, "--top-p", "0", "--json")
     assert proc.returncode == 2
     assert "top_p must be in (0, 1]" in proc.stderr
+    proc = run_cli(PROMPT, "--logprobs", "21")
+    assert proc.returncode == 2
+    assert "logprobs must be in [0, 20]" in proc.stderr
     proc = run_cli(PROMPT, "--spec-method", "draft_model")
     assert proc.returncode == 2
     assert "needs --draft-model or --draft-layers" in proc.stderr

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from tests.router.helpers import MODEL, PROMPT, get, post, raw_completion_stream, sse_events
 from workers.engine.sampling_params import SamplingParams
@@ -121,6 +122,87 @@ def test_stop_string_across_tokens_and_multibyte_text_in_the_stream(server: str)
     assert "".join(pieces) == whole_emoji["choices"][0]["text"]
 
 
+def test_logprobs_are_the_models_and_streams_carry_them(
+    server: str, model_fp32, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
+    """Completions (legacy shape) and chat (`content` entries with bytes), whole and streamed,
+    with n-gram speculation: each token's log-probability is the log-softmax of the target's
+    logits at its position, computed here in one plain prefill over prompt and answer."""
+    from tests.model.helpers import all_logits
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    tok = checkpoint.tokenizer
+    spec = {"speculative": {"method": "ngram", "num_speculative_tokens": 4}}
+    prompt = "one two three, one two three, one two three,"
+    whole = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=3, extra_body=spec
+    )
+    logprobs = whole.choices[0].logprobs
+    assert whole.usage.speculative["accepted"] > 0
+    assert len(logprobs.tokens) == whole.usage.completion_tokens == 10
+    assert "".join(logprobs.tokens) == whole.choices[0].text
+    assert logprobs.text_offset == [
+        sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
+    ]
+    prompt_ids = tok.encode(prompt)
+    answer = plain_greedy(model_fp32, checkpoint, prompt_ids, 10)
+    assert logprobs.tokens == [tok.decode([t]) for t in answer]
+    with torch.no_grad():
+        expected = torch.log_softmax(all_logits(model_fp32, prompt_ids + answer).float(), -1)
+    rows = expected[len(prompt_ids) - 1 : -1]
+    for row, token, value, top in zip(
+        rows, answer, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert value == pytest.approx(float(row[token]), abs=1e-4)
+        assert len(top) <= 4 and max(top, key=top.get) == tok.decode([token])
+        assert sorted(top.values(), reverse=True)[:3] == pytest.approx(
+            row.topk(3).values.tolist(), abs=1e-4
+        )
+    streamed = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=10,
+            temperature=0,
+            logprobs=3,
+            stream=True,
+            extra_body=spec,
+        )
+    )
+    parts = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == logprobs.tokens
+    assert [o for p in parts for o in p.text_offset] == logprobs.text_offset
+    assert [v for p in parts for v in p.token_logprobs] == pytest.approx(
+        logprobs.token_logprobs, abs=1e-4
+    )
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in content).decode() == reply.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in content)
+    chunks = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+    )
+    entries = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.top_logprobs) for e in entries] == [(e.token, []) for e in content]
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 BAD = [
     (b"{not json", 400, "not valid JSON", None),
     (b'{"prompt": "caf\xe9"}', 400, "not valid UTF-8", None),
@@ -137,7 +219,8 @@ BAD = [
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist", "model"),
     ({"prompt": "word " * 600}, 400, "maximum context length is", "prompt"),
     ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop.str"),
-    ({"prompt": PROMPT, "logprobs": 2}, 400, "logprobs", "logprobs"),
+    ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
+    ({"prompt": PROMPT, "echo": True}, 400, "echo", "echo"),
     ({"prompt": PROMPT, "speculative": {"method": "magic"}}, 400, "speculative method", None),
     ({"prompt": PROMPT, "speculative": {"method": "draft_model"}}, 400, "not available", None),
     ({"prompt": PROMPT, "speculative": {"k": 3}}, 400, "Extra inputs", "speculative.k"),
@@ -166,6 +249,8 @@ def test_bad_chat_requests(server: str) -> None:
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content.str"),
         ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
     ):
         code, out, _, _ = post(url, body)
         assert (code, out["error"]["param"]) == (400, param)

@@ -117,6 +117,21 @@ def test_grpc_streams_the_same_tokens_as_http(replicas) -> None:  # type: ignore
             OPEN,
         )[1]
         assert chat_text == http_chat["choices"][0]["message"]["content"]
+        with_logprobs = generate_pb2.GenerateRequest(
+            prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2
+        )
+        steps = list(stub.Generate(with_logprobs, metadata=[("authorization", f"Bearer {OPEN}")]))
+        assert all(len(r.logprobs) == len(r.token_ids) for r in steps)
+        grpc_logprobs = [lp for r in steps for lp in r.logprobs]
+        assert [lp.token_id for lp in grpc_logprobs] == [t for r in steps for t in r.token_ids]
+        assert all([t.token_id for t in lp.top][:1] == [lp.token_id] for lp in grpc_logprobs)
+        http_logprobs = post(
+            replicas[0].url + "/v1/completions", {**body, "max_tokens": 5, "logprobs": 2}, OPEN
+        )[1]["choices"][0]["logprobs"]
+        assert [lp.logprob for lp in grpc_logprobs] == pytest.approx(
+            http_logprobs["token_logprobs"], abs=1e-4
+        )
+        assert all(len(lp.top) == 2 for lp in grpc_logprobs)
         models = stub.ListModels(
             generate_pb2.ListModelsRequest(), metadata=[("authorization", f"Bearer {OPEN}")]
         )

@@ -131,6 +131,30 @@ def test_grpc_streams_the_same_tokens(router) -> None:  # type: ignore[no-untype
     assert responses[-1].usage.completion_tokens == 16
 
 
+def test_logprobs_cross_the_runtime(router, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Each token's log-probability comes through Ray and HTTP as the model's (a plain
+    prefill over prompt and answer here); the prefill worker's part is in
+    tests/cluster/test_runtime.py."""
+    from tests.model.helpers import all_logits
+
+    prompt = (
+        "Log-probabilities over the runtime. " + "A prompt long enough to prefill remotely. " * 3
+    )
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    code, out, _, _ = post(router.url + "/v1/completions", body)
+    assert code == 200, out
+    logprobs = out["choices"][0]["logprobs"]
+    tok = checkpoint.tokenizer
+    prompt_ids = tok.encode(prompt)
+    answer = [tok.encode(t, add_special_tokens=False) for t in logprobs["tokens"]]
+    assert all(len(ids) == 1 for ids in answer)  # each token's text encodes back to it
+    ids = prompt_ids + [ids[0] for ids in answer]
+    expected = all_logits(model_fp32, ids).float().log_softmax(-1)[len(prompt_ids) - 1 : -1]
+    chosen = [float(row[t]) for row, t in zip(expected, ids[len(prompt_ids) :], strict=True)]
+    assert logprobs["token_logprobs"] == pytest.approx(chosen, abs=1e-4)
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+
+
 def test_the_verifier_refusing_a_request_is_a_400_and_the_groups_keep_serving(router) -> None:  # type: ignore[no-untyped-def]
     """The engine's own refusal (no draft model in this deployment) crosses Ray as the actor's
     exception and reaches the client as an OpenAI 400."""

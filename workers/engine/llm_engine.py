@@ -19,6 +19,7 @@ from workers.drafting.base import EMPTY_DRAFT, Drafter
 from workers.engine.calibration import verify_costs
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.logprobs import TokenLogprob, token_logprobs
 from workers.engine.model_runner import ModelRunner, RunnerOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler
@@ -43,6 +44,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     spec: SpecStats
+    # One per new token when the request asked for log-probabilities (`params.logprobs`)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -94,6 +97,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -185,7 +189,8 @@ class LLMEngine:
         if prefilled is not None:
             logits = self._load_prefilled(seq, prefilled)
             if logits is not None:  # the whole prompt came: its first token needs no forward
-                self._append(seq, [sample_one(seq, logits)])
+                token = sample_one(seq, logits)
+                self._append(seq, [token], _logprobs(seq, logits.view(1, -1), [token]))
                 if seq.finished:
                     return
         self.scheduler.add(seq)
@@ -234,7 +239,9 @@ class LLMEngine:
             for index, (scheduled, tokens) in enumerate(zip(batch.seqs, results, strict=True)):
                 if layers:
                     self._send_hidden(scheduled, tokens, output, index, layers)
-                self._commit(scheduled, tokens)
+                # Committed token j was drawn from the j-th scored row of the sequence.
+                logprobs = _logprobs(scheduled.seq, output.logits_of(index), tokens)
+                self._commit(scheduled, tokens, logprobs)
             if self.step_listeners:
                 self._report(batch.seqs, results, start_ns, drafted - start, drafted)
         return self.take_outputs()
@@ -279,11 +286,14 @@ class LLMEngine:
                 result = results[out.request_id]
                 result.token_ids += out.new_token_ids
                 result.text += out.text
+                result.logprobs += out.logprobs
                 if out.finished:
                     result.finish_reason, result.spec = out.finish_reason, out.spec
         return [results[rid] for rid in ids]
 
-    def _commit(self, scheduled: ScheduledSeq, tokens: list[int] | None) -> None:
+    def _commit(
+        self, scheduled: ScheduledSeq, tokens: list[int] | None, logprobs: list[TokenLogprob]
+    ) -> None:
         seq = scheduled.seq
         if tokens is None:  # a prefill chunk short of the prompt's end
             seq.num_computed_tokens += scheduled.num_new_tokens
@@ -293,12 +303,13 @@ class LLMEngine:
         if scheduled.decoding:  # a verify step (the first token after prefill is not one)
             seq.stats.record(num_drafted, num_accepted)
             self.stats.record(num_drafted, num_accepted)
-        self._append(seq, tokens)
+        self._append(seq, tokens, logprobs)
 
-    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
         """Commit tokens whose K/V (all but the last) is in the cache: stop conditions, rollback
         of rejected slots, prefix-cache registration, text, outputs, drafters."""
         tokens, reason = self._cut_at_stop(seq, tokens)
+        logprobs = logprobs[: len(tokens)]
         seq.token_ids += tokens
         seq.draft = EMPTY_DRAFT
         seq.block_table.truncate(seq.num_computed_tokens)  # roll back rejected draft slots
@@ -308,7 +319,7 @@ class LLMEngine:
         text = "" if detok is None else detok.add(tokens)
         if detok is not None and detok.stopped:
             reason = "stop"
-        self._record_output(seq, tokens, text)
+        self._record_output(seq, tokens, text, logprobs)
         if reason:
             self._finish(seq, reason)
         else:
@@ -343,7 +354,9 @@ class LLMEngine:
                 return tokens[:n], "length"
         return tokens, None
 
-    def _record_output(self, seq: Sequence, tokens: list[int], text: str) -> None:
+    def _record_output(
+        self, seq: Sequence, tokens: list[int], text: str, logprobs: Seq[TokenLogprob] = ()
+    ) -> None:
         out = self._outputs.get(seq.request_id)
         if out is None:
             out = RequestOutput(
@@ -352,6 +365,7 @@ class LLMEngine:
             self._outputs[seq.request_id] = out
         out.new_token_ids += tokens
         out.text += text
+        out.logprobs += logprobs
         out.num_output_tokens = len(seq.output_token_ids)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -370,6 +384,14 @@ class LLMEngine:
         outputs = list(self._outputs.values())
         self._outputs.clear()
         return outputs
+
+
+def _logprobs(seq: Sequence, rows: torch.Tensor, tokens: list[int] | None) -> list[TokenLogprob]:
+    """The committed tokens' log-probabilities when the request asked for them."""
+    num_top = seq.params.logprobs
+    if num_top is None or not tokens:
+        return []
+    return token_logprobs(rows, tokens, num_top)
 
 
 def _check_prefilled(prefilled: Prefilled, num_prompt_tokens: int) -> None:

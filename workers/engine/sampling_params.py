@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling import logits_to_probs
+from workers.engine.logprobs import MAX_LOGPROBS
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one that appears
+    # Each generated token's log-probability and this many alternatives (0: none besides it);
+    # None: no log-probabilities (workers/engine/logprobs.py)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -36,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -42,6 +42,20 @@ _PRE_TOKENIZERS: dict[str, tuple[bool, str | None]] = {
 }
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet: it writes each byte as one printable character, the printable
+    Latin-1 bytes as themselves and the other 68 as the characters from U+0100 on, in byte
+    order. Character to byte."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    others = (b for b in range(256) if b not in printable)
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(0x100 + n): b for n, b in enumerate(others)})
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFTokenizerSpec:
     """The tokenizer fields of a GGUF file (`tokenizer.ggml.*` and `tokenizer.chat_template`)."""
@@ -120,6 +134,16 @@ class Tokenizer:
 
     def token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which may be part of a UTF-8 character (its text
+        alone then decodes to U+FFFD)."""
+        piece = self.token_text(token_id)
+        if isinstance(self.backend.decoder, decoders.ByteLevel) and all(
+            c in _BYTE_OF_CHAR for c in piece
+        ):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognized."""

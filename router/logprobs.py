@@ -1,0 +1,80 @@
+"""OpenAI's `logprobs` objects from the engine's per-token log-probabilities.
+
+Completions (`"logprobs": N`) answer in the legacy shape, `{tokens, token_logprobs,
+top_logprobs, text_offset}`, where each position's `top_logprobs` maps the N likeliest tokens'
+texts, and the chosen token's, to their log-probabilities (as vLLM does). Chat (`"logprobs":
+true, "top_logprobs": N`) answers `{"content": [{token, logprob, bytes, top_logprobs}]}` with
+exactly the N likeliest. A token's text is its own decoding, which for a token holding part of a
+UTF-8 character is U+FFFD; `bytes` (chat) carries its true bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from workers.engine.logprobs import TokenLogprob
+from workers.model.tokenizer import Tokenizer
+
+FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinities)
+
+
+class LogprobFormatter:
+    """Formats log-probabilities for one served tokenizer; token texts are decoded once."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._texts[token_id] = text
+        return text
+
+    def completion(
+        self, logprobs: Sequence[TokenLogprob], offset: int
+    ) -> tuple[dict[str, Any], int]:
+        """The legacy object for these tokens, whose text starts `offset` characters into the
+        choice's text, and the offset where the next token's text starts (a stream's next
+        chunk carries on from there)."""
+        tokens = [self.text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        top = []
+        for lp in logprobs:
+            alternatives = {self.text(i): _finite(v) for i, v in lp.top}
+            alternatives.setdefault(self.text(lp.token_id), _finite(lp.logprob))
+            top.append(alternatives)
+        body = {
+            "tokens": tokens,
+            "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+        return body, offset
+
+    def chat(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        return {
+            "content": [
+                {
+                    **self._entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._entry(i, v) for i, v in lp.top],
+                }
+                for lp in logprobs
+            ]
+        }
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": self.text(token_id),
+            "logprob": _finite(logprob),
+            "bytes": list(self.tokenizer.token_bytes(token_id)),
+        }
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, FLOOR)
