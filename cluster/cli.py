@@ -130,6 +130,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
@@ -283,6 +286,9 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
         logprobs=args.logprobs,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
     )
     runtime: Runtime | None = None
     if _uses_cluster(args):

@@ -32,7 +32,17 @@ SERVICE_NAME = "outrider.v1.Generation"
 def _body(request: Any) -> tuple[dict[str, Any], bool]:
     """The request as an OpenAI-style body, and whether it is a chat request."""
     body: dict[str, Any] = {"model": request.model or None}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in (
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
         if request.HasField(name):
             body[name] = getattr(request, name)
     if request.stop:

@@ -54,6 +54,15 @@ class _SamplingFields(_Strict):
     top_k: int | None = Field(None, ge=-1, description="keep the k likeliest; -1 or 0: off")
     min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below min_p x top")
     seed: int | None = Field(None, description="seeded sampling, independent of the batch")
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="minus this for each token already in the output"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="minus this times the token's count in the output"
+    )
+    repetition_penalty: float | None = Field(
+        None, gt=0, description="vLLM's extension: tokens seen in prompt or output, 1 is off"
+    )
     stop: str | Annotated[list[str], Field(max_length=16)] | None = Field(
         None, description="the text ends before the first of these that appears"
     )
@@ -159,6 +168,9 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             stop=stops,
             logprobs=logprobs,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
         )
     except ValueError as exc:
         raise errors.bad_request(str(exc)) from exc

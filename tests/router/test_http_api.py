@@ -203,6 +203,21 @@ def test_logprobs_are_the_models_and_streams_carry_them(
     assert plain.choices[0].logprobs is None
 
 
+def test_penalties_reach_the_engine(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's presence and frequency penalties and vLLM's repetition penalty change the
+    greedy text exactly as plain decoding with them does."""
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    penalties = {"presence_penalty": 0.2, "frequency_penalty": 0.3, "repetition_penalty": 1.2}
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    _, out, _, _ = post(server + "/v1/completions", {**body, **penalties})
+    _, unpenalized, _, _ = post(server + "/v1/completions", body)
+    engine = SequentialEngine(model_fp32, max_model_len=256)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **penalties)
+    tok = checkpoint.tokenizer
+    expected = tok.decode(engine.generate(tok.encode(prompt), params).token_ids)
+    assert out["choices"][0]["text"] == expected != unpenalized["choices"][0]["text"]
+
+
 BAD = [
     (b"{not json", 400, "not valid JSON", None),
     (b'{"prompt": "caf\xe9"}', 400, "not valid UTF-8", None),
@@ -221,6 +236,13 @@ BAD = [
     ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop.str"),
     ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
     ({"prompt": PROMPT, "echo": True}, 400, "echo", "echo"),
+    (
+        {"prompt": PROMPT, "presence_penalty": 2.5},
+        400,
+        "less than or equal to 2",
+        "presence_penalty",
+    ),
+    ({"prompt": PROMPT, "repetition_penalty": 0}, 400, "greater than 0", "repetition_penalty"),
     ({"prompt": PROMPT, "speculative": {"method": "magic"}}, 400, "speculative method", None),
     ({"prompt": PROMPT, "speculative": {"method": "draft_model"}}, 400, "not available", None),
     ({"prompt": PROMPT, "speculative": {"k": 3}}, 400, "Extra inputs", "speculative.k"),

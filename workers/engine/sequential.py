@@ -83,6 +83,8 @@ class SequentialEngine:
         try:
             logits = self._prefill(table, prompt)
             while True:
+                if params.penalized:
+                    logits = params.penalize(logits, prompt, tokens[len(prompt) :])
                 token = self._sample(logits, params, generator)
                 tokens.append(token)
                 if not first_token_s:

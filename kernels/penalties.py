@@ -1,0 +1,47 @@
+"""Repetition, frequency and presence penalties on logits, as vLLM and OpenAI define them.
+
+- repetition (transformers' and vLLM's, 1 = off): a token already in the prompt or the output
+  has its logit divided by the penalty where positive, multiplied by it where negative;
+- frequency (OpenAI's, 0 = off): minus the penalty times the token's count in the output;
+- presence (OpenAI's, 0 = off): minus the penalty once for a token present in the output.
+
+In a verify forward, row j of a sequence scores the position after its j-th draft token, so its
+output so far ends with the first j drafts: `position_counts` builds each row's counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def position_counts(
+    output_ids: Sequence[int], draft_ids: Sequence[int], vocab: int
+) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32
+    """Row j: how often each token occurs in `output_ids` plus the first j drafts."""
+    base = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)
+    counts = base.float().repeat(len(draft_ids) + 1, 1)
+    for j, token in enumerate(draft_ids, start=1):
+        counts[j:, token] += 1
+    return counts
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [rows, vocab]
+    output_counts: torch.Tensor,  # [rows, vocab] each token's count in the output so far
+    in_prompt: torch.Tensor,  # [vocab] bool: the token occurs in the prompt
+    repetition: float,
+    frequency: float,
+    presence: float,
+) -> torch.Tensor:  # [rows, vocab] fp32, a new tensor
+    logits = logits.float().clone()
+    if repetition != 1.0:
+        seen = (output_counts > 0) | in_prompt
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits = torch.where(seen, penalized, logits)
+    if frequency != 0.0:
+        logits -= frequency * output_counts
+    if presence != 0.0:
+        logits -= presence * (output_counts > 0).float()
+    return logits

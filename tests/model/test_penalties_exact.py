@@ -1,0 +1,104 @@
+"""Penalties on the bundled model (fp32): plain decoding applies them as transformers does
+(repetition) and as OpenAI defines them (frequency, presence), and greedy decoding with
+speculation commits exactly what plain decoding does with the same penalties."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.unit.test_penalties import reference
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.ngram import NgramConfig, NgramDrafter
+from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1, 2, 3, 1, 2, 3, 1, 2, 3,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Once upon a time",
+]
+PENALIZED = SamplingParams(
+    max_tokens=16,
+    temperature=0,
+    repetition_penalty=1.2,
+    frequency_penalty=0.3,
+    presence_penalty=0.2,
+)
+
+
+@pytest.fixture(scope="module")
+def plain(model_fp32, checkpoint) -> SequentialEngine:  # type: ignore[no-untyped-def]
+    return SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
+    )
+
+
+def test_repetition_penalty_matches_transformers_generate(plain, checkpoint, hf_model) -> None:  # type: ignore[no-untyped-def]
+    prompt = checkpoint.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.3, ignore_eos=True)
+    ours = plain.generate(prompt, params).token_ids
+    with torch.no_grad():
+        theirs = hf_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.3,
+            min_new_tokens=16,
+        )[0, len(prompt) :].tolist()
+    assert ours == theirs
+    unpenalized = plain.generate(prompt, SamplingParams(max_tokens=16, temperature=0)).token_ids
+    assert ours != unpenalized  # the penalty changed the text
+
+
+def test_all_penalties_match_a_loop_over_transformers_logits(plain, checkpoint, hf_model) -> None:  # type: ignore[no-untyped-def]
+    prompt = checkpoint.tokenizer.encode(PROMPTS[1])
+    ours = plain.generate(prompt, PENALIZED).token_ids
+    tokens = list(prompt)
+    eos = set(checkpoint.config.eos_token_ids)
+    with torch.no_grad():
+        while len(tokens) - len(prompt) < PENALIZED.max_tokens:
+            logits = hf_model(torch.tensor([tokens])).logits[0, -1].tolist()
+            penalized = reference(logits, prompt, tokens[len(prompt) :], 1.2, 0.3, 0.2)
+            tokens.append(max(range(len(penalized)), key=penalized.__getitem__))
+            if tokens[-1] in eos:
+                break
+    assert ours == tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_penalized_greedy_with_speculation_is_plain_decoding(  # type: ignore[no-untyped-def]
+    method: str, plain, model_fp32, checkpoint
+) -> None:
+    """Four requests at once, half of them penalized (mildly: drafts still hold now and then);
+    the drafters do not know the penalties, so their drafts are rejected where a penalty turns
+    the target's choice."""
+    drafter = (
+        NgramDrafter(NgramConfig(1, 4))
+        if method == "ngram"
+        else EagleDrafter(EagleHead.load(BUNDLED_HEAD), model_fp32, num_blocks=1024)
+    )
+    spec = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
+    engine = LLMEngine(
+        model_fp32,
+        EngineConfig(max_model_len=512, spec=spec),
+        eos_token_ids=checkpoint.config.eos_token_ids,
+        drafters={method: drafter},
+    )
+    prompts = [checkpoint.tokenizer.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    mild = replace(greedy, repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.05)
+    params = [greedy, mild] * 2
+    got = engine.generate(prompts, params, RequestSpec(method=method))
+    assert got[1].spec.accepted > 0  # penalized rows after accepted drafts
+    for prompt, p, result in zip(prompts, params, got, strict=True):
+        assert result.token_ids == plain.generate(prompt, p).token_ids
+    assert got[1].token_ids != plain.generate(prompts[1], greedy).token_ids
