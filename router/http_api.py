@@ -9,6 +9,7 @@ request schemas.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -34,7 +35,8 @@ from router.protocol import (
     parse_json,
     validate,
 )
-from router.service import RouterService, usage
+from router.service import Choice, RouterService, usage
+from workers.engine.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -158,36 +160,43 @@ def create_app(service: RouterService) -> FastAPI:
         resumed: dict[str, Any] | None = None,
     ) -> Response:
         request_id = f"{'chatcmpl' if generate.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        steps = service.generate(generate, request_id)
         try:
-            first = await anext(steps)  # refusals surface here, before any 200 goes out
+            choices = await service.start(generate, request_id)  # refusals surface here
         except RouterError:
             if resumed is not None:  # the error handler counts the others
                 service.metrics.requests.labels(_api(generate), "refused").inc()
             raise
         headers = {"X-Request-Id": request_id}
+        steps = _merged(choices, prefix)
         if generate.stream:
-            events = _events(service, formatter, generate, request_id, first, steps, prefix)
+            events = _events(service, formatter, generate, request_id, steps, len(choices), prefix)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        text, last, logprobs = [prefix, first.text], first, list(first.logprobs)
-        async for step in steps:
-            text.append(step.text)
-            logprobs += step.logprobs
-            last = step
+        texts: list[list[str]] = [[] for _ in choices]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in choices]
+        last = [first for first, _ in choices]
+        async for index, step in steps:
+            texts[index].append(step.text)
+            logprobs[index] += step.logprobs
+            last[index] = step
             if await request.is_disconnected():
-                await steps.aclose()  # aborts the request and frees its KV blocks
+                await steps.aclose()  # aborts the choices and frees their KV blocks
                 return Response(status_code=499)
         service.metrics.requests.labels(_api(generate), "ok").inc()
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason}
         wanted = generate.params.logprobs is not None
-        if generate.chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-            choice["logprobs"] = formatter.chat(logprobs) if wanted else None
-        else:
-            choice["text"] = "".join(text)
-            # A resumed request's log-probabilities start at the tokens generated now.
-            choice["logprobs"] = formatter.completion(logprobs, len(prefix))[0] if wanted else None
-        envelope = _envelope(service, request_id, generate.chat, [choice])
+        answers = []
+        for index, (text, step) in enumerate(zip(texts, last, strict=True)):
+            choice: dict[str, Any] = {"index": index, "finish_reason": step.finish_reason}
+            if generate.chat:
+                choice["message"] = {"role": "assistant", "content": "".join(text)}
+                choice["logprobs"] = formatter.chat(logprobs[index]) if wanted else None
+            else:
+                choice["text"] = "".join(text)
+                # A resumed request's log-probabilities start at the tokens generated now.
+                choice["logprobs"] = (
+                    formatter.completion(logprobs[index], len(prefix))[0] if wanted else None
+                )
+            answers.append(choice)
+        envelope = _envelope(service, request_id, generate.chat, answers)
         envelope["usage"] = usage(generate, last)
         if resumed is not None:
             envelope["resumed"] = resumed
@@ -229,17 +238,66 @@ def _envelope(
     }
 
 
+async def _merged(
+    choices: list[Choice], prefix: str = ""
+) -> AsyncGenerator[tuple[int, Step], None]:
+    """The choices' steps as they come, each with its choice's index. `prefix`, a resumed
+    request's committed text (one choice), comes as a step of its own before the first.
+    Closing it aborts every choice that has not finished."""
+    if len(choices) == 1:
+        first, rest = choices[0]
+        try:
+            if prefix:
+                committed = replace(first, new_token_ids=[], logprobs=[], text=prefix)
+                yield 0, replace(committed, finished=False, finish_reason=None)
+            yield 0, first
+            async for step in rest:
+                yield 0, step
+        finally:
+            await rest.aclose()
+        return
+    queue: asyncio.Queue[tuple[int, Step | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, first: Step, rest: AsyncGenerator[Step, None]) -> None:
+        try:
+            await queue.put((index, first))
+            async for step in rest:
+                await queue.put((index, step))
+        except Exception as exc:  # handed to the consumer, which raises it
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, *choice)) for i, choice in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, rest in choices:  # aborts each unfinished choice in its verifier
+            await rest.aclose()
+
+
 async def _events(
     service: RouterService,
     formatter: LogprobFormatter,
     generate: GenerateRequest,
     request_id: str,
-    first: Step,
-    rest: AsyncGenerator[Step, None],
+    steps: AsyncGenerator[tuple[int, Step], None],
+    n: int,
     prefix: str = "",
 ) -> AsyncIterator[bytes]:
-    """Server-sent events in OpenAI's chunk format. Cancelled when the client disconnects,
-    which closes `rest` and so aborts the request in its verifier."""
+    """Server-sent events in OpenAI's chunk format, one choice's step a chunk. Cancelled when
+    the client disconnects, which closes `steps` and so aborts the choices in their verifier."""
     chat = generate.chat
     kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -250,30 +308,18 @@ async def _events(
             event["usage"] = None
         return f"data: {json.dumps(event)}\n\n".encode()
 
-    async def steps() -> AsyncIterator[Step]:
-        if prefix:  # a resumed request: what was committed before, as one step
-            yield replace(
-                first,
-                new_token_ids=[],
-                logprobs=[],
-                text=prefix,
-                finished=False,
-                finish_reason=None,
-            )
-        yield first
-        async for step in rest:
-            yield step
-
     if chat:
-        yield chunk(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-        )
-    last = first
+        for index in range(n):
+            role = {"role": "assistant", "content": ""}
+            yield chunk([{"index": index, "delta": role, "finish_reason": None}])
+    last: list[Step | None] = [None] * n
     wanted = generate.params.logprobs is not None
-    offset = len(prefix)  # of the next token's text in the choice's text (completions)
+    # Where each choice's next token's text starts in its text (completions); a resumed
+    # request's log-probabilities start after the text committed before it.
+    offsets = [len(prefix)] + [0] * (n - 1)
     try:
-        async for step in steps():
-            last = step
+        async for index, step in steps:
+            last[index] = step
             if not step.text and not step.finished and not step.logprobs:
                 continue
             logprobs: dict[str, Any] | None = None
@@ -281,11 +327,11 @@ async def _events(
                 if wanted:
                     logprobs = formatter.chat(step.logprobs)
                 delta = {"content": step.text} if step.text else {}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs}
             else:
                 if wanted:
-                    logprobs, offset = formatter.completion(step.logprobs, offset)
-                choice = {"index": 0, "text": step.text, "logprobs": logprobs}
+                    logprobs, offsets[index] = formatter.completion(step.logprobs, offsets[index])
+                choice = {"index": index, "text": step.text, "logprobs": logprobs}
             choice["finish_reason"] = step.finish_reason
             yield chunk([choice])
     except RouterError as exc:  # failed after the 200 went out: say so in the stream
@@ -294,11 +340,11 @@ async def _events(
         yield b"data: [DONE]\n\n"
         return
     finally:
-        await rest.aclose()
+        await steps.aclose()
     service.metrics.requests.labels(_api(generate), "ok").inc()
     if generate.include_usage:
         final = _envelope(service, request_id, chat, [])
         final["object"] = kind
-        final["usage"] = usage(generate, last)
+        final["usage"] = usage(generate, [step for step in last if step is not None])
         yield f"data: {json.dumps(final)}\n\n".encode()
     yield b"data: [DONE]\n\n"

@@ -22,6 +22,7 @@ from workers.model.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 4 << 20  # JSON bodies beyond this are refused before parsing (413)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 16  # `n`: each choice is a sequence in the verifier, and counts against admission
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -66,7 +67,7 @@ class _SamplingFields(_Strict):
     stop: str | Annotated[list[str], Field(max_length=16)] | None = Field(
         None, description="the text ends before the first of these that appears"
     )
-    n: int = Field(1, ge=1, le=1, description="choices per request: only 1 is served")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: independent answers")
     stream: bool = Field(False, description="server-sent events")
     stream_options: StreamOptions | None = Field(None, description="with stream: usage chunk")
     ignore_eos: bool = Field(False, description="keep generating past EOS (vLLM's extension)")
@@ -121,6 +122,7 @@ class GenerateRequest:
     stream: bool
     include_usage: bool
     chat: bool
+    n: int = 1  # choices, each its own sequence in one verifier group
 
 
 def parse_json(raw: bytes) -> Any:
@@ -253,5 +255,11 @@ class RequestBuilder:
             )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return GenerateRequest(
-            prompt_ids, params, request_spec(body.speculative), body.stream, include_usage, chat
+            prompt_ids,
+            params,
+            request_spec(body.speculative),
+            body.stream,
+            include_usage,
+            chat,
+            body.n,
         )

@@ -35,8 +35,12 @@ from router.state import ApiKey, SharedState
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import SpecStats
 
 log = logging.getLogger(__name__)
+
+# A choice of a request: its first step, and its steps after that.
+Choice = tuple[Step, AsyncGenerator[Step, None]]
 
 LOAD_TTL_S = 0.1  # how long one poll of the verifiers' load is reused
 REGISTRY_FLUSH_S = 0.25  # committed tokens reach the registry at least this often
@@ -152,10 +156,41 @@ class RouterService:
         a, b = self._random.sample(candidates, 2)
         return a if score[a] <= score[b] else b
 
+    async def start(self, request: GenerateRequest, request_id: str) -> list[Choice]:
+        """The request's choices, each past its first step, so that a refusal surfaces before
+        an answer goes out. One choice runs as `request_id`. With `n` choices, choice i runs as
+        `<request_id>-<i>` (a seeded request's with seed + i), all on one verifier group: the
+        first alone until its first token, when the group's prefix cache holds the prompt's
+        blocks, then the others at once, starting from those blocks."""
+        if request.n == 1:
+            steps = self.generate(request, request_id)
+            return [(await anext(steps), steps)]
+        routed = await self.choose_group(request.prompt_ids)
+        gens = [
+            self.generate(_choice(request, i), f"{request_id}-{i}", routed)
+            for i in range(request.n)
+        ]
+        firsts: list[Step | BaseException] = []
+        try:
+            firsts.append(await anext(gens[0]))
+            firsts += await asyncio.gather(*(anext(g) for g in gens[1:]), return_exceptions=True)
+        finally:
+            refused = [f for f in firsts if isinstance(f, BaseException)]
+            if refused or len(firsts) < len(gens):
+                for gen in gens:
+                    await gen.aclose()  # aborts the choices that started
+        if refused:
+            raise refused[0]
+        return [(first, gen) for first, gen in zip(firsts, gens, strict=True)]  # type: ignore[misc]
+
     async def generate(
-        self, request: GenerateRequest, request_id: str
+        self,
+        request: GenerateRequest,
+        request_id: str,
+        routed: tuple[int, str] | None = None,
     ) -> AsyncGenerator[Step, None]:
-        """The request's steps; raises `RouterError` before the first one when refused."""
+        """The request's steps; raises `RouterError` before the first one when refused.
+        `routed`: the verifier group (and why) when the caller chose it."""
         if self.in_flight >= self.max_queue:
             raise errors.overloaded(
                 f"the server has {self.in_flight} requests in flight (limit {self.max_queue})"
@@ -163,17 +198,17 @@ class RouterService:
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
-            async for step in self._generate(request, request_id):
+            async for step in self._generate(request, request_id, routed):
                 yield step
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
 
     async def _generate(
-        self, request: GenerateRequest, request_id: str
+        self, request: GenerateRequest, request_id: str, routed: tuple[int, str] | None
     ) -> AsyncGenerator[Step, None]:
         start = time.perf_counter()
-        group, reason = await self.choose_group(request.prompt_ids)
+        group, reason = routed or await self.choose_group(request.prompt_ids)
         name = self.backend.groups[group]
         self.metrics.routed.labels(name, reason).inc()
         try:
@@ -300,12 +335,24 @@ def _settings(request: GenerateRequest) -> str:
     )
 
 
-def usage(request: GenerateRequest, step: Step) -> dict[str, object]:
-    """OpenAI's usage object, with Outrider's speculative statistics."""
-    prompt_tokens = step.num_prompt_tokens or len(request.prompt_ids)
+def _choice(request: GenerateRequest, index: int) -> GenerateRequest:
+    """Choice `index` of a request with several: its own seed when the request has one."""
+    seed = request.params.seed
+    params = request.params if seed is None else replace(request.params, seed=seed + index)
+    return replace(request, params=params, n=1)
+
+
+def usage(request: GenerateRequest, last_steps: Sequence[Step]) -> dict[str, object]:
+    """OpenAI's usage object over a request's choices (their last steps), with Outrider's
+    speculative statistics: the prompt counted once, the choices' tokens and drafts summed."""
+    prompt_tokens = last_steps[0].num_prompt_tokens or len(request.prompt_ids)
+    completion_tokens = sum(step.num_output_tokens for step in last_steps)
+    spec = SpecStats()
+    for step in last_steps:
+        spec.merge(step.spec)
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": step.num_output_tokens,
-        "total_tokens": prompt_tokens + step.num_output_tokens,
-        "speculative": step.spec.as_dict(),
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculative": spec.as_dict(),
     }

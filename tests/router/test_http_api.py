@@ -218,6 +218,99 @@ def test_penalties_reach_the_engine(server: str, model_fp32, checkpoint) -> None
     assert out["choices"][0]["text"] == expected != unpenalized["choices"][0]["text"]
 
 
+def test_several_choices_whole_and_streamed(
+    open_router, local_engine, model_fp32, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
+    """`n` choices: greedy ones are plain decoding's text each; seeded sampled choice i is what
+    one request with seed + i gives; a stream interleaves the choices by `index`; usage sums
+    the choices' tokens; each choice is registered, on one group, and all blocks come back."""
+    client = openai.OpenAI(base_url=open_router.url + "/v1", api_key="unused")
+    tok = checkpoint.tokenizer
+    expected = tok.decode(plain_greedy(model_fp32, checkpoint, tok.encode(PROMPT), 8))
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert [c.text for c in greedy.choices] == [expected] * 3
+    assert greedy.usage.prompt_tokens == 5 and greedy.usage.completion_tokens == 24
+    for i in range(3):
+        code, record = get(f"{open_router.url}/v1/requests/{greedy.id}-{i}")
+        assert code == 200 and record["group"] == "local"
+
+    sampled = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 7}
+    _, together, _, _ = post(open_router.url + "/v1/completions", {**sampled, "n": 3})
+    texts = [c["text"] for c in together["choices"]]
+    alone = [
+        post(open_router.url + "/v1/completions", {**sampled, "seed": 7 + i})[1]["choices"][0]
+        for i in range(3)
+    ]
+    assert texts == [c["text"] for c in alone]
+    assert len(set(texts)) > 1
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=3, n=2
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=1.0,
+            seed=3,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = ["", ""]
+    finish = [None, None]
+    for c in chunks:
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+    assert streamed == [c.message.content for c in reply.choices]
+    assert finish == [c.finish_reason for c in reply.choices]
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    engine = local_engine.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.allocator.num_free_blocks == engine.config.kv_blocks
+
+
+def test_choices_after_the_first_start_from_its_cached_prompt(open_router, local_engine) -> None:  # type: ignore[no-untyped-def]
+    """The first choice computes the prompt; the others begin once its blocks are in the
+    prefix cache and compute only what the cache lacks (the last, partial block)."""
+    engine = local_engine.engine
+    computed: list[tuple[str, int]] = []
+
+    def listen(report) -> None:  # type: ignore[no-untyped-def]
+        computed.extend((r.request_id, r.prefill_tokens) for r in report.rounds)
+
+    prompt = "Three choices share this prompt. " * 6
+    num_prompt = len(engine.tokenizer.encode(prompt))
+    engine.step_listeners.append(listen)
+    try:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "n": 3}
+        _, out, _, _ = post(open_router.url + "/v1/completions", body)
+    finally:
+        engine.step_listeners.remove(listen)
+    prefill = {i: sum(n for rid, n in computed if rid == f"{out['id']}-{i}") for i in range(3)}
+    assert prefill[0] == num_prompt
+    cached = (num_prompt - 1) // 16 * 16
+    assert cached > 0 and prefill[1] == prefill[2] == num_prompt - cached
+
+
+def test_a_client_that_leaves_frees_every_choice(open_router, local_engine) -> None:  # type: ignore[no-untyped-def]
+    engine = local_engine.engine
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": 3}
+    with raw_completion_stream(open_router.port, body) as sock:
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")
+        time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+    assert engine.allocator.num_free_blocks == engine.config.kv_blocks
+
+
 BAD = [
     (b"{not json", 400, "not valid JSON", None),
     (b'{"prompt": "caf\xe9"}', 400, "not valid UTF-8", None),
@@ -227,7 +320,7 @@ BAD = [
     ({"prompt": PROMPT, "temperature": "hot"}, 400, "valid number", "temperature"),
     ({"prompt": PROMPT, "max_tokens": 1.5}, 400, "valid integer", "max_tokens"),
     ({"prompt": PROMPT, "top_p": 0}, 400, "greater than 0", "top_p"),
-    ({"prompt": PROMPT, "n": 2}, 400, "less than or equal to 1", "n"),
+    ({"prompt": PROMPT, "n": 17}, 400, "less than or equal to 16", "n"),
     ({"prompt": ""}, 400, "must not be empty", "prompt"),
     ({"prompt": [1, 2, 10**9]}, 400, "token ids", "prompt"),
     ({"max_tokens": 3}, 400, "Field required", "prompt"),

@@ -155,6 +155,26 @@ def test_logprobs_cross_the_runtime(router, model_fp32, checkpoint) -> None:  # 
     assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
 
 
+def test_several_choices_over_the_runtime(router, runtime) -> None:  # type: ignore[no-untyped-def]
+    """Choices of one request run in one verifier group, streamed by index."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    _, one, _, _ = post(router.url + "/v1/completions", body)
+    _, three, _, _ = post(router.url + "/v1/completions", {**body, "n": 3})
+    assert [c["text"] for c in three["choices"]] == [one["choices"][0]["text"]] * 3
+    groups = {_group_of(router, f"{three['id']}-{i}") for i in range(3)}
+    assert len(groups) == 1
+    _, _, raw, _ = post(router.url + "/v1/completions", {**body, "n": 2, "stream": True})
+    texts = ["", ""]
+    for event in sse_events(raw)[:-1]:
+        for choice in event["choices"]:
+            texts[choice["index"]] += choice["text"]
+    assert texts == [one["choices"][0]["text"]] * 2
+    deadline = time.monotonic() + 30
+    while not _idle(runtime) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _idle(runtime)
+
+
 def test_the_verifier_refusing_a_request_is_a_400_and_the_groups_keep_serving(router) -> None:  # type: ignore[no-untyped-def]
     """The engine's own refusal (no draft model in this deployment) crosses Ray as the actor's
     exception and reaches the client as an OpenAI 400."""
