@@ -67,6 +67,9 @@ class _SamplingFields(_Strict):
     stop: str | Annotated[list[str], Field(max_length=16)] | None = Field(
         None, description="the text ends before the first of these that appears"
     )
+    stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = Field(
+        None, description="vLLM's extension: the text ends at any of these tokens (kept)"
+    )
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: independent answers")
     stream: bool = Field(False, description="server-sent events")
     stream_options: StreamOptions | None = Field(None, description="with stream: usage chunk")
@@ -169,6 +172,7 @@ def sampling_params(
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             stop=stops,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             logprobs=logprobs,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             frequency_penalty=body.frequency_penalty or 0.0,
@@ -246,6 +250,9 @@ class RequestBuilder:
         chat: bool,
         logprobs: int | None,
     ) -> GenerateRequest:
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+            raise errors.bad_request(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
         params = sampling_params(body, max_tokens, default_max_tokens, logprobs)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise errors.bad_request(

@@ -218,6 +218,17 @@ def test_penalties_reach_the_engine(server: str, model_fp32, checkpoint) -> None
     assert out["choices"][0]["text"] == expected != unpenalized["choices"][0]["text"]
 
 
+def test_stop_token_ids_end_the_text_without_it(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    tok = checkpoint.tokenizer
+    tokens = plain_greedy(model_fp32, checkpoint, tok.encode(PROMPT), 8)
+    at = next(i for i in range(1, 8) if tokens[i] not in tokens[:i])
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stop_token_ids": [tokens[at]]}
+    _, out, _, _ = post(server + "/v1/completions", body)
+    assert out["choices"][0]["text"] == tok.decode(tokens[:at])
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] == at + 1
+
+
 def test_several_choices_whole_and_streamed(
     open_router, local_engine, model_fp32, checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
@@ -329,6 +340,7 @@ BAD = [
     ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop.str"),
     ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
     ({"prompt": PROMPT, "echo": True}, 400, "echo", "echo"),
+    ({"prompt": PROMPT, "stop_token_ids": [10**9]}, 400, "stop token ids", "stop_token_ids"),
     (
         {"prompt": PROMPT, "presence_penalty": 2.5},
         400,

@@ -316,7 +316,10 @@ class LLMEngine:
         if self.config.enable_prefix_caching:
             seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
         detok = self._detokenizers.get(seq.request_id)
-        text = "" if detok is None else detok.add(tokens)
+        # A stop token ends the text without being in it (as vLLM does; EOS is a special token
+        # the text leaves out anyway).
+        shown = tokens[:-1] if reason and tokens[-1] in seq.params.stop_token_ids else tokens
+        text = "" if detok is None else detok.add(shown)
         if detok is not None and detok.stopped:
             reason = "stop"
         self._record_output(seq, tokens, text, logprobs)
