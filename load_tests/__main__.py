@@ -20,7 +20,7 @@ from load_tests import report
 from load_tests.clients import Client, GrpcClient, HttpClient, Sampling
 from load_tests.runner import Level, measure_level
 from load_tests.server_metrics import MetricsPoller
-from load_tests.workload import DEFAULT_WORKLOAD, Workload, load_workload
+from load_tests.workload import DEFAULT_WORKLOAD, RandomWorkload, Workload, load_workload
 
 REPORTS = Path(__file__).resolve().parent / "reports"
 
@@ -70,6 +70,12 @@ def parser() -> argparse.ArgumentParser:
     shape.add_argument("--rate", type=_numbers(float), help="open loop: Poisson req/s per level")
     load.add_argument("--max-concurrency", type=int, help="open loop: cap on requests in flight")
     load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="open loop: gamma arrivals of this shape (1: Poisson; below 1: burstier)",
+    )
+    load.add_argument(
         "--requests", type=int, help="requests per level (default max(16, 4 x users); rate: 16)"
     )
     load.add_argument(
@@ -77,6 +83,19 @@ def parser() -> argparse.ArgumentParser:
     )
     load.add_argument("--warmup", type=int, default=2, help="unrecorded requests first")
     load.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="JSONL requests")
+    load.add_argument(
+        "--random-input-len",
+        type=int,
+        metavar="N",
+        help="instead of the workload: prompts of N random token ids (with --random-output-len)",
+    )
+    load.add_argument("--random-output-len", type=int, metavar="N", help="tokens per request")
+    load.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="random lengths drawn within this fraction of the means",
+    )
     load.add_argument("--seed", type=int, default=0, help="workload order and arrival times")
     req = run.add_argument_group("each request")
     req.add_argument("--max-tokens", type=int, default=128)
@@ -109,11 +128,17 @@ def levels_from(args: argparse.Namespace) -> list[Level]:
     if args.rate:
         count = 16 if args.requests is None else args.requests
         return [
-            Level(count, rate=r, max_concurrency=args.max_concurrency, turns=args.turns)
+            Level(
+                count,
+                rate=r,
+                max_concurrency=args.max_concurrency,
+                turns=args.turns,
+                burstiness=args.burstiness,
+            )
             for r in args.rate
         ]
-    if args.max_concurrency is not None:
-        raise ValueError("--max-concurrency applies to --rate levels")
+    if args.max_concurrency is not None or args.burstiness != 1.0:
+        raise ValueError("--max-concurrency and --burstiness apply to --rate levels")
     users = args.concurrency or [1, 2, 4]
     count = args.requests
     return [
@@ -148,7 +173,7 @@ async def run(args: argparse.Namespace, command: str) -> tuple[Path, report.Run]
     if args.api_keys_file is not None:
         args.api_key = first_key(args.api_keys_file)
     levels = levels_from(args)
-    workload = load_workload(args.workload)
+    workload = workload_from(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with aiohttp.ClientSession(headers=headers) as session:
         try:
@@ -197,8 +222,23 @@ async def run(args: argparse.Namespace, command: str) -> tuple[Path, report.Run]
     return folder, result
 
 
+def workload_from(args: argparse.Namespace) -> Workload | RandomWorkload:
+    lengths = (args.random_input_len, args.random_output_len)
+    if lengths == (None, None):
+        return load_workload(args.workload)
+    if None in lengths:
+        raise ValueError("--random-input-len and --random-output-len go together")
+    if args.workload != DEFAULT_WORKLOAD:
+        raise ValueError("--workload or random lengths, not both")
+    return RandomWorkload(args.random_input_len, args.random_output_len, args.random_range_ratio)
+
+
 def run_info(
-    args: argparse.Namespace, command: str, model: str, workload: Workload, sampling: Sampling
+    args: argparse.Namespace,
+    command: str,
+    model: str,
+    workload: Workload | RandomWorkload,
+    sampling: Sampling,
 ) -> dict[str, Any]:
     """What a report says about its run."""
     return {
@@ -208,11 +248,7 @@ def run_info(
         "url": args.url,
         "api": args.api,
         "model": model,
-        "workload": {
-            "path": _shown(args.workload),
-            "digest": workload.digest,
-            "items": len(workload.items),
-        },
+        "workload": workload.describe(_shown(args.workload)),
         "seed": args.seed,
         "sampling": {
             "max_tokens": sampling.max_tokens,

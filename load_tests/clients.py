@@ -135,7 +135,7 @@ class HttpClient:
         if item.chat:
             body["messages"] = [{"role": r, "content": c} for r, c in item.messages]
         else:
-            body["prompt"] = item.prompt
+            body["prompt"] = list(item.prompt_ids) if item.prompt_ids else item.prompt
         if s.seed is not None:
             body["seed"] = s.seed
         if s.ignore_eos:
@@ -246,6 +246,8 @@ class GrpcClient:
         if item.chat:
             messages = [pb.ChatMessage(role=r, content=c) for r, c in item.messages]
             fields["chat"] = pb.ChatMessages(messages=messages)
+        elif item.prompt_ids:
+            fields["prompt_token_ids"] = pb.TokenIds(ids=item.prompt_ids)
         else:
             fields["prompt"] = item.prompt
         if s.seed is not None:

@@ -210,6 +210,21 @@ def turn_table(run: Run) -> str:
     return table(headers, rows)
 
 
+def _workload_line(workload: dict[str, Any], seed: object) -> str:
+    random = workload.get("random")
+    if random is not None:
+        low, high = random["token_range"]
+        spread = f" (within {random['range_ratio']:.0%})" if random["range_ratio"] else ""
+        return (
+            f"- Workload: random token ids in [{low}, {high}), {random['input_len']} prompt "
+            f"tokens and {random['output_len']} new tokens a request{spread}; seed {seed}"
+        )
+    return (
+        f"- Workload: `{workload.get('path')}` (sha256 {workload.get('digest')}, "
+        f"{workload.get('items')} requests, reshuffled each pass; seed {seed})"
+    )
+
+
 def render(run: Run) -> str:
     info, summaries = run.info, run.summaries()
     sampling = info.get("sampling", {})
@@ -220,8 +235,7 @@ def render(run: Run) -> str:
         f"- Started {info.get('started', '?')}, `{info.get('command', '')}`",
         f"- Target: {info.get('url', '?')} over {info.get('api', '?')}, "
         f"model `{info.get('model')}`",
-        f"- Workload: `{workload.get('path')}` (sha256 {workload.get('digest')}, "
-        f"{workload.get('items')} requests, reshuffled each pass; seed {info.get('seed')})",
+        _workload_line(workload, info.get("seed")),
         f"- Each request: up to {sampling.get('max_tokens')} new tokens (unless the workload "
         f"says), temperature {sampling.get('temperature')}, "
         + _speculation(sampling)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from load_tests.clients import Client, RequestRecord
 from load_tests.server_metrics import MetricsPoller, ServerView
-from load_tests.workload import FOLLOW_UPS, WorkItem, poisson_offsets
+from load_tests.workload import FOLLOW_UPS, WorkItem, arrival_offsets
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,7 @@ class Level:
     rate: float | None = None
     max_concurrency: int | None = None
     turns: int = 1
+    burstiness: float = 1.0  # open loop: gamma arrivals of this shape (1: Poisson)
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate is None):
@@ -42,6 +43,8 @@ class Level:
             raise ValueError("max concurrency must be at least 1")
         if self.turns < 1:
             raise ValueError("a conversation has at least one turn")
+        if self.burstiness <= 0 or (self.burstiness != 1.0 and self.rate is None):
+            raise ValueError("burstiness is positive, and only for a rate")
 
     @property
     def name(self) -> str:
@@ -49,7 +52,8 @@ class Level:
         if self.concurrency is not None:
             return f"{self.concurrency} user{'s' if self.concurrency > 1 else ''}{turns}"
         cap = f", <= {self.max_concurrency} in flight" if self.max_concurrency else ""
-        return f"{self.rate:g} req/s{cap}{turns}"
+        bursts = f", burstiness {self.burstiness:g}" if self.burstiness != 1.0 else ""
+        return f"{self.rate:g} req/s{bursts}{cap}{turns}"
 
 
 async def run_level(
@@ -92,7 +96,7 @@ async def run_level(
                 await converse(index, offset)
 
         assert level.rate is not None  # a level without users has a rate (Level checks)
-        offsets = poisson_offsets(level.rate, level.num_requests, seed)
+        offsets = arrival_offsets(level.rate, level.num_requests, seed, level.burstiness)
         await asyncio.gather(*(arrive(i, offset) for i, offset in enumerate(offsets)))
     return [record for turns in conversations for record in turns]
 

@@ -115,3 +115,22 @@ def test_refusals_are_counted_and_the_run_goes_on(
     wrong = ["run", "--url", keyed_router.url, "--api-key", "sk-wrong", "--out", str(tmp_path)]
     assert main(wrong) == 2
     assert "answered 401" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("api", ["http", "grpc"])
+def test_random_prompts_of_set_lengths_in_bursts(
+    open_router: RunningRouter, tmp_path: Path, api: str
+) -> None:
+    """Synthetic token-id prompts: the router sees exactly the lengths asked for."""
+    argv = ["run", "--url", open_router.url, "--out", str(tmp_path), "--warmup", "0"]
+    argv += ["--random-input-len", "12", "--random-output-len", "4", "--ignore-eos"]
+    argv += ["--rate", "50", "--burstiness", "0.5", "--requests", "4", "--api", api]
+    argv += ["--grpc-target", f"127.0.0.1:{open_router.grpc_port}", "--metrics-url", "none"]
+    assert main(argv) == 0
+    result = report.load(tmp_path)
+    assert result.levels == ["50 req/s, burstiness 0.5"]
+    assert len(result.records) == 4
+    for record in result.records:
+        assert record.ok and record.kind == "random"
+        assert (record.prompt_tokens, record.output_tokens) == (12, 4)
+    assert "random token ids in [1000, 32000)" in (tmp_path / report.REPORT).read_text()

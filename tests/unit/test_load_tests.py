@@ -19,7 +19,13 @@ from load_tests.clients import RequestRecord, SseParser
 from load_tests.runner import Level, run_level
 from load_tests.server_metrics import ServerView, counter_growth, growth_by, parse, total
 from load_tests.stats import Slo, percentile, summarize, time_per_output_token
-from load_tests.workload import FOLLOW_UPS, WorkItem, load_workload, poisson_offsets
+from load_tests.workload import (
+    FOLLOW_UPS,
+    RandomWorkload,
+    WorkItem,
+    arrival_offsets,
+    load_workload,
+)
 
 
 def test_percentile_matches_numpy() -> None:
@@ -55,7 +61,7 @@ def test_workload_file_checks_each_line(tmp_path: Path) -> None:
     }
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n\n{"kind": "chat"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:3: .*either messages or a prompt"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: .*one of messages, a prompt"):
         load_workload(bad)
     bad.write_text('{"prompt": "a", "max_tokens": 0}\n')
     with pytest.raises(ValueError, match=r":1: max_tokens"):
@@ -75,26 +81,62 @@ def test_workload_stream_is_seeded_and_covers_every_item() -> None:
 
 
 def test_poisson_offsets_have_the_rate() -> None:
-    offsets = poisson_offsets(4.0, 20_000, seed=1)
-    assert offsets[0] == 0.0 and offsets == poisson_offsets(4.0, 20_000, seed=1)
+    offsets = arrival_offsets(4.0, 20_000, seed=1)
+    assert offsets[0] == 0.0 and offsets == arrival_offsets(4.0, 20_000, seed=1)
     gaps = np.diff(offsets)
     assert (gaps > 0).all()
     # The mean of 20,000 exponential gaps has a standard deviation of 0.7% of 1/rate.
     assert float(gaps.mean()) == pytest.approx(0.25, rel=0.04)
     with pytest.raises(ValueError):
-        poisson_offsets(0.0, 3, seed=0)
+        arrival_offsets(0.0, 3, seed=0)
+
+
+def test_bursty_arrivals_keep_the_rate_and_spread_as_gamma_gaps() -> None:
+    """Gamma gaps of shape b have mean 1/rate and a coefficient of variation of 1/sqrt(b)."""
+    for burstiness in (0.25, 4.0):
+        gaps = np.diff(arrival_offsets(4.0, 20_000, seed=2, burstiness=burstiness))
+        assert float(gaps.mean()) == pytest.approx(0.25, rel=0.05)
+        cv = float(gaps.std() / gaps.mean())
+        assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.05)
+    with pytest.raises(ValueError):
+        arrival_offsets(1.0, 3, seed=0, burstiness=0.0)
+
+
+def test_random_workload_has_the_lengths_and_is_seeded() -> None:
+    fixed = RandomWorkload(64, 32)
+    items = [next(s) for s in [fixed.stream(1)] for _ in range(20)]
+    assert all(len(i.prompt_ids) == 64 and i.max_tokens == 32 for i in items)
+    assert all(1000 <= t < 32000 for i in items for t in i.prompt_ids)
+    assert len({i.prompt_ids for i in items}) == 20 and all(i.index == -1 for i in items)
+    again = fixed.stream(1)
+    assert items == [next(again) for _ in range(20)]
+    spread = RandomWorkload(100, 50, range_ratio=0.5).stream(0)
+    lengths = [(len(i.prompt_ids), i.max_tokens or 0) for i in (next(spread) for _ in range(500))]
+    assert min(n for n, _ in lengths) >= 50 and max(n for n, _ in lengths) <= 150
+    assert 40 < statistics.mean(m for _, m in lengths) < 60
+    assert len({n for n, _ in lengths}) > 50
+    for bad in ((0, 8), (8, 0)):
+        with pytest.raises(ValueError):
+            RandomWorkload(*bad)
+    with pytest.raises(ValueError):
+        RandomWorkload(8, 8, range_ratio=1.0)
+    line = report._workload_line(fixed.describe("x"), 0)
+    assert "random token ids in [1000, 32000), 64 prompt tokens and 32 new tokens" in line
 
 
 def test_level_checks_and_names() -> None:
     assert Level(8, concurrency=1).name == "1 user"
     assert Level(8, concurrency=4).name == "4 users"
     assert Level(8, rate=0.5, max_concurrency=2).name == "0.5 req/s, <= 2 in flight"
+    assert Level(8, rate=2.0, burstiness=0.5).name == "2 req/s, burstiness 0.5"
     for bad in (
         {"concurrency": 2, "rate": 1.0},
         {},
         {"concurrency": 0},
         {"rate": -1.0},
         {"rate": 1.0, "max_concurrency": 0},
+        {"rate": 1.0, "burstiness": 0.0},
+        {"concurrency": 1, "burstiness": 2.0},
     ):
         with pytest.raises(ValueError):
             Level(4, **bad)  # type: ignore[arg-type]
@@ -208,7 +250,7 @@ def test_open_loop_arrives_on_schedule_under_its_cap() -> None:
     client = _FakeClient(0.05)
     level = Level(12, rate=200.0, max_concurrency=2)
     records = asyncio.run(run_level(client, level, iter(items), seed=5))
-    assert [r.scheduled for r in records] == poisson_offsets(200.0, 12, seed=5)
+    assert [r.scheduled for r in records] == arrival_offsets(200.0, 12, seed=5)
     assert client.most_open == 2
     # Arrivals faster than two can be served wait for the cap: each starts after it was due.
     assert all(r.start >= r.scheduled for r in records)
@@ -315,7 +357,10 @@ def test_bad_arguments_are_clear_errors(capsys: pytest.CaptureFixture[str]) -> N
     url = "http://127.0.0.1:9"  # refused before anything is sent
     for extra, message in (
         (["--metrics-interval", "0"], "--metrics-interval must be positive"),
-        (["--concurrency", "2", "--max-concurrency", "2"], "applies to --rate levels"),
+        (["--concurrency", "2", "--max-concurrency", "2"], "apply to --rate levels"),
+        (["--burstiness", "0.5"], "apply to --rate levels"),
+        (["--random-input-len", "8"], "go together"),
+        (["--random-input-len", "8", "--random-output-len", "0"], "at least 1"),
         (["--requests", "0"], "at least one request"),
     ):
         assert main(["run", "--url", url, *extra]) == 2
