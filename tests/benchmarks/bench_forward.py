@@ -14,7 +14,8 @@ Measures, in one process and interleaved run by run:
   4. a prompt's prefill forward with attention over exact key lengths vs whole KV blocks (why
      `SdpaAttention` pads masked calls to whole blocks);
   5. drawing a sampled token: `kernels.sampling.draw` vs `torch.multinomial`, alone and in a
-     sampled decode beside greedy decode.
+     sampled decode beside greedy decode;
+  6. what a request's log-probabilities and penalties cost the serving engine's decode.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 from unittest import mock
@@ -46,6 +48,8 @@ from tests.benchmarks.report import (
     write_section,
 )
 from workers.engine.calibration import forward_times
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
@@ -332,6 +336,55 @@ def sampling_section(checkpoint: Checkpoint, runs: int, new_tokens: int, reps: i
     )
 
 
+def options_section(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
+    model = build_model(checkpoint, dtype=torch.bfloat16)
+    ids = checkpoint.tokenizer.encode(PROMPT)
+    engine = LLMEngine(
+        model, EngineConfig(max_model_len=1024), eos_token_ids=checkpoint.tokenizer.eos_token_ids
+    )
+    plain = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    kinds = {
+        "greedy": plain,
+        "`logprobs` 5": replace(plain, logprobs=5),
+        "penalties (repetition 1.1, frequency 0.5, presence 0.5)": replace(
+            plain, repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5
+        ),
+        "temperature 0.8, penalties and `logprobs` 5": replace(
+            plain,
+            temperature=0.8,
+            seed=0,
+            logprobs=5,
+            repetition_penalty=1.1,
+            frequency_penalty=0.5,
+            presence_penalty=0.5,
+        ),
+    }
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for run in range(runs + 1):  # run 0 warms up and is dropped
+        for kind, params in kinds.items():
+            start = time.perf_counter()
+            engine.generate([ids], params)
+            if run:
+                times[kind].append(time.perf_counter() - start)
+    base = times["greedy"]
+    rows = [
+        [
+            kind,
+            f"{new_tokens / statistics.median(t):.1f}",
+            f"{statistics.median(g / x for g, x in zip(base, t, strict=True)):.2f}x",
+        ]
+        for kind, t in times.items()
+    ]
+    return (
+        f"`LLMEngine` (the verifier's engine), bf16, no speculation, {new_tokens} tokens after the "
+        f"same prompt, {runs} interleaved runs; `vs greedy` is the median of per-run ratios. "
+        "Log-probabilities are a log-softmax and a top-k of each committed token's logits row; "
+        "penalties count the output's tokens (and each draft's predecessors) over the vocabulary "
+        "per step; both run on the host.\n\n"
+        + table(["request", "tokens/s (median)", "vs greedy"], rows)
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -369,6 +422,8 @@ def main() -> None:
             ),
             "### Drawing a sampled token",
             sampling_section(checkpoint, args.runs, args.new_tokens, args.reps),
+            "### Log-probabilities and penalties",
+            options_section(checkpoint, args.runs, args.new_tokens),
         ]
     body = "\n\n".join(parts)
     print(body)
