@@ -42,12 +42,17 @@ def _body(request: Any) -> tuple[dict[str, Any], bool]:
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
+        "min_tokens",
     ):
         if request.HasField(name):
             body[name] = getattr(request, name)
     if request.stop:
         body["stop"] = list(request.stop)
     body["ignore_eos"] = request.ignore_eos
+    if request.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in request.logit_bias.items()}
+    if request.stop_token_ids:
+        body["stop_token_ids"] = list(request.stop_token_ids)
     chat = request.WhichOneof("input") == "chat"
     if request.HasField("logprobs"):
         if chat:

@@ -67,6 +67,12 @@ class _SamplingFields(_Strict):
     stop: str | Annotated[list[str], Field(max_length=16)] | None = Field(
         None, description="the text ends before the first of these that appears"
     )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string) -> -100..100 added to its logit"
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="vLLM's extension: no EOS, stop token or stop string before"
+    )
     stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = Field(
         None, description="vLLM's extension: the text ends at any of these tokens (kept)"
     )
@@ -151,11 +157,23 @@ def validate(model: type[M], body: Any) -> M:
         raise errors.bad_request(f"{param}: {first['msg']}", param) from exc
 
 
+def _logit_bias(body: _SamplingFields, vocab: int) -> tuple[tuple[int, float], ...]:
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise errors.bad_request(
+                f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias"
+            )
+        bias.append((int(key), value))
+    return tuple(bias)
+
+
 def sampling_params(
     body: _SamplingFields,
     max_tokens: int | None,
     default_max_tokens: int,
     logprobs: int | None = None,
+    logit_bias: tuple[tuple[int, float], ...] = (),
 ) -> SamplingParams:
     stop = body.stop
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -177,6 +195,8 @@ def sampling_params(
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
+            logit_bias=logit_bias,
+            min_tokens=body.min_tokens or 0,
         )
     except ValueError as exc:
         raise errors.bad_request(str(exc)) from exc
@@ -253,7 +273,8 @@ class RequestBuilder:
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
             raise errors.bad_request(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
-        params = sampling_params(body, max_tokens, default_max_tokens, logprobs)
+        bias = _logit_bias(body, vocab)
+        params = sampling_params(body, max_tokens, default_max_tokens, logprobs, bias)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise errors.bad_request(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "

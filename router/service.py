@@ -268,7 +268,14 @@ class RouterService:
         settings = record["settings"]
         raw = settings["params"]
         params = SamplingParams(
-            **{**raw, "stop": tuple(raw["stop"]), "stop_token_ids": tuple(raw["stop_token_ids"])}
+            **{
+                **raw,
+                "stop": tuple(raw["stop"]),
+                "stop_token_ids": tuple(raw["stop_token_ids"]),
+                "logit_bias": tuple((t, b) for t, b in raw.get("logit_bias", ())),
+                # The committed tokens are part of the resumed prompt now.
+                "min_tokens": max(0, raw.get("min_tokens", 0) - len(record["token_ids"])),
+            }
         )
         committed = record["token_ids"]
         left = params.max_tokens - len(committed)

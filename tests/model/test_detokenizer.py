@@ -63,3 +63,18 @@ def test_engine_applies_stop_strings(model_fp32, checkpoint) -> None:  # type: i
         0
     ]
     assert stopped.text == " Paris" and stopped.finish_reason == "stop"
+
+
+def test_stop_strings_wait_for_min_tokens(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A stop string in the first `min_tokens` tokens is passed over; one after them ends
+    the text."""
+    tok = checkpoint.tokenizer
+    text = "stop here, then go on and stop there."
+    ids = tok.encode(text)
+    early = len(tok.encode("stop here"))
+    detok = IncrementalDetokenizer(tok, stop=("stop",), min_tokens=early + 1)
+    out = "".join(detok.add([t]) for t in ids) + detok.flush()
+    assert detok.stopped
+    assert out == text[: text.index("stop there")]
+    plain = IncrementalDetokenizer(tok, stop=("stop",))
+    assert "".join(plain.add([t]) for t in ids) + plain.flush() == ""

@@ -1,6 +1,7 @@
-"""Penalties on the bundled model (fp32): plain decoding applies them as transformers does
-(repetition) and as OpenAI defines them (frequency, presence), and greedy decoding with
-speculation commits exactly what plain decoding does with the same penalties."""
+"""Logit adjustments on the bundled model (fp32): plain decoding applies penalties as
+transformers does (repetition) and as OpenAI defines them (frequency, presence), and greedy
+decoding with speculation commits exactly what plain decoding does with the same penalties,
+logit bias or `min_tokens`."""
 
 from __future__ import annotations
 
@@ -74,6 +75,21 @@ def test_all_penalties_match_a_loop_over_transformers_logits(plain, checkpoint, 
     assert ours == tokens[len(prompt) :]
 
 
+def speculative_engine(method: str, model, checkpoint) -> LLMEngine:  # type: ignore[no-untyped-def]
+    drafter = (
+        NgramDrafter(NgramConfig(1, 4))
+        if method == "ngram"
+        else EagleDrafter(EagleHead.load(BUNDLED_HEAD), model, num_blocks=1024)
+    )
+    spec = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
+    return LLMEngine(
+        model,
+        EngineConfig(max_model_len=512, spec=spec),
+        eos_token_ids=checkpoint.config.eos_token_ids,
+        drafters={method: drafter},
+    )
+
+
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
 def test_penalized_greedy_with_speculation_is_plain_decoding(  # type: ignore[no-untyped-def]
     method: str, plain, model_fp32, checkpoint
@@ -81,18 +97,7 @@ def test_penalized_greedy_with_speculation_is_plain_decoding(  # type: ignore[no
     """Four requests at once, half of them penalized (mildly: drafts still hold now and then);
     the drafters do not know the penalties, so their drafts are rejected where a penalty turns
     the target's choice."""
-    drafter = (
-        NgramDrafter(NgramConfig(1, 4))
-        if method == "ngram"
-        else EagleDrafter(EagleHead.load(BUNDLED_HEAD), model_fp32, num_blocks=1024)
-    )
-    spec = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
-    engine = LLMEngine(
-        model_fp32,
-        EngineConfig(max_model_len=512, spec=spec),
-        eos_token_ids=checkpoint.config.eos_token_ids,
-        drafters={method: drafter},
-    )
+    engine = speculative_engine(method, model_fp32, checkpoint)
     prompts = [checkpoint.tokenizer.encode(p) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=16, temperature=0)
     mild = replace(greedy, repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.05)
@@ -102,3 +107,26 @@ def test_penalized_greedy_with_speculation_is_plain_decoding(  # type: ignore[no
     for prompt, p, result in zip(prompts, params, got, strict=True):
         assert result.token_ids == plain.generate(prompt, p).token_ids
     assert got[1].token_ids != plain.generate(prompts[1], greedy).token_ids
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_min_tokens_and_logit_bias_with_speculation_are_plain_decoding(  # type: ignore[no-untyped-def]
+    method: str, plain, model_fp32, checkpoint
+) -> None:
+    """`min_tokens` holds EOS off past where the answer ended (the drafts propose it and are
+    rejected); a bias of -100 on the answer's first token turns it away."""
+    tok = checkpoint.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi."}]))
+    short = plain.generate(prompt, SamplingParams(max_tokens=48, temperature=0))
+    assert short.finish_reason == "stop" and len(short.token_ids) < 32
+    held = SamplingParams(max_tokens=48, temperature=0, min_tokens=len(short.token_ids) + 8)
+    first = short.token_ids[0]
+    biased = SamplingParams(max_tokens=12, temperature=0, logit_bias=((first, -100.0),))
+    expected = [plain.generate(prompt, p).token_ids for p in (held, biased)]
+    assert len(expected[0]) >= held.min_tokens
+    assert expected[0][: len(short.token_ids) - 1] == short.token_ids[:-1]
+    assert expected[1][0] != first
+    engine = speculative_engine(method, model_fp32, checkpoint)
+    got = engine.generate([prompt, prompt], [held, biased], RequestSpec(method=method))
+    assert [g.token_ids for g in got] == expected
+    assert got[0].spec.accepted > 0

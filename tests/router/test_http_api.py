@@ -229,6 +229,23 @@ def test_stop_token_ids_end_the_text_without_it(server: str, model_fp32, checkpo
     assert out["usage"]["completion_tokens"] == at + 1
 
 
+def test_logit_bias_and_min_tokens(server: str, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's logit bias (token ids as strings) and vLLM's min_tokens reach the engine."""
+    tok = checkpoint.tokenizer
+    token = tok.encode(" banana", add_special_tokens=False)
+    assert len(token) == 1
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    _, forced, _, _ = post(server + "/v1/completions", {**body, "logit_bias": {str(token[0]): 100}})
+    assert forced["choices"][0]["text"] == " banana" * 4
+    chat = {"messages": [{"role": "user", "content": "Say hi."}], "temperature": 0}
+    _, short, _, _ = post(server + "/v1/chat/completions", {**chat, "max_tokens": 40})
+    n = short["usage"]["completion_tokens"]
+    assert short["choices"][0]["finish_reason"] == "stop" and n < 30
+    held = {**chat, "max_tokens": 40, "min_tokens": n + 5}
+    _, longer, _, _ = post(server + "/v1/chat/completions", held)
+    assert longer["usage"]["completion_tokens"] >= n + 5
+
+
 def test_several_choices_whole_and_streamed(
     open_router, local_engine, model_fp32, checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
@@ -341,6 +358,9 @@ BAD = [
     ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
     ({"prompt": PROMPT, "echo": True}, 400, "echo", "echo"),
     ({"prompt": PROMPT, "stop_token_ids": [10**9]}, 400, "stop token ids", "stop_token_ids"),
+    ({"prompt": PROMPT, "logit_bias": {"the": 1}}, 400, "keys must be token ids", "logit_bias"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 101}}, 400, "[-100, 100]", None),
+    ({"prompt": PROMPT, "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens", None),
     (
         {"prompt": PROMPT, "presence_penalty": 2.5},
         400,

@@ -1,7 +1,9 @@
-"""Repetition, frequency and presence penalties against a token-by-token reference, and their
-per-row counts in a verify forward."""
+"""Logit adjustments against token-by-token references: repetition, frequency and presence
+penalties with their per-row counts in a verify forward, the logit bias, `min_tokens`."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,7 +45,7 @@ def test_penalties_match_the_reference_at_every_draft_position(
     params = SamplingParams(
         repetition_penalty=repetition, frequency_penalty=frequency, presence_penalty=presence
     )
-    got = params.penalize(logits, prompt, output, drafts)
+    got = params.adjust(logits, prompt, output, drafts)
     for j in range(len(drafts) + 1):
         expected = reference(
             logits[j].tolist(), prompt, output + drafts[:j], repetition, frequency, presence
@@ -77,4 +79,32 @@ def test_no_penalty_leaves_logits_alone() -> None:
 )
 def test_out_of_range_penalties_are_refused(fields: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="penalty"):
+        SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+def test_logit_bias_and_min_tokens_row_by_row() -> None:
+    """Row j follows the output and j drafts: with two output tokens and min_tokens 4, rows
+    0 and 1 (the 3rd and 4th tokens) cannot end the text, rows 2 and 3 can."""
+    logits = torch.zeros(4, 8)
+    params = SamplingParams(
+        max_tokens=10, min_tokens=4, stop_token_ids=(5,), logit_bias=((1, 2.5), (6, -100.0))
+    )
+    assert params.adjusts_logits and not params.penalized
+    got = params.adjust(logits, [0], [2, 3], [4, 4, 4], eos_token_ids=[7])
+    assert got[:, 1].tolist() == [2.5] * 4 and got[:, 6].tolist() == [-100.0] * 4
+    assert got[:2, 5].tolist() == got[:2, 7].tolist() == [float("-inf")] * 2
+    assert got[2:, 5].tolist() == got[2:, 7].tolist() == [0.0] * 2
+    assert logits.eq(0).all()  # the forward's logits are left alone
+    keep_eos = replace(params, ignore_eos=True).adjust(logits, [0], [2, 3], [4, 4, 4], [7])
+    assert keep_eos[:2, 5].tolist() == [float("-inf")] * 2 and keep_eos[:, 7].eq(0).all()
+    done = params.adjust(logits, [0], [2, 3, 3, 3], [4], [7])
+    assert done[:, 5].eq(0).all() and done[:, 7].eq(0).all()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"logit_bias": ((3, 100.5),)}, {"min_tokens": 5, "max_tokens": 4}, {"min_tokens": -1}],
+)
+def test_out_of_range_bias_and_min_tokens_are_refused(fields: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=r"logit_bias|min_tokens"):
         SamplingParams(**fields)  # type: ignore[arg-type]

@@ -4,7 +4,8 @@ Text is emitted as soon as it is final: never half of a multi-byte character (a 
 token can end mid-character, which decodes to U+FFFD until the rest arrives), and never the
 first characters of what may turn out to be a stop string (the last `len(longest stop) - 1`
 characters are held back until they can no longer begin one). A stop string ends the text
-before it, as OpenAI's API does.
+before it, as OpenAI's API does; with `min_tokens` (vLLM's), stop strings are looked for once
+that many tokens are in, in the text from the held-back characters on.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ _CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._token_ids: list[int] = []
         self._prefix_offset = 0  # decoding context starts here
@@ -42,7 +44,7 @@ class IncrementalDetokenizer:
         self.text += after[len(before) :]
         self._read_offset = len(self._token_ids)
         self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
-        if self._find_stop():
+        if len(self._token_ids) >= self.min_tokens and self._find_stop():
             return self._emit(len(self.text))
         return self._emit(len(self.text) - self._hold)
 

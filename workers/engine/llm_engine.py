@@ -169,6 +169,9 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine with a tokenizer")
+        vocab = self.runner.model.config.vocab_size
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if prefilled is not None:
             _check_prefilled(prefilled, len(prompt_token_ids))
         method, max_spec_tokens = self.speculator.resolve(spec)
@@ -181,10 +184,13 @@ class LLMEngine:
             block_table=BlockTable(self.allocator, self.config.block_size),
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
             arrival=next(self._arrivals),
+            eos_token_ids=self.eos_token_ids,
         )
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+            self._detokenizers[request_id] = IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.min_tokens
+            )
         self.speculator.add(seq)
         if prefilled is not None:
             logits = self._load_prefilled(seq, prefilled)

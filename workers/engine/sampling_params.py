@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's
+    min_tokens: int = 0  # EOS and stop tokens are held off until this many tokens (vLLM's)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,6 +57,12 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -68,27 +76,46 @@ class SamplingParams:
             or self.presence_penalty != 0.0
         )
 
-    def penalize(
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust` changes the model's logits before the sampling transform."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
+    def adjust(
         self,
         logits: torch.Tensor,  # [len(draft_ids) + 1, vocab]
         prompt_ids: Sequence[int],
         output_ids: Sequence[int],
         draft_ids: Sequence[int] = (),
+        eos_token_ids: Iterable[int] = (),
     ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32 on the host
-        """These settings' penalties on the logits of a verify forward's rows: row j is the
-        position after the output so far and the first j drafts."""
+        """These settings' changes to the logits of a verify forward's rows, row j being the
+        position after the output so far and the first j drafts: penalties, then the logit
+        bias, then, at positions short of `min_tokens`, EOS and the stop tokens ruled out."""
         vocab = logits.shape[-1]
-        in_prompt = torch.zeros(vocab, dtype=torch.bool)
-        if self.repetition_penalty != 1.0:
-            in_prompt[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
-        return apply_penalties(
-            logits.float().cpu(),
-            position_counts(output_ids, draft_ids, vocab),
-            in_prompt,
-            self.repetition_penalty,
-            self.frequency_penalty,
-            self.presence_penalty,
-        )
+        logits = logits.float().cpu()
+        if self.penalized:
+            in_prompt = torch.zeros(vocab, dtype=torch.bool)
+            if self.repetition_penalty != 1.0:
+                in_prompt[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+            logits = apply_penalties(
+                logits,
+                position_counts(output_ids, draft_ids, vocab),
+                in_prompt,
+                self.repetition_penalty,
+                self.frequency_penalty,
+                self.presence_penalty,
+            )
+        else:
+            logits = logits.clone()
+        for token, bias in self.logit_bias:
+            logits[:, token] += bias
+        short = self.min_tokens - len(output_ids)  # rows whose token would come too early
+        if short > 0:
+            ends = {*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)}
+            if ends:
+                logits[:short, sorted(ends)] = -math.inf
+        return logits
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [vocab] or [1, vocab] -> [1, vocab]
         """These settings' sampling transform of one position's logits, in fp32 on the host:

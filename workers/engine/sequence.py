@@ -92,6 +92,7 @@ class Sequence:
     finish_reason: str | None = None
     draft: Draft = EMPTY_DRAFT  # proposed for the coming step
     stats: SpecStats = field(default_factory=SpecStats)
+    eos_token_ids: frozenset[int] = frozenset()  # the model's (what `min_tokens` holds off)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -83,8 +83,9 @@ class SequentialEngine:
         try:
             logits = self._prefill(table, prompt)
             while True:
-                if params.penalized:
-                    logits = params.penalize(logits, prompt, tokens[len(prompt) :])
+                if params.adjusts_logits:
+                    output = tokens[len(prompt) :]
+                    logits = params.adjust(logits, prompt, output, (), self.eos_token_ids)
                 token = self._sample(logits, params, generator)
                 tokens.append(token)
                 if not first_token_s:

@@ -19,8 +19,8 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     A sequence without a draft simply samples one token (k = 0: the bonus token); one with a
     draft gets its accepted prefix plus a recovered or bonus token. Greedy rows are decided by
     the argmax of their logits alone; the rest go through the sampling transform and
-    `rejection_sample` together. A request with penalties has them applied to each row first,
-    the row's counts taking in the drafts before it.
+    `rejection_sample` together. A request with penalties, a logit bias or `min_tokens` has
+    them applied to each row first, the row's output taking in the drafts before it.
     """
     committed: list[list[int] | None] = [None] * len(batch)
     rows = []  # sampled rows: they need the target's probabilities
@@ -31,8 +31,8 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     for i, s in enumerate(batch):
         if not s.samples:
             continue
-        if s.seq.params.greedy and s.seq.params.penalized:
-            rows_logits = _penalized(s.seq, s.draft.token_ids, output.logits_of(i))
+        if s.seq.params.greedy and s.seq.params.adjusts_logits:
+            rows_logits = _adjusted(s.seq, s.draft.token_ids, output.logits_of(i))
             committed[i] = greedy_accept(s.draft.token_ids, rows_logits.argmax(dim=-1).tolist())
         elif s.seq.params.greedy:  # the argmax decides: no transform, no probabilities
             if argmax is None:
@@ -56,8 +56,8 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     )
     for n, (i, k) in enumerate(zip(rows, ks, strict=True)):
         seq = batch[i].seq
-        if seq.params.penalized:
-            logits[n, : k + 1] = _penalized(seq, batch[i].draft.token_ids, logits[n, : k + 1])
+        if seq.params.adjusts_logits:
+            logits[n, : k + 1] = _adjusted(seq, batch[i].draft.token_ids, logits[n, : k + 1])
     params = [batch[i].seq.params for i in rows]
 
     def per_row(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -91,8 +91,8 @@ def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
     without a draft: the same transform and the same draw from the sequence's generator as
     `verify` makes for a row with k = 0."""
     p = seq.params
-    if p.penalized:
-        logits = _penalized(seq, (), logits.view(1, -1))[0]
+    if p.adjusts_logits:
+        logits = _adjusted(seq, (), logits.view(1, -1))[0]
     if p.greedy:
         return int(logits.argmax())
     probs = p.probs(logits).view(1, 1, -1)
@@ -101,6 +101,9 @@ def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
     return int(sampled[0, 0])
 
 
-def _penalized(seq: Sequence_, draft_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-    """The sequence's penalties on its rows' logits (`[len(draft_ids) + 1, vocab]`)."""
-    return seq.params.penalize(logits, seq.prompt_token_ids, seq.output_token_ids, draft_ids)
+def _adjusted(seq: Sequence_, draft_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+    """The request's penalties, bias and `min_tokens` on its rows' logits
+    (`[len(draft_ids) + 1, vocab]`)."""
+    return seq.params.adjust(
+        logits, seq.prompt_token_ids, seq.output_token_ids, draft_ids, seq.eos_token_ids
+    )
