@@ -74,7 +74,7 @@ class _SamplingFields(_Strict):
         None, ge=0, description="vLLM's extension: no EOS, stop token or stop string before"
     )
     stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = Field(
-        None, description="vLLM's extension: the text ends at any of these tokens (kept)"
+        None, description="vLLM's extension: the text ends at any of these tokens"
     )
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: independent answers")
     stream: bool = Field(False, description="server-sent events")

@@ -181,7 +181,8 @@ class RouterService:
                     await gen.aclose()  # aborts the choices that started
         if refused:
             raise refused[0]
-        return [(first, gen) for first, gen in zip(firsts, gens, strict=True)]  # type: ignore[misc]
+        started = [f for f in firsts if not isinstance(f, BaseException)]
+        return list(zip(started, gens, strict=True))
 
     async def generate(
         self,
