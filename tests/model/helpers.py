@@ -6,7 +6,10 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.engine.config import RequestSpec
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.ngram import NgramConfig, NgramDrafter
+from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
@@ -61,3 +64,22 @@ def run_staggered(
             tokens[out.request_id] += out.new_token_ids
         step += 1
     return list(tokens.values())
+
+
+def speculative_engine(
+    method: str, model: TransformerLM, eos_token_ids: Sequence[int]
+) -> LLMEngine:
+    """An engine drafting with `ngram` (n-grams of 1 to 4) or `eagle` (the bundled head), four
+    drafts a step whatever they cost (no adaptive k)."""
+    drafter = (
+        NgramDrafter(NgramConfig(1, 4))
+        if method == "ngram"
+        else EagleDrafter(EagleHead.load(BUNDLED_HEAD), model, num_blocks=1024)
+    )
+    spec = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
+    return LLMEngine(
+        model,
+        EngineConfig(max_model_len=512, spec=spec),
+        eos_token_ids=eos_token_ids,
+        drafters={method: drafter},
+    )

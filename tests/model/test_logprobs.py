@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.drafting.eagle import EagleDrafter
-from workers.drafting.ngram import NgramConfig, NgramDrafter
-from workers.eagle.head import BUNDLED_HEAD, EagleHead
-from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from tests.model.helpers import speculative_engine
+from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.llm_engine import Completion, LLMEngine
 from workers.engine.logprobs import TokenLogprob, token_logprobs
 from workers.engine.sampling_params import SamplingParams
@@ -82,21 +80,6 @@ def test_logprobs_are_the_targets_raw_distribution(  # type: ignore[no-untyped-d
     assert plain.token_ids == greedy.token_ids and plain.logprobs == []
 
 
-def _engine(model, checkpoint, method: str) -> LLMEngine:  # type: ignore[no-untyped-def]
-    drafter = (
-        NgramDrafter(NgramConfig(1, 4))
-        if method == "ngram"
-        else EagleDrafter(EagleHead.load(BUNDLED_HEAD), model, num_blocks=1024)
-    )
-    spec = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
-    return LLMEngine(
-        model,
-        EngineConfig(max_model_len=512, spec=spec),
-        eos_token_ids=checkpoint.config.eos_token_ids,
-        drafters={method: drafter},
-    )
-
-
 def _close(a: list[TokenLogprob], b: list[TokenLogprob]) -> bool:
     return all(
         x.token_id == y.token_id
@@ -118,7 +101,7 @@ def test_logprobs_with_speculation_equal_plain_decoding(  # type: ignore[no-unty
     plain = LLMEngine(
         model_fp32, EngineConfig(max_model_len=512), eos_token_ids=checkpoint.config.eos_token_ids
     ).generate(prompts, params)
-    engine = _engine(model_fp32, checkpoint, method)
+    engine = speculative_engine(method, model_fp32, checkpoint.config.eos_token_ids)
     got = {f"r{i}": Completion(f"r{i}", p) for i, p in enumerate(prompts)}
     step = 0
     while step < 2 * len(prompts) or engine.has_unfinished_requests():

@@ -10,12 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.model.helpers import speculative_engine
 from tests.unit.test_penalties import reference
-from workers.drafting.eagle import EagleDrafter
-from workers.drafting.ngram import NgramConfig, NgramDrafter
-from workers.eagle.head import BUNDLED_HEAD, EagleHead
-from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
-from workers.engine.llm_engine import LLMEngine
+from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
 
@@ -75,21 +72,6 @@ def test_all_penalties_match_a_loop_over_transformers_logits(plain, checkpoint, 
     assert ours == tokens[len(prompt) :]
 
 
-def speculative_engine(method: str, model, checkpoint) -> LLMEngine:  # type: ignore[no-untyped-def]
-    drafter = (
-        NgramDrafter(NgramConfig(1, 4))
-        if method == "ngram"
-        else EagleDrafter(EagleHead.load(BUNDLED_HEAD), model, num_blocks=1024)
-    )
-    spec = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
-    return LLMEngine(
-        model,
-        EngineConfig(max_model_len=512, spec=spec),
-        eos_token_ids=checkpoint.config.eos_token_ids,
-        drafters={method: drafter},
-    )
-
-
 @pytest.mark.parametrize("method", ["ngram", "eagle"])
 def test_penalized_greedy_with_speculation_is_plain_decoding(  # type: ignore[no-untyped-def]
     method: str, plain, model_fp32, checkpoint
@@ -97,7 +79,7 @@ def test_penalized_greedy_with_speculation_is_plain_decoding(  # type: ignore[no
     """Four requests at once, half of them penalized (mildly: drafts still hold now and then);
     the drafters do not know the penalties, so their drafts are rejected where a penalty turns
     the target's choice."""
-    engine = speculative_engine(method, model_fp32, checkpoint)
+    engine = speculative_engine(method, model_fp32, checkpoint.config.eos_token_ids)
     prompts = [checkpoint.tokenizer.encode(p) for p in PROMPTS]
     greedy = SamplingParams(max_tokens=16, temperature=0)
     mild = replace(greedy, repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.05)
@@ -126,7 +108,7 @@ def test_min_tokens_and_logit_bias_with_speculation_are_plain_decoding(  # type:
     assert len(expected[0]) >= held.min_tokens
     assert expected[0][: len(short.token_ids) - 1] == short.token_ids[:-1]
     assert expected[1][0] != first
-    engine = speculative_engine(method, model_fp32, checkpoint)
+    engine = speculative_engine(method, model_fp32, checkpoint.config.eos_token_ids)
     got = engine.generate([prompt, prompt], [held, biased], RequestSpec(method=method))
     assert [g.token_ids for g in got] == expected
     assert got[0].spec.accepted > 0
