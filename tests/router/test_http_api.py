@@ -448,7 +448,8 @@ def test_concurrent_requests_each_get_their_own_answer(server: str) -> None:
 
 
 def test_registry_reports_a_request_from_redis(open_router) -> None:  # type: ignore[no-untyped-def]
-    _, out, _, _ = post(open_router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 5})
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0}  # greedy: no early EOS
+    _, out, _, _ = post(open_router.url + "/v1/completions", body)
     open_router.service  # noqa: B018 - the service exists once started
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
