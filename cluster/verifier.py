@@ -294,7 +294,9 @@ class VerifierActor:
     ) -> AsyncIterator[StepMessage]:
         """Streams one message per engine step that produced something for the request."""
         self.rounds.start(request_id, trace_carrier)
-        prefilled = await self._remote_prefill(request_id, prompt_ids, spec, trace_carrier)
+        prefilled = None
+        if params.prompt_logprobs is None:  # a scored prompt is computed here, every position
+            prefilled = await self._remote_prefill(request_id, prompt_ids, spec, trace_carrier)
         outputs = self.loop.stream(request_id, prompt_ids, params, spec, prefilled)
         try:
             async for out in outputs:

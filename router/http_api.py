@@ -182,21 +182,15 @@ def create_app(service: RouterService) -> FastAPI:
                 await steps.aclose()  # aborts the choices and frees their KV blocks
                 return Response(status_code=499)
         service.metrics.requests.labels(_api(generate), "ok").inc()
-        wanted = generate.params.logprobs is not None
-        answers = []
-        for index, (text, step) in enumerate(zip(texts, last, strict=True)):
-            choice: dict[str, Any] = {"index": index, "finish_reason": step.finish_reason}
-            if generate.chat:
-                choice["message"] = {"role": "assistant", "content": "".join(text)}
-                choice["logprobs"] = formatter.chat(logprobs[index]) if wanted else None
-            else:
-                choice["text"] = "".join(text)
-                # A resumed request's log-probabilities start at the tokens generated now.
-                choice["logprobs"] = (
-                    formatter.completion(logprobs[index], len(prefix))[0] if wanted else None
-                )
-            answers.append(choice)
+        answers = [
+            _choice(formatter, generate, index, first.prompt_logprobs, text, lps, step, prefix)
+            for index, ((first, _), text, lps, step) in enumerate(
+                zip(choices, texts, logprobs, last, strict=True)
+            )
+        ]
         envelope = _envelope(service, request_id, generate.chat, answers)
+        if generate.chat and generate.params.prompt_logprobs is not None:
+            envelope["prompt_logprobs"] = formatter.prompt(choices[0][0].prompt_logprobs or [])
         envelope["usage"] = usage(generate, last)
         if resumed is not None:
             envelope["resumed"] = resumed
@@ -217,6 +211,40 @@ def create_app(service: RouterService) -> FastAPI:
 
     app.openapi = _openapi  # type: ignore[method-assign]
     return app
+
+
+def _choice(
+    formatter: LogprobFormatter,
+    generate: GenerateRequest,
+    index: int,
+    prompt_logprobs: list[TokenLogprob] | None,
+    texts: list[str],
+    logprobs: list[TokenLogprob],
+    last: Step,
+    prefix: str,
+) -> dict[str, Any]:
+    """One choice of a whole (not streamed) answer. With `echo` the prompt comes first (its
+    tokens' log-probabilities too); a request that only scores its prompt (`max_tokens` 0)
+    shows none of the token the engine generated."""
+    text = "" if generate.score_only else "".join(texts)
+    logprobs = [] if generate.score_only else logprobs
+    choice: dict[str, Any] = {"index": index, "finish_reason": last.finish_reason}
+    wanted = generate.params.logprobs is not None
+    if generate.chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = formatter.chat(logprobs) if wanted else None
+        return choice
+    choice["text"] = (generate.echo or "") + text
+    choice["logprobs"] = None
+    if wanted and generate.echo is not None:
+        entries = [*(prompt_logprobs or []), *logprobs]
+        first = generate.prompt_ids[0]
+        choice["logprobs"] = formatter.completion(entries, 0, first_token=first)[0]
+    elif wanted:  # a resumed request's log-probabilities start at the tokens generated now
+        choice["logprobs"] = formatter.completion(logprobs, len(prefix))[0]
+    if generate.params.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = formatter.prompt(prompt_logprobs or [])
+    return choice
 
 
 _GENERATION_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}

@@ -34,28 +34,50 @@ class LogprobFormatter:
         return text
 
     def completion(
-        self, logprobs: Sequence[TokenLogprob], offset: int
+        self, logprobs: Sequence[TokenLogprob], offset: int, first_token: int | None = None
     ) -> tuple[dict[str, Any], int]:
         """The legacy object for these tokens, whose text starts `offset` characters into the
         choice's text, and the offset where the next token's text starts (a stream's next
-        chunk carries on from there)."""
+        chunk carries on from there). `first_token`: an echoed prompt's first token, which
+        nothing before it scores (its log-probability and alternatives are null)."""
         tokens = [self.text(lp.token_id) for lp in logprobs]
-        offsets = []
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        top = []
+        values: list[float | None] = [_finite(lp.logprob) for lp in logprobs]
+        top: list[dict[str, float] | None] = []
         for lp in logprobs:
             alternatives = {self.text(i): _finite(v) for i, v in lp.top}
             alternatives.setdefault(self.text(lp.token_id), _finite(lp.logprob))
             top.append(alternatives)
+        if first_token is not None:
+            tokens, values, top = [self.text(first_token), *tokens], [None, *values], [None, *top]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
         body = {
             "tokens": tokens,
-            "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+            "token_logprobs": values,
             "top_logprobs": top,
             "text_offset": offsets,
         }
         return body, offset
+
+    def prompt(self, logprobs: Sequence[TokenLogprob]) -> list[dict[str, Any] | None]:
+        """vLLM's `prompt_logprobs`: null for the first prompt token, then for each token a map
+        from token id (a string) to its log-probability, rank and text, for the token and the
+        likeliest others."""
+        entries: list[dict[str, Any] | None] = [None]
+        for lp in logprobs:
+            entry = {
+                str(i): {"logprob": _finite(v), "rank": rank, "decoded_token": self.text(i)}
+                for rank, (i, v) in enumerate(lp.top, start=1)
+            }
+            entry[str(lp.token_id)] = {
+                "logprob": _finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": self.text(lp.token_id),
+            }
+            entries.append(entry)
+        return entries
 
     def chat(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
         return {

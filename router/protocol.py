@@ -9,7 +9,7 @@ so clients that send newer OpenAI fields keep working.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -73,6 +73,12 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = Field(
         None, ge=0, description="vLLM's extension: no EOS, stop token or stop string before"
     )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="vLLM's extension: each prompt token's log-probability and the N likeliest",
+    )
     stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = Field(
         None, description="vLLM's extension: the text ends at any of these tokens"
     )
@@ -88,7 +94,12 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(description="text, or token ids")
-    echo: bool = Field(False, description="not served: must be false")
+    max_tokens: int | None = Field(
+        None, ge=0, description="most tokens to generate; 0 (with echo): score the prompt only"
+    )
+    echo: bool = Field(
+        False, description="the prompt before the answer (with logprobs: its tokens' too)"
+    )
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -132,6 +143,8 @@ class GenerateRequest:
     include_usage: bool
     chat: bool
     n: int = 1  # choices, each its own sequence in one verifier group
+    echo: str | None = None  # completions' `echo`: the prompt's text, before each answer
+    score_only: bool = False  # `max_tokens` 0: the prompt is scored, no answer is returned
 
 
 def parse_json(raw: bytes) -> Any:
@@ -197,6 +210,7 @@ def sampling_params(
             presence_penalty=body.presence_penalty or 0.0,
             logit_bias=logit_bias,
             min_tokens=body.min_tokens or 0,
+            prompt_logprobs=body.prompt_logprobs,
         )
     except ValueError as exc:
         raise errors.bad_request(str(exc)) from exc
@@ -230,8 +244,10 @@ class RequestBuilder:
 
     def completion(self, body: CompletionRequest) -> GenerateRequest:
         self.check_model(body.model)
-        if body.echo:
-            raise errors.bad_request("echo is not supported", "echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise errors.bad_request("max_tokens 0 scores the prompt: it needs echo", "max_tokens")
+        if body.stream and (body.echo or body.prompt_logprobs is not None):
+            raise errors.bad_request("echo and prompt_logprobs are not streamed", "stream")
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise errors.bad_request("prompt must not be empty", "prompt")
@@ -241,19 +257,30 @@ class RequestBuilder:
             vocab = self.tokenizer.vocab_size
             if not prompt_ids or any(not 0 <= t < vocab for t in prompt_ids):
                 raise errors.bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return self._build(
+        request = self._build(
             body,
             prompt_ids,
-            body.max_tokens,
+            body.max_tokens or (1 if body.max_tokens == 0 else None),
             COMPLETIONS_DEFAULT_MAX_TOKENS,
             False,
             body.logprobs,
         )
+        if not body.echo:
+            return request
+        # The echoed prompt carries its tokens' log-probabilities when the answer's do.
+        params = request.params
+        if body.logprobs is not None:
+            scores = max(body.logprobs, body.prompt_logprobs or 0)
+            params = replace(params, prompt_logprobs=scores)
+        text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids)
+        return replace(request, params=params, echo=text, score_only=body.max_tokens == 0)
 
     def chat(self, body: ChatCompletionRequest) -> GenerateRequest:
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise errors.bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if body.stream and body.prompt_logprobs is not None:
+            raise errors.bad_request("prompt_logprobs are not streamed", "stream")
         messages = [_message_text(m) for m in body.messages]
         prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
         max_tokens = body.max_completion_tokens or body.max_tokens

@@ -354,7 +354,10 @@ def usage(request: GenerateRequest, last_steps: Sequence[Step]) -> dict[str, obj
     """OpenAI's usage object over a request's choices (their last steps), with Outrider's
     speculative statistics: the prompt counted once, the choices' tokens and drafts summed."""
     prompt_tokens = last_steps[0].num_prompt_tokens or len(request.prompt_ids)
-    completion_tokens = sum(step.num_output_tokens for step in last_steps)
+    if request.score_only:  # the token the engine generated is not part of the answer
+        completion_tokens = 0
+    else:
+        completion_tokens = sum(step.num_output_tokens for step in last_steps)
     spec = SpecStats()
     for step in last_steps:
         spec.merge(step.spec)

@@ -67,10 +67,10 @@ def run_staggered(
 
 
 def speculative_engine(
-    method: str, model: TransformerLM, eos_token_ids: Sequence[int]
+    method: str, model: TransformerLM, eos_token_ids: Sequence[int], **config: int
 ) -> LLMEngine:
     """An engine drafting with `ngram` (n-grams of 1 to 4) or `eagle` (the bundled head), four
-    drafts a step whatever they cost (no adaptive k)."""
+    drafts a step whatever they cost (no adaptive k); `config`: other engine settings."""
     drafter = (
         NgramDrafter(NgramConfig(1, 4))
         if method == "ngram"
@@ -79,7 +79,7 @@ def speculative_engine(
     spec = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
     return LLMEngine(
         model,
-        EngineConfig(max_model_len=512, spec=spec),
+        EngineConfig(max_model_len=512, spec=spec, **config),  # type: ignore[arg-type]
         eos_token_ids=eos_token_ids,
         drafters={method: drafter},
     )

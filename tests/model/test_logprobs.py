@@ -31,9 +31,10 @@ def test_token_logprobs_are_log_softmax_rows() -> None:
     assert got[0].top[0][1] == pytest.approx(float(logp[0, 3]))
     assert got[1].top[0] == (0, pytest.approx(float(logp[1, 0])))
     assert token_logprobs(logits, [2, 3], 0) == [
-        TokenLogprob(2, pytest.approx(float(logp[0, 2]))),  # type: ignore[arg-type]
-        TokenLogprob(3, pytest.approx(float(logp[1, 3]))),  # type: ignore[arg-type]
+        TokenLogprob(2, pytest.approx(float(logp[0, 2])), rank=2),  # type: ignore[arg-type]
+        TokenLogprob(3, pytest.approx(float(logp[1, 3])), rank=2),  # type: ignore[arg-type]
     ]
+    assert [g.rank for g in got] == [3, 1]  # ties share the better rank
     assert token_logprobs(logits[:1], [], 3) == []
 
 
@@ -117,3 +118,33 @@ def test_logprobs_with_speculation_equal_plain_decoding(  # type: ignore[no-unty
     for result, expected in zip(got.values(), plain, strict=True):
         assert result.token_ids == expected.token_ids
         assert _close(result.logprobs, expected.logprobs)
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_score_every_prompt_position(model_fp32, checkpoint, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """The prompt is computed whole (its blocks already in the prefix cache from an earlier
+    request) in chunks of 16 tokens, beside n-gram drafts of another request: one entry per
+    prompt token after the first, transformers' log-softmax, and the same answer as without."""
+    from dataclasses import replace
+
+    eos = checkpoint.config.eos_token_ids
+    engine = speculative_engine("ngram", model_fp32, eos, max_num_batched_tokens=16)
+    prompts = [checkpoint.tokenizer.encode(p) for p in PROMPTS[:2]]
+    plain = SamplingParams(max_tokens=8, temperature=0)
+    spec = RequestSpec(method="ngram")
+    before = engine.generate(prompts, plain, spec)
+    assert engine.cached_prefix_tokens(prompts[0]) > 0
+    scored = replace(plain, prompt_logprobs=3)
+    got = engine.generate(prompts, [scored, plain], spec)
+    assert [g.token_ids for g in got] == [b.token_ids for b in before]
+    assert got[1].prompt_logprobs is None
+    entries = got[0].prompt_logprobs
+    prompt = prompts[0]
+    assert entries is not None and [e.token_id for e in entries] == prompt[1:]
+    with torch.no_grad():
+        expected = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), -1)
+    for row, entry in zip(expected[:-1], entries, strict=True):
+        assert entry.logprob == pytest.approx(float(row[entry.token_id]), abs=2e-3)
+        assert [i for i, _ in entry.top] == row.topk(3).indices.tolist()
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)

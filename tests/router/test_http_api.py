@@ -203,6 +203,61 @@ def test_logprobs_are_the_models_and_streams_carry_them(
     assert plain.choices[0].logprobs is None
 
 
+def test_scoring_a_prompt_with_echo_and_prompt_logprobs(
+    server: str, model_fp32, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
+    """What evaluation harnesses send: `max_tokens` 0 with `echo` and `logprobs` scores the
+    prompt (null for its first token, then the model's log-softmax at each position); with
+    tokens to generate, the echoed prompt's entries come before the answer's; vLLM's
+    `prompt_logprobs` gives the same numbers with ranks, on completions and chat."""
+    from tests.model.helpers import all_logits
+
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    tok = checkpoint.tokenizer
+    prompt = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        expected = torch.log_softmax(all_logits(model_fp32, ids).float(), -1)
+    chosen = [float(expected[i, t]) for i, t in enumerate(ids[1:])]
+    scored = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert lp.tokens == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(chosen, abs=1e-4)
+
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1}
+    _, plain, _, _ = post(server + "/v1/completions", body)
+    _, echoed, _, _ = post(server + "/v1/completions", {**body, "echo": True})
+    answer = plain["choices"][0]
+    assert echoed["choices"][0]["text"] == prompt + answer["text"]
+    both = echoed["choices"][0]["logprobs"]
+    assert both["tokens"] == lp.tokens + answer["logprobs"]["tokens"]
+    assert both["token_logprobs"][len(ids) :] == pytest.approx(
+        answer["logprobs"]["token_logprobs"], abs=1e-4
+    )
+    assert echoed["usage"]["completion_tokens"] == 4
+
+    _, vllm_style, _, _ = post(
+        server + "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    )
+    entries = vllm_style["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(ids)
+    for entry, token, value, row in zip(entries[1:], ids[1:], chosen, expected[:-1], strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(value, abs=1e-4)
+        assert entry[str(token)]["rank"] == int((row > row[token]).sum()) + 1
+        assert entry[str(token)]["decoded_token"] == tok.decode([token])
+        top = row.topk(2).indices.tolist()
+        assert {str(t) for t in top} <= set(entry) and entry[str(top[0])]["rank"] == 1
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0}
+    _, reply, _, _ = post(server + "/v1/chat/completions", chat)
+    chat_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    assert len(reply["prompt_logprobs"]) == len(chat_ids)
+    assert all(len(e) == 1 for e in reply["prompt_logprobs"][1:])
+
+
 def test_penalties_reach_the_engine(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
     """OpenAI's presence and frequency penalties and vLLM's repetition penalty change the
     greedy text exactly as plain decoding with them does."""
@@ -343,7 +398,7 @@ BAD = [
     (b"{not json", 400, "not valid JSON", None),
     (b'{"prompt": "caf\xe9"}', 400, "not valid UTF-8", None),
     (b"[1, 2]", 400, "JSON object", None),
-    ({"prompt": PROMPT, "max_tokens": -1}, 400, "greater than or equal to 1", "max_tokens"),
+    ({"prompt": PROMPT, "max_tokens": -1}, 400, "greater than or equal to 0", "max_tokens"),
     ({"prompt": PROMPT, "max_tokens": "5"}, 400, "valid integer", "max_tokens"),
     ({"prompt": PROMPT, "temperature": "hot"}, 400, "valid number", "temperature"),
     ({"prompt": PROMPT, "max_tokens": 1.5}, 400, "valid integer", "max_tokens"),
@@ -356,7 +411,9 @@ BAD = [
     ({"prompt": "word " * 600}, 400, "maximum context length is", "prompt"),
     ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop.str"),
     ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
-    ({"prompt": PROMPT, "echo": True}, 400, "echo", "echo"),
+    ({"prompt": PROMPT, "max_tokens": 0}, 400, "needs echo", "max_tokens"),
+    ({"prompt": PROMPT, "echo": True, "stream": True}, 400, "not streamed", "stream"),
+    ({"prompt": PROMPT, "prompt_logprobs": 21}, 400, "less than or equal to 20", "prompt_logprobs"),
     ({"prompt": PROMPT, "stop_token_ids": [10**9]}, 400, "stop token ids", "stop_token_ids"),
     ({"prompt": PROMPT, "logit_bias": {"the": 1}}, 400, "keys must be token ids", "logit_bias"),
     ({"prompt": PROMPT, "logit_bias": {"5": 101}}, 400, "[-100, 100]", None),

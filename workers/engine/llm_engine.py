@@ -25,7 +25,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
-from workers.engine.verification import sample_one, verify
+from workers.engine.verification import sample_one, sampling_rows, verify
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
 from workers.kv_cache.block_allocator import block_hashes
 from workers.model.tokenizer import Tokenizer
@@ -46,6 +46,9 @@ class RequestOutput:
     spec: SpecStats
     # One per new token when the request asked for log-probabilities (`params.logprobs`)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With the first token, when the request asked (`params.prompt_logprobs`): one per prompt
+    # token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -98,6 +101,7 @@ class Completion:
     finish_reason: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class LLMEngine:
@@ -174,6 +178,8 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if prefilled is not None:
             _check_prefilled(prefilled, len(prompt_token_ids))
+            if params.prompt_logprobs is not None:
+                raise ValueError("a prompt prefilled elsewhere has no prompt log-probabilities")
         method, max_spec_tokens = self.speculator.resolve(spec)
         seq = Sequence(
             request_id=request_id,
@@ -245,9 +251,12 @@ class LLMEngine:
             for index, (scheduled, tokens) in enumerate(zip(batch.seqs, results, strict=True)):
                 if layers:
                     self._send_hidden(scheduled, tokens, output, index, layers)
-                # Committed token j was drawn from the j-th scored row of the sequence.
-                logprobs = _logprobs(scheduled.seq, output.logits_of(index), tokens)
-                self._commit(scheduled, tokens, logprobs)
+                if scheduled.seq.scores_prompt:
+                    self._score_prompt(scheduled, output.logits_of(index))
+                # Committed token j was drawn from the j-th sampling row of the sequence.
+                k = len(scheduled.draft.token_ids)
+                rows = sampling_rows(output, index, k)
+                self._commit(scheduled, tokens, _logprobs(scheduled.seq, rows, tokens))
             if self.step_listeners:
                 self._report(batch.seqs, results, start_ns, drafted - start, drafted)
         return self.take_outputs()
@@ -293,6 +302,8 @@ class LLMEngine:
                 result.token_ids += out.new_token_ids
                 result.text += out.text
                 result.logprobs += out.logprobs
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     result.finish_reason, result.spec = out.finish_reason, out.spec
         return [results[rid] for rid in ids]
@@ -333,6 +344,16 @@ class LLMEngine:
             self._finish(seq, reason)
         else:
             self.speculator.commit(seq, tokens)
+
+    def _score_prompt(self, scheduled: ScheduledSeq, rows: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens this chunk's rows predict (row r of a
+        chunk from position `start` scores prompt token start + r + 1); a chunk computed
+        again after preemption writes over what it wrote before."""
+        seq, start = scheduled.seq, scheduled.seq.num_computed_tokens
+        end = min(start + scheduled.num_new_tokens, seq.num_prompt_tokens - 1)
+        num_top = seq.params.prompt_logprobs or 0
+        targets = seq.token_ids[start + 1 : end + 1]
+        seq.prompt_logprobs[start:end] = token_logprobs(rows, targets, num_top)
 
     def _send_hidden(
         self,
@@ -375,6 +396,9 @@ class LLMEngine:
         out.new_token_ids += tokens
         out.text += text
         out.logprobs += logprobs
+        first = bool(tokens) and len(seq.output_token_ids) == len(tokens)
+        if first and seq.params.prompt_logprobs is not None:
+            out.prompt_logprobs = list(seq.prompt_logprobs)
         out.num_output_tokens = len(seq.output_token_ids)
 
     def _finish(self, seq: Sequence, reason: str) -> None:

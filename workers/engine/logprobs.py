@@ -23,6 +23,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), likeliest first
+    rank: int = 1  # 1 + how many tokens the model found likelier
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprob]:
@@ -33,12 +34,16 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> 
         return []
     logp = torch.log_softmax(logits[:n].float(), dim=-1)
     ids = torch.tensor(token_ids, device=logp.device).view(n, 1)
-    chosen = logp.gather(1, ids).view(n).cpu().tolist()
+    chosen = logp.gather(1, ids)
+    ranks = ((logp > chosen).sum(dim=-1) + 1).cpu().tolist()
+    values = chosen.view(n).cpu().tolist()
     if num_top == 0:
-        return [TokenLogprob(t, lp) for t, lp in zip(token_ids, chosen, strict=True)]
+        return [
+            TokenLogprob(t, lp, rank=r) for t, lp, r in zip(token_ids, values, ranks, strict=True)
+        ]
     top = logp.topk(num_top, dim=-1)
     top_values, top_ids = top.values.cpu().tolist(), top.indices.cpu().tolist()
     return [
-        TokenLogprob(t, lp, tuple(zip(i, v, strict=True)))
-        for t, lp, i, v in zip(token_ids, chosen, top_ids, top_values, strict=True)
+        TokenLogprob(t, lp, tuple(zip(i, v, strict=True)), r)
+        for t, lp, i, v, r in zip(token_ids, values, top_ids, top_values, ranks, strict=True)
     ]

@@ -29,6 +29,9 @@ class SamplingParams:
     # Each generated token's log-probability and this many alternatives (0: none besides it);
     # None: no log-probabilities (workers/engine/logprobs.py)
     logprobs: int | None = None
+    # The same for each prompt token after the first (vLLM's `prompt_logprobs`): the prompt is
+    # computed whole, without the prefix cache, its every position scored
+    prompt_logprobs: int | None = None
     # Penalties on tokens already seen (kernels/penalties.py), applied before temperature:
     # repetition over prompt and output (1: off), frequency and presence over the output (0: off)
     repetition_penalty: float = 1.0
@@ -52,6 +55,10 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -36,7 +36,10 @@ class ScheduledSeq:
     def forward(self) -> SeqForward:
         start = self.seq.num_computed_tokens
         new = self.seq.token_ids[start : start + self.num_new_tokens] + self.draft.token_ids
-        num_logits = 1 + len(self.draft.token_ids) if self.samples else 0
+        if self.seq.scores_prompt:  # every position of the prompt chunk (the sampling row last)
+            num_logits = self.num_new_tokens
+        else:
+            num_logits = 1 + len(self.draft.token_ids) if self.samples else 0
         return SeqForward(new, start, self.seq.block_table.block_ids, num_logits)
 
 
@@ -103,7 +106,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if self.config.enable_prefix_caching and seq.num_computed_tokens == 0:
+            cache = self.config.enable_prefix_caching and not seq.scores_prompt
+            if cache and seq.num_computed_tokens == 0:
                 # Leave at least the last token to compute: its logits are needed.
                 seq.num_computed_tokens = seq.block_table.use_cached_prefix(seq.token_ids[:-1])
             num_new = min(seq.num_uncomputed_tokens, budget)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workers.drafting.base import EMPTY_DRAFT, Draft
+from workers.engine.logprobs import TokenLogprob
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import BlockTable
 
@@ -93,6 +94,8 @@ class Sequence:
     draft: Draft = EMPTY_DRAFT  # proposed for the coming step
     stats: SpecStats = field(default_factory=SpecStats)
     eos_token_ids: frozenset[int] = frozenset()  # the model's (what `min_tokens` holds off)
+    # Prompt tokens 1.. as their positions are scored, when `params.prompt_logprobs` asks
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -119,3 +122,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's positions still need scoring (`params.prompt_logprobs`)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )

@@ -20,24 +20,27 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     draft gets its accepted prefix plus a recovered or bonus token. Greedy rows are decided by
     the argmax of their logits alone; the rest go through the sampling transform and
     `rejection_sample` together. A request with penalties, a logit bias or `min_tokens` has
-    them applied to each row first, the row's output taking in the drafts before it.
+    them applied to each row first, the row's output taking in the drafts before it. A
+    sequence's sampling rows are its last k + 1 (a prompt chunk scored for its log-probabilities
+    has every position's row before them).
     """
     committed: list[list[int] | None] = [None] * len(batch)
     rows = []  # sampled rows: they need the target's probabilities
     # Greedy rows need only the argmax: one call and one copy to the host for the whole batch
     # (per row, a GPU step paid a launch and a sync for each sequence).
     argmax: list[int] | None = None
-    starts = output.inputs.logits_start_loc
+    ends = output.inputs.logits_start_loc[1:]
     for i, s in enumerate(batch):
         if not s.samples:
             continue
+        k = len(s.draft.token_ids)
         if s.seq.params.greedy and s.seq.params.adjusts_logits:
-            rows_logits = _adjusted(s.seq, s.draft.token_ids, output.logits_of(i))
+            rows_logits = _adjusted(s.seq, s.draft.token_ids, sampling_rows(output, i, k))
             committed[i] = greedy_accept(s.draft.token_ids, rows_logits.argmax(dim=-1).tolist())
         elif s.seq.params.greedy:  # the argmax decides: no transform, no probabilities
             if argmax is None:
                 argmax = output.output.logits.argmax(dim=-1).tolist()
-            committed[i] = greedy_accept(s.draft.token_ids, argmax[starts[i] : starts[i + 1]])
+            committed[i] = greedy_accept(s.draft.token_ids, argmax[ends[i] - k - 1 : ends[i]])
         else:
             rows.append(i)
     if not rows:
@@ -48,7 +51,9 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     vocab = all_logits.shape[-1]
     # Row n's k_n + 1 logits, padded to max_k + 1 by repeating its last (never read), in one
     # gather and one copy to the host.
-    index = [starts[i] + min(j, k) for i, k in zip(rows, ks, strict=True) for j in range(max_k + 1)]
+    index = [
+        ends[i] - k - 1 + min(j, k) for i, k in zip(rows, ks, strict=True) for j in range(max_k + 1)
+    ]
     logits = (
         all_logits.index_select(0, torch.tensor(index, device=all_logits.device))
         .to("cpu", torch.float32)
@@ -84,6 +89,12 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     for i, row in zip(rows, sampled.tolist(), strict=True):
         committed[i] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
     return committed
+
+
+def sampling_rows(output: RunnerOutput, index: int, k: int) -> torch.Tensor:
+    """The rows of sequence `index` that verify its k drafts and sample after them."""
+    rows = output.logits_of(index)
+    return rows[rows.shape[0] - k - 1 :]
 
 
 def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
