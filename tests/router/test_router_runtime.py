@@ -153,6 +153,15 @@ def test_logprobs_cross_the_runtime(router, model_fp32, checkpoint) -> None:  # 
     chosen = [float(row[t]) for row, t in zip(expected, ids[len(prompt_ids) :], strict=True)]
     assert logprobs["token_logprobs"] == pytest.approx(chosen, abs=1e-4)
     assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+    # Scoring the prompt: computed on the verifier, however long (never the prefill worker).
+    scored = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}
+    code, out, _, _ = post(router.url + "/v1/completions", scored)
+    assert code == 200, out
+    prompt_rows = all_logits(model_fp32, prompt_ids).float().log_softmax(-1)
+    expected_prompt = [float(prompt_rows[i, t]) for i, t in enumerate(prompt_ids[1:])]
+    assert out["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        expected_prompt, abs=1e-4
+    )
 
 
 def test_several_choices_over_the_runtime(router, runtime) -> None:  # type: ignore[no-untyped-def]
