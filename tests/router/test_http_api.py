@@ -258,6 +258,44 @@ def test_scoring_a_prompt_with_echo_and_prompt_logprobs(
     assert all(len(e) == 1 for e in reply["prompt_logprobs"][1:])
 
 
+COMBINED = [
+    {"n": 2, "logprobs": 2, "speculative": {"method": "ngram"}},
+    {"n": 2, "presence_penalty": 0.5, "stop": [","], "min_tokens": 3},
+    {"logprobs": 0, "logit_bias": {"11": 5}, "frequency_penalty": 0.4},
+    {"n": 3, "stop_token_ids": [30], "speculative": {"enabled": False}},
+]
+
+
+@pytest.mark.parametrize("options", COMBINED)
+def test_options_together_stream_what_the_whole_answer_holds(
+    server: str, options: dict[str, Any]
+) -> None:
+    """Greedy requests with several options at once: every choice of the stream adds up to the
+    same choice of the whole answer (text, log-probabilities, finish reason), and usage agrees."""
+    body = {"prompt": "1, 2, 3, 1, 2, 3, 1, 2,", "max_tokens": 10, "temperature": 0, **options}
+    code, whole, _, _ = post(server + "/v1/completions", body)
+    assert code == 200, whole
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    _, _, raw, _ = post(server + "/v1/completions", stream)
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"]
+    n = options.get("n", 1)
+    texts, tokens, finish = [""] * n, [[] for _ in range(n)], [None] * n
+    for event in events[:-2]:
+        for choice in event["choices"]:
+            i = choice["index"]
+            texts[i] += choice["text"]
+            finish[i] = choice["finish_reason"] or finish[i]
+            if choice["logprobs"]:
+                tokens[i] += choice["logprobs"]["tokens"]
+    assert texts == [c["text"] for c in whole["choices"]]
+    assert finish == [c["finish_reason"] for c in whole["choices"]]
+    if "logprobs" in options:
+        assert tokens == [c["logprobs"]["tokens"] for c in whole["choices"]]
+        counted = sum(len(c["logprobs"]["tokens"]) for c in whole["choices"])
+        assert counted == whole["usage"]["completion_tokens"]
+
+
 def test_penalties_reach_the_engine(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
     """OpenAI's presence and frequency penalties and vLLM's repetition penalty change the
     greedy text exactly as plain decoding with them does."""
