@@ -169,7 +169,8 @@ def create_app(service: RouterService) -> FastAPI:
         headers = {"X-Request-Id": request_id}
         steps = _merged(choices, prefix)
         if generate.stream:
-            events = _events(service, formatter, generate, request_id, steps, len(choices), prefix)
+            scored = [first.prompt_logprobs for first, _ in choices]
+            events = _events(service, formatter, generate, request_id, steps, scored, prefix)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         texts: list[list[str]] = [[] for _ in choices]
         logprobs: list[list[TokenLogprob]] = [[] for _ in choices]
@@ -321,33 +322,56 @@ async def _events(
     generate: GenerateRequest,
     request_id: str,
     steps: AsyncGenerator[tuple[int, Step], None],
-    n: int,
+    scored: list[list[TokenLogprob] | None],
     prefix: str = "",
 ) -> AsyncIterator[bytes]:
-    """Server-sent events in OpenAI's chunk format, one choice's step a chunk. Cancelled when
-    the client disconnects, which closes `steps` and so aborts the choices in their verifier."""
-    chat = generate.chat
+    """Server-sent events in OpenAI's chunk format, one choice's step a chunk, after an
+    opening chunk per choice: chat's role, or an echoed prompt and the prompt's log-probabilities
+    (`scored`, each choice's). Cancelled when the client disconnects, which closes `steps` and so
+    aborts the choices in their verifier."""
+    chat, n = generate.chat, len(scored)
     kind = "chat.completion.chunk" if chat else "text_completion"
+    wanted = generate.params.logprobs is not None
+    prompt_wanted = generate.params.prompt_logprobs is not None
 
-    def chunk(choices: list[dict[str, Any]]) -> bytes:
+    def chunk(choices: list[dict[str, Any]], **fields: Any) -> bytes:
         event = _envelope(service, request_id, chat, choices)
         event["object"] = kind
+        event.update(fields)
         if generate.include_usage:
             event["usage"] = None
         return f"data: {json.dumps(event)}\n\n".encode()
 
-    if chat:
-        for index in range(n):
-            role = {"role": "assistant", "content": ""}
-            yield chunk([{"index": index, "delta": role, "finish_reason": None}])
-    last: list[Step | None] = [None] * n
-    wanted = generate.params.logprobs is not None
     # Where each choice's next token's text starts in its text (completions); a resumed
     # request's log-probabilities start after the text committed before it.
     offsets = [len(prefix)] + [0] * (n - 1)
+    for index, prompt_logprobs in enumerate(scored):
+        if chat:
+            role = {"role": "assistant", "content": ""}
+            fields = {}
+            if prompt_wanted and index == 0:
+                fields["prompt_logprobs"] = formatter.prompt(prompt_logprobs or [])
+            yield chunk([{"index": index, "delta": role, "finish_reason": None}], **fields)
+        elif generate.echo is not None or prompt_wanted:
+            opening: dict[str, Any] = {"index": index, "text": generate.echo or ""}
+            opening["logprobs"] = None
+            if wanted and generate.echo is not None:
+                first = generate.prompt_ids[0]
+                opening["logprobs"], offsets[index] = formatter.completion(
+                    prompt_logprobs or [], 0, first_token=first
+                )
+            if prompt_wanted:
+                opening["prompt_logprobs"] = formatter.prompt(prompt_logprobs or [])
+            yield chunk([{**opening, "finish_reason": None}])
+    last: list[Step | None] = [None] * n
     try:
         async for index, step in steps:
             last[index] = step
+            if generate.score_only:  # only the end of each choice: its token is not shown
+                if step.finished:
+                    choice = {"index": index, "text": "", "logprobs": None}
+                    yield chunk([{**choice, "finish_reason": step.finish_reason}])
+                continue
             if not step.text and not step.finished and not step.logprobs:
                 continue
             logprobs: dict[str, Any] | None = None

@@ -246,8 +246,6 @@ class RequestBuilder:
         self.check_model(body.model)
         if body.max_tokens == 0 and not body.echo:
             raise errors.bad_request("max_tokens 0 scores the prompt: it needs echo", "max_tokens")
-        if body.stream and (body.echo or body.prompt_logprobs is not None):
-            raise errors.bad_request("echo and prompt_logprobs are not streamed", "stream")
         if isinstance(body.prompt, str):
             if not body.prompt:
                 raise errors.bad_request("prompt must not be empty", "prompt")
@@ -279,8 +277,6 @@ class RequestBuilder:
         self.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise errors.bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if body.stream and body.prompt_logprobs is not None:
-            raise errors.bad_request("prompt_logprobs are not streamed", "stream")
         messages = [_message_text(m) for m in body.messages]
         prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
         max_tokens = body.max_completion_tokens or body.max_tokens

@@ -256,6 +256,8 @@ def test_scoring_a_prompt_with_echo_and_prompt_logprobs(
     chat_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}]))
     assert len(reply["prompt_logprobs"]) == len(chat_ids)
     assert all(len(e) == 1 for e in reply["prompt_logprobs"][1:])
+    _, _, raw, _ = post(server + "/v1/chat/completions", {**chat, "stream": True})
+    assert sse_events(raw)[0]["prompt_logprobs"] == reply["prompt_logprobs"]
 
 
 COMBINED = [
@@ -263,6 +265,8 @@ COMBINED = [
     {"n": 2, "presence_penalty": 0.5, "stop": [","], "min_tokens": 3},
     {"logprobs": 0, "logit_bias": {"11": 5}, "frequency_penalty": 0.4},
     {"n": 3, "stop_token_ids": [30], "speculative": {"enabled": False}},
+    {"n": 2, "echo": True, "logprobs": 1, "prompt_logprobs": 1},
+    {"echo": True, "max_tokens": 0, "logprobs": 0},
 ]
 
 
@@ -293,7 +297,13 @@ def test_options_together_stream_what_the_whole_answer_holds(
     if "logprobs" in options:
         assert tokens == [c["logprobs"]["tokens"] for c in whole["choices"]]
         counted = sum(len(c["logprobs"]["tokens"]) for c in whole["choices"])
-        assert counted == whole["usage"]["completion_tokens"]
+        echoed = n * whole["usage"]["prompt_tokens"] if options.get("echo") else 0
+        assert counted == whole["usage"]["completion_tokens"] + echoed
+    if "prompt_logprobs" in options:
+        opening = [e["choices"][0] for e in events[:n]]
+        assert [c["prompt_logprobs"] for c in opening] == [
+            c["prompt_logprobs"] for c in whole["choices"]
+        ]
 
 
 def test_penalties_reach_the_engine(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
@@ -450,7 +460,6 @@ BAD = [
     ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop.str"),
     ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
     ({"prompt": PROMPT, "max_tokens": 0}, 400, "needs echo", "max_tokens"),
-    ({"prompt": PROMPT, "echo": True, "stream": True}, 400, "not streamed", "stream"),
     ({"prompt": PROMPT, "prompt_logprobs": 21}, 400, "less than or equal to 20", "prompt_logprobs"),
     ({"prompt": PROMPT, "stop_token_ids": [10**9]}, 400, "stop token ids", "stop_token_ids"),
     ({"prompt": PROMPT, "logit_bias": {"the": 1}}, 400, "keys must be token ids", "logit_bias"),
