@@ -3,7 +3,9 @@ and their translation into what the engine takes.
 
 Validation is strict about types (`"max_tokens": "5"` is refused, not coerced) and names the
 offending field in the error's `param`, as OpenAI does. Unknown fields are ignored, as vLLM does,
-so clients that send newer OpenAI fields keep working.
+so clients that send newer OpenAI fields keep working; but the fields that ask for what this
+server does not do (structured output, tools, best_of, suffix) are refused, not ignored: a
+client asking for JSON must not get prose it takes for JSON.
 """
 
 from __future__ import annotations
@@ -90,6 +92,13 @@ class _SamplingFields(_Strict):
         None, description="Outrider's extension: per-request speculation"
     )
     user: str | None = Field(None, description="an end-user id (accepted, not used)")
+    # Asked for, not served: refused unless they ask for nothing (`_refuse_unserved`).
+    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
+    tools: list[Any] | None = Field(None, description="not served: must be empty")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"')
+    functions: list[Any] | None = Field(None, description="not served: must be empty")
+    function_call: str | dict[str, Any] | None = Field(None, description='only "none"')
+    best_of: int | None = Field(None, description="only 1")
 
 
 class CompletionRequest(_SamplingFields):
@@ -100,6 +109,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = Field(
         False, description="the prompt before the answer (with logprobs: its tokens' too)"
     )
+    suffix: str | None = Field(None, description="not served: must be empty")
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -242,8 +252,29 @@ class RequestBuilder:
         if model not in (None, "", self.model_name):
             raise errors.not_found(f"the model {model!r} does not exist", "model")
 
+    @staticmethod
+    def refuse_unserved(body: _SamplingFields) -> None:
+        """400 for a field that asks for what this server does not do."""
+        kind = (body.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise errors.bad_request(
+                f"response_format {kind!r} is not supported (no structured output)",
+                "response_format",
+            )
+        for name in ("tools", "functions"):
+            if getattr(body, name):
+                raise errors.bad_request("tool calling is not supported", name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(body, name) not in (None, "none"):
+                raise errors.bad_request("tool calling is not supported", name)
+        if body.best_of not in (None, 1):
+            raise errors.bad_request("best_of is not supported (use n)", "best_of")
+        if getattr(body, "suffix", None):
+            raise errors.bad_request("suffix (insertion) is not supported", "suffix")
+
     def completion(self, body: CompletionRequest) -> GenerateRequest:
         self.check_model(body.model)
+        self.refuse_unserved(body)
         if body.max_tokens == 0 and not body.echo:
             raise errors.bad_request("max_tokens 0 scores the prompt: it needs echo", "max_tokens")
         if isinstance(body.prompt, str):
@@ -275,6 +306,7 @@ class RequestBuilder:
 
     def chat(self, body: ChatCompletionRequest) -> GenerateRequest:
         self.check_model(body.model)
+        self.refuse_unserved(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise errors.bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         messages = [_message_text(m) for m in body.messages]

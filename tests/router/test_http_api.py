@@ -460,6 +460,14 @@ BAD = [
     ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop.str"),
     ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
     ({"prompt": PROMPT, "max_tokens": 0}, 400, "needs echo", "max_tokens"),
+    (
+        {"prompt": PROMPT, "response_format": {"type": "json_object"}},
+        400,
+        "no structured output",
+        "response_format",
+    ),
+    ({"prompt": PROMPT, "best_of": 3}, 400, "best_of", "best_of"),
+    ({"prompt": PROMPT, "suffix": "end"}, 400, "suffix", "suffix"),
     ({"prompt": PROMPT, "prompt_logprobs": 21}, 400, "less than or equal to 20", "prompt_logprobs"),
     ({"prompt": PROMPT, "stop_token_ids": [10**9]}, 400, "stop token ids", "stop_token_ids"),
     ({"prompt": PROMPT, "logit_bias": {"the": 1}}, 400, "keys must be token ids", "logit_bias"),
@@ -502,9 +510,20 @@ def test_bad_chat_requests(server: str) -> None:
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
     ):
         code, out, _, _ = post(url, body)
         assert (code, out["error"]["param"]) == (400, param)
+    asking_for_nothing = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "response_format": {"type": "text"},
+        "tools": [],
+        "tool_choice": "none",
+        "best_of": 1,
+    }
+    assert post(url, asking_for_nothing)[0] == 200
 
 
 def test_unknown_routes_and_methods_are_openai_errors(server: str) -> None:
