@@ -7,7 +7,9 @@ One in-process engine (bundled model, bf16, ngram speculation) behind `LocalBack
 with the embedded Redis on loopback (API keys on, so every request pays the key lookup and the
 rate-limit script). For each concurrency level, rounds interleave the three paths; each request
 is a greedy chat completion. Reports median time to first token, median request latency and
-aggregate tokens/s, and the router's overhead over the direct path.
+aggregate tokens/s, and the router's overhead over the direct path. Then `n` choices: one
+request for 4 sampled answers to a long new prompt against 4 requests for one each, at once,
+with the prompt tokens the engine computed for each.
 """
 
 from __future__ import annotations
@@ -102,6 +104,53 @@ async def _round(
     return [r[0] for r in results], [r[2] for r in results], sum(r[1] for r in results), wall
 
 
+CHOICES = 4
+LONG_PROMPT = "Summarize the following notes in two sentences. " + " ".join(
+    f"Note {i}: the meeting moved the release of part {i} by {i % 5 + 1} days." for i in range(24)
+)
+
+
+async def _choices_round(
+    ctx: dict[str, Any], mode: str, nonce: int, max_tokens: int
+) -> tuple[float, int]:
+    """(seconds until every answer is in, prompt tokens the engine computed): one request with
+    `n` 4, or 4 requests with the seeds the choices get; a new prompt each time."""
+    client, computed = ctx["client"], ctx["computed"]
+    prompt = f"[{nonce}] {LONG_PROMPT}"
+    common = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8}
+    before = sum(computed)
+    start = time.perf_counter()
+    if mode == "one request, n = 4":
+        await client.completions.create(**common, n=CHOICES, seed=nonce)
+    else:
+        await asyncio.gather(
+            *(client.completions.create(**common, seed=nonce + i) for i in range(CHOICES))
+        )
+    return time.perf_counter() - start, sum(computed) - before
+
+
+async def _measure_choices(ctx: dict[str, Any], runs: int, max_tokens: int) -> list[list[str]]:
+    modes = ["one request, n = 4", "4 requests at once"]
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    prompt_tokens: dict[str, list[int]] = {m: [] for m in modes}
+    for round_ in range(runs + 1):  # round 0 warms up
+        for number, mode in enumerate(modes):
+            seconds, computed = await _choices_round(ctx, mode, 1000 * round_ + number, max_tokens)
+            if round_:
+                times[mode].append(seconds)
+                prompt_tokens[mode].append(computed)
+    base = times[modes[1]]
+    return [
+        [
+            mode,
+            f"{statistics.median(times[mode]) * 1000:.0f} ms",
+            f"{statistics.median(b / t for b, t in zip(base, times[mode], strict=True)):.2f}x",
+            f"{statistics.median(prompt_tokens[mode]):.0f}",
+        ]
+        for mode in modes
+    ]
+
+
 async def _measure(ctx: dict[str, Any], levels: list[int], runs: int, max_tokens: int) -> Any:
     import grpc
 
@@ -153,6 +202,10 @@ def main() -> None:
         EngineConfig(max_model_len=1024, max_num_seqs=16, spec=SpecConfig(method="ngram")),
         progress=False,
     )
+    computed: list[int] = []  # prompt tokens of each prefill chunk the engine ran
+    loaded.engine.step_listeners.append(
+        lambda report: computed.extend(r.prefill_tokens for r in report.rounds)
+    )
     loop = EngineLoop(loaded.engine)
     redis = EmbeddedRedis().start()
     port, grpc_port = free_port(), free_port()
@@ -169,6 +222,7 @@ def main() -> None:
         "tokenizer": loaded.tokenizer,
         "params": SamplingParams(max_tokens=args.max_tokens, temperature=0),
         "grpc_port": grpc_port,
+        "computed": computed,
     }
     try:
 
@@ -176,9 +230,10 @@ def main() -> None:
             ctx["client"] = openai.AsyncOpenAI(
                 base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0
             )
-            return await _measure(ctx, levels, args.runs, args.max_tokens)
+            measured = await _measure(ctx, levels, args.runs, args.max_tokens)
+            return measured, await _measure_choices(ctx, args.runs, args.max_tokens)
 
-        paths, stats = asyncio.run(run())
+        (paths, stats), choice_rows = asyncio.run(run())
     finally:
         thread.stop()
         redis.stop()
@@ -227,6 +282,18 @@ def main() -> None:
                 rows,
             ),
         ]
+    )
+    prompt_len = len(loaded.tokenizer.encode(LONG_PROMPT)) + 4
+    body += (
+        f"\n\n### Choices\n\n{CHOICES} sampled answers (temperature 0.8, up to "
+        f"{args.max_tokens} tokens each) to a new prompt of about {prompt_len} tokens over "
+        "HTTP: one request with `n` 4 against 4 requests at once with the seeds the choices "
+        "get (so the same answers), medians of "
+        f"{args.runs} interleaved rounds; `speed-up` is the median of per-round ratios. The "
+        "choices of one request run in one verifier group, the first alone until its first "
+        "token puts the prompt's blocks in the prefix cache; separate requests that arrive "
+        "together each compute the prompt.\n\n"
+        + table(["requests", "all answers in", "speed-up", "prompt tokens computed"], choice_rows)
     )
     print(body)
     write_section("bench_router", body, args.output)

@@ -79,3 +79,4 @@ def test_bench_router_quick_run(tmp_path: Path) -> None:
     assert "<!-- bench_router:start -->" in text
     assert "| 1 | direct |" in text and "| 2 | HTTP (openai client) |" in text
     assert "| 2 | gRPC |" in text
+    assert "| one request, n = 4 |" in text and "| 4 requests at once |" in text
