@@ -135,13 +135,13 @@ def create_app(service: RouterService) -> FastAPI:
         generate, committed = await service.resume(request_id, stream)
         prefix = service.builder.tokenizer.decode(committed)
         resumed = {"from": request_id, "committed_tokens": len(committed)}
-        return await _serve(request, generate, prefix, resumed)
+        return await _serve(request, [generate], prefix, resumed)
 
     @app.post("/v1/completions", tags=["openai"], openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
         await service.authorize(_bearer(request))
         body = validate(CompletionRequest, parse_json(await request.body()))
-        return await _serve(request, service.builder.completion(body))
+        return await _serve(request, service.builder.completions(body))
 
     @app.post(
         "/v1/chat/completions",
@@ -151,17 +151,21 @@ def create_app(service: RouterService) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         await service.authorize(_bearer(request))
         body = validate(ChatCompletionRequest, parse_json(await request.body()))
-        return await _serve(request, service.builder.chat(body))
+        return await _serve(request, [service.builder.chat(body)])
 
     async def _serve(
         request: Request,
-        generate: GenerateRequest,
+        generates: list[GenerateRequest],
         prefix: str = "",
         resumed: dict[str, Any] | None = None,
     ) -> Response:
+        """Serve one request: its prompts (a batch of completions, else one), each with its
+        choices; choice k of the answer is the k-th of them in order."""
+        generate = generates[0]  # what they share: API, stream, options
+        per_choice = [g for g in generates for _ in range(g.n)]
         request_id = f"{'chatcmpl' if generate.chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            choices = await service.start(generate, request_id)  # refusals surface here
+            choices = await service.start(generates, request_id)  # refusals surface here
         except RouterError:
             if resumed is not None:  # the error handler counts the others
                 service.metrics.requests.labels(_api(generate), "refused").inc()
@@ -170,7 +174,9 @@ def create_app(service: RouterService) -> FastAPI:
         steps = _merged(choices, prefix)
         if generate.stream:
             scored = [first.prompt_logprobs for first, _ in choices]
-            events = _events(service, formatter, generate, request_id, steps, scored, prefix)
+            events = _events(
+                service, formatter, generates, per_choice, request_id, steps, scored, prefix
+            )
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         texts: list[list[str]] = [[] for _ in choices]
         logprobs: list[list[TokenLogprob]] = [[] for _ in choices]
@@ -184,15 +190,15 @@ def create_app(service: RouterService) -> FastAPI:
                 return Response(status_code=499)
         service.metrics.requests.labels(_api(generate), "ok").inc()
         answers = [
-            _choice(formatter, generate, index, first.prompt_logprobs, text, lps, step, prefix)
-            for index, ((first, _), text, lps, step) in enumerate(
-                zip(choices, texts, logprobs, last, strict=True)
+            _choice(formatter, g, index, first.prompt_logprobs, text, lps, step, prefix)
+            for index, (g, (first, _), text, lps, step) in enumerate(
+                zip(per_choice, choices, texts, logprobs, last, strict=True)
             )
         ]
         envelope = _envelope(service, request_id, generate.chat, answers)
         if generate.chat and generate.params.prompt_logprobs is not None:
             envelope["prompt_logprobs"] = formatter.prompt(choices[0][0].prompt_logprobs or [])
-        envelope["usage"] = usage(generate, last)
+        envelope["usage"] = usage(generates, last)
         if resumed is not None:
             envelope["resumed"] = resumed
         return JSONResponse(envelope, headers=headers)
@@ -319,7 +325,8 @@ async def _merged(
 async def _events(
     service: RouterService,
     formatter: LogprobFormatter,
-    generate: GenerateRequest,
+    generates: list[GenerateRequest],
+    per_choice: list[GenerateRequest],
     request_id: str,
     steps: AsyncGenerator[tuple[int, Step], None],
     scored: list[list[TokenLogprob] | None],
@@ -329,6 +336,7 @@ async def _events(
     opening chunk per choice: chat's role, or an echoed prompt and the prompt's log-probabilities
     (`scored`, each choice's). Cancelled when the client disconnects, which closes `steps` and so
     aborts the choices in their verifier."""
+    generate = generates[0]
     chat, n = generate.chat, len(scored)
     kind = "chat.completion.chunk" if chat else "text_completion"
     wanted = generate.params.logprobs is not None
@@ -353,10 +361,11 @@ async def _events(
                 fields["prompt_logprobs"] = formatter.prompt(prompt_logprobs or [])
             yield chunk([{"index": index, "delta": role, "finish_reason": None}], **fields)
         elif generate.echo is not None or prompt_wanted:
-            opening: dict[str, Any] = {"index": index, "text": generate.echo or ""}
+            echo = per_choice[index].echo
+            opening: dict[str, Any] = {"index": index, "text": echo or ""}
             opening["logprobs"] = None
-            if wanted and generate.echo is not None:
-                first = generate.prompt_ids[0]
+            if wanted and echo is not None:
+                first = per_choice[index].prompt_ids[0]
                 opening["logprobs"], offsets[index] = formatter.completion(
                     prompt_logprobs or [], 0, first_token=first
                 )
@@ -397,6 +406,6 @@ async def _events(
     if generate.include_usage:
         final = _envelope(service, request_id, chat, [])
         final["object"] = kind
-        final["usage"] = usage(generate, [step for step in last if step is not None])
+        final["usage"] = usage(generates, [step for step in last if step is not None])
         yield f"data: {json.dumps(final)}\n\n".encode()
     yield b"data: [DONE]\n\n"

@@ -25,6 +25,7 @@ from workers.model.tokenizer import Tokenizer
 MAX_BODY_BYTES = 4 << 20  # JSON bodies beyond this are refused before parsing (413)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # `n`: each choice is a sequence in the verifier, and counts against admission
+MAX_PROMPTS = 64  # prompts of one completions request (a batch, as evaluation harnesses send)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -102,7 +103,9 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(description="text, or token ids")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="text or token ids, or a batch of up to 64 of either (a choice per prompt)"
+    )
     max_tokens: int | None = Field(
         None, ge=0, description="most tokens to generate; 0 (with echo): score the prompt only"
     )
@@ -273,16 +276,32 @@ class RequestBuilder:
             raise errors.bad_request("suffix (insertion) is not supported", "suffix")
 
     def completion(self, body: CompletionRequest) -> GenerateRequest:
+        """A request with one prompt (a batch is a 400: `completions` takes those)."""
+        (request,) = self.completions(body, batch=False)
+        return request
+
+    def completions(self, body: CompletionRequest, batch: bool = True) -> list[GenerateRequest]:
+        """One request per prompt of the body, in order."""
         self.check_model(body.model)
         self.refuse_unserved(body)
         if body.max_tokens == 0 and not body.echo:
             raise errors.bad_request("max_tokens 0 scores the prompt: it needs echo", "max_tokens")
-        if isinstance(body.prompt, str):
-            if not body.prompt:
+        prompt = body.prompt
+        single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)
+        prompts: list[Any] = [prompt] if single else list(prompt)
+        if not single and not batch:
+            raise errors.bad_request("this API takes one prompt a request", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise errors.bad_request(f"at most {MAX_PROMPTS} prompts a request", "prompt")
+        return [self._completion(body, p) for p in prompts]
+
+    def _completion(self, body: CompletionRequest, prompt: str | list[int]) -> GenerateRequest:
+        if isinstance(prompt, str):
+            if not prompt:
                 raise errors.bad_request("prompt must not be empty", "prompt")
-            prompt_ids = self.tokenizer.encode(body.prompt)
+            prompt_ids = self.tokenizer.encode(prompt)
         else:
-            prompt_ids = list(body.prompt)
+            prompt_ids = list(prompt)
             vocab = self.tokenizer.vocab_size
             if not prompt_ids or any(not 0 <= t < vocab for t in prompt_ids):
                 raise errors.bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
@@ -301,7 +320,7 @@ class RequestBuilder:
         if body.logprobs is not None:
             scores = max(body.logprobs, body.prompt_logprobs or 0)
             params = replace(params, prompt_logprobs=scores)
-        text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt_ids)
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)
         return replace(request, params=params, echo=text, score_only=body.max_tokens == 0)
 
     def chat(self, body: ChatCompletionRequest) -> GenerateRequest:

@@ -156,20 +156,35 @@ class RouterService:
         a, b = self._random.sample(candidates, 2)
         return a if score[a] <= score[b] else b
 
-    async def start(self, request: GenerateRequest, request_id: str) -> list[Choice]:
-        """The request's choices, each past its first step, so that a refusal surfaces before
-        an answer goes out. One choice runs as `request_id`. With `n` choices, choice i runs as
-        `<request_id>-<i>` (a seeded request's with seed + i), all on one verifier group: the
+    async def start(self, requests: Sequence[GenerateRequest], request_id: str) -> list[Choice]:
+        """The choices of a request (one `GenerateRequest` per prompt of a batch), each past
+        its first step, so that a refusal surfaces before an answer goes out; in order, a
+        prompt's `n` choices after the last prompt's. A lone choice runs as `request_id`; else
+        choice k runs as `<request_id>-<k>`. Prompts are routed each on its own; the choices of
+        one prompt run on its verifier group (a seeded request's choice i with seed + i), the
         first alone until its first token, when the group's prefix cache holds the prompt's
         blocks, then the others at once, starting from those blocks."""
-        if request.n == 1:
-            steps = self.generate(request, request_id)
+        if sum(r.n for r in requests) == 1:
+            steps = self.generate(requests[0], request_id)
             return [(await anext(steps), steps)]
+        names = iter(range(sum(r.n for r in requests)))
+        ids = [[f"{request_id}-{next(names)}" for _ in range(r.n)] for r in requests]
+        groups = await asyncio.gather(
+            *(self._start_choices(r, i) for r, i in zip(requests, ids, strict=True)),
+            return_exceptions=True,
+        )
+        refused = [g for g in groups if isinstance(g, BaseException)]
+        choices = [c for g in groups if not isinstance(g, BaseException) for c in g]
+        if refused:
+            for _, steps in choices:
+                await steps.aclose()  # aborts the choices that started
+            raise refused[0]
+        return choices
+
+    async def _start_choices(self, request: GenerateRequest, ids: list[str]) -> list[Choice]:
+        """One prompt's choices, on one verifier group, the first one first."""
         routed = await self.choose_group(request.prompt_ids)
-        gens = [
-            self.generate(_choice(request, i), f"{request_id}-{i}", routed)
-            for i in range(request.n)
-        ]
+        gens = [self.generate(_choice(request, i), rid, routed) for i, rid in enumerate(ids)]
         firsts: list[Step | BaseException] = []
         try:
             firsts.append(await anext(gens[0]))
@@ -350,11 +365,12 @@ def _choice(request: GenerateRequest, index: int) -> GenerateRequest:
     return replace(request, params=params, n=1)
 
 
-def usage(request: GenerateRequest, last_steps: Sequence[Step]) -> dict[str, object]:
-    """OpenAI's usage object over a request's choices (their last steps), with Outrider's
-    speculative statistics: the prompt counted once, the choices' tokens and drafts summed."""
-    prompt_tokens = last_steps[0].num_prompt_tokens or len(request.prompt_ids)
-    if request.score_only:  # the token the engine generated is not part of the answer
+def usage(requests: Sequence[GenerateRequest], last_steps: Sequence[Step]) -> dict[str, object]:
+    """OpenAI's usage object over a request's prompts and choices (their last steps), with
+    Outrider's speculative statistics: each prompt counted once, the choices' tokens and
+    drafts summed."""
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    if requests[0].score_only:  # the token the engine generated is not part of the answer
         completion_tokens = 0
     else:
         completion_tokens = sum(step.num_output_tokens for step in last_steps)

@@ -406,6 +406,46 @@ def test_several_choices_whole_and_streamed(
     assert engine.allocator.num_free_blocks == engine.config.kv_blocks
 
 
+def test_a_batch_of_prompts(open_router, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A list of prompts (text, or token ids, as evaluation harnesses batch them): choice k
+    answers prompt k // n, each as a request of its own would; usage counts every prompt;
+    scoring a batch echoes each prompt with its own log-probabilities."""
+    url = open_router.url + "/v1/completions"
+    prompts = [PROMPT, "Once upon a time", "def fib(n):"]
+    body = {"prompt": prompts, "max_tokens": 6, "temperature": 0, "n": 2}
+    code, out, _, _ = post(url, body)
+    assert code == 200, out
+    alone = [post(url, {**body, "prompt": p, "n": 1})[1] for p in prompts]
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    assert [c["text"] for c in out["choices"]] == [
+        a["choices"][0]["text"] for a in alone for _ in range(2)
+    ]
+    assert out["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert out["usage"]["completion_tokens"] == 2 * sum(
+        a["usage"]["completion_tokens"] for a in alone
+    )
+    assert get(f"{open_router.url}/v1/requests/{out['id']}-5")[0] == 200
+    _, _, raw, _ = post(url, {**body, "n": 1, "stream": True})
+    streamed = ["", "", ""]
+    for event in sse_events(raw)[:-1]:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == [a["choices"][0]["text"] for a in alone]
+
+    tok = checkpoint.tokenizer
+    ids = [tok.encode(p) for p in prompts]
+    scoring = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0, "temperature": 0}
+    _, scored, _, _ = post(url, scoring)
+    assert [c["text"] for c in scored["choices"]] == [tok.decode(i) for i in ids]
+    for choice, single in zip(scored["choices"], ids, strict=True):
+        alone_scored = post(url, {**scoring, "prompt": single})[1]["choices"][0]
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            alone_scored["logprobs"]["token_logprobs"][1:], abs=1e-4
+        )
+    assert scored["usage"] == {**scored["usage"], "completion_tokens": 0}
+
+
 def test_choices_after_the_first_start_from_its_cached_prompt(open_router, local_engine) -> None:  # type: ignore[no-untyped-def]
     """The first choice computes the prompt; the others begin once its blocks are in the
     prefix cache and compute only what the cache lacks (the last, partial block)."""
@@ -467,6 +507,9 @@ BAD = [
         "response_format",
     ),
     ({"prompt": PROMPT, "best_of": 3}, 400, "best_of", "best_of"),
+    ({"prompt": [PROMPT] * 65}, 400, "at most 64 prompts", "prompt"),
+    ({"prompt": [PROMPT, 5]}, 400, "", None),
+    ({"prompt": [PROMPT, ""]}, 400, "must not be empty", "prompt"),
     ({"prompt": PROMPT, "suffix": "end"}, 400, "suffix", "suffix"),
     ({"prompt": PROMPT, "prompt_logprobs": 21}, 400, "less than or equal to 20", "prompt_logprobs"),
     ({"prompt": PROMPT, "stop_token_ids": [10**9]}, 400, "stop token ids", "stop_token_ids"),
