@@ -169,17 +169,23 @@ class RouterService:
             return [(await anext(steps), steps)]
         names = iter(range(sum(r.n for r in requests)))
         ids = [[f"{request_id}-{next(names)}" for _ in range(r.n)] for r in requests]
-        groups = await asyncio.gather(
-            *(self._start_choices(r, i) for r, i in zip(requests, ids, strict=True)),
-            return_exceptions=True,
-        )
-        refused = [g for g in groups if isinstance(g, BaseException)]
-        choices = [c for g in groups if not isinstance(g, BaseException) for c in g]
-        if refused:
-            for _, steps in choices:
-                await steps.aclose()  # aborts the choices that started
-            raise refused[0]
-        return choices
+        tasks = [
+            asyncio.ensure_future(self._start_choices(r, i))
+            for r, i in zip(requests, ids, strict=True)
+        ]
+        try:
+            await asyncio.wait(tasks)
+        except BaseException:  # this caller was cancelled (its client left) while they started
+            for task in tasks:
+                task.cancel()  # a prompt still starting closes what it started itself
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await _close([t for t in tasks if not t.cancelled() and t.exception() is None])
+            raise
+        error = next((e for e in (t.exception() for t in tasks) if e is not None), None)
+        if error is not None:
+            await _close([t for t in tasks if t.exception() is None])
+            raise error
+        return [choice for task in tasks for choice in task.result()]
 
     async def _start_choices(self, request: GenerateRequest, ids: list[str]) -> list[Choice]:
         """One prompt's choices, on one verifier group, the first one first."""
@@ -356,6 +362,13 @@ def _settings(request: GenerateRequest) -> str:
             "include_usage": request.include_usage,
         }
     )
+
+
+async def _close(started: list[asyncio.Task[list[Choice]]]) -> None:
+    """Abort the choices these prompts started."""
+    for task in started:
+        for _, steps in task.result():
+            await steps.aclose()
 
 
 def _choice(request: GenerateRequest, index: int) -> GenerateRequest:
