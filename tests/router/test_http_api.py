@@ -673,6 +673,18 @@ def test_admission_control_refuses_beyond_the_queue(local_engine, checkpoint, re
         first.read()
         conn.close()
         assert post(running.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
+        # Choices count one each: the second of a batch is refused, and the first is aborted.
+        engine = local_engine.engine
+        batch = {"prompt": [PROMPT, "Once upon a time"], "max_tokens": 240, "ignore_eos": True}
+        batch["speculative"] = {"enabled": False}  # one fp32 forward a token: many seconds
+        code, out, _, _ = post(running.url + "/v1/completions", batch)
+        assert code == 503 and "requests in flight" in out["error"]["message"]
+        deadline = time.monotonic() + 3
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.has_unfinished_requests()
+        assert engine.allocator.num_free_blocks == engine.config.kv_blocks
+        assert running.service.in_flight == 0
     finally:
         running.stop()
 
