@@ -10,7 +10,8 @@ UTF-8 character is U+FFFD; `bytes` (chat) carries its true bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from workers.engine.logprobs import TokenLogprob
@@ -20,18 +21,17 @@ FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no in
 
 
 class LogprobFormatter:
-    """Formats log-probabilities for one served tokenizer; token texts are decoded once."""
+    """Formats log-probabilities for one served tokenizer; each token's text and bytes are
+    worked out once (a vocabulary's worth at most)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-
-    def text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._texts[token_id] = text
-        return text
+        self.text: Callable[[int], str] = functools.cache(
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        )
+        self._bytes: Callable[[int], list[int]] = functools.cache(
+            lambda token_id: list(tokenizer.token_bytes(token_id))
+        )
 
     def completion(
         self, logprobs: Sequence[TokenLogprob], offset: int, first_token: int | None = None
@@ -94,7 +94,7 @@ class LogprobFormatter:
         return {
             "token": self.text(token_id),
             "logprob": _finite(logprob),
-            "bytes": list(self.tokenizer.token_bytes(token_id)),
+            "bytes": self._bytes(token_id),
         }
 
 

@@ -164,11 +164,12 @@ class RouterService:
         one prompt run on its verifier group (a seeded request's choice i with seed + i), the
         first alone until its first token, when the group's prefix cache holds the prompt's
         blocks, then the others at once, starting from those blocks."""
-        if sum(r.n for r in requests) == 1:
+        total = sum(r.n for r in requests)
+        if total == 1:
             steps = self.generate(requests[0], request_id)
             return [(await anext(steps), steps)]
-        names = iter(range(sum(r.n for r in requests)))
-        ids = [[f"{request_id}-{next(names)}" for _ in range(r.n)] for r in requests]
+        names = iter(f"{request_id}-{k}" for k in range(total))
+        ids = [[next(names) for _ in range(r.n)] for r in requests]
         tasks = [
             asyncio.ensure_future(self._start_choices(r, i))
             for r, i in zip(requests, ids, strict=True)
