@@ -4,8 +4,12 @@ and their translation into what the engine takes.
 Validation is strict about types (`"max_tokens": "5"` is refused, not coerced) and names the
 offending field in the error's `param`, as OpenAI does. Unknown fields are ignored, as vLLM does,
 so clients that send newer OpenAI fields keep working; but the fields that ask for what this
-server does not do (structured output, tools, best_of, suffix) are refused, not ignored: a
-client asking for JSON must not get prose it takes for JSON.
+server does not do (tools, best_of, suffix) are refused, not ignored.
+
+Structured output comes in OpenAI's `response_format` (`json_object`, `json_schema`) and in
+vLLM's fields: `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and
+the older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`. A request asks
+for one at most; each is compiled and checked here, so a bad schema is a 400 naming its field.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from router import errors
 from workers.engine.config import RequestSpec
 from workers.engine.logprobs import MAX_LOGPROBS
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.structured import StructuredOutput, compile_grammar
 from workers.model.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 4 << 20  # JSON bodies beyond this are refused before parsing (413)
@@ -48,6 +53,19 @@ class SpeculativeOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="a last chunk with empty choices and usage")
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: one of these."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(
+        None, alias="json", description="a JSON schema the answer follows"
+    )
+    regex: str | None = Field(None, description="a regular expression the whole answer matches")
+    choice: list[str] | None = Field(None, description="the answer is one of these strings")
+    grammar: str | None = Field(None, description="a grammar in (llguidance's) Lark syntax")
+    json_object: bool | None = Field(None, description="true: any JSON object")
 
 
 class _SamplingFields(_Strict):
@@ -93,8 +111,21 @@ class _SamplingFields(_Strict):
         None, description="Outrider's extension: per-request speculation"
     )
     user: str | None = Field(None, description="an end-user id (accepted, not used)")
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object or json_schema (structured output)"
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's extension: structured output"
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None, description="vLLM's older extension: a JSON schema"
+    )
+    guided_regex: str | None = Field(None, description="vLLM's older extension: a regex")
+    guided_choice: list[str] | None = Field(
+        None, description="vLLM's older extension: one of these strings"
+    )
+    guided_grammar: str | None = Field(None, description="vLLM's older extension: a Lark grammar")
     # Asked for, not served: refused unless they ask for nothing (`_refuse_unserved`).
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"}')
     tools: list[Any] | None = Field(None, description="not served: must be empty")
     tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"')
     functions: list[Any] | None = Field(None, description="not served: must be empty")
@@ -229,6 +260,57 @@ def sampling_params(
         raise errors.bad_request(str(exc)) from exc
 
 
+def structured_output(body: _SamplingFields) -> StructuredOutput | None:
+    """The grammar the body asks its answer to follow, if any; 400 for a bad one, or more
+    than one."""
+    asked: list[tuple[str, Any, Any]] = []  # (param, kind, value)
+    response_format = body.response_format or {}
+    kind = response_format.get("type", "text")
+    if kind == "json_object":
+        asked.append(("response_format", "json", {"type": "object"}))
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if schema is None:
+            raise errors.bad_request(
+                "response_format json_schema needs json_schema.schema", "response_format"
+            )
+        asked.append(("response_format", "json", schema))
+    elif kind != "text":
+        raise errors.bad_request(
+            f"response_format {kind!r} is not supported: text, json_object or json_schema",
+            "response_format",
+        )
+    options = body.structured_outputs
+    if options is not None:
+        for name, kind_of in (("json_", "json"), *((k, k) for k in ("regex", "choice", "grammar"))):
+            if getattr(options, name) is not None:
+                asked.append(("structured_outputs", kind_of, getattr(options, name)))
+        if options.json_object:
+            asked.append(("structured_outputs", "json", {"type": "object"}))
+    for name, kind_of in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        if getattr(body, name) is not None:
+            asked.append((name, kind_of, getattr(body, name)))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise errors.bad_request(
+            "ask for one structured output at most: "
+            + ", ".join(sorted({param for param, _, _ in asked})),
+            asked[1][0],
+        )
+    ((param, kind_of, value),) = asked
+    try:
+        return compile_grammar(kind_of, value)
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), param) from exc
+
+
 def request_spec(options: SpeculativeOptions | None) -> RequestSpec | None:
     if options is None:
         return None
@@ -258,12 +340,6 @@ class RequestBuilder:
     @staticmethod
     def refuse_unserved(body: _SamplingFields) -> None:
         """400 for a field that asks for what this server does not do."""
-        kind = (body.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise errors.bad_request(
-                f"response_format {kind!r} is not supported (no structured output)",
-                "response_format",
-            )
         for name in ("tools", "functions"):
             if getattr(body, name):
                 raise errors.bad_request("tool calling is not supported", name)
@@ -349,6 +425,9 @@ class RequestBuilder:
             raise errors.bad_request(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
         bias = _logit_bias(body, vocab)
         params = sampling_params(body, max_tokens, default_max_tokens, logprobs, bias)
+        structured = structured_output(body)
+        if structured is not None:
+            params = replace(params, structured=structured)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise errors.bad_request(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "

@@ -36,6 +36,7 @@ from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
+from workers.engine.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +291,12 @@ class RouterService:
             )
         settings = record["settings"]
         raw = settings["params"]
+        committed = record["token_ids"]
+        structured = raw.get("structured")
+        if structured is not None:  # the grammar reads the answer so far first
+            structured = StructuredOutput(
+                structured["grammar"], (*structured["committed"], *committed)
+            )
         params = SamplingParams(
             **{
                 **raw,
@@ -298,9 +305,9 @@ class RouterService:
                 "logit_bias": tuple((t, b) for t, b in raw.get("logit_bias", ())),
                 # The committed tokens are part of the resumed prompt now.
                 "min_tokens": max(0, raw.get("min_tokens", 0) - len(record["token_ids"])),
+                "structured": structured,
             }
         )
-        committed = record["token_ids"]
         left = params.max_tokens - len(committed)
         if left < 1:
             raise errors.bad_request(f"request {request_id!r} has no tokens left to generate")

@@ -14,6 +14,7 @@ from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
+from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
 
 
@@ -67,7 +68,11 @@ def run_staggered(
 
 
 def speculative_engine(
-    method: str, model: TransformerLM, eos_token_ids: Sequence[int], **config: int
+    method: str,
+    model: TransformerLM,
+    eos_token_ids: Sequence[int],
+    tokenizer: Tokenizer | None = None,
+    **config: int,
 ) -> LLMEngine:
     """An engine drafting with `ngram` (n-grams of 1 to 4) or `eagle` (the bundled head), four
     drafts a step whatever they cost (no adaptive k); `config`: other engine settings."""
@@ -80,6 +85,7 @@ def speculative_engine(
     return LLMEngine(
         model,
         EngineConfig(max_model_len=512, spec=spec, **config),  # type: ignore[arg-type]
+        tokenizer=tokenizer,
         eos_token_ids=eos_token_ids,
         drafters={method: drafter},
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from tests.router.helpers import MODEL, PROMPT, get, post, raw_completion_stream, sse_events
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
+from workers.engine.structured import compile_grammar
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -349,6 +351,61 @@ def test_logit_bias_and_min_tokens(server: str, checkpoint) -> None:  # type: ig
     assert longer["usage"]["completion_tokens"] >= n + 5
 
 
+def test_structured_output_in_openais_and_vllms_fields(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A JSON schema through the openai client's response_format, whole and streamed, is the
+    greedy answer plain decoding gives under the same grammar; vLLM's fields hold a regex and
+    a choice; json_object gives a JSON object."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    tok = checkpoint.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "Bob is 41. Describe him as JSON."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        response_format=response_format,  # type: ignore[arg-type]
+    )
+    text = reply.choices[0].message.content or ""
+    person = json.loads(text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert reply.choices[0].finish_reason == "stop"
+    plain = SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=256, tokenizer=tok
+    )
+    params = SamplingParams(
+        max_tokens=40, temperature=0, structured=compile_grammar("json", schema)
+    )
+    prompt_ids = tok.encode(tok.apply_chat_template(messages))
+    assert text == tok.decode(plain.generate(prompt_ids, params).token_ids)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        response_format=response_format,  # type: ignore[arg-type]
+    )
+    assert "".join(e.choices[0].delta.content or "" for e in stream if e.choices) == text
+
+    body = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0}
+    for extra, check in (
+        ({"guided_regex": r" [A-Z][a-z]+\."}, lambda t: re.fullmatch(r" [A-Z][a-z]+\.", t)),
+        ({"structured_outputs": {"choice": [" Paris", " Rome"]}}, lambda t: t == " Paris"),
+        ({"guided_choice": [" Rome", " Oslo"]}, lambda t: t in (" Rome", " Oslo")),
+        ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    ):
+        code, out, _, _ = post(server + "/v1/completions", {**body, **extra})
+        assert code == 200, out
+        assert check(out["choices"][0]["text"]), (extra, out["choices"][0]["text"])
+
+
 def test_several_choices_whole_and_streamed(
     open_router, local_engine, model_fp32, checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
@@ -501,10 +558,43 @@ BAD = [
     ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
     ({"prompt": PROMPT, "max_tokens": 0}, 400, "needs echo", "max_tokens"),
     (
-        {"prompt": PROMPT, "response_format": {"type": "json_object"}},
+        {"prompt": PROMPT, "response_format": {"type": "xml"}},
         400,
-        "no structured output",
+        "is not supported",
         "response_format",
+    ),
+    (
+        {"prompt": PROMPT, "response_format": {"type": "json_schema", "json_schema": {}}},
+        400,
+        "needs json_schema.schema",
+        "response_format",
+    ),
+    ({"prompt": PROMPT, "guided_regex": "(ab"}, 400, "invalid regex", "guided_regex"),
+    ({"prompt": PROMPT, "guided_choice": []}, 400, "non-empty list", "guided_choice"),
+    ({"prompt": PROMPT, "guided_json": "{oops"}, 400, "not valid JSON", "guided_json"),
+    (
+        {"prompt": PROMPT, "guided_json": {"type": "objectx"}},
+        400,
+        "Invalid type",
+        "guided_json",
+    ),
+    (
+        {"prompt": PROMPT, "guided_regex": "a+", "structured_outputs": {"choice": ["a"]}},
+        400,
+        "one structured output at most",
+        None,
+    ),
+    (
+        {"prompt": PROMPT, "structured_outputs": {"grammar": "start: nothing"}},
+        400,
+        "unknown name",
+        "structured_outputs",
+    ),
+    (
+        {"prompt": PROMPT, "structured_outputs": {"regex": "a", "whitespace": "x"}},
+        400,
+        "Extra inputs",
+        "structured_outputs.whitespace",
     ),
     ({"prompt": PROMPT, "best_of": 3}, 400, "best_of", "best_of"),
     ({"prompt": [PROMPT] * 65}, 400, "at most 64 prompts", "prompt"),
@@ -558,6 +648,11 @@ def test_bad_chat_requests(server: str) -> None:
     ):
         code, out, _, _ = post(url, body)
         assert (code, out["error"]["param"]) == (400, param)
+    json_schema = {"type": "json_schema", "json_schema": {"schema": "not an object"}}
+    code, out, _, _ = post(
+        url, {"messages": [{"role": "user", "content": "hi"}], "response_format": json_schema}
+    )
+    assert (code, out["error"]["param"]) == (400, "response_format")
     asking_for_nothing = {
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -327,6 +328,36 @@ def test_another_replica_resumes_a_request_whose_client_left(router, router_b) -
     code, err, _, _ = post(f"{router_b.url}/v1/requests/{out['id']}/resume", b"")
     assert code == 400 and "nothing to resume" in err["error"]["message"]
     assert post(f"{router_b.url}/v1/requests/nope/resume", b"")[0] == 404
+
+
+def test_structured_output_over_the_runtime_and_its_resume(router, router_b) -> None:  # type: ignore[no-untyped-def]
+    """A grammar crosses Ray to the verifier, which masks the first token it samples from the
+    prefill worker's logits (a long prompt) and every verify row after; a resumed request's
+    grammar reads the answer so far before going on, so the text is the uninterrupted one's."""
+    long_prompt = "Write the colour of each fruit. " * 4 + "Banana:"
+    body = {
+        "prompt": long_prompt,
+        "max_tokens": 40,
+        "temperature": 0,
+        "guided_regex": " (yellow|green|red)(, [a-z]+){12}\\.",
+    }
+    code, whole, _, _ = post(router.url + "/v1/completions", body)
+    assert code == 200, whole
+    text = whole["choices"][0]["text"]
+    assert re.fullmatch(body["guided_regex"], text), text
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    request_id = _leave_mid_stream(router, body)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, record = get(f"{router_b.url}/v1/requests/{request_id}")
+        if record.get("state") == "finished":
+            break
+        time.sleep(0.05)
+    assert record["finish_reason"] == "abort"
+    assert 0 < len(record["token_ids"]) < whole["usage"]["completion_tokens"]
+    code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")
+    assert code == 200, out
+    assert out["choices"][0]["text"] == text
 
 
 def test_a_load_test_over_the_runtime(router, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -25,6 +25,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
+from workers.engine.structured import Grammars
 from workers.engine.verification import sample_one, sampling_rows, verify
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
 from workers.kv_cache.block_allocator import block_hashes
@@ -133,6 +134,8 @@ class LLMEngine:
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        vocab = model.config.vocab_size
+        self._grammars = None if tokenizer is None else Grammars(tokenizer, vocab, eos_token_ids)
         self.stats = SpecStats()
         self._seqs: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -180,6 +183,11 @@ class LLMEngine:
             _check_prefilled(prefilled, len(prompt_token_ids))
             if params.prompt_logprobs is not None:
                 raise ValueError("a prompt prefilled elsewhere has no prompt log-probabilities")
+        grammar = None
+        if params.structured is not None:
+            if self._grammars is None:
+                raise ValueError("structured output needs an engine with a tokenizer")
+            grammar = self._grammars.start(params.structured)
         method, max_spec_tokens = self.speculator.resolve(spec)
         seq = Sequence(
             request_id=request_id,
@@ -191,6 +199,7 @@ class LLMEngine:
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
             arrival=next(self._arrivals),
             eos_token_ids=self.eos_token_ids,
+            grammar=grammar,
         )
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
@@ -326,6 +335,10 @@ class LLMEngine:
         """Commit tokens whose K/V (all but the last) is in the cache: stop conditions, rollback
         of rejected slots, prefix-cache registration, text, outputs, drafters."""
         tokens, reason = self._cut_at_stop(seq, tokens)
+        if seq.grammar is not None:
+            tokens = tokens[: seq.grammar.advance(tokens)]
+            if seq.grammar.stopped:  # the answer is complete: EOS, the only token left, is moot
+                reason = "stop"
         logprobs = logprobs[: len(tokens)]
         seq.token_ids += tokens
         seq.draft = EMPTY_DRAFT

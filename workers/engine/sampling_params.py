@@ -11,6 +11,7 @@ import torch
 from kernels.penalties import apply_penalties, position_counts
 from kernels.sampling import logits_to_probs
 from workers.engine.logprobs import MAX_LOGPROBS
+from workers.engine.structured import StructuredOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's
     min_tokens: int = 0  # EOS and stop tokens are held off until this many tokens (vLLM's)
+    # A grammar the answer follows (workers/engine/structured.py): its masks are applied after
+    # `adjust`, by the engine, which holds each sequence's place in the grammar
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -85,8 +89,13 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether `adjust` changes the model's logits before the sampling transform."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        """Whether the logits change before the sampling transform: `adjust`, or a grammar."""
+        return (
+            self.penalized
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.structured is not None
+        )
 
     def adjust(
         self,

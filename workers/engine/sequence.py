@@ -10,6 +10,7 @@ import torch
 from workers.drafting.base import EMPTY_DRAFT, Draft
 from workers.engine.logprobs import TokenLogprob
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.structured import GrammarState
 from workers.kv_cache import BlockTable
 
 
@@ -96,6 +97,7 @@ class Sequence:
     eos_token_ids: frozenset[int] = frozenset()  # the model's (what `min_tokens` holds off)
     # Prompt tokens 1.. as their positions are scored, when `params.prompt_logprobs` asks
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: GrammarState | None = None  # its place in `params.structured`'s grammar
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -16,7 +16,9 @@ import torch
 from kernels.sampling import sample_from_probs
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.structured import Grammars
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
+from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
 
 DEFAULT_BLOCK_SIZE = 16
@@ -47,6 +49,7 @@ class SequentialEngine:
         max_model_len: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        tokenizer: Tokenizer | None = None,  # for structured output
     ) -> None:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
@@ -60,6 +63,8 @@ class SequentialEngine:
         self.allocator = BlockAllocator(num_blocks)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.prefill_chunk = prefill_chunk
+        vocab = model.config.vocab_size
+        self._grammars = None if tokenizer is None else Grammars(tokenizer, vocab, eos_token_ids)
 
     def generate(
         self,
@@ -75,6 +80,11 @@ class SequentialEngine:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens; the context holds {self.max_model_len}"
             )
+        grammar = None
+        if params.structured is not None:
+            if self._grammars is None:
+                raise ValueError("structured output needs an engine with a tokenizer")
+            grammar = self._grammars.start(params.structured)
         generator = _generator(params.seed)
         table = BlockTable(self.allocator, self.runner.block_size)
         tokens = list(prompt)
@@ -86,13 +96,20 @@ class SequentialEngine:
                 if params.adjusts_logits:
                     output = tokens[len(prompt) :]
                     logits = params.adjust(logits, prompt, output, (), self.eos_token_ids)
+                if grammar is not None:
+                    grammar.mask(logits)
                 token = self._sample(logits, params, generator)
+                if grammar is not None and not grammar.advance([token]):
+                    reason = "stop"  # refused (the mask should have ruled it out)
+                    break
                 tokens.append(token)
                 if not first_token_s:
                     first_token_s = time.perf_counter() - start
                 if on_tokens is not None:
                     on_tokens([token])
                 reason = self._finish_reason(token, len(tokens) - len(prompt), len(tokens), params)
+                if grammar is not None and grammar.stopped:  # the answer is complete
+                    reason = "stop"
                 if reason:
                     break
                 logits = self._decode(table, tokens)

@@ -19,8 +19,9 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     A sequence without a draft simply samples one token (k = 0: the bonus token); one with a
     draft gets its accepted prefix plus a recovered or bonus token. Greedy rows are decided by
     the argmax of their logits alone; the rest go through the sampling transform and
-    `rejection_sample` together. A request with penalties, a logit bias or `min_tokens` has
-    them applied to each row first, the row's output taking in the drafts before it. A
+    `rejection_sample` together. A request with penalties, a logit bias, `min_tokens` or a
+    grammar has them applied to each row first, the row's output taking in the drafts before
+    it. A
     sequence's sampling rows are its last k + 1 (a prompt chunk scored for its log-probabilities
     has every position's row before them).
     """
@@ -113,8 +114,11 @@ def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
 
 
 def _adjusted(seq: Sequence_, draft_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-    """The request's penalties, bias and `min_tokens` on its rows' logits
+    """The request's penalties, bias, `min_tokens` and grammar on its rows' logits
     (`[len(draft_ids) + 1, vocab]`)."""
-    return seq.params.adjust(
+    adjusted = seq.params.adjust(
         logits, seq.prompt_token_ids, seq.output_token_ids, draft_ids, seq.eos_token_ids
     )
+    if seq.grammar is not None:
+        seq.grammar.mask(adjusted, draft_ids)
+    return adjusted
