@@ -53,6 +53,8 @@ def _body(request: Any) -> tuple[dict[str, Any], bool]:
         body["logit_bias"] = {str(t): b for t, b in request.logit_bias.items()}
     if request.stop_token_ids:
         body["stop_token_ids"] = list(request.stop_token_ids)
+    if request.HasField("structured_output"):
+        body["structured_outputs"] = _structured(request.structured_output)
     chat = request.WhichOneof("input") == "chat"
     if request.HasField("logprobs"):
         if chat:
@@ -75,6 +77,16 @@ def _body(request: Any) -> tuple[dict[str, Any], bool]:
     else:
         body["prompt"] = request.prompt
     return body, False
+
+
+def _structured(message: Any) -> dict[str, Any]:
+    """A `StructuredOutput` as the HTTP API's `structured_outputs` (with no kind: none)."""
+    kind = message.WhichOneof("kind")
+    if kind == "json_schema":
+        return {"json": message.json_schema}
+    if kind == "choice":
+        return {"choice": list(message.choice.choices)}
+    return {} if kind is None else {kind: getattr(message, kind)}
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
