@@ -58,6 +58,8 @@ def test_keys_are_stored_hashed(replicas) -> None:  # type: ignore[no-untyped-de
 
 def test_two_replicas_share_one_rate_limit(replicas) -> None:  # type: ignore[no-untyped-def]
     body = {"prompt": PROMPT, "max_tokens": 1}
+    # The engine's first request warms it up (seconds); the bucket refills meanwhile.
+    assert post(replicas[0].url + "/v1/completions", body, OPEN)[0] == 200
     codes = []
     for i in range(4):  # alternate replicas: one bucket of 3 for the key, not 3 per replica
         code, out, _, headers = post(replicas[i % 2].url + "/v1/completions", body, LIMITED)
@@ -132,6 +134,17 @@ def test_grpc_streams_the_same_tokens_as_http(replicas) -> None:  # type: ignore
             http_logprobs["token_logprobs"], abs=1e-4
         )
         assert all(len(lp.top) == 2 for lp in grpc_logprobs)
+        structured = {"max_tokens": 12, "temperature": 0, "guided_choice": [" Paris", " Rome"]}
+        http_choice = post(replicas[0].url + "/v1/completions", {**body, **structured}, OPEN)[1]
+        pb_structured = generate_pb2.StructuredOutput(
+            choice=generate_pb2.StructuredOutput.Choices(choices=[" Paris", " Rome"])
+        )
+        one_of = generate_pb2.GenerateRequest(
+            prompt=PROMPT, max_tokens=12, temperature=0.0, structured_output=pb_structured
+        )
+        steps = list(stub.Generate(one_of, metadata=[("authorization", f"Bearer {OPEN}")]))
+        assert "".join(r.text for r in steps) == http_choice["choices"][0]["text"] == " Paris"
+        assert steps[-1].finish_reason == "stop"
         models = stub.ListModels(
             generate_pb2.ListModelsRequest(), metadata=[("authorization", f"Bearer {OPEN}")]
         )
@@ -145,6 +158,12 @@ def test_grpc_streams_the_same_tokens_as_http(replicas) -> None:  # type: ignore
         ({"prompt": PROMPT, "top_p": 1.5}, OPEN, "INVALID_ARGUMENT", "top_p"),
         ({"prompt": "word " * 400}, OPEN, "INVALID_ARGUMENT", "maximum context length"),
         ({"prompt": PROMPT, "model": "gpt-4"}, OPEN, "NOT_FOUND", "does not exist"),
+        (
+            {"prompt": PROMPT, "structured_output": {"regex": "(ab"}},
+            OPEN,
+            "INVALID_ARGUMENT",
+            "invalid regex",
+        ),
         ({"prompt": PROMPT}, None, "UNAUTHENTICATED", "missing API key"),
         ({"prompt": PROMPT}, "sk-nope", "UNAUTHENTICATED", "invalid API key"),
     ],
