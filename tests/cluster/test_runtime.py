@@ -56,6 +56,41 @@ def test_eagle_pool_with_remote_prefill_is_exact_and_drafts(
     assert {d["pid"] for d in info["drafters"]}.isdisjoint({v["pid"] for v in info["verifiers"]})
 
 
+def test_structured_output_with_eagle_drafter_actors_is_exact(  # type: ignore[no-untyped-def]
+    eagle_runtime, model_fp32, checkpoint
+) -> None:
+    """A JSON schema crosses to the verifier (which masks) and to the drafter actors (whose
+    EAGLE drafts follow it, drafting ahead included): the output is plain decoding's under
+    the same grammar, and drafts were accepted."""
+    import json
+
+    from workers.engine.sequential import SequentialEngine
+    from workers.engine.structured import compile_grammar
+
+    tok = checkpoint.tokenizer
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    text = "Bob is 41. Describe him as JSON."
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+    params = SamplingParams(
+        max_tokens=40, temperature=0, structured=compile_grammar("json", schema)
+    )
+    plain = SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512, tokenizer=tok
+    ).generate(prompt, params)
+    (before,) = eagle_runtime.verifier_stats()
+    stream = eagle_runtime.submit(prompt, params, RequestSpec(method="eagle"))
+    got = [t for chunk in stream for t in chunk]
+    assert got == plain.token_ids
+    assert set(json.loads(tok.decode(got))) == {"name", "age"}
+    (after,) = eagle_runtime.verifier_stats()
+    assert after["spec"]["accepted"] > before["spec"]["accepted"]
+
+
 def test_logprobs_from_the_prefill_worker_and_the_verifier(  # type: ignore[no-untyped-def]
     eagle_runtime, model_fp32, checkpoint, prompts
 ) -> None:

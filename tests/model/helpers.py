@@ -13,6 +13,7 @@ from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.structured import Grammars
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
@@ -76,10 +77,12 @@ def speculative_engine(
 ) -> LLMEngine:
     """An engine drafting with `ngram` (n-grams of 1 to 4) or `eagle` (the bundled head), four
     drafts a step whatever they cost (no adaptive k); `config`: other engine settings."""
+    # With a tokenizer, EAGLE drafts within a request's grammar (structured output).
+    grammars = None if tokenizer is None else Grammars(tokenizer, model.config.vocab_size, ())
     drafter = (
         NgramDrafter(NgramConfig(1, 4))
         if method == "ngram"
-        else EagleDrafter(EagleHead.load(BUNDLED_HEAD), model, num_blocks=1024)
+        else EagleDrafter(EagleHead.load(BUNDLED_HEAD), model, num_blocks=1024, grammars=grammars)
     )
     spec = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
     return LLMEngine(

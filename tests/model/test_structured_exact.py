@@ -73,6 +73,46 @@ def test_greedy_under_a_grammar_with_speculation_is_plain_decoding(  # type: ign
     assert got[0].spec.accepted > 0  # masked rows after accepted drafts
 
 
+def test_eagle_drafts_what_the_grammar_allows(model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """With the grammar, every EAGLE draft (head or prompt lookup) is one the grammar takes
+    whole, and more of them are accepted; without it (no tokenizer for the drafter), some
+    drafts break the grammar. Output is the same either way."""
+    tok = checkpoint.tokenizer
+    eos = checkpoint.config.eos_token_ids
+    prompts = [
+        chat(tok, "Alice is 30 and lives in Paris. Describe her as JSON."),
+        chat(tok, "Give me a phone number."),
+    ]
+    params = [
+        SamplingParams(max_tokens=48, temperature=0, structured=compile_grammar("json", PERSON)),
+        SamplingParams(max_tokens=48, temperature=0, structured=compile_grammar("regex", PHONE)),
+    ]
+
+    def run(engine):  # type: ignore[no-untyped-def]
+        fits: list[bool] = []
+        propose = engine.speculator.propose
+
+        def checked(decoding, batch_size=None):  # type: ignore[no-untyped-def]
+            seqs = list(decoding)
+            propose(seqs, batch_size)
+            for seq in seqs:
+                draft = seq.draft.token_ids
+                if draft:
+                    fits.append(seq.grammar.valid_prefix(draft) == len(draft))
+
+        engine.speculator.propose = checked
+        return engine.generate(prompts, params, RequestSpec(method="eagle")), fits
+
+    aware, aware_fits = run(speculative_engine("eagle", model_fp32, eos, tokenizer=tok))
+    blind_engine = speculative_engine("eagle", model_fp32, eos, tokenizer=tok)
+    blind_engine.speculator.drafters["eagle"].grammars = None  # type: ignore[attr-defined]
+    blind, blind_fits = run(blind_engine)
+    assert [c.token_ids for c in aware] == [c.token_ids for c in blind]
+    assert aware_fits and all(aware_fits)
+    assert not all(blind_fits)
+    assert sum(c.spec.accepted for c in aware) > sum(c.spec.accepted for c in blind)
+
+
 def test_structured_output_needs_a_tokenizer_and_a_valid_grammar(model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
     from workers.engine.structured import StructuredOutput
 

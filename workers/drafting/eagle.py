@@ -48,6 +48,7 @@ from workers.drafting.ngram import NgramConfig, prompt_lookup
 from workers.eagle.head import EagleHead
 from workers.engine.model_runner import SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.structured import Grammars, GrammarState
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
 from workers.model.transformer import TransformerLM
 
@@ -69,6 +70,15 @@ class _EagleSeq:
     cached: int = 0  # cache rows written, feature rows then the last proposal's draft rows
     last_input: torch.Tensor | None = None  # head input of the last feature row, to redo it
     ahead: AheadState = field(default_factory=AheadState)
+    grammar: GrammarState | None = None  # the request's, at its committed tokens
+
+
+@dataclass(slots=True)
+class _Walk:
+    """A grammar walked over one draft: how many tokens it read (to roll back)."""
+
+    grammar: GrammarState
+    read: int
 
 
 class EagleDrafter(DraftsAhead):
@@ -84,6 +94,7 @@ class EagleDrafter(DraftsAhead):
         attention: AttentionBackend | None = None,
         lookup: NgramConfig | None = None,
         min_confidence: float = 0.0,
+        grammars: Grammars | None = None,
     ) -> None:
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError("the EAGLE head was trained for a target of another hidden size")
@@ -105,13 +116,24 @@ class EagleDrafter(DraftsAhead):
         self.looked_up = 0  # proposals made by prompt lookup
         # A head draft ends once the head's probability of it falls below this (base.py).
         self.min_confidence = min_confidence
+        # Requests with structured output get drafts their grammar allows (None: drafts ignore
+        # grammars, and the target rejects what they break).
+        self.grammars = grammars
 
     # -- the Drafter boundary ------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         table = BlockTable(self.allocator, self.cache.block_size)
         generator = draft_generator(params, _DRAFT_SEED_OFFSET)
-        self._seqs[request_id] = _EagleSeq(params, table, generator, list(prompt_token_ids))
+        grammar = None
+        if params.structured is not None and self.grammars is not None:
+            try:
+                grammar = self.grammars.start(params.structured)
+            except ValueError:  # the verifier refuses such a request itself
+                grammar = None
+        self._seqs[request_id] = _EagleSeq(
+            params, table, generator, list(prompt_token_ids), grammar=grammar
+        )
 
     def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
         seq = self._seqs[request_id]
@@ -134,6 +156,8 @@ class EagleDrafter(DraftsAhead):
         seq = self._seqs[request_id]
         seq.tokens.extend(token_ids)
         seq.ahead.committed(token_ids)
+        if seq.grammar is not None:
+            seq.grammar.advance(token_ids)
 
     def remove(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
@@ -177,26 +201,43 @@ class EagleDrafter(DraftsAhead):
     ) -> dict[str, Draft]:
         # The head is one layer: giving up a forward inside it saves nothing worth the
         # bookkeeping, so it stops between forwards only (`stop` covers `abandon`).
-        drafts: dict[str, Draft] = {}
-        if self.lookup is not None:
-            rest = []
-            for item in active:
-                rid, seq, forced, n = item
-                found = prompt_lookup(seq.tokens + forced, n, self.lookup.min_n, self.lookup.max_n)
-                if found:
-                    drafts[rid] = Draft(found)  # deterministic: q is one-hot
-                else:
-                    rest.append(item)
-            self.looked_up += len(drafts)
-            active = rest
-        if active:
-            drafts |= self._draft_with_head(active, stop)
-        return drafts
+        # A grammar reads the forced tokens and then each drafted token, and steps back after.
+        grammars: dict[str, _Walk] = {}
+        for rid, seq, forced, _ in active:
+            if seq.grammar is not None:
+                read = seq.grammar.try_advance(forced)
+                if read == len(forced):
+                    grammars[rid] = _Walk(seq.grammar, read)
+                else:  # a guess the grammar refuses is never committed: draft freely
+                    seq.grammar.rollback(read)
+        try:
+            drafts: dict[str, Draft] = {}
+            if self.lookup is not None:
+                rest = []
+                for item in active:
+                    rid, seq, forced, n = item
+                    lookup = self.lookup
+                    found = prompt_lookup(seq.tokens + forced, n, lookup.min_n, lookup.max_n)
+                    if found and rid in grammars:
+                        found = found[: grammars[rid].grammar.valid_prefix(found)]
+                    if found:
+                        drafts[rid] = Draft(found)  # deterministic: q is one-hot
+                    else:
+                        rest.append(item)
+                self.looked_up += len(drafts)
+                active = rest
+            if active:
+                drafts |= self._draft_with_head(active, stop, grammars)
+            return drafts
+        finally:
+            for walk in grammars.values():
+                walk.grammar.rollback(walk.read)
 
     def _draft_with_head(
         self,
         active: list[tuple[str, _EagleSeq, list[int], int]],
         stop: Callable[[], bool],
+        grammars: dict[str, _Walk],
     ) -> dict[str, Draft]:
         head = self.head
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
@@ -244,11 +285,19 @@ class EagleDrafter(DraftsAhead):
                 else:
                     assert logits is not None
                     i = drawing[row]
-                    token, q, p = self._sample(seq, logits[i : i + 1])
+                    row_logits: torch.Tensor | None = logits[i : i + 1]
+                    walk = grammars.get(rid)
+                    if walk is not None:
+                        row_logits = self._allowed_only(walk.grammar, logits[i : i + 1])
+                    if row_logits is None:  # nothing in the draft vocabulary fits the grammar
+                        continue
+                    token, q, p = self._sample(seq, row_logits)
                     tokens[rid].append(token)
                     if q is not None:
                         probs[rid].append(q)
                     confidence[rid].drew(p)
+                    if walk is not None:
+                        walk.read += walk.grammar.try_advance([token])
                 if len(tokens[rid]) < n and confidence[rid].sure:
                     token_ids = torch.tensor([token], device=a.device)
                     x = head.layer_input(a[row : row + 1], token_ids)
@@ -284,6 +333,16 @@ class EagleDrafter(DraftsAhead):
             self.backend,
         )
         return a.index_select(0, inputs.logits_indices)
+
+    def _allowed_only(self, grammar: GrammarState, logits: torch.Tensor) -> torch.Tensor | None:
+        """The head's draft-vocabulary logits (`[1, n]`) with what the grammar forbids at -inf;
+        None when it allows none of them (or has ended)."""
+        if grammar.stopped:
+            return None
+        allowed = grammar.allowed()[0][self.vocab].to(logits.device)
+        if not bool(allowed.any()):
+            return None
+        return logits.masked_fill(~allowed, -torch.inf)
 
     @staticmethod
     def _truncate(seq: _EagleSeq, rows: int) -> None:

@@ -16,6 +16,7 @@ from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.calibration import forward_times
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.structured import Grammars
 from workers.model.config import ModelConfig
 from workers.model.loader import (
     BUNDLED_MODEL_NAME,
@@ -114,6 +115,7 @@ def build_drafters(
             max_model_len=config.max_model_len,
             lookup=ngram if config.spec.eagle_prompt_lookup else None,
             min_confidence=config.spec.min_draft_confidence,
+            grammars=None if checkpoint is None else _grammars(checkpoint),
         )
         drafters["eagle"] = eagle
         seconds["eagle"] = eagle.token_seconds()
@@ -122,6 +124,12 @@ def build_drafters(
     elif required == "eagle" and "eagle" not in skip:
         raise ValueError("spec method eagle needs --eagle-head (built in for the bundled model)")
     return drafters, seconds
+
+
+def _grammars(checkpoint: Checkpoint) -> Grammars:
+    """Structured output's grammars over the checkpoint's tokenizer (for a drafter)."""
+    tokenizer = checkpoint.tokenizer
+    return Grammars(tokenizer, checkpoint.config.vocab_size, tokenizer.eos_token_ids)
 
 
 def needs_target(spec: ModelSpec, method: str) -> bool:

@@ -6,8 +6,9 @@ follows a sequence through it: at every position it gives the set of tokens that
 inside the grammar, and the engine masks the rest of that position's logits to -inf before
 sampling. Verification masks each row of a draft the same way, with the grammar advanced over
 the drafts before that row and then rolled back, so speculation stays exact: a draft the grammar
-forbids has probability 0 under the masked target and is always rejected. The drafters do not
-know the grammar.
+forbids has probability 0 under the masked target and is always rejected. The EAGLE drafter
+follows the grammar too (its own copy, masking the head's draft distribution), so that its
+drafts are ones the target can accept; that changes what is drafted, never what is committed.
 
 A sequence finishes as soon as its grammar can take nothing more (a closed JSON value, the end
 of a choice): the EOS token, the only one left, is not generated.
@@ -155,7 +156,7 @@ class GrammarState:
         allowed = self.allowed(draft_ids)
         vocab = logits.shape[-1]
         logits.masked_fill_(~allowed[:, :vocab], -math.inf)
-        dead = ~torch.isfinite(logits).any(dim=-1)
+        dead = torch.isneginf(logits.amax(dim=-1))
         if bool(dead.any()):
             logits[dead] = torch.where(allowed[dead, :vocab], 0.0, -math.inf)
         return logits
@@ -172,6 +173,22 @@ class GrammarState:
                 log.warning("grammar refused committed token %d: %s", token, error)
                 return n
         return len(tokens)
+
+    # For drafters, which walk the grammar over their own drafts and then step back.
+
+    def try_advance(self, tokens: Sequence[int]) -> int:
+        """Read tokens while the grammar takes them; how many it took (the state stays usable:
+        a refused token is simply not read)."""
+        return self._matcher.try_consume_tokens(list(tokens)) if tokens else 0
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, from the start, the grammar would take (reading none)."""
+        return self._matcher.validate_tokens(list(tokens)) if tokens else 0
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` read."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
 
     def _mask(self) -> torch.Tensor:
         """The allowed tokens now, unpacked from llguidance's bitmask (bit j of 32-bit word w,
