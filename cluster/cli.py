@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
 from workers.engine.llm_engine import LLMEngine, RequestOutput
 from workers.engine.logprobs import TokenLogprob
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.structured import Kind, StructuredOutput, compile_grammar
 from workers.model.tokenizer import Tokenizer
 
 
@@ -136,6 +138,17 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    structured = gen.add_mutually_exclusive_group()
+    structured.add_argument(
+        "--json-schema", default=None, metavar="SCHEMA", help="the answer follows this JSON schema"
+    )
+    structured.add_argument("--regex", default=None, help="the whole answer matches this regex")
+    structured.add_argument(
+        "--choice", action="append", default=None, help="the answer is one of these (repeatable)"
+    )
+    structured.add_argument(
+        "--grammar", default=None, help="the answer follows this Lark grammar (llguidance's)"
+    )
     gen.add_argument(
         "--logprobs",
         type=int,
@@ -275,6 +288,20 @@ def _local_outputs(
         yield from engine.step()
 
 
+def _structured(args: argparse.Namespace) -> StructuredOutput | None:
+    """The grammar `generate` was asked to hold the answer to (ValueError when it is bad)."""
+    asked: tuple[tuple[Kind, Any], ...] = (
+        ("json", args.json_schema),
+        ("regex", args.regex),
+        ("choice", args.choice),
+        ("grammar", args.grammar),
+    )
+    for kind, value in asked:
+        if value is not None:
+            return compile_grammar(kind, value)
+    return None
+
+
 def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -289,6 +316,7 @@ def _generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
+        structured=_structured(args),
     )
     runtime: Runtime | None = None
     if _uses_cluster(args):

@@ -175,8 +175,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
     parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
     args = parser.parse_args()
+    if args.quick:
+        args.runs, args.max_tokens = 1, 8
     torch.set_num_threads(args.threads)
     config = EngineConfig(
         max_model_len=1024, spec=SpecConfig(method="eagle", num_speculative_tokens=K)

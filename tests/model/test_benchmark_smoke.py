@@ -80,3 +80,9 @@ def test_bench_router_quick_run(tmp_path: Path) -> None:
     assert "| 1 | direct |" in text and "| 2 | HTTP (openai client) |" in text
     assert "| 2 | gRPC |" in text
     assert "| one request, n = 4 |" in text and "| 4 requests at once |" in text
+
+
+def test_bench_structured_quick_run(tmp_path: Path) -> None:
+    text = quick_run("bench_structured", tmp_path)
+    assert "<!-- bench_structured:start -->" in text
+    assert "| eagle | schema |" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -68,6 +69,16 @@ def test_generate_with_speculation_gives_the_same_tokens(checkpoint) -> None:  #
         assert out["spec"]["verify_steps"] + out["spec"]["accepted"] == 15
 
 
+def test_generate_holds_the_answer_to_a_grammar() -> None:
+    proc = run_cli(PROMPT, "--temperature", "0", "--json", "--regex", " [A-Z][a-z]+, [0-9]{4}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert re.fullmatch(" [A-Z][a-z]+, [0-9]{4}", out["text"]) and out["finish_reason"] == "stop"
+    choices = ["--choice", " Paris", "--choice", " Rome", "--spec-method", "eagle"]
+    out = json.loads(run_cli(PROMPT, "--temperature", "0", "--json", *choices).stdout)
+    assert out["text"] in (" Paris", " Rome")
+
+
 def test_generate_rejects_bad_parameters() -> None:
     proc = run_cli(PROMPT, "--top-p", "0", "--json")
     assert proc.returncode == 2
@@ -75,6 +86,9 @@ def test_generate_rejects_bad_parameters() -> None:
     proc = run_cli(PROMPT, "--logprobs", "21")
     assert proc.returncode == 2
     assert "logprobs must be in [0, 20]" in proc.stderr
+    proc = run_cli(PROMPT, "--regex", "(ab")
+    assert proc.returncode == 2
+    assert "invalid regex" in proc.stderr
     proc = run_cli(PROMPT, "--spec-method", "draft_model")
     assert proc.returncode == 2
     assert "needs --draft-model or --draft-layers" in proc.stderr
