@@ -64,17 +64,12 @@ def test_structured_output_with_eagle_drafter_actors_is_exact(  # type: ignore[n
     the same grammar, and drafts were accepted."""
     import json
 
+    from tests.model.helpers import NAME_AND_AGE, PERSON_QUESTION
     from workers.engine.sequential import SequentialEngine
     from workers.engine.structured import compile_grammar
 
     tok = checkpoint.tokenizer
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    }
-    text = "Bob is 41. Describe him as JSON."
+    schema, text = NAME_AND_AGE, PERSON_QUESTION
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
     params = SamplingParams(
         max_tokens=40, temperature=0, structured=compile_grammar("json", schema)

@@ -18,6 +18,16 @@ from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
 
+# A structured-output case shared by the router and runtime tests: a question and a schema for
+# its answer.
+PERSON_QUESTION = "Bob is 41. Describe him as JSON."
+NAME_AND_AGE = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
 
 def make_runner(
     model: TransformerLM, num_blocks: int = 256, block_size: int = 16

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.model.helpers import NAME_AND_AGE, PERSON_QUESTION
 from tests.router.helpers import MODEL, PROMPT, get, post, raw_completion_stream, sse_events
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
@@ -357,13 +358,8 @@ def test_structured_output_in_openais_and_vllms_fields(server: str, model_fp32, 
     a choice; json_object gives a JSON object."""
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
     tok = checkpoint.tokenizer
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    }
-    messages = [{"role": "user", "content": "Bob is 41. Describe him as JSON."}]
+    schema = NAME_AND_AGE
+    messages = [{"role": "user", "content": PERSON_QUESTION}]
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
     reply = client.chat.completions.create(
         model=MODEL,
