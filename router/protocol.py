@@ -369,9 +369,15 @@ class RequestBuilder:
             raise errors.bad_request("this API takes one prompt a request", "prompt")
         if len(prompts) > MAX_PROMPTS:
             raise errors.bad_request(f"at most {MAX_PROMPTS} prompts a request", "prompt")
-        return [self._completion(body, p) for p in prompts]
+        structured = structured_output(body)  # compiled once for every prompt
+        return [self._completion(body, p, structured) for p in prompts]
 
-    def _completion(self, body: CompletionRequest, prompt: str | list[int]) -> GenerateRequest:
+    def _completion(
+        self,
+        body: CompletionRequest,
+        prompt: str | list[int],
+        structured: StructuredOutput | None,
+    ) -> GenerateRequest:
         if isinstance(prompt, str):
             if not prompt:
                 raise errors.bad_request("prompt must not be empty", "prompt")
@@ -388,6 +394,7 @@ class RequestBuilder:
             COMPLETIONS_DEFAULT_MAX_TOKENS,
             False,
             body.logprobs,
+            structured,
         )
         if not body.echo:
             return request
@@ -409,7 +416,8 @@ class RequestBuilder:
         max_tokens = body.max_completion_tokens or body.max_tokens
         remaining = max(1, self.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return self._build(body, prompt_ids, max_tokens, remaining, True, logprobs)
+        structured = structured_output(body)
+        return self._build(body, prompt_ids, max_tokens, remaining, True, logprobs, structured)
 
     def _build(
         self,
@@ -419,13 +427,13 @@ class RequestBuilder:
         default_max_tokens: int,
         chat: bool,
         logprobs: int | None,
+        structured: StructuredOutput | None,
     ) -> GenerateRequest:
         vocab = self.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
             raise errors.bad_request(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
         bias = _logit_bias(body, vocab)
         params = sampling_params(body, max_tokens, default_max_tokens, logprobs, bias)
-        structured = structured_output(body)
         if structured is not None:
             params = replace(params, structured=structured)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:

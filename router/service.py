@@ -304,7 +304,7 @@ class RouterService:
                 "stop_token_ids": tuple(raw["stop_token_ids"]),
                 "logit_bias": tuple((t, b) for t, b in raw.get("logit_bias", ())),
                 # The committed tokens are part of the resumed prompt now.
-                "min_tokens": max(0, raw.get("min_tokens", 0) - len(record["token_ids"])),
+                "min_tokens": max(0, raw.get("min_tokens", 0) - len(committed)),
                 "structured": structured,
             }
         )

@@ -11,7 +11,7 @@ import torch
 from kernels.penalties import apply_penalties, position_counts
 from kernels.sampling import logits_to_probs
 from workers.engine.logprobs import MAX_LOGPROBS
-from workers.engine.structured import StructuredOutput
+from workers.engine.structured import GrammarState, StructuredOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +40,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's
     min_tokens: int = 0  # EOS and stop tokens are held off until this many tokens (vLLM's)
-    # A grammar the answer follows (workers/engine/structured.py): its masks are applied after
-    # `adjust`, by the engine, which holds each sequence's place in the grammar
+    # A grammar the answer follows (workers/engine/structured.py); the engine holds each
+    # sequence's place in it and hands that to `adjust`, which applies its masks last
     structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
@@ -89,7 +89,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits change before the sampling transform: `adjust`, or a grammar."""
+        """Whether `adjust` changes the logits before the sampling transform."""
         return (
             self.penalized
             or bool(self.logit_bias)
@@ -104,10 +104,12 @@ class SamplingParams:
         output_ids: Sequence[int],
         draft_ids: Sequence[int] = (),
         eos_token_ids: Iterable[int] = (),
+        grammar: GrammarState | None = None,
     ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32 on the host
         """These settings' changes to the logits of a verify forward's rows, row j being the
         position after the output so far and the first j drafts: penalties, then the logit
-        bias, then, at positions short of `min_tokens`, EOS and the stop tokens ruled out."""
+        bias, then, at positions short of `min_tokens`, EOS and the stop tokens ruled out, then
+        what `grammar` (the sequence's place in `structured`) forbids."""
         vocab = logits.shape[-1]
         logits = logits.float().cpu()
         if self.penalized:
@@ -131,6 +133,8 @@ class SamplingParams:
             ends = {*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)}
             if ends:
                 logits[:short, sorted(ends)] = -math.inf
+        if grammar is not None:
+            grammar.mask(logits, draft_ids)
         return logits
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [vocab] or [1, vocab] -> [1, vocab]

@@ -95,9 +95,7 @@ class SequentialEngine:
             while True:
                 if params.adjusts_logits:
                     output = tokens[len(prompt) :]
-                    logits = params.adjust(logits, prompt, output, (), self.eos_token_ids)
-                if grammar is not None:
-                    grammar.mask(logits)
+                    logits = params.adjust(logits, prompt, output, (), self.eos_token_ids, grammar)
                 token = self._sample(logits, params, generator)
                 if grammar is not None and not grammar.advance([token]):
                     reason = "stop"  # refused (the mask should have ruled it out)

@@ -21,9 +21,8 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     the argmax of their logits alone; the rest go through the sampling transform and
     `rejection_sample` together. A request with penalties, a logit bias, `min_tokens` or a
     grammar has them applied to each row first, the row's output taking in the drafts before
-    it. A
-    sequence's sampling rows are its last k + 1 (a prompt chunk scored for its log-probabilities
-    has every position's row before them).
+    it. A sequence's sampling rows are its last k + 1 (a prompt chunk scored for its
+    log-probabilities has every position's row before them).
     """
     committed: list[list[int] | None] = [None] * len(batch)
     rows = []  # sampled rows: they need the target's probabilities
@@ -116,9 +115,11 @@ def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
 def _adjusted(seq: Sequence_, draft_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
     """The request's penalties, bias, `min_tokens` and grammar on its rows' logits
     (`[len(draft_ids) + 1, vocab]`)."""
-    adjusted = seq.params.adjust(
-        logits, seq.prompt_token_ids, seq.output_token_ids, draft_ids, seq.eos_token_ids
+    return seq.params.adjust(
+        logits,
+        seq.prompt_token_ids,
+        seq.output_token_ids,
+        draft_ids,
+        seq.eos_token_ids,
+        seq.grammar,
     )
-    if seq.grammar is not None:
-        seq.grammar.mask(adjusted, draft_ids)
-    return adjusted
