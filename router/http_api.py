@@ -36,6 +36,7 @@ from router.protocol import (
     validate,
 )
 from router.service import Choice, RouterService, usage
+from router.tools import ToolCallParser, finish_reason, read_answer
 from workers.engine.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,12 @@ def _choice(
     choice: dict[str, Any] = {"index": index, "finish_reason": last.finish_reason}
     wanted = generate.params.logprobs is not None
     if generate.chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if generate.tools is not None:
+            message["content"], message["tool_calls"] = read_answer(generate.tools, text)
+            calls = len(message["tool_calls"])
+            choice["finish_reason"] = finish_reason(generate.tools, last.finish_reason, calls)
+        choice["message"] = message
         choice["logprobs"] = formatter.chat(logprobs) if wanted else None
         return choice
     choice["text"] = (generate.echo or "") + text
@@ -373,6 +379,7 @@ async def _events(
                 opening["prompt_logprobs"] = formatter.prompt(prompt_logprobs or [])
             yield chunk([{**opening, "finish_reason": None}])
     last: list[Step | None] = [None] * n
+    parsers = [None if g.tools is None else ToolCallParser(g.tools) for g in per_choice]
     try:
         async for index, step in steps:
             last[index] = step
@@ -384,16 +391,31 @@ async def _events(
             if not step.text and not step.finished and not step.logprobs:
                 continue
             logprobs: dict[str, Any] | None = None
+            finish = step.finish_reason
             if chat:
                 if wanted:
                     logprobs = formatter.chat(step.logprobs)
-                delta = {"content": step.text} if step.text else {}
+                delta: dict[str, Any] = {}
+                parser, calling = parsers[index], per_choice[index].tools
+                if parser is None or calling is None:
+                    delta = {"content": step.text} if step.text else {}
+                else:  # tool calls: the content outside blocks, and each call whole
+                    text, calls = _parsed(parser, step)
+                    if not text and not calls and not step.finished and not step.logprobs:
+                        continue
+                    delta = {"content": text} if text else {}
+                    if calls:
+                        first = parser.num_calls - len(calls)
+                        delta["tool_calls"] = [
+                            {"index": first + k, **call} for k, call in enumerate(calls)
+                        ]
+                    finish = finish_reason(calling, finish, parser.num_calls)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs}
             else:
                 if wanted:
                     logprobs, offsets[index] = formatter.completion(step.logprobs, offsets[index])
                 choice = {"index": index, "text": step.text, "logprobs": logprobs}
-            choice["finish_reason"] = step.finish_reason
+            choice["finish_reason"] = finish
             yield chunk([choice])
     except RouterError as exc:  # failed after the 200 went out: say so in the stream
         service.metrics.requests.labels(_api(generate), "failed").inc()
@@ -409,3 +431,12 @@ async def _events(
         final["usage"] = usage(generates, [step for step in last if step is not None])
         yield f"data: {json.dumps(final)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+def _parsed(parser: ToolCallParser, step: Step) -> tuple[str, list[dict[str, Any]]]:
+    """A step's content and the calls it closed, and at the answer's end what is left."""
+    text, calls = parser.feed(step.text)
+    if step.finished:
+        rest, more = parser.finish()
+        text, calls = text + rest, calls + more
+    return text, calls

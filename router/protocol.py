@@ -4,23 +4,27 @@ and their translation into what the engine takes.
 Validation is strict about types (`"max_tokens": "5"` is refused, not coerced) and names the
 offending field in the error's `param`, as OpenAI does. Unknown fields are ignored, as vLLM does,
 so clients that send newer OpenAI fields keep working; but the fields that ask for what this
-server does not do (tools, best_of, suffix) are refused, not ignored.
+server does not do (the legacy `functions`, best_of, suffix) are refused, not ignored.
 
 Structured output comes in OpenAI's `response_format` (`json_object`, `json_schema`) and in
 vLLM's fields: `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) and
 the older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`. A request asks
 for one at most; each is compiled and checked here, so a bad schema is a 400 naming its field.
+Chat's `tools` and `tool_choice` are read here too (the format itself is `router/tools.py`'s): a
+forced call is a grammar like those, so it excludes them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router import errors
+from router.tools import CLOSE, ToolCalling, call_grammar, render_prompt
 from workers.engine.config import RequestSpec
 from workers.engine.logprobs import MAX_LOGPROBS
 from workers.engine.sampling_params import SamplingParams
@@ -32,6 +36,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # `n`: each choice is a sequence in the verifier, and counts against admission
 MAX_PROMPTS = 64  # prompts of one completions request (a batch, as evaluation harnesses send)
 M = TypeVar("M", bound=BaseModel)
+# A field's name in an error's location, as opposed to a union member's (`str`, `list[int]`).
+_FIELD = re.compile(r"(?!(str|int|float|bool|dict|list|none)$)[a-z][a-z0-9_]*")
 
 
 class _Strict(BaseModel):
@@ -126,10 +132,10 @@ class _SamplingFields(_Strict):
     )
     guided_grammar: str | None = Field(None, description="vLLM's older extension: a Lark grammar")
     # Asked for, not served: refused unless they ask for nothing (`_refuse_unserved`).
-    tools: list[Any] | None = Field(None, description="not served: must be empty")
-    tool_choice: str | dict[str, Any] | None = Field(None, description='only "none"')
-    functions: list[Any] | None = Field(None, description="not served: must be empty")
-    function_call: str | dict[str, Any] | None = Field(None, description='only "none"')
+    functions: list[Any] | None = Field(None, description="not served (use tools): must be empty")
+    function_call: str | dict[str, Any] | None = Field(
+        None, description='not served (use tool_choice): only "none"'
+    )
     best_of: int | None = Field(None, description="only 1")
 
 
@@ -144,6 +150,8 @@ class CompletionRequest(_SamplingFields):
         False, description="the prompt before the answer (with logprobs: its tokens' too)"
     )
     suffix: str | None = Field(None, description="not served: must be empty")
+    tools: list[Any] | None = Field(None, description="chat only: must be empty")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='chat only: only "none"')
     logprobs: int | None = Field(
         None,
         ge=0,
@@ -157,12 +165,54 @@ class TextPart(_Strict):
     text: str = Field(description="the part's text")
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"] = Field(
-        description="developer counts as system"
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="the function's name")
+    description: str | None = Field(None, description="what it does, shown to the model")
+    parameters: dict[str, Any] | None = Field(
+        None, description="a JSON schema of its arguments (an object); none: any object"
     )
-    content: str | list[TextPart] = Field(description="text, or text parts joined")
+    strict: bool | None = Field(
+        None, description="accepted; forced calls always follow the schema, auto ones may not"
+    )
+
+
+class Tool(_Strict):
+    type: Literal["function"] = Field(description="only functions")
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str = Field(description="one of the tools' names")
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = Field(description="only functions")
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str = Field(description="the function called")
+    arguments: str = Field(description="its arguments, as JSON text")
+
+
+class MessageToolCall(_Strict):
+    id: str | None = Field(None, description="the call's id, which its result names")
+    type: Literal["function"] = Field("function", description="only functions")
+    function: CalledFunction
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"] = Field(
+        description="developer counts as system; tool: a tool call's result"
+    )
+    content: str | list[TextPart] | None = Field(
+        None, description="text, or text parts joined; none only for an assistant's tool calls"
+    )
     name: str | None = Field(None, description="accepted, not used")
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, description="an assistant message's tool calls"
+    )
+    tool_call_id: str | None = Field(None, description="a tool message's call id")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -174,6 +224,11 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the N likeliest per position"
     )
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or a named function"
+    )
+    parallel_tool_calls: bool = Field(True, description="false: one tool call at most in an answer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +244,7 @@ class GenerateRequest:
     n: int = 1  # choices, each its own sequence in one verifier group
     echo: str | None = None  # completions' `echo`: the prompt's text, before each answer
     score_only: bool = False  # `max_tokens` 0: the prompt is scored, no answer is returned
+    tools: ToolCalling | None = None  # chat: the answer's tool calls are parsed against these
 
 
 def parse_json(raw: bytes) -> Any:
@@ -210,7 +266,12 @@ def validate(model: type[M], body: Any) -> M:
         return model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        path = []
+        for part in first["loc"]:
+            if isinstance(part, str) and not _FIELD.fullmatch(part):
+                break  # the member of a union that was tried (`str`, `NamedToolChoice`, ...)
+            path.append(str(part))
+        param = ".".join(path) or None
         raise errors.bad_request(f"{param}: {first['msg']}", param) from exc
 
 
@@ -320,11 +381,32 @@ def request_spec(options: SpeculativeOptions | None) -> RequestSpec | None:
         raise errors.bad_request(str(exc), "speculative") from exc
 
 
-def _message_text(message: ChatMessage) -> dict[str, str]:
+def _message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as chat templates take it; 400 for one whose fields do not fit its role."""
+    param = f"messages.{index}"
     content = message.content
-    text = content if isinstance(content, str) else "".join(p.text for p in content)
+    if content is not None and not isinstance(content, str):
+        content = "".join(part.text for part in content)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": text}
+    if message.tool_calls and role != "assistant":
+        raise errors.bad_request("only assistant messages hold tool_calls", f"{param}.tool_calls")
+    if content is None and not message.tool_calls:
+        raise errors.bad_request("content is required", f"{param}.content")
+    if role == "tool" and not message.tool_call_id:
+        raise errors.bad_request("a tool message needs tool_call_id", f"{param}.tool_call_id")
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id or f"call_{index}_{number}",
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
+            for number, call in enumerate(message.tool_calls)
+        ]
+    if role == "tool":
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 class RequestBuilder:
@@ -340,12 +422,17 @@ class RequestBuilder:
     @staticmethod
     def refuse_unserved(body: _SamplingFields) -> None:
         """400 for a field that asks for what this server does not do."""
-        for name in ("tools", "functions"):
-            if getattr(body, name):
-                raise errors.bad_request("tool calling is not supported", name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(body, name) not in (None, "none"):
-                raise errors.bad_request("tool calling is not supported", name)
+        if body.functions:
+            raise errors.bad_request("functions (legacy) is not supported: use tools", "functions")
+        if body.function_call not in (None, "none"):
+            raise errors.bad_request(
+                "function_call (legacy) is not supported: use tool_choice", "function_call"
+            )
+        if isinstance(body, CompletionRequest):
+            if body.tools:
+                raise errors.bad_request("tools are for chat completions", "tools")
+            if body.tool_choice not in (None, "none"):
+                raise errors.bad_request("tool_choice is for chat completions", "tool_choice")
         if body.best_of not in (None, 1):
             raise errors.bad_request("best_of is not supported (use n)", "best_of")
         if getattr(body, "suffix", None):
@@ -411,13 +498,54 @@ class RequestBuilder:
         self.refuse_unserved(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise errors.bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        messages = [_message_text(m) for m in body.messages]
-        prompt_ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+        messages = [_message(m, i) for i, m in enumerate(body.messages)]
+        shown, calling, forced = self._tools(body)
+        structured = structured_output(body)
+        if forced is not None and structured is not None:
+            raise errors.bad_request(
+                "a forced tool call and a structured output exclude each other", "tool_choice"
+            )
+        prompt_ids = self.tokenizer.encode(render_prompt(self.tokenizer, messages, shown))
         max_tokens = body.max_completion_tokens or body.max_tokens
         remaining = max(1, self.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        structured = structured_output(body)
-        return self._build(body, prompt_ids, max_tokens, remaining, True, logprobs, structured)
+        request = self._build(
+            body, prompt_ids, max_tokens, remaining, True, logprobs, forced or structured
+        )
+        if calling is None:
+            return request
+        params = request.params
+        if not body.parallel_tool_calls and forced is None:  # one call: stop where it closes
+            params = replace(params, stop=(*params.stop, CLOSE))
+        return replace(request, params=params, tools=calling)
+
+    @staticmethod
+    def _tools(
+        body: ChatCompletionRequest,
+    ) -> tuple[list[dict[str, Any]] | None, ToolCalling | None, StructuredOutput | None]:
+        """The tools the prompt shows, how the answer's calls are read and the grammar of a
+        forced call (required, or a named function); none of them with tool_choice none."""
+        tools = body.tools or []
+        names = [tool.function.name for tool in tools]
+        if len(set(names)) < len(names):
+            raise errors.bad_request("tool names must be unique", "tools")
+        choice = body.tool_choice or ("auto" if tools else "none")
+        if choice == "none":
+            return None, None, None
+        if not tools:
+            raise errors.bad_request("tool_choice other than none needs tools", "tool_choice")
+        shown = [tool.model_dump(exclude_none=True) for tool in tools]
+        functions = [entry["function"] for entry in shown]
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if named is not None and named not in names:
+            raise errors.bad_request(f"no tool named {named!r}", "tool_choice")
+        if choice == "auto":
+            return shown, ToolCalling(tuple(names)), None
+        try:
+            grammar = call_grammar(functions, named, body.parallel_tool_calls)
+        except ValueError as exc:
+            raise errors.bad_request(f"a tool's parameters: {exc}", "tools") from exc
+        return shown, ToolCalling(tuple(names), named=named is not None), grammar
 
     def _build(
         self,

@@ -32,6 +32,7 @@ from router.backends import Backend, Step
 from router.metrics import RouterMetrics
 from router.protocol import GenerateRequest, RequestBuilder
 from router.state import ApiKey, SharedState
+from router.tools import ToolCalling
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.sampling_params import SamplingParams
@@ -320,6 +321,8 @@ class RouterService:
             settings["include_usage"],
             settings["chat"],
         )
+        if tools := settings.get("tools"):  # the answer's tool calls are read as they were
+            resumed = replace(resumed, tools=ToolCalling(tuple(tools["names"]), tools["named"]))
         return resumed, committed
 
     def _finished(
@@ -368,6 +371,7 @@ def _settings(request: GenerateRequest) -> str:
             "spec": spec,
             "chat": request.chat,
             "include_usage": request.include_usage,
+            "tools": None if request.tools is None else asdict(request.tools),
         }
     )
 

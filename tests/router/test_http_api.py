@@ -550,7 +550,7 @@ BAD = [
     ({"max_tokens": 3}, 400, "Field required", "prompt"),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404, "does not exist", "model"),
     ({"prompt": "word " * 600}, 400, "maximum context length is", "prompt"),
-    ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop.str"),
+    ({"prompt": PROMPT, "stop": 3}, 400, "stop", "stop"),
     ({"prompt": PROMPT, "logprobs": 21}, 400, "less than or equal to 20", "logprobs"),
     ({"prompt": PROMPT, "max_tokens": 0}, 400, "needs echo", "max_tokens"),
     (
@@ -635,7 +635,7 @@ def test_bad_chat_requests(server: str) -> None:
     for body, param in (
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content.str"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),

@@ -9,11 +9,12 @@ brings, so one reader serves both and a saved copy makes the next start fast.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
@@ -156,22 +157,41 @@ class Tokenizer:
         return str(self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for a conversation (`[{"role": ..., "content": ...}, ...]`)."""
+        """The prompt text for a conversation (`[{"role": ..., "content": ...}, ...]`); `tools`
+        (OpenAI's function definitions) reach templates that take them (`takes_tools`)."""
+        template = self._compiled()
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        context: dict[str, Any] = {
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.token_text(self.bos_token_id),
+            "eos_token": self.token_text(eos),
+        }
+        if tools:
+            context["tools"] = list(tools)
+        return str(template.render(**context))
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template renders `tools` (and so, by the convention of such
+        templates, the conversation's tool calls and tool results) itself."""
+        if not self.chat_template:
+            return False
+        ast = _template_env().parse(self.chat_template)
+        return "tools" in jinja2.meta.find_undeclared_variables(ast)
+
+    def _compiled(self) -> Any:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain completion prompt")
         if self._template is None:
             self._template = _template_env().from_string(self.chat_template)
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        return str(
-            self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.token_text(self.bos_token_id),
-                eos_token=self.token_text(eos),
-            )
-        )
+        return self._template
 
     @classmethod
     def from_gguf_spec(cls, spec: GGUFTokenizerSpec) -> Tokenizer:

@@ -1,0 +1,290 @@
+"""Tool calling (OpenAI's `tools` and `tool_choice`): the prompt that shows the tools, the
+grammar that holds a forced call to its function's schema, and the parser that turns an answer's
+calls into `tool_calls`.
+
+A tool call is written in one text format, a Hermes-style block per call:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Qwen2.5 and Hermes models write these natively; the bundled model follows them when the prompt
+shows the format (and, reliably, when the conversation has calls in it already).
+
+- Prompt: a chat template that takes `tools` (it names the variable) renders the tools, and
+  the conversation's calls and results, itself. For one that does not, the tools and the
+  format go into the system message, earlier calls are written as blocks in the assistant's
+  turn and tool results as `<tool_response>` blocks in a user turn.
+- Grammar: `tool_choice` "required" or a named function holds the answer to such blocks (one
+  block for a named function or with `parallel_tool_calls` false) whose JSON is
+  `{"name": ..., "arguments": ...}` with the arguments following the function's parameter
+  schema. It is a structured output like `response_format`'s, so speculation under it stays
+  exact and the EAGLE drafter drafts inside it.
+- Parser: a block holding a JSON object that names a known function becomes a tool call; the
+  text outside blocks is the message's content. A block that does not parse (`auto`, where
+  nothing holds the model to the format) stays content, as in vLLM. Streaming holds back text
+  that may begin a block and sends each call whole when its block closes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from workers.engine.structured import JSON_DEFAULTS, StructuredOutput, compile_grammar
+from workers.model.tokenizer import Tokenizer
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+# For templates that do not render tools: the system message's part that shows them.
+_INSTRUCTIONS = """You can call these functions:
+<tools>
+{tools}
+</tools>
+To call a function, answer with its name and arguments as JSON inside <tool_call></tool_call> tags:
+<tool_call>
+{{"name": "function name", "arguments": {{"argument": "value"}}}}
+</tool_call>"""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCalling:
+    """How a chat answer's tool calls are read: the functions it may call, and whether the
+    request named the one to call (the answer then finishes with "stop", as OpenAI's does,
+    rather than "tool_calls")."""
+
+    names: tuple[str, ...]
+    named: bool = False
+
+
+def render_prompt(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> str:
+    """The prompt for a conversation whose messages may hold tool calls (assistant
+    `tool_calls`) and results (role `tool`), showing the model `tools` (OpenAI's
+    `{"type": "function", "function": {...}}` entries) when given."""
+    if tokenizer.takes_tools:
+        # Such templates take each call's arguments as an object (Hugging Face's convention).
+        native = [_arguments_as_objects(m) for m in messages]
+        return tokenizer.apply_chat_template(native, tools=tools)
+    return tokenizer.apply_chat_template(_folded(messages, tools))
+
+
+def _arguments_as_objects(message: Mapping[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    native = []
+    for call in calls:
+        function = call["function"]
+        native.append({**call, "function": {**function, "arguments": _loads(function)}})
+    return {**message, "tool_calls": native}
+
+
+def _loads(function: Mapping[str, Any]) -> Any:
+    try:
+        return json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return function["arguments"]
+
+
+def _folded(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> list[dict[str, str]]:
+    """The conversation in plain system/user/assistant turns: tools in the system message,
+    calls as blocks, consecutive tool results as one user turn of `<tool_response>` blocks."""
+    turns: list[dict[str, str]] = []
+    results = False  # the last turn holds tool results
+    for message in messages:
+        role, content = message["role"], message.get("content") or ""
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if results:
+                turns[-1]["content"] += "\n" + block
+            else:
+                turns.append({"role": "user", "content": block})
+            results = True
+            continue
+        calls = message.get("tool_calls") or ()
+        blocks = [block_text(c["function"]["name"], _loads(c["function"])) for c in calls]
+        turns.append({"role": role, "content": "\n".join([content] * bool(content) + blocks)})
+        results = False
+    if tools:
+        shown = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        instructions = _INSTRUCTIONS.format(tools=shown)
+        if turns and turns[0]["role"] == "system":
+            turns[0]["content"] = f"{turns[0]['content']}\n\n{instructions}"
+        else:
+            turns.insert(0, {"role": "system", "content": instructions})
+    return turns
+
+
+def block_text(name: str, arguments: Any) -> str:
+    """One call as the model writes it."""
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{OPEN}\n{call}\n{CLOSE}"
+
+
+def call_grammar(
+    functions: Sequence[Mapping[str, Any]], name: str | None, parallel: bool
+) -> StructuredOutput:
+    """The grammar of an answer that is tool calls only: of the function `name` (once), or of
+    any of `functions` (OpenAI's function definitions; more than one call when `parallel`).
+    ValueError when a function's parameter schema does not compile."""
+    chosen = [f for f in functions if name is None or f["name"] == name]
+    definitions: dict[str, Any] = {}
+    options = []
+    for function in chosen:
+        parameters = dict(function.get("parameters") or {"type": "object"})
+        for key in ("$defs", "definitions"):  # a reference names them from the schema's root
+            for def_name, definition in parameters.pop(key, {}).items():
+                if definitions.setdefault(f"{key}/{def_name}", definition) != definition:
+                    raise ValueError(f"two functions define {key}/{def_name} differently")
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    for path, shared in definitions.items():
+        key, def_name = path.split("/", 1)
+        schema.setdefault(key, {})[def_name] = shared
+    schema["x-guidance"] = JSON_DEFAULTS
+    more = ' ("\\n" call)*' if parallel and name is None else ""
+    # Lark's string literals take JSON's escapes.
+    opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
+    lark = f"start: call{more}\ncall: {opening} %json {json.dumps(schema)} {closing}"
+    return compile_grammar("grammar", lark)
+
+
+def _whitespace_tail(text: str) -> int:
+    return len(text) - len(text.rstrip())
+
+
+def _open_prefix(text: str) -> int:
+    """Length of the longest end of `text` that begins `OPEN`."""
+    for size in range(min(len(text), len(OPEN) - 1), 0, -1):
+        if OPEN.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ToolCallParser:
+    """Reads one answer's text as it comes: `feed` gives the content that can be sent now and
+    the calls whose blocks closed; `finish` the rest. Whitespace around blocks is not content.
+    The concatenated content of an answer without a call is its text, unchanged."""
+
+    def __init__(self, calling: ToolCalling) -> None:
+        self._names = set(calling.names)
+        self._buffer = ""
+        self._inside = False  # the buffer starts with an open block
+        self._after_block = False  # whitespace at the buffer's start follows a call
+        self._space = ""  # the whitespace before the open block
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        self._buffer += text
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while True:
+            if self._after_block:
+                self._buffer = self._buffer.lstrip()
+                if not self._buffer:
+                    break
+                self._after_block = False
+            if self._inside:
+                end = self._buffer.find(CLOSE)
+                if end < 0:
+                    break
+                block = self._buffer[: end + len(CLOSE)]
+                self._buffer = self._buffer[end + len(CLOSE) :]
+                self._inside = False
+                self._read(block, block[len(OPEN) : -len(CLOSE)], content, calls)
+                continue
+            start = self._buffer.find(OPEN)
+            if start < 0:
+                # Hold back what may begin a block, and the whitespace before it.
+                held = _open_prefix(self._buffer)
+                ready = self._buffer[: len(self._buffer) - held]
+                held += _whitespace_tail(ready)
+                content.append(self._buffer[: len(self._buffer) - held])
+                self._buffer = self._buffer[len(self._buffer) - held :]
+                break
+            before = self._buffer[:start]
+            content.append(before.rstrip())
+            self._space = before[len(before.rstrip()) :]  # content again if no call follows
+            self._buffer, self._inside = self._buffer[start:], True
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The end of the answer: an unclosed block is a call if it reads as one (the answer
+        may stop at `</tool_call>` itself)."""
+        rest, self._buffer = self._buffer, ""
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        if self._inside:
+            self._inside = False
+            self._read(rest, rest[len(OPEN) :], content, calls)
+        elif not self._after_block:
+            content.append(rest)
+        return "".join(content), calls
+
+    def _read(self, block: str, body: str, content: list[str], calls: list[dict[str, Any]]) -> None:
+        """A closed (or, at the end, unclosed) block: a call, or else content as written."""
+        call = self._call(body)
+        if call is None:
+            content.append(self._space + block)
+            return
+        calls.append(call)
+        self.num_calls += 1
+        self._after_block = True
+
+    def _call(self, body: str) -> dict[str, Any] | None:
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, dict) or value.get("name") not in self._names:
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if isinstance(arguments, str):  # some models write the arguments' JSON as a string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        return {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {
+                "name": value["name"],
+                "arguments": json.dumps(arguments, ensure_ascii=False),
+            },
+        }
+
+
+def read_answer(calling: ToolCalling, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A whole answer's content (None when it is only calls) and its calls."""
+    parser = ToolCallParser(calling)
+    content, calls = parser.feed(text)
+    rest, more = parser.finish()
+    content += rest
+    calls += more
+    return (None if calls and not content.strip() else content), calls
+
+
+def finish_reason(calling: ToolCalling, reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's: "tool_calls" when the model chose to call (not when the request named the
+    function), otherwise the engine's."""
+    if num_calls and reason == "stop" and not calling.named:
+        return "tool_calls"
+    return reason
