@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from router.tools import block_text, call_grammar, render_prompt
 from tests.model.helpers import NAME_AND_AGE, PERSON_QUESTION
 from tests.router.helpers import MODEL, PROMPT, get, post, raw_completion_stream, sse_events
 from workers.engine.sampling_params import SamplingParams
@@ -402,6 +403,130 @@ def test_structured_output_in_openais_and_vllms_fields(server: str, model_fp32, 
         assert check(out["choices"][0]["text"]), (extra, out["choices"][0]["text"])
 
 
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+TIME = {
+    "name": "get_time",
+    "description": "The time now in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+}
+TOOLS = [{"type": "function", "function": f} for f in (WEATHER, TIME)]
+
+
+def called(message: Any) -> list[tuple[str, Any]]:
+    """An openai client message's tool calls, as (name, arguments)."""
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def streamed_calls(chunks: list[Any]) -> tuple[str, list[tuple[str, Any]], str | None]:
+    """A streamed answer's content, its tool calls (their deltas put together by index) and
+    its finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, ["", ""])
+                entry[0] += call.function.name or ""
+                entry[1] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())], finish
+
+
+def test_tool_calls_forced_named_and_required(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A named tool_choice gets that function's call, whose arguments follow its schema and are
+    the ones plain decoding writes under the same grammar, whole and streamed (finish "stop",
+    as OpenAI's); required gets a call to one of the tools given (finish "tool_calls")."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    tok = checkpoint.tokenizer
+    messages = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask: dict[str, Any] = {"model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 40}
+    reply = client.chat.completions.create(**ask, tool_choice=named, temperature=0)
+    choice = reply.choices[0]
+    ((name, arguments),) = called(choice.message)
+    assert name == "get_weather" and set(arguments) == {"city"}
+    assert (choice.finish_reason, choice.message.content) == ("stop", None)
+    plain = SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=256, tokenizer=tok
+    )
+    grammar = call_grammar([WEATHER, TIME], "get_weather", parallel=False)
+    prompt_ids = tok.encode(render_prompt(tok, messages, TOOLS))
+    text = tok.decode(
+        plain.generate(
+            prompt_ids, SamplingParams(max_tokens=40, temperature=0, structured=grammar)
+        ).token_ids
+    )
+    assert text == block_text("get_weather", arguments)
+    chunks = list(
+        client.chat.completions.create(**ask, tool_choice=named, temperature=0, stream=True)
+    )
+    assert streamed_calls(chunks) == ("", [(name, arguments)], "stop")
+
+    for temperature in (0, 1):  # (several calls would not fit this engine's 256 tokens)
+        reply = client.chat.completions.create(
+            **ask,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=temperature,
+            seed=5,
+        )
+        ((name, _),) = called(reply.choices[0].message)
+        assert name in ("get_weather", "get_time")
+        assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_calls_the_model_chooses(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice auto: after a conversation whose turns called a tool (rendered into the
+    bundled model's template), the model calls it again, parsed whole and streamed; a question
+    it answers itself is plain decoding's text over the prompt that shows the tools; with
+    parallel_tool_calls false an answer holds one call."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    tok = checkpoint.tokenizer
+    history: list[dict[str, Any]] = []
+    for number, city in enumerate(("Rome", "London")):
+        call = {"name": "get_weather", "arguments": json.dumps({"city": city})}
+        history += [
+            {"role": "user", "content": f"Weather in {city}?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": f"call_{number}", "type": "function", "function": call}],
+            },
+        ]
+    messages = [*history, {"role": "user", "content": "Weather in Paris?"}]
+    # One short tool: the conversation must fit this engine's 256 tokens.
+    weather = {"name": "get_weather", "parameters": {"properties": {"city": {"type": "string"}}}}
+    tools = [{"type": "function", "function": weather}]
+    ask: dict[str, Any] = {"model": MODEL, "tools": tools, "max_tokens": 40, "temperature": 0}
+    reply = client.chat.completions.create(**ask, messages=messages)
+    assert called(reply.choices[0].message) == [("get_weather", {"city": "Paris"})]
+    assert reply.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(**ask, messages=messages, stream=True))
+    assert streamed_calls(chunks) == ("", [("get_weather", {"city": "Paris"})], "tool_calls")
+    single = client.chat.completions.create(**ask, messages=messages, parallel_tool_calls=False)
+    assert called(single.choices[0].message) == [("get_weather", {"city": "Paris"})]
+    assert single.choices[0].finish_reason == "tool_calls"
+
+    question = [{"role": "user", "content": "Name a colour."}]
+    reply = client.chat.completions.create(**{**ask, "max_tokens": 12}, messages=question)
+    prompt_ids = tok.encode(render_prompt(tok, question, tools))
+    answer = plain_greedy(model_fp32, checkpoint, prompt_ids, 12)
+    assert (reply.choices[0].message.content, reply.choices[0].message.tool_calls) == (
+        tok.decode(answer),
+        [],
+    )
+    assert reply.choices[0].finish_reason == ("stop" if len(answer) < 12 else "length")
+
+
 def test_several_choices_whole_and_streamed(
     open_router, local_engine, model_fp32, checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
@@ -639,7 +764,11 @@ def test_bad_chat_requests(server: str) -> None:
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "x"}]},
+            "tools.0.type",
+        ),
+        ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages.0.tool_call_id"),
         ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
     ):
         code, out, _, _ = post(url, body)
