@@ -141,6 +141,21 @@ def test_draft_rows_are_the_states_the_drafts_lead_to(
     assert torch.equal(rows[-1], walker.allowed()[0])
 
 
+def test_drafts_past_the_grammars_end_leave_the_state_as_it_was(
+    grammars: Grammars, tokenizer: Tokenizer
+) -> None:
+    """Drafts that finish the grammar and go on with EOS (as n-gram drafts copied from a
+    prompt do): llguidance reads the EOS after the end without recording it, so rolling back
+    every valid draft took a committed token back."""
+    state = grammars.start(compile_grammar("choice", ["ab cd"]))
+    state.advance(ids(tokenizer, "ab"))
+    before = state.allowed()
+    eos = tokenizer.eos_token_ids[0]
+    rows = state.allowed([*ids(tokenizer, " cd"), eos, eos])
+    assert torch.equal(state.allowed(), before)
+    assert rows[1:].nonzero()[:, 1].tolist() == [eos] * 3  # after the end: EOS only
+
+
 def test_rows_after_a_refused_draft_repeat_the_row_before(
     grammars: Grammars, tokenizer: Tokenizer
 ) -> None:

@@ -12,6 +12,7 @@ batching). The engine itself is only ever touched by the loop thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Iterator, Sequence
@@ -21,6 +22,8 @@ from typing import Any, Protocol
 from workers.engine.config import RequestSpec
 from workers.engine.llm_engine import LLMEngine, Prefilled, RequestOutput
 from workers.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class _Sink(Protocol):
@@ -157,6 +160,9 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug must not hang every client: fail the running ones
+                log.exception(
+                    "engine step failed; failing the %d running requests", len(self._streams)
+                )
                 self._fail_all(exc)
                 continue
             self._deliver(outputs)

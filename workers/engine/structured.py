@@ -141,12 +141,17 @@ class GrammarState:
         before it (that draft is always rejected, so they are never sampled from)."""
         valid = self._matcher.validate_tokens(list(draft_ids)) if draft_ids else 0
         rows = [self._mask()]
+        read = 0
         for token in draft_ids[:valid]:
+            # Once the grammar has stopped, EOS is the only token left, and llguidance does not
+            # record reading it: a rollback would take a committed token back.
+            if self._matcher.is_stopped():
+                break
             self._matcher.consume_token(token)
+            read += 1
             rows.append(self._mask())
-        if valid:
-            self._matcher.rollback(valid)
-        rows += rows[-1:] * (len(draft_ids) - valid)
+        self.rollback(read)
+        rows += rows[-1:] * (len(draft_ids) - read)
         return torch.stack(rows)
 
     def mask(self, logits: torch.Tensor, draft_ids: Sequence[int] = ()) -> torch.Tensor:
