@@ -99,13 +99,15 @@ def get(url: str, key: str | None = None) -> tuple[int, Any]:
 
 
 @contextmanager
-def raw_completion_stream(port: int, body: dict[str, Any]) -> Iterator[socket.socket]:
-    """A streaming completion posted over a bare socket, which the caller reads from and then
-    drops (closing it is the client leaving mid-stream)."""
+def raw_completion_stream(
+    port: int, body: dict[str, Any], path: str = "/v1/completions"
+) -> Iterator[socket.socket]:
+    """A streaming completion (or chat completion) posted over a bare socket, which the caller
+    reads from and then drops (closing it is the client leaving mid-stream)."""
     payload = json.dumps({**body, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
             + f"Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )

@@ -291,9 +291,11 @@ def test_bad_requests_over_the_runtime(router, body, status, message, param) -> 
     assert post(router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})[0] == 200
 
 
-def _leave_mid_stream(router: RunningRouter, body: dict[str, Any]) -> str:
+def _leave_mid_stream(
+    router: RunningRouter, body: dict[str, Any], path: str = "/v1/completions"
+) -> str:
     """Start a stream, read its first event, hang up; the request's id."""
-    with raw_completion_stream(router.port, body) as sock:
+    with raw_completion_stream(router.port, body, path) as sock:
         received = b""
         while b"data: " not in received.partition(b"\r\n\r\n")[2]:
             received += sock.recv(4096)
@@ -358,6 +360,38 @@ def test_structured_output_over_the_runtime_and_its_resume(router, router_b) -> 
     code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")
     assert code == 200, out
     assert out["choices"][0]["text"] == text
+
+
+def test_a_forced_tool_call_resumed_on_another_replica(router, router_b) -> None:  # type: ignore[no-untyped-def]
+    """A chat request's tool calling is part of what it takes to resume it: the resumed
+    answer's call is the uninterrupted one's, read from the whole text."""
+    weather = {"name": "get_weather", "parameters": {"properties": {"city": {"type": "string"}}}}
+    body = {
+        "messages": [{"role": "user", "content": "What is the weather like in Paris?"}],
+        "tools": [{"type": "function", "function": weather}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    url = "/v1/chat/completions"
+    code, whole, _, _ = post(router.url + url, body)
+    assert code == 200, whole
+    (call,) = whole["choices"][0]["message"]["tool_calls"]
+    request_id = _leave_mid_stream(router, body, url)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, record = get(f"{router_b.url}/v1/requests/{request_id}")
+        if record.get("state") == "finished":
+            break
+        time.sleep(0.05)
+    assert record["finish_reason"] == "abort"
+    assert 0 < len(record["token_ids"]) < whole["usage"]["completion_tokens"]
+    code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")
+    assert code == 200, out
+    message = out["choices"][0]["message"]
+    assert message["content"] is None and out["choices"][0]["finish_reason"] == "stop"
+    ((resumed),) = message["tool_calls"]
+    assert resumed["function"] == call["function"]
 
 
 def test_a_load_test_over_the_runtime(router, tmp_path) -> None:  # type: ignore[no-untyped-def]
