@@ -11,6 +11,7 @@ from collections import Counter
 import jsonschema
 import pytest
 
+from router.tools import ToolCalling, call_grammar, read_answer, render_prompt
 from tests.model.helpers import speculative_engine
 from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
@@ -43,15 +44,20 @@ def chat(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
 def test_greedy_under_a_grammar_with_speculation_is_plain_decoding(  # type: ignore[no-untyped-def]
     method: str, model_fp32, checkpoint
 ) -> None:
-    """A JSON schema, a regex, a choice and a free answer in one batch; the drafters do not
-    know the grammars, so their drafts are rejected wherever a grammar turns the target."""
+    """A JSON schema, a regex, a choice, a free answer and a forced tool call in one batch;
+    the n-gram drafter does not know the grammars, so its drafts are rejected wherever a
+    grammar turns the target (and, for the tool call, copied from the prompt's example, they
+    run past the grammar's end into EOS)."""
     tok = checkpoint.tokenizer
     eos = checkpoint.config.eos_token_ids
+    weather = {"name": "get_weather", "parameters": {"properties": {"city": {"type": "string"}}}}
+    asking = [{"role": "user", "content": "What is the weather like in Paris?"}]
     prompts = [
         chat(tok, "Alice is 30 and lives in Paris. Describe her as JSON."),
         chat(tok, "Give me a phone number."),
         chat(tok, "What colour is the sky?"),
         chat(tok, "Alice is 30 and lives in Paris. Describe her as JSON."),
+        tok.encode(render_prompt(tok, asking, [{"type": "function", "function": weather}])),
     ]
     greedy = SamplingParams(max_tokens=48, temperature=0)
     params = [
@@ -59,16 +65,20 @@ def test_greedy_under_a_grammar_with_speculation_is_plain_decoding(  # type: ign
         SamplingParams(max_tokens=48, temperature=0, structured=compile_grammar("regex", PHONE)),
         SamplingParams(max_tokens=48, temperature=0, structured=compile_grammar("choice", COLOURS)),
         greedy,
+        SamplingParams(
+            max_tokens=48, temperature=0, structured=call_grammar([weather], "get_weather", False)
+        ),
     ]
     plain = SequentialEngine(model_fp32, eos_token_ids=eos, max_model_len=512, tokenizer=tok)
     expected = [plain.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
     engine = speculative_engine(method, model_fp32, eos, tokenizer=tok)
     got = engine.generate(prompts, params, RequestSpec(method=method))
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
-    person, phone, colour, free = (g.text for g in got)
+    person, phone, colour, free, call = (g.text for g in got)
     jsonschema.validate(json.loads(person), PERSON)
     assert re.fullmatch(PHONE, phone) and colour in COLOURS
-    assert [g.finish_reason for g in got[:3]] == ["stop"] * 3
+    assert read_answer(ToolCalling(("get_weather",), named=True), call)[0] is None
+    assert [g.finish_reason for g in got] == ["stop"] * 3 + [got[3].finish_reason, "stop"]
     assert free != person  # the grammar changed the answer
     assert got[0].spec.accepted > 0  # masked rows after accepted drafts
 
