@@ -3,10 +3,12 @@
     python -m tests.benchmarks.bench_structured [--runs 3] [--max-tokens 128]
 
 Single stream, bf16, greedy, chat template, the engine as `outrider serve` builds it (adaptive
-k, EAGLE's drafts ended where the head doubts them). Four extraction tasks, each asked once
-with its JSON schema as the request's grammar and once without (the same prompt, which asks for
-JSON): tokens/s, acceptance, whether the answers hold to the schema, and the host time the
-grammar masks take per step. Writes the `bench_structured` section of docs/benchmarks.md.
+k, EAGLE's drafts ended where the head doubts them). Four extraction tasks, each asked three
+ways: without a grammar (the prompt asks for JSON), with its JSON schema as the request's
+grammar, and as a forced tool call whose parameters are the schema (the router's prompt, which
+shows the tool, and its grammar for a named tool_choice). Tokens/s, acceptance, whether the
+answers hold to the schema, and the host time the grammar masks take per step. Writes the
+`bench_structured` section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from unittest import mock
 import jsonschema
 import torch
 
+from router.tools import ToolCalling, call_grammar, read_answer, render_prompt
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import ModelSpec, build_engine
 from workers.engine.llm_engine import Completion, LLMEngine
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.structured import GrammarState, compile_grammar
+from workers.engine.structured import GrammarState, StructuredOutput, compile_grammar
 from workers.model.tokenizer import Tokenizer
 
 K = 4
@@ -108,6 +111,7 @@ TASKS: list[tuple[str, dict[str, Any]]] = [
     ),
 ]
 DRAFTERS = [("none", "none"), ("ngram", "ngram"), ("eagle", "eagle")]
+MODES = ["none", "schema", "tool call"]
 
 
 @dataclass(slots=True)
@@ -140,15 +144,37 @@ def timed_masks(run: Run) -> Iterator[None]:
         yield
 
 
+def tool(schema: dict[str, Any]) -> dict[str, Any]:
+    """A task's schema as the parameters of the function its tool-call mode must call."""
+    return {"name": "record", "description": "Record the answer", "parameters": schema}
+
+
+def requests(tokenizer: Tokenizer, mode: str) -> list[tuple[list[int], StructuredOutput | None]]:
+    """Each task's prompt and grammar in one of MODES."""
+    out: list[tuple[list[int], StructuredOutput | None]] = []
+    for text, schema in TASKS:
+        messages = [{"role": "user", "content": text}]
+        if mode == "tool call":
+            tools = [{"type": "function", "function": tool(schema)}]
+            prompt = tokenizer.encode(render_prompt(tokenizer, messages, tools))
+            out.append((prompt, call_grammar([tool(schema)], "record", parallel=False)))
+        else:
+            prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
+            out.append((prompt, compile_grammar("json", schema) if mode == "schema" else None))
+    return out
+
+
 def run_tasks(
-    engine: LLMEngine, prompts: list[list[int]], method: str, schema: bool, max_tokens: int
+    engine: LLMEngine,
+    tasks: list[tuple[list[int], StructuredOutput | None]],
+    method: str,
+    max_tokens: int,
 ) -> Run:
     """Each task alone (single stream), one after the other."""
     spec = RequestSpec(enabled=method != "none", method=None if method == "none" else method)
     run = Run()
     with timed_masks(run):
-        for prompt, (_, task_schema) in zip(prompts, TASKS, strict=True):
-            structured = compile_grammar("json", task_schema) if schema else None
+        for prompt, structured in tasks:
             params = SamplingParams(max_tokens=max_tokens, temperature=0, structured=structured)
             start = time.perf_counter()
             run.completions += engine.generate([prompt], params, spec)
@@ -156,16 +182,18 @@ def run_tasks(
     return run
 
 
-def valid(text: str, schema: dict[str, Any]) -> bool:
+def valid(text: str, schema: dict[str, Any], mode: str) -> bool:
+    """Whether an answer holds to its task's schema (a tool call's, its arguments)."""
     try:
+        if mode == "tool call":
+            _, calls = read_answer(ToolCalling(("record",), named=True), text)
+            if len(calls) != 1:
+                return False
+            text = calls[0]["function"]["arguments"]
         jsonschema.validate(json.loads(text), schema)
     except (json.JSONDecodeError, jsonschema.ValidationError):
         return False
     return True
-
-
-def chat(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
 
 def main() -> None:
@@ -186,19 +214,19 @@ def main() -> None:
     )
     loaded = build_engine(ModelSpec(dtype="bfloat16"), config, progress=False)
     engine, tokenizer = loaded.engine, loaded.tokenizer
-    prompts = [chat(tokenizer, text) for text, _ in TASKS]
-    configs = [(label, method, schema) for label, method in DRAFTERS for schema in (False, True)]
-    runs: dict[tuple[str, str, bool], list[Run]] = {c: [] for c in configs}
+    tasks = {mode: requests(tokenizer, mode) for mode in MODES}
+    configs = [(label, method, mode) for label, method in DRAFTERS for mode in MODES]
+    runs: dict[tuple[str, str, str], list[Run]] = {c: [] for c in configs}
     with torch.inference_mode():
         for round_ in range(args.runs + 1):  # round 0 warms up and is dropped
             for config_ in configs:
-                run = run_tasks(engine, prompts, config_[1], config_[2], args.max_tokens)
+                run = run_tasks(engine, tasks[config_[2]], config_[1], args.max_tokens)
                 if round_:
                     runs[config_].append(run)
     rows = []
-    for label, method, schema in configs:
-        results = runs[(label, method, schema)]
-        base = runs[("none", "none", schema)]
+    for label, method, mode in configs:
+        results = runs[(label, method, mode)]
+        base = runs[("none", "none", mode)]
         speed = statistics.median(r.tokens / r.seconds for r in results)
         ratio = statistics.median(
             (r.tokens / r.seconds) / (b.tokens / b.seconds)
@@ -207,22 +235,24 @@ def main() -> None:
         last = results[-1].completions
         steps = sum(c.spec.verify_steps for c in last)
         accepted = sum(c.spec.accepted for c in last)
-        held = sum(valid(c.text, s) for c, (_, s) in zip(last, TASKS, strict=True))
+        held = sum(valid(c.text, s, mode) for c, (_, s) in zip(last, TASKS, strict=True))
         mask_ms = statistics.median(r.mask_seconds / max(r.mask_calls, 1) * 1e3 for r in results)
         share = statistics.median(r.mask_seconds / r.seconds for r in results)
         rows.append(
             [
                 label,
-                "schema" if schema else "none (the prompt asks for JSON)",
+                mode if mode != "none" else "none (the prompt asks for JSON)",
                 f"{speed:.1f}",
                 f"{ratio:.2f}x",
                 f"{(accepted + steps) / steps:.2f}" if method != "none" and steps else "",
                 f"{results[-1].tokens / len(TASKS):.0f}",
                 f"{held}/{len(TASKS)}",
-                f"{mask_ms:.2f} ms, {share:.1%}" if schema else "",
+                f"{mask_ms:.2f} ms, {share:.1%}" if mode != "none" else "",
             ]
         )
-    print(json.dumps([c.text for c in runs[("eagle", "eagle", True)][-1].completions], indent=1))
+    for mode in MODES[1:]:
+        answers = runs[("eagle", "eagle", mode)][-1].completions
+        print(json.dumps([c.text for c in answers], indent=1))
     body = "\n\n".join(
         [
             "## Structured output",
@@ -233,9 +263,13 @@ def main() -> None:
             f"doubts them), medians of {args.runs} interleaved rounds. Four extraction tasks "
             "(tests/benchmarks/bench_structured.py `TASKS`: a person, three fruits, a calendar "
             "entry, a review's sentiment), each prompt asking for JSON; `grammar`: the task's "
-            "JSON schema as the request's `response_format`, or none. `vs none`: tokens/s "
+            "JSON schema as the request's `response_format`; `tool call`: the request as the "
+            "router builds it for a named `tool_choice` whose function takes the schema as its "
+            "parameters (the prompt shows the tool; the grammar holds the answer to one call); "
+            "or none. `vs none`: tokens/s "
             "against no speculation with the same grammar, the median of per-round ratios. "
-            "`answers that hold to the schema`: parsed and validated (jsonschema), last round. "
+            "`answers that hold to the schema`: parsed (a tool call's arguments) and validated "
+            "(jsonschema), last round. "
             "`grammar masks`: the host time of one sequence's masks in one step (llguidance's "
             "bitmask for each verified row, with the grammar advanced over the drafts and rolled "
             "back, unpacked and applied to the logits), and their share of the run.",

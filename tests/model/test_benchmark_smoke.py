@@ -85,4 +85,4 @@ def test_bench_router_quick_run(tmp_path: Path) -> None:
 def test_bench_structured_quick_run(tmp_path: Path) -> None:
     text = quick_run("bench_structured", tmp_path)
     assert "<!-- bench_structured:start -->" in text
-    assert "| eagle | schema |" in text
+    assert "| eagle | schema |" in text and "| eagle | tool call |" in text
