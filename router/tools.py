@@ -112,7 +112,7 @@ def _folded(
             continue
         calls = message.get("tool_calls") or ()
         blocks = [block_text(c["function"]["name"], _loads(c["function"])) for c in calls]
-        turns.append({"role": role, "content": "\n".join([content] * bool(content) + blocks)})
+        turns.append({"role": role, "content": "\n".join(([content] if content else []) + blocks)})
         results = False
     if tools:
         shown = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
