@@ -27,6 +27,22 @@ NAME_AND_AGE = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+# Two functions for the tool-calling tests (OpenAI's function definitions).
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+TIME = {
+    "name": "get_time",
+    "description": "The time now in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+}
 
 
 def make_runner(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from router.tools import block_text, call_grammar, render_prompt
-from tests.model.helpers import NAME_AND_AGE, PERSON_QUESTION
+from tests.model.helpers import NAME_AND_AGE, PERSON_QUESTION, TIME, WEATHER
 from tests.router.helpers import MODEL, PROMPT, get, post, raw_completion_stream, sse_events
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
@@ -403,21 +403,6 @@ def test_structured_output_in_openais_and_vllms_fields(server: str, model_fp32, 
         assert check(out["choices"][0]["text"]), (extra, out["choices"][0]["text"])
 
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
-TIME = {
-    "name": "get_time",
-    "description": "The time now in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
-}
 TOOLS = [{"type": "function", "function": f} for f in (WEATHER, TIME)]
 
 

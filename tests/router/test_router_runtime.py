@@ -307,16 +307,23 @@ def _leave_mid_stream(
     )
 
 
+def _record_when_finished(router: RunningRouter, request_id: str) -> dict[str, Any]:
+    """The request's registry entry, read through `router`, once the replica serving it has
+    recorded its end in Redis."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, record = get(f"{router.url}/v1/requests/{request_id}")
+        if record.get("state") == "finished":
+            break
+        time.sleep(0.05)
+    return record
+
+
 def test_another_replica_resumes_a_request_whose_client_left(router, router_b) -> None:  # type: ignore[no-untyped-def]
     body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     _, whole, _, _ = post(router.url + "/v1/completions", body)
     request_id = _leave_mid_stream(router, body)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # replica A records the abort in Redis
-        _, record = get(f"{router_b.url}/v1/requests/{request_id}")
-        if record.get("state") == "finished":
-            break
-        time.sleep(0.05)
+    record = _record_when_finished(router_b, request_id)
     assert record["finish_reason"] == "abort" and 0 < len(record["token_ids"]) < 40
     code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")
     assert code == 200, out
@@ -349,12 +356,7 @@ def test_structured_output_over_the_runtime_and_its_resume(router, router_b) -> 
     assert re.fullmatch(body["guided_regex"], text), text
     assert whole["choices"][0]["finish_reason"] == "stop"
     request_id = _leave_mid_stream(router, body)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        _, record = get(f"{router_b.url}/v1/requests/{request_id}")
-        if record.get("state") == "finished":
-            break
-        time.sleep(0.05)
+    record = _record_when_finished(router_b, request_id)
     assert record["finish_reason"] == "abort"
     assert 0 < len(record["token_ids"]) < whole["usage"]["completion_tokens"]
     code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")
@@ -378,12 +380,7 @@ def test_a_forced_tool_call_resumed_on_another_replica(router, router_b) -> None
     assert code == 200, whole
     (call,) = whole["choices"][0]["message"]["tool_calls"]
     request_id = _leave_mid_stream(router, body, url)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        _, record = get(f"{router_b.url}/v1/requests/{request_id}")
-        if record.get("state") == "finished":
-            break
-        time.sleep(0.05)
+    record = _record_when_finished(router_b, request_id)
     assert record["finish_reason"] == "abort"
     assert 0 < len(record["token_ids"]) < whole["usage"]["completion_tokens"]
     code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")

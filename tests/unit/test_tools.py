@@ -21,22 +21,12 @@ from router.tools import (
     read_answer,
     render_prompt,
 )
+from tests.model.helpers import TIME, WEATHER
 from workers.engine.structured import Grammars
 from workers.model.loader import load_tokenizer
 from workers.model.tokenizer import Tokenizer
 
 CALLING = ToolCalling(("get_weather", "get_time"))
-WEATHER = {
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
-TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
 TOOLS = [{"type": "function", "function": f} for f in (WEATHER, TIME)]
 
 # Text before the calls, two calls, a block that names no known function (content), a call with
