@@ -519,9 +519,8 @@ class RequestBuilder:
             params = replace(params, stop=(*params.stop, CLOSE))
         return replace(request, params=params, tools=calling)
 
-    @staticmethod
     def _tools(
-        body: ChatCompletionRequest,
+        self, body: ChatCompletionRequest
     ) -> tuple[list[dict[str, Any]] | None, ToolCalling | None, StructuredOutput | None]:
         """The tools the prompt shows, how the answer's calls are read and the grammar of a
         forced call (required, or a named function); none of them with tool_choice none."""
@@ -542,7 +541,7 @@ class RequestBuilder:
         if choice == "auto":
             return shown, ToolCalling(tuple(names)), None
         try:
-            grammar = call_grammar(functions, named, body.parallel_tool_calls)
+            grammar = call_grammar(functions, named, body.parallel_tool_calls, self.tokenizer)
         except ValueError as exc:
             raise errors.bad_request(f"a tool's parameters: {exc}", "tools") from exc
         return shown, ToolCalling(tuple(names), named=named is not None), grammar

@@ -131,11 +131,15 @@ def block_text(name: str, arguments: Any) -> str:
 
 
 def call_grammar(
-    functions: Sequence[Mapping[str, Any]], name: str | None, parallel: bool
+    functions: Sequence[Mapping[str, Any]],
+    name: str | None,
+    parallel: bool,
+    tokenizer: Tokenizer | None = None,
 ) -> StructuredOutput:
     """The grammar of an answer that is tool calls only: of the function `name` (once), or of
     any of `functions` (OpenAI's function definitions; more than one call when `parallel`).
-    ValueError when a function's parameter schema does not compile."""
+    Where `tokenizer` has a tag as a token of its own (Qwen2.5's `<tool_call>`), the grammar
+    asks for that token. ValueError when a function's parameter schema does not compile."""
     chosen = [f for f in functions if name is None or f["name"] == name]
     definitions: dict[str, Any] = {}
     options = []
@@ -159,10 +163,17 @@ def call_grammar(
         schema.setdefault(key, {})[def_name] = shared
     schema["x-guidance"] = JSON_DEFAULTS
     more = ' ("\\n" call)*' if parallel and name is None else ""
-    # Lark's string literals take JSON's escapes.
-    opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
-    lark = f"start: call{more}\ncall: {opening} %json {json.dumps(schema)} {closing}"
+    opening, closing = _tag(OPEN, tokenizer), _tag(CLOSE, tokenizer)
+    lark = f'start: call{more}\ncall: {opening} "\\n" %json {json.dumps(schema)} "\\n" {closing}'
     return compile_grammar("grammar", lark)
+
+
+def _tag(text: str, tokenizer: Tokenizer | None) -> str:
+    """A tag in Lark: a reference to its token where the tokenizer added it as one (llguidance
+    reads every added token as a special token, which no string literal matches), else the
+    string (Lark's literals take JSON's escapes)."""
+    token_id = None if tokenizer is None else tokenizer.added_token_id(text)
+    return json.dumps(text) if token_id is None else f"<[{token_id}]>"
 
 
 def _whitespace_tail(text: str) -> int:

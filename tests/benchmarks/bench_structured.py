@@ -157,7 +157,7 @@ def requests(tokenizer: Tokenizer, mode: str) -> list[tuple[list[int], Structure
         if mode == "tool call":
             tools = [{"type": "function", "function": tool(schema)}]
             prompt = tokenizer.encode(render_prompt(tokenizer, messages, tools))
-            out.append((prompt, call_grammar([tool(schema)], "record", parallel=False)))
+            out.append((prompt, call_grammar([tool(schema)], "record", False, tokenizer)))
         else:
             prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
             out.append((prompt, compile_grammar("json", schema) if mode == "schema" else None))

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from tokenizers import AddedToken
 
 from router.errors import RouterError
 from router.protocol import ChatCompletionRequest, CompletionRequest, RequestBuilder, validate
@@ -206,6 +207,25 @@ def test_the_grammar_of_forced_calls(tokenizer: Tokenizer) -> None:
     assert not accepts(named, weather)[0]
     # A function without parameters takes any object.
     assert accepts(call_grammar([{"name": "f"}], None, True), block_text("f", {"x": [1]}))[0]
+
+
+def test_tags_that_are_tokens_of_their_own() -> None:
+    """Where the tokenizer has the tags as added tokens (Qwen2.5's `<tool_call>`), which
+    llguidance reads as special tokens, the grammar asks for those tokens; the text keeps them,
+    so the answer's call is read."""
+    tokenizer = load_tokenizer()
+    tags = [AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", CLOSE)]
+    tokenizer.backend.add_tokens(tags)
+    opening = tokenizer.added_token_id("<tool_call>")
+    assert opening == tokenizer.vocab_size - 2 and tokenizer.added_token_id("<tool") is None
+    grammar = call_grammar([WEATHER], "get_weather", parallel=False, tokenizer=tokenizer)
+    ids = tokenizer.encode(block_text("get_weather", {"city": "Oslo"}), add_special_tokens=False)
+    assert ids[0] == opening and ids[-1] == opening + 1
+    state = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids).start(grammar)
+    assert state.allowed()[0].nonzero().flatten().tolist() == [opening]
+    assert state.advance(ids) == len(ids) and state.stopped
+    text = tokenizer.decode(ids)
+    assert names_and_arguments(read_answer(CALLING, text)[1]) == [("get_weather", {"city": "Oslo"})]
 
 
 def test_parameter_schemas_with_definitions(tokenizer: Tokenizer) -> None:

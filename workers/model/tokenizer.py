@@ -137,6 +137,13 @@ class Tokenizer:
     def token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
+    def added_token_id(self, text: str) -> int | None:
+        """The id of the token added to the vocabulary (special or not) whose text is `text`."""
+        for token_id, token in self.backend.get_added_tokens_decoder().items():
+            if token.content == text:
+                return int(token_id)
+        return None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, which may be part of a UTF-8 character (its text
         alone then decodes to U+FFFD)."""
