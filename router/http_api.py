@@ -31,7 +31,9 @@ from router.logprobs import LogprobFormatter
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
+    TokenizeRequest,
     parse_json,
     validate,
 )
@@ -111,6 +113,28 @@ def create_app(service: RouterService) -> FastAPI:
         await service.authorize(_bearer(request))
         model = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "outrider"}
         return {"object": "list", "data": [model]}
+
+    @app.post("/tokenize", tags=["vllm"], openapi_extra=_body_schema("TokenizeRequest"))
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's: a prompt's (or a conversation's) token ids, as generation would see them."""
+        await service.authorize(_bearer(request))
+        body = validate(TokenizeRequest, parse_json(await request.body()))
+        tokens = service.builder.tokenize(body)
+        tokenizer = service.builder.tokenizer
+        strs = [tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None
+        return {
+            "count": len(tokens),
+            "max_model_len": service.builder.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize", tags=["vllm"], openapi_extra=_body_schema("DetokenizeRequest"))
+    async def detokenize(request: Request) -> dict[str, str]:
+        """vLLM's: the text of token ids."""
+        await service.authorize(_bearer(request))
+        body = validate(DetokenizeRequest, parse_json(await request.body()))
+        return {"prompt": service.builder.detokenize(body)}
 
     @app.get("/v1/requests/{request_id}", tags=["outrider"])
     async def request_status(request_id: str, request: Request) -> dict[str, Any]:
@@ -210,7 +234,12 @@ def create_app(service: RouterService) -> FastAPI:
                 title=app.title, version=app.version, summary=app.summary, routes=app.routes
             )
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (
+                CompletionRequest,
+                ChatCompletionRequest,
+                TokenizeRequest,
+                DetokenizeRequest,
+            ):
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
                 components[model.__name__] = body

@@ -231,6 +231,30 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = Field(True, description="false: one tool call at most in an answer")
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's `/tokenize`: a prompt's token ids, or a conversation's through the chat template
+    (with the tools it would show)."""
+
+    model: str | None = Field(None, description="the served model's id")
+    prompt: str | None = Field(None, description="text, as /v1/completions takes it")
+    messages: list[ChatMessage] | None = Field(
+        None, description="a conversation, as /v1/chat/completions takes it"
+    )
+    tools: list[Tool] | None = Field(None, description="with messages: tools the prompt shows")
+    add_generation_prompt: bool = Field(
+        True, description="with messages: end with the assistant's turn opening"
+    )
+    add_special_tokens: bool | None = Field(
+        None, description="the tokenizer's BOS (default: with prompt yes, with messages no)"
+    )
+    return_token_strs: bool = Field(False, description="each token's text too")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = Field(None, description="the served model's id")
+    tokens: list[int] = Field(description="token ids")
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     """A validated request in the engine's terms, whichever API it came from."""
@@ -505,7 +529,7 @@ class RequestBuilder:
             raise errors.bad_request(
                 "a forced tool call and a structured output exclude each other", "tool_choice"
             )
-        prompt_ids = self.tokenizer.encode(render_prompt(self.tokenizer, messages, shown))
+        prompt_ids = self.tokenizer.encode(self._render(messages, shown))
         max_tokens = body.max_completion_tokens or body.max_tokens
         remaining = max(1, self.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -518,6 +542,42 @@ class RequestBuilder:
         if not body.parallel_tool_calls and forced is None:  # one call: stop where it closes
             params = replace(params, stop=(*params.stop, CLOSE))
         return replace(request, params=params, tools=calling)
+
+    def tokenize(self, body: TokenizeRequest) -> list[int]:
+        """The token ids `/tokenize` answers with."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise errors.bad_request("send prompt or messages (one of them)", "prompt")
+        if body.messages is None:
+            if body.tools:
+                raise errors.bad_request("tools come with messages", "tools")
+            special = body.add_special_tokens is not False
+            return self.tokenizer.encode(body.prompt or "", add_special_tokens=special)
+        if not body.messages:
+            raise errors.bad_request("messages must not be empty", "messages")
+        messages = [_message(m, i) for i, m in enumerate(body.messages)]
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
+        text = self._render(messages, tools, body.add_generation_prompt)
+        # The chat template writes the BOS it wants (as chat completions encode it).
+        return self.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+    def detokenize(self, body: DetokenizeRequest) -> str:
+        self.check_model(body.model)
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise errors.bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        return self.tokenizer.decode(body.tokens)
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        try:
+            return render_prompt(self.tokenizer, messages, tools, add_generation_prompt)
+        except ValueError as exc:  # no template, or one that refuses the conversation
+            raise errors.bad_request(str(exc), "messages") from exc
 
     def _tools(
         self, body: ChatCompletionRequest

@@ -64,6 +64,7 @@ def render_prompt(
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
+    add_generation_prompt: bool = True,
 ) -> str:
     """The prompt for a conversation whose messages may hold tool calls (assistant
     `tool_calls`) and results (role `tool`), showing the model `tools` (OpenAI's
@@ -71,8 +72,12 @@ def render_prompt(
     if tokenizer.takes_tools:
         # Such templates take each call's arguments as an object (Hugging Face's convention).
         native = [_arguments_as_objects(m) for m in messages]
-        return tokenizer.apply_chat_template(native, tools=tools)
-    return tokenizer.apply_chat_template(_folded(messages, tools))
+        return tokenizer.apply_chat_template(
+            native, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+    return tokenizer.apply_chat_template(
+        _folded(messages, tools), add_generation_prompt=add_generation_prompt
+    )
 
 
 def _arguments_as_objects(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -512,6 +512,45 @@ def test_tool_calls_the_model_chooses(server: str, model_fp32, checkpoint) -> No
     assert reply.choices[0].finish_reason == ("stop" if len(answer) < 12 else "length")
 
 
+def test_tokenize_and_detokenize(server: str, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's /tokenize counts a prompt as completions see it, and a conversation (with the
+    tools it shows) as chat completions do; /detokenize gives the text back."""
+    tok = checkpoint.tokenizer
+    code, out, _, _ = post(server + "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    ids = tok.encode(PROMPT)
+    assert code == 200, out
+    assert out == {
+        "count": len(ids),
+        "max_model_len": 256,
+        "tokens": ids,
+        "token_strs": [tok.token_text(t) for t in ids],
+    }
+    conversation = {
+        "messages": [{"role": "user", "content": "What is the weather like in Paris?"}],
+        "tools": [{"type": "function", "function": WEATHER}],
+    }
+    _, counted, _, _ = post(server + "/tokenize", conversation)
+    _, reply, _, _ = post(server + "/v1/chat/completions", {**conversation, "max_tokens": 1})
+    assert counted["count"] == reply["usage"]["prompt_tokens"] and counted["token_strs"] is None
+    _, opened, _, _ = post(server + "/tokenize", {**conversation, "add_generation_prompt": False})
+    assert counted["tokens"][: opened["count"]] == opened["tokens"]
+    assert opened["count"] < counted["count"]
+    code, out, _, _ = post(server + "/detokenize", {"tokens": counted["tokens"]})
+    assert code == 200 and out["prompt"] == tok.decode(counted["tokens"])
+    assert "get_weather" in out["prompt"]
+    for path, body, status, param in (
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "hi", **conversation}, 400, "prompt"),
+        ("/tokenize", {"prompt": "hi", "tools": conversation["tools"]}, 400, "tools"),
+        ("/tokenize", {"messages": []}, 400, "messages"),
+        ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "hi"}, 400, "tokens"),
+    ):
+        code, out, _, _ = post(server + path, body)
+        assert (code, out["error"]["param"]) == (status, param), (path, body)
+
+
 def test_several_choices_whole_and_streamed(
     open_router, local_engine, model_fp32, checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
