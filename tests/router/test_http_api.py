@@ -888,7 +888,9 @@ def test_operations_endpoints(server: str) -> None:
         assert name in text, name
     code, doc = get(server + "/openapi.json")
     assert code == 200
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/ready"} <= set(doc["paths"])
+    paths = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/ready", "/tokenize"}
+    assert paths <= set(doc["paths"])
+    assert "tools" in doc["components"]["schemas"]["TokenizeRequest"]["properties"]
     schema = doc["components"]["schemas"]["CompletionRequest"]
     assert {"prompt", "max_tokens", "speculative"} <= set(schema["properties"])
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
