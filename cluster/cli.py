@@ -285,7 +285,10 @@ def _local_outputs(
 ) -> Iterator[RequestOutput]:
     engine.add_request("cli", prompt_ids, params, RequestSpec())
     while engine.has_unfinished_requests():
-        yield from engine.step()
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"generation failed: {out.error}")
+            yield out
 
 
 def _structured(args: argparse.Namespace) -> StructuredOutput | None:

@@ -94,6 +94,88 @@ def test_abort_frees_blocks_and_reports(model: TransformerLM) -> None:
     assert eng.allocator.num_free_blocks == eng.config.kv_blocks
 
 
+class _Exploding:
+    """A grammar state that raises where `where` says: a stand-in for a bug in one request's
+    own work (its masks in verification, or reading the tokens it commits)."""
+
+    stopped = False
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def mask(self, logits: torch.Tensor, draft_ids: Sequence[int] = ()) -> torch.Tensor:
+        if self.where == "mask":
+            raise RuntimeError("boom in mask")
+        return logits
+
+    def advance(self, tokens: Sequence[int]) -> int:
+        if self.where == "advance":
+            raise RuntimeError("boom in advance")
+        return len(tokens)
+
+
+@pytest.mark.parametrize("where", ["mask", "advance"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_whose_own_work_fails_ends_alone(
+    model: TransformerLM, where: str, temperature: float
+) -> None:
+    """The failing request finishes with "error" and its message, its blocks come back, and
+    the requests batched with it commit what they would have without it (greedy, or seeded)."""
+    ps = prompts(3, seed=2)
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=1, ignore_eos=True)
+    expected = engine(model).generate([ps[0], ps[2]], params)
+    eng = engine(model)
+    # A zero logit bias changes nothing but sends the request's rows through `adjust`.
+    poisoned = dataclasses.replace(params, logit_bias=((5, 0.0),))
+    for i, (prompt, p) in enumerate(zip(ps, [params, poisoned, params], strict=True)):
+        eng.add_request(f"r{i}", prompt, p)
+    tokens: dict[str, list[int]] = {"r0": [], "r1": [], "r2": []}
+    for out in eng.step():  # the prompts and their first tokens
+        tokens[out.request_id] += out.new_token_ids
+    eng._seqs["r1"].grammar = _Exploding(where)  # type: ignore[assignment]
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["r1"].finish_reason == "error"
+    assert finals["r1"].error == f"RuntimeError: boom in {where}"
+    assert [tokens["r0"], tokens["r2"]] == [e.token_ids for e in expected]
+    assert eng.allocator.num_free_blocks == eng.config.kv_blocks
+    eng.add_request("again", ps[1], poisoned)
+    eng._seqs["again"].grammar = _Exploding(where)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match=f"failed: RuntimeError: boom in {where}"):
+        eng.generate([ps[0]], params)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FailingParams(SamplingParams):
+    """Sampling parameters whose logit adjustment raises."""
+
+    def adjust(self, logits: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("boom in adjust")
+
+
+def test_the_engine_loop_hands_a_failed_request_its_error_and_serves_the_rest(
+    model: TransformerLM,
+) -> None:
+    from workers.engine.engine_loop import EngineLoop
+
+    ps = prompts(2, seed=3)
+    (expected,) = engine(model).generate([ps[0]], GREEDY)
+    loop = EngineLoop(engine(model))
+    try:
+        good = loop.submit("good", ps[0], GREEDY)
+        bad = loop.submit("bad", ps[1], _FailingParams(max_tokens=12, logit_bias=((5, 0.0),)))
+        with pytest.raises(RuntimeError, match="boom in adjust"):
+            list(bad)
+        assert [t for out in good for t in out.new_token_ids] == expected.token_ids
+        assert loop.ready()
+    finally:
+        loop.close()
+
+
 def test_bad_requests_are_rejected(model: TransformerLM) -> None:
     eng = engine(model)
     with pytest.raises(ValueError, match="empty"):

@@ -170,8 +170,8 @@ class EngineLoop:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put(out)
+            if stream is not None:  # a request that failed alone gets its error
+                stream.put(out if out.error is None else RuntimeError(out.error))
             if out.finished:
                 self._streams.pop(out.request_id, None)
 

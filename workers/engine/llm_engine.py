@@ -8,6 +8,7 @@ tokens appended, rejected KV slots rolled back, drafters told, stop conditions c
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -26,11 +27,13 @@ from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
 from workers.engine.structured import Grammars
-from workers.engine.verification import sample_one, sampling_rows, verify
+from workers.engine.verification import Failed, sample_one, sampling_rows, verify
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
 from workers.kv_cache.block_allocator import block_hashes
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -41,7 +44,7 @@ class RequestOutput:
     new_token_ids: list[int]
     text: str  # new final text ("" without a tokenizer)
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     num_prompt_tokens: int
     num_output_tokens: int
     spec: SpecStats
@@ -50,6 +53,9 @@ class RequestOutput:
     # With the first token, when the request asked (`params.prompt_logprobs`): one per prompt
     # token after the first
     prompt_logprobs: list[TokenLogprob] | None = None
+    # With finish reason "error": what failed in this request's own work (its grammar, say),
+    # which ended it alone while the batch went on
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -208,12 +214,15 @@ class LLMEngine:
             )
         self.speculator.add(seq)
         if prefilled is not None:
-            logits = self._load_prefilled(seq, prefilled)
-            if logits is not None:  # the whole prompt came: its first token needs no forward
-                token = sample_one(seq, logits)
-                self._append(seq, [token], _logprobs(seq, logits.view(1, -1), [token]))
-                if seq.finished:
-                    return
+            try:
+                logits = self._load_prefilled(seq, prefilled)
+                if logits is not None:  # the whole prompt came: its first token needs no forward
+                    token = sample_one(seq, logits)
+                    self._append(seq, [token], _logprobs(seq, logits.view(1, -1), [token]))
+            except Exception as exc:  # this request's own failure: it ends alone
+                self._fail(seq, exc)
+            if seq.finished:
+                return
         self.scheduler.add(seq)
 
     def _load_prefilled(self, seq: Sequence, prefilled: Prefilled) -> torch.Tensor | None:
@@ -256,16 +265,23 @@ class LLMEngine:
             self.runner.copy_blocks(batch.block_copies)
             layers = self.speculator.hidden_layers(s.seq for s in batch.seqs)
             output = self.runner.forward([s.forward() for s in batch.seqs], hidden_layers=layers)
-            results = verify(batch.seqs, output)
-            for index, (scheduled, tokens) in enumerate(zip(batch.seqs, results, strict=True)):
-                if layers:
-                    self._send_hidden(scheduled, tokens, output, index, layers)
-                if scheduled.seq.scores_prompt:
-                    self._score_prompt(scheduled, output.logits_of(index))
-                # Committed token j was drawn from the j-th sampling row of the sequence.
-                k = len(scheduled.draft.token_ids)
-                rows = sampling_rows(output, index, k)
-                self._commit(scheduled, tokens, _logprobs(scheduled.seq, rows, tokens))
+            verified = verify(batch.seqs, output)
+            results: list[list[int] | None] = []
+            for index, (scheduled, tokens) in enumerate(zip(batch.seqs, verified, strict=True)):
+                results.append(None if isinstance(tokens, Failed) else tokens)
+                try:
+                    if isinstance(tokens, Failed):
+                        raise tokens.error
+                    if layers:
+                        self._send_hidden(scheduled, tokens, output, index, layers)
+                    if scheduled.seq.scores_prompt:
+                        self._score_prompt(scheduled, output.logits_of(index))
+                    # Committed token j was drawn from the j-th sampling row of the sequence.
+                    k = len(scheduled.draft.token_ids)
+                    rows = sampling_rows(output, index, k)
+                    self._commit(scheduled, tokens, _logprobs(scheduled.seq, rows, tokens))
+                except Exception as exc:  # this request's own failure: it ends alone
+                    self._fail(scheduled.seq, exc)
             if self.step_listeners:
                 self._report(batch.seqs, results, start_ns, drafted - start, drafted)
         return self.take_outputs()
@@ -307,6 +323,8 @@ class LLMEngine:
             self.add_request(rid, prompt, p, spec)
         while any(results[rid].finish_reason is None for rid in ids):
             for out in self.step():
+                if out.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 result = results[out.request_id]
                 result.token_ids += out.new_token_ids
                 result.text += out.text
@@ -419,10 +437,23 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.speculator.remove(seq)
         detok = self._detokenizers.pop(seq.request_id, None)
-        self._record_output(seq, [], detok.flush() if detok and reason != "abort" else "")
+        ended = reason not in ("abort", "error")  # the text held back is the answer's end
+        self._record_output(seq, [], detok.flush() if detok and ended else "")
         out = self._outputs[seq.request_id]
         out.finished, out.finish_reason = True, reason
         del self._seqs[seq.request_id]
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        """End a request whose own work raised (a bug in one request's grammar, say) with
+        finish reason "error", freeing its blocks; the other requests in the batch go on."""
+        log.error("request %s failed", seq.request_id, exc_info=exc)
+        if seq.request_id in self._seqs:
+            self._finish(seq, "error")
+        else:  # it had finished before the failure: the error replaces its end
+            self._record_output(seq, [], "")
+        out = self._outputs[seq.request_id]
+        out.finished, out.finish_reason = True, "error"
+        out.error = f"{type(exc).__name__}: {exc}"
 
     def take_outputs(self) -> list[RequestOutput]:
         """What requests produced since the last call: a step's outputs, or, between steps, a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +14,17 @@ from workers.engine.scheduler import ScheduledSeq
 from workers.engine.sequence import Sequence as Sequence_
 
 
-def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int] | None]:
-    """Committed tokens of each scheduled sequence (None for a prefill chunk that samples none).
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A sequence whose own part of verification raised (its grammar, say): it commits
+    nothing and ends alone, while the others in the batch commit as usual."""
+
+    error: Exception
+
+
+def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int] | Failed | None]:
+    """Committed tokens of each scheduled sequence (None for a prefill chunk that samples none,
+    `Failed` for one whose penalties or grammar raised).
 
     A sequence without a draft simply samples one token (k = 0: the bonus token); one with a
     draft gets its accepted prefix plus a recovered or bonus token. Greedy rows are decided by
@@ -24,7 +34,7 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     it. A sequence's sampling rows are its last k + 1 (a prompt chunk scored for its
     log-probabilities has every position's row before them).
     """
-    committed: list[list[int] | None] = [None] * len(batch)
+    committed: list[list[int] | Failed | None] = [None] * len(batch)
     rows = []  # sampled rows: they need the target's probabilities
     # Greedy rows need only the argmax: one call and one copy to the host for the whole batch
     # (per row, a GPU step paid a launch and a sync for each sequence).
@@ -35,7 +45,11 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
             continue
         k = len(s.draft.token_ids)
         if s.seq.params.greedy and s.seq.params.adjusts_logits:
-            rows_logits = _adjusted(s.seq, s.draft.token_ids, sampling_rows(output, i, k))
+            try:
+                rows_logits = _adjusted(s.seq, s.draft.token_ids, sampling_rows(output, i, k))
+            except Exception as exc:  # this sequence's own failure: the batch goes on
+                committed[i] = Failed(exc)
+                continue
             committed[i] = greedy_accept(s.draft.token_ids, rows_logits.argmax(dim=-1).tolist())
         elif s.seq.params.greedy:  # the argmax decides: no transform, no probabilities
             if argmax is None:
@@ -62,7 +76,10 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     for n, (i, k) in enumerate(zip(rows, ks, strict=True)):
         seq = batch[i].seq
         if seq.params.adjusts_logits:
-            logits[n, : k + 1] = _adjusted(seq, batch[i].draft.token_ids, logits[n, : k + 1])
+            try:
+                logits[n, : k + 1] = _adjusted(seq, batch[i].draft.token_ids, logits[n, : k + 1])
+            except Exception as exc:  # sampled below like the rest, and then dropped
+                committed[i] = Failed(exc)
     params = [batch[i].seq.params for i in rows]
 
     def per_row(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -87,7 +104,8 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
         [batch[i].seq.generator for i in rows],
     )
     for i, row in zip(rows, sampled.tolist(), strict=True):
-        committed[i] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+        if not isinstance(committed[i], Failed):
+            committed[i] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
     return committed
 
 
