@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router import errors
-from router.tools import CLOSE, ToolCalling, call_grammar, render_prompt
+from router.tools import CLOSE, OPEN, ToolCalling, call_grammar, render_prompt
 from workers.engine.config import RequestSpec
 from workers.engine.logprobs import MAX_LOGPROBS
 from workers.engine.sampling_params import SamplingParams
@@ -113,6 +113,9 @@ class _SamplingFields(_Strict):
     stream: bool = Field(False, description="server-sent events")
     stream_options: StreamOptions | None = Field(None, description="with stream: usage chunk")
     ignore_eos: bool = Field(False, description="keep generating past EOS (vLLM's extension)")
+    skip_special_tokens: bool = Field(
+        True, description="vLLM's extension: false shows special tokens in the text (not EOS)"
+    )
     speculative: SpeculativeOptions | None = Field(
         None, description="Outrider's extension: per-request speculation"
     )
@@ -340,6 +343,7 @@ def sampling_params(
             logit_bias=logit_bias,
             min_tokens=body.min_tokens or 0,
             prompt_logprobs=body.prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
         )
     except ValueError as exc:
         raise errors.bad_request(str(exc)) from exc
@@ -541,7 +545,14 @@ class RequestBuilder:
         params = request.params
         if not body.parallel_tool_calls and forced is None:  # one call: stop where it closes
             params = replace(params, stop=(*params.stop, CLOSE))
+        if any(self.tokenizer.is_special(t) for t in self._tag_tokens()):  # the parser reads them
+            params = replace(params, skip_special_tokens=False)
         return replace(request, params=params, tools=calling)
+
+    def _tag_tokens(self) -> list[int]:
+        """The tool-call tags' own tokens, where the tokenizer has them."""
+        ids = (self.tokenizer.added_token_id(tag) for tag in (OPEN, CLOSE))
+        return [t for t in ids if t is not None]
 
     def tokenize(self, body: TokenizeRequest) -> list[int]:
         """The token ids `/tokenize` answers with."""

@@ -512,6 +512,25 @@ def test_tool_calls_the_model_chooses(server: str, model_fp32, checkpoint) -> No
     assert reply.choices[0].finish_reason == ("stop" if len(answer) < 12 else "length")
 
 
+def test_special_tokens_shown_on_request(server: str) -> None:
+    """vLLM's skip_special_tokens: false shows special tokens in the text (here one a grammar
+    forces), but never the EOS that ends it."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    forced = {**body, "structured_outputs": {"grammar": 'start: <[1]> " yes"'}}
+    texts = [
+        post(server + "/v1/completions", {**forced, "skip_special_tokens": shown})[1]
+        for shown in (False, True)
+    ]
+    assert [t["choices"][0]["text"] for t in texts] == ["<|im_start|> yes", " yes"]
+    url = server + "/v1/chat/completions"
+    chat = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 40}
+    chat["temperature"] = 0
+    plain = post(url, chat)[1]["choices"][0]
+    shown = post(url, {**chat, "skip_special_tokens": False})[1]["choices"][0]
+    assert plain["finish_reason"] == shown["finish_reason"] == "stop"
+    assert shown["message"]["content"] == plain["message"]["content"]
+
+
 def test_tokenize_and_detokenize(server: str, checkpoint) -> None:  # type: ignore[no-untyped-def]
     """vLLM's /tokenize counts a prompt as completions see it, and a conversation (with the
     tools it shows) as chat completions do; /detokenize gives the text back."""

@@ -228,6 +228,24 @@ def test_tags_that_are_tokens_of_their_own() -> None:
     assert names_and_arguments(read_answer(CALLING, text)[1]) == [("get_weather", {"city": "Oslo"})]
 
 
+def test_tags_that_are_special_tokens_stay_in_the_text() -> None:
+    """Where the tags are special tokens (decoding leaves them out by default), a request with
+    tools shows special tokens in its text, so that its calls are read."""
+    tokenizer = load_tokenizer()
+    tags = [AddedToken(t, special=True, normalized=False) for t in ("<tool_call>", CLOSE)]
+    tokenizer.backend.add_tokens(tags)
+    ids = tokenizer.encode(block_text("get_weather", {"city": "Oslo"}), add_special_tokens=False)
+    assert tokenizer.is_special(ids[0]) and not tokenizer.is_special(ids[1])
+    assert read_answer(CALLING, tokenizer.decode(ids))[1] == []  # the tags left out
+    builder = RequestBuilder(tokenizer, "smol", 4096)
+    request = builder.chat(validate(ChatCompletionRequest, {"messages": ASK, "tools": TOOLS}))
+    assert not request.params.skip_special_tokens
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert names_and_arguments(read_answer(CALLING, text)[1]) == [("get_weather", {"city": "Oslo"})]
+    plain = builder.chat(validate(ChatCompletionRequest, {"messages": ASK}))
+    assert plain.params.skip_special_tokens
+
+
 def test_parameter_schemas_with_definitions(tokenizer: Tokenizer) -> None:
     grammars = Grammars(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
     city = {"type": "string", "enum": ["Paris", "Rome"]}

@@ -20,10 +20,17 @@ _CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.min_tokens = min_tokens
+        self.skip_special_tokens = skip_special_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._token_ids: list[int] = []
         self._prefix_offset = 0  # decoding context starts here
@@ -68,4 +75,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self._token_ids[start:end]) if end > start else ""
+        if end <= start:
+            return ""
+        ids = self._token_ids[start:end]
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

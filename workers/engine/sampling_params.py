@@ -43,6 +43,9 @@ class SamplingParams:
     # A grammar the answer follows (workers/engine/structured.py); the engine holds each
     # sequence's place in it and hands that to `adjust`, which applies its masks last
     structured: StructuredOutput | None = None
+    # Special tokens (those the tokenizer marks so) left out of the text, as vLLM's
+    # `skip_special_tokens`; EOS and stop tokens are left out either way
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -144,6 +144,11 @@ class Tokenizer:
                 return int(token_id)
         return None
 
+    def is_special(self, token_id: int) -> bool:
+        """Whether decoding leaves the token out by default (`skip_special_tokens`)."""
+        token = self.backend.get_added_tokens_decoder().get(token_id)
+        return token is not None and bool(token.special)
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, which may be part of a UTF-8 character (its text
         alone then decodes to U+FFFD)."""
