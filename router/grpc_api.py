@@ -131,6 +131,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                             prompt_tokens=len(generate.prompt_ids),
                             completion_tokens=step.num_output_tokens,
                             speculative=_spec_stats(step.spec),
+                            cached_prompt_tokens=step.num_cached_tokens,
                         )
                     )
                 yield response

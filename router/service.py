@@ -402,9 +402,13 @@ def usage(requests: Sequence[GenerateRequest], last_steps: Sequence[Step]) -> di
     spec = SpecStats()
     for step in last_steps:
         spec.merge(step.spec)
+    # Each prompt's own cache hits: its first choice's (the others start from its blocks).
+    n = requests[0].n
+    cached = sum(step.num_cached_tokens for step in last_steps[::n])
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
         "speculative": spec.as_dict(),
     }

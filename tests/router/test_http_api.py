@@ -512,6 +512,20 @@ def test_tool_calls_the_model_chooses(server: str, model_fp32, checkpoint) -> No
     assert reply.choices[0].finish_reason == ("stop" if len(answer) < 12 else "length")
 
 
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(server: str) -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: none the first time a prompt is
+    seen, its whole blocks (all but the last token's) the next."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    prompt = "A prompt no other test sends, long enough to fill two cache blocks of sixteen."
+    first, again = (
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        for _ in range(2)
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    n = first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16 > 0
+
+
 def test_special_tokens_shown_on_request(server: str) -> None:
     """vLLM's skip_special_tokens: false shows special tokens in the text (here one a grammar
     forces), but never the EOS that ends it."""

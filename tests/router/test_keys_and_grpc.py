@@ -119,6 +119,9 @@ def test_grpc_streams_the_same_tokens_as_http(replicas) -> None:  # type: ignore
             OPEN,
         )[1]
         assert chat_text == http_chat["choices"][0]["message"]["content"]
+        # The conversation's prompt is in the prefix cache now.
+        *_, last = stub.Generate(chat, metadata=[("authorization", f"Bearer {OPEN}")])
+        assert 0 < last.usage.cached_prompt_tokens < last.usage.prompt_tokens
         with_logprobs = generate_pb2.GenerateRequest(
             prompt=PROMPT, max_tokens=5, temperature=0.0, logprobs=2
         )

@@ -74,8 +74,9 @@ def test_prefix_cache_is_hit_and_changes_nothing(model: TransformerLM) -> None:
     cached = eng.allocator.num_cached_blocks
     assert cached >= 6
     eng.add_request("again", prompt, GREEDY)
-    eng.step()
+    (out,) = eng.step()
     assert eng.scheduler.running[0].num_computed_tokens == len(prompt)  # 48 cached + 2 computed
+    assert out.num_cached_tokens == 48 and first.finish_reason == "length"
     while eng.has_unfinished_requests():
         eng.step()
     assert eng.generate([prompt], GREEDY)[0].token_ids == first.token_ids

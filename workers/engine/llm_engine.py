@@ -56,6 +56,7 @@ class RequestOutput:
     # With finish reason "error": what failed in this request's own work (its grammar, say),
     # which ended it alone while the batch went on
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
 
 
 @dataclass(slots=True)
@@ -433,6 +434,7 @@ class LLMEngine:
         if first and seq.params.prompt_logprobs is not None:
             out.prompt_logprobs = list(seq.prompt_logprobs)
         out.num_output_tokens = len(seq.output_token_ids)
+        out.num_cached_tokens = seq.num_cached_tokens
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

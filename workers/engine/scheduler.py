@@ -110,6 +110,8 @@ class Scheduler:
             if cache and seq.num_computed_tokens == 0:
                 # Leave at least the last token to compute: its logits are needed.
                 seq.num_computed_tokens = seq.block_table.use_cached_prefix(seq.token_ids[:-1])
+                if not seq.output_token_ids:  # its first admission (not after preemption)
+                    seq.num_cached_tokens = seq.num_computed_tokens
             num_new = min(seq.num_uncomputed_tokens, budget)
             start = seq.num_computed_tokens
             try:

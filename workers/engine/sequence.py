@@ -90,6 +90,7 @@ class Sequence:
     arrival: int
     token_ids: list[int] = field(default_factory=list)  # prompt + committed output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held when it was admitted
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     draft: Draft = EMPTY_DRAFT  # proposed for the coming step
