@@ -80,6 +80,7 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
                 logits[n, : k + 1] = _adjusted(seq, batch[i].draft.token_ids, logits[n, : k + 1])
             except Exception as exc:  # sampled below like the rest, and then dropped
                 committed[i] = Failed(exc)
+                logits[n] = 0.0  # whatever it left half-done, a harmless distribution
     params = [batch[i].seq.params for i in rows]
 
     def per_row(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
