@@ -106,6 +106,7 @@ class _Exploding:
 
     def mask(self, logits: torch.Tensor, draft_ids: Sequence[int] = ()) -> torch.Tensor:
         if self.where == "mask":
+            logits.fill_(float("nan"))  # half-done work left behind
             raise RuntimeError("boom in mask")
         return logits
 
