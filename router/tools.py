@@ -268,7 +268,10 @@ class ToolCallParser:
             value = json.loads(body)
         except json.JSONDecodeError:
             return None
-        if not isinstance(value, dict) or value.get("name") not in self._names:
+        if not isinstance(value, dict):
+            return None
+        name = value.get("name")
+        if not isinstance(name, str) or name not in self._names:
             return None
         arguments = value.get("arguments", value.get("parameters", {}))
         if isinstance(arguments, str):  # some models write the arguments' JSON as a string
@@ -282,7 +285,7 @@ class ToolCallParser:
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             "function": {
-                "name": value["name"],
+                "name": name,
                 "arguments": json.dumps(arguments, ensure_ascii=False),
             },
         }

@@ -113,6 +113,7 @@ def test_a_stream_holds_back_only_what_may_start_a_block() -> None:
         ('{"name": "get_weather", "arguments": [1]}', False),
         ('{"name": "get_weather", "arguments": "not json"}', False),
         ('["get_weather"]', False),
+        ('{"name": ["get_weather"], "arguments": {}}', False),
     ],
 )
 def test_what_a_block_must_hold_to_be_a_call(body: str, is_call: bool) -> None:
