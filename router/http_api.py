@@ -425,8 +425,8 @@ async def _events(
                 if wanted:
                     logprobs = formatter.chat(step.logprobs)
                 delta: dict[str, Any] = {}
-                parser, calling = parsers[index], per_choice[index].tools
-                if parser is None or calling is None:
+                parser = parsers[index]
+                if parser is None:
                     delta = {"content": step.text} if step.text else {}
                 else:  # tool calls: the content outside blocks, and each call whole
                     text, calls = _parsed(parser, step)
@@ -438,7 +438,7 @@ async def _events(
                         delta["tool_calls"] = [
                             {"index": first + k, **call} for k, call in enumerate(calls)
                         ]
-                    finish = finish_reason(calling, finish, parser.num_calls)
+                    finish = finish_reason(parser.calling, finish, parser.num_calls)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs}
             else:
                 if wanted:

@@ -199,6 +199,7 @@ class ToolCallParser:
     The concatenated content of an answer without a call is its text, unchanged."""
 
     def __init__(self, calling: ToolCalling) -> None:
+        self.calling = calling
         self._names = set(calling.names)
         self._buffer = ""
         self._inside = False  # the buffer starts with an open block

@@ -269,10 +269,12 @@ class LLMEngine:
             verified = verify(batch.seqs, output)
             results: list[list[int] | None] = []
             for index, (scheduled, tokens) in enumerate(zip(batch.seqs, verified, strict=True)):
-                results.append(None if isinstance(tokens, Failed) else tokens)
+                if isinstance(tokens, Failed):  # its own verification raised: it ends alone
+                    results.append(None)
+                    self._fail(scheduled.seq, tokens.error)
+                    continue
+                results.append(tokens)
                 try:
-                    if isinstance(tokens, Failed):
-                        raise tokens.error
                     if layers:
                         self._send_hidden(scheduled, tokens, output, index, layers)
                     if scheduled.seq.scores_prompt:

@@ -128,7 +128,7 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
         self._template: Any = None
-        self._takes_tools: tuple[str, bool] | None = None  # (for this template, the answer)
+        self._takes_tools: bool | None = None  # read from the template on first use
 
     @property
     def vocab_size(self) -> int:
@@ -196,11 +196,10 @@ class Tokenizer:
         templates, the conversation's tool calls and tool results) itself."""
         if not self.chat_template:
             return False
-        if self._takes_tools is None or self._takes_tools[0] != self.chat_template:
+        if self._takes_tools is None:
             ast = _template_env().parse(self.chat_template)
-            uses = "tools" in jinja2.meta.find_undeclared_variables(ast)
-            self._takes_tools = (self.chat_template, uses)
-        return self._takes_tools[1]
+            self._takes_tools = "tools" in jinja2.meta.find_undeclared_variables(ast)
+        return self._takes_tools
 
     def _compiled(self) -> Any:
         if not self.chat_template:
