@@ -276,6 +276,7 @@ class VerifierActor:
         engine_stats = self.loop.engine.stats
         return {
             "spec": engine_stats.as_dict(),
+            "drafter_failures": dict(self.loop.engine.speculator.failures),
             "remote_drafting": None if self.drafters is None else asdict(self.drafters.stats),
             "prefill": dict(self.prefill_stats),
             "steps": asdict(self.step_times),

@@ -44,6 +44,7 @@ def test_eagle_pool_with_remote_prefill_is_exact_and_drafts(
     assert 0 < steps["verify_forward_s"] <= steps["forward_s"]
     assert steps["draft_s"] >= remote["wait_s"]  # the engine's drafting wait holds the replies'
     assert stats["prefill"]["remote"] == len(prompts) and stats["prefill"]["failures"] == 0
+    assert stats["drafter_failures"] == {}  # the remote drafters answered every call
     assert stats["prefill"]["bytes"] > 0
     info = eagle_runtime.actor_info()
     assert [d["name"] for d in info["drafters"]] == ["drafter-0", "drafter-1"]

@@ -279,6 +279,77 @@ def test_drafts_never_run_past_the_context(model: TransformerLM) -> None:
     assert result.token_ids == futures[tuple(prompt)][: len(result.token_ids)]
 
 
+class FlakyDrafter(OracleDrafter):
+    """The oracle, but its work for request `victim` goes wrong at the `when`-th commit:
+    `where` is the call that raises, or "vocab" for a draft with an id past the vocabulary."""
+
+    def __init__(self, futures: dict[tuple[int, ...], list[int]], where: str) -> None:
+        super().__init__(futures)
+        self.where, self.victim, self.commits = where, "r1", 0
+        self.removed: list[str] = []
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if self.where == "add" and request_id == self.victim:
+            raise RuntimeError("boom in add")
+        super().add(request_id, prompt_token_ids, params)
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        if request_id == self.victim:
+            self.commits += 1
+            if self.where == "commit" and self.commits == 3:
+                raise RuntimeError("boom in commit")
+        super().commit(request_id, token_ids)
+
+    def remove(self, request_id: str) -> None:
+        self.removed.append(request_id)
+        super().remove(request_id)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        wrong = self.commits >= 3 and any(r.request_id == self.victim for r in requests)
+        if self.where == "propose" and wrong:
+            raise RuntimeError("boom in propose")
+        drafts = super().propose(requests)
+        if self.where == "vocab" and wrong:
+            drafts[self.victim] = Draft([10**6] * len(drafts[self.victim].token_ids))
+        return drafts
+
+
+@pytest.mark.parametrize("where", ["add", "commit", "propose", "vocab"])
+def test_a_failing_drafter_only_stops_speculation(model: TransformerLM, where: str) -> None:
+    """Drafts are proposals: a drafter that raises, or drafts a token the model does not have,
+    fails no request. The sequences of the failed call decode on without drafts (their drafter
+    forgets them); the others keep speculating; every output is plain decoding's."""
+    ps = prompts(3, seed=11)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = reference(model, ps, params)
+    futures = {tuple(p): e + [0] * 20 for p, e in zip(ps, expected, strict=True)}
+    spec = SpecConfig(method="ngram", num_speculative_tokens=2, adaptive=False)
+    drafter = FlakyDrafter(futures, where)
+    eng = LLMEngine(model, EngineConfig(max_model_len=512, spec=spec), drafters={"ngram": drafter})
+    ids = [f"r{i}" for i in range(len(ps))]
+    for rid, prompt in zip(ids, ps, strict=True):
+        eng.add_request(rid, prompt, params)
+    seqs = [eng._seqs[rid] for rid in ids]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.error is None and out.finish_reason in (None, "length")
+            tokens[out.request_id] += out.new_token_ids
+    assert [tokens[rid] for rid in ids] == expected
+    assert eng.speculator.failures == {"ngram": 1}
+    # The victim stopped drafting at the failure; it had drafted before unless it failed at once.
+    victim = seqs[1]
+    assert victim.spec_method == "none" and "r1" in drafter.removed
+    steps_without_drafts = len(expected[1]) - 1  # the prefill committed the first token
+    if where == "add":
+        assert victim.stats.drafted == 0 and victim.stats.verify_steps == steps_without_drafts
+    else:
+        assert victim.stats.accepted > 0 and victim.stats.verify_steps < steps_without_drafts
+    if where != "propose":  # a failed propose was for the whole batch; else only the victim's
+        assert [seqs[0].spec_method, seqs[2].spec_method] == ["ngram", "ngram"]
+        assert all(seq.stats.mean_acceptance_length > 1.5 for seq in (seqs[0], seqs[2]))
+
+
 def test_calibrated_verify_costs_have_the_right_shape(model: TransformerLM) -> None:
     from workers.engine.calibration import verify_costs
 

@@ -138,6 +138,7 @@ class LLMEngine:
             max_len,
             self._verify_costs(model, bool(drafters)),
             draft_costs,
+            model.config.vocab_size,
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)

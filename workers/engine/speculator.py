@@ -26,15 +26,23 @@ request drafts its full k at its first step, so that a method the prior of 1/2 r
 draft model costing 0.4 target forwards a token, say) is measured once instead of never. A
 seeded sampled request judges by its own drafts under the plain prior and explores only on its
 own schedule, so its draws do not depend on what the engine served before it.
+
+Drafts are only proposals: verification keeps the output exact whatever they hold. So a drafter
+that raises (a bug, a consistency check) or proposes a token outside the vocabulary never fails
+a request: the sequences it was serving in that call go on without speculation (their drafter
+forgets them), the failure is logged and counted in `failures`, and everyone else is untouched.
+A remote drafter (cluster/remote_drafting.py) already answers a failure with no drafts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Iterable
 
 import torch
 
-from workers.drafting.base import EMPTY_DRAFT, Drafter, DraftRequest
+from workers.drafting.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest
 from workers.engine.config import RequestSpec, SpecConfig
 from workers.engine.sequence import Sequence, SpecStats
 
@@ -51,6 +59,8 @@ DEFAULT_EXPLORE_EVERY_STEPS = 16
 # rate is shrunk towards the one before it by as much.
 PRIOR_WEIGHT = 2.0
 
+log = logging.getLogger(__name__)
+
 
 class Speculator:
     def __init__(
@@ -60,15 +70,19 @@ class Speculator:
         max_model_len: int,
         verify_costs: tuple[float, ...] = (1.0,),
         draft_costs: dict[str, float] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.config = config
         self.drafters = drafters
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size  # drafted ids must lie below it (None: not checked)
         self.verify_costs = verify_costs
         # A drafted token's cost in one-token target forwards, per method (0 when not listed).
         self.draft_costs = dict(draft_costs or {})
         # Per method, over finished requests that drafted: (accepted, rejected) drafts.
         self.pooled: dict[str, tuple[int, int]] = {}
+        # Per method: calls into its drafter that raised or proposed an invalid draft.
+        self.failures: dict[str, int] = {}
 
     def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
         """(method, k_max) for a request: its own settings over the server defaults."""
@@ -180,7 +194,10 @@ class Speculator:
 
     def add(self, seq: Sequence) -> None:
         if seq.spec_method != "none":
-            self.drafters[seq.spec_method].add(seq.request_id, seq.prompt_token_ids, seq.params)
+            try:
+                self.drafters[seq.spec_method].add(seq.request_id, seq.prompt_token_ids, seq.params)
+            except Exception as exc:
+                self._drop(seq.spec_method, [seq], "add", exc)
 
     def hidden_layers(self, seqs: Iterable[Sequence]) -> tuple[int, ...]:
         """Target layers whose hidden states the drafters of these sequences read."""
@@ -201,19 +218,30 @@ class Speculator:
         if not drafter.hidden_layers:
             return 0
         rows = torch.cat([hidden[layer] for layer in drafter.hidden_layers], dim=-1)
-        drafter.observe_hidden(seq.request_id, first_position, rows)
+        try:
+            drafter.observe_hidden(seq.request_id, first_position, rows)
+        except Exception as exc:
+            self._drop(seq.spec_method, [seq], "observe_hidden", exc)
+            return 0
         return rows.numel() * rows.element_size()
 
     def commit(self, seq: Sequence, token_ids: list[int]) -> None:
         if seq.spec_method != "none":
-            self.drafters[seq.spec_method].commit(seq.request_id, token_ids)
+            try:
+                self.drafters[seq.spec_method].commit(seq.request_id, token_ids)
+            except Exception as exc:
+                self._drop(seq.spec_method, [seq], "commit", exc)
 
     def remove(self, seq: Sequence) -> None:
         """A finished (or aborted) sequence: its drafter forgets it, and its drafts join its
         method's pooled acceptance."""
         if seq.spec_method == "none":
             return
-        self.drafters[seq.spec_method].remove(seq.request_id)
+        try:
+            self.drafters[seq.spec_method].remove(seq.request_id)
+        except Exception as exc:
+            self._drop(seq.spec_method, [seq], "remove", exc)
+            return
         stats = seq.stats
         if stats.drafted:
             accepted, rejected = self.pooled.get(seq.spec_method, (0, 0))
@@ -240,9 +268,45 @@ class Speculator:
             if k > 0:
                 pairs.append((seq, DraftRequest(seq.request_id, len(seq.token_ids), k)))
         for method, pairs in by_method.items():
-            drafts = self.drafters[method].propose([req for _, req in pairs])
+            try:
+                drafts = self.drafters[method].propose([req for _, req in pairs])
+            except Exception as exc:
+                self._drop(method, [seq for seq, _ in pairs], "propose", exc)
+                continue
             for seq, req in pairs:
-                seq.draft = drafts.get(seq.request_id, EMPTY_DRAFT).truncated(req.k)
+                draft = drafts.get(seq.request_id, EMPTY_DRAFT).truncated(req.k)
+                if self._valid(draft):
+                    seq.draft = draft
+                else:
+                    error = ValueError(f"a draft outside the vocabulary: {draft.token_ids}")
+                    self._drop(method, [seq], "propose", error)
+
+    def _valid(self, draft: Draft) -> bool:
+        """Whether the forward can take the draft: ids in the vocabulary, q as wide as it."""
+        if self.vocab_size is None or not draft.token_ids:
+            return True
+        if not (min(draft.token_ids) >= 0 and max(draft.token_ids) < self.vocab_size):
+            return False
+        return draft.probs is None or draft.probs.shape[-1] == self.vocab_size
+
+    def _drop(self, method: str, seqs: list[Sequence], what: str, exc: Exception) -> None:
+        """`method`'s drafter failed in `what` for these sequences: count it, log it, and let
+        them decode without speculation from now on (their drafter forgets them, as far as it
+        still can)."""
+        self.failures[method] = self.failures.get(method, 0) + 1
+        log.error(
+            "the %s drafter failed in %s; %s go on without speculation",
+            method,
+            what,
+            ", ".join(seq.request_id for seq in seqs) or "no requests",
+            exc_info=exc,
+        )
+        for seq in seqs:
+            seq.spec_method = "none"
+            seq.draft = EMPTY_DRAFT
+            if what != "remove":
+                with contextlib.suppress(Exception):
+                    self.drafters[method].remove(seq.request_id)
 
 
 def acceptance_curve(stats: SpecStats, prior: float, length: int) -> list[float]:
