@@ -232,6 +232,16 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="none, auto (the default with tools), required, or a named function"
     )
     parallel_tool_calls: bool = Field(True, description="false: one tool call at most in an answer")
+    add_generation_prompt: bool = Field(
+        True, description="vLLM's: end the prompt with the assistant's turn opening"
+    )
+    continue_final_message: bool = Field(
+        False,
+        description="vLLM's: the answer continues the last message (add_generation_prompt false)",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: further variables for the chat template"
+    )
 
 
 class TokenizeRequest(_Strict):
@@ -246,6 +256,12 @@ class TokenizeRequest(_Strict):
     tools: list[Tool] | None = Field(None, description="with messages: tools the prompt shows")
     add_generation_prompt: bool = Field(
         True, description="with messages: end with the assistant's turn opening"
+    )
+    continue_final_message: bool = Field(
+        False, description="with messages: end where the last message's text does"
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="with messages: further variables for the chat template"
     )
     add_special_tokens: bool | None = Field(
         None, description="the tokenizer's BOS (default: with prompt yes, with messages no)"
@@ -409,6 +425,12 @@ def request_spec(options: SpeculativeOptions | None) -> RequestSpec | None:
         raise errors.bad_request(str(exc), "speculative") from exc
 
 
+# What the router hands every chat template itself (`chat_template_kwargs` may not set them).
+_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
+
+
 def _message(message: ChatMessage, index: int) -> dict[str, Any]:
     """A message as chat templates take it; 400 for one whose fields do not fit its role."""
     param = f"messages.{index}"
@@ -533,7 +555,7 @@ class RequestBuilder:
             raise errors.bad_request(
                 "a forced tool call and a structured output exclude each other", "tool_choice"
             )
-        prompt_ids = self.tokenizer.encode(self._render(messages, shown))
+        prompt_ids = self.tokenizer.encode(self._render(messages, shown, body))
         max_tokens = body.max_completion_tokens or body.max_tokens
         remaining = max(1, self.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -560,15 +582,16 @@ class RequestBuilder:
         if (body.prompt is None) == (body.messages is None):
             raise errors.bad_request("send prompt or messages (one of them)", "prompt")
         if body.messages is None:
-            if body.tools:
-                raise errors.bad_request("tools come with messages", "tools")
+            for field in ("tools", "continue_final_message", "chat_template_kwargs"):
+                if getattr(body, field):
+                    raise errors.bad_request(f"{field} comes with messages", field)
             special = body.add_special_tokens is not False
             return self.tokenizer.encode(body.prompt or "", add_special_tokens=special)
         if not body.messages:
             raise errors.bad_request("messages must not be empty", "messages")
         messages = [_message(m, i) for i, m in enumerate(body.messages)]
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
-        text = self._render(messages, tools, body.add_generation_prompt)
+        text = self._render(messages, tools, body)
         # The chat template writes the BOS it wants (as chat completions encode it).
         return self.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
@@ -583,10 +606,37 @@ class RequestBuilder:
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
-        add_generation_prompt: bool = True,
+        options: ChatCompletionRequest | TokenizeRequest,
     ) -> str:
+        """The prompt text, with the request's chat template options."""
+        if options.continue_final_message:
+            if options.add_generation_prompt:
+                raise errors.bad_request(
+                    "continue_final_message needs add_generation_prompt: false",
+                    "continue_final_message",
+                )
+            final = messages[-1]
+            if final["role"] == "tool" or "tool_calls" in final or not final["content"].strip():
+                raise errors.bad_request(
+                    "continue_final_message continues a last message with text and no tool calls",
+                    f"messages.{len(messages) - 1}",
+                )
+        kwargs = options.chat_template_kwargs or {}
+        taken = sorted(set(kwargs) & _TEMPLATE_VARIABLES)
+        if taken:
+            raise errors.bad_request(
+                f"chat_template_kwargs may not set {', '.join(taken)}: the request does",
+                "chat_template_kwargs",
+            )
         try:
-            return render_prompt(self.tokenizer, messages, tools, add_generation_prompt)
+            return render_prompt(
+                self.tokenizer,
+                messages,
+                tools,
+                options.add_generation_prompt,
+                options.continue_final_message,
+                kwargs,
+            )
         except ValueError as exc:  # no template, or one that refuses the conversation
             raise errors.bad_request(str(exc), "messages") from exc
 

@@ -65,19 +65,23 @@ def render_prompt(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The prompt for a conversation whose messages may hold tool calls (assistant
     `tool_calls`) and results (role `tool`), showing the model `tools` (OpenAI's
-    `{"type": "function", "function": {...}}` entries) when given."""
+    `{"type": "function", "function": {...}}` entries) when given. The other arguments are
+    `Tokenizer.apply_chat_template`'s."""
+    options: dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "template_kwargs": template_kwargs,
+    }
     if tokenizer.takes_tools:
         # Such templates take each call's arguments as an object (Hugging Face's convention).
         native = [_arguments_as_objects(m) for m in messages]
-        return tokenizer.apply_chat_template(
-            native, tools=tools, add_generation_prompt=add_generation_prompt
-        )
-    return tokenizer.apply_chat_template(
-        _folded(messages, tools), add_generation_prompt=add_generation_prompt
-    )
+        return tokenizer.apply_chat_template(native, tools=tools, **options)
+    return tokenizer.apply_chat_template(_folded(messages, tools), **options)
 
 
 def _arguments_as_objects(message: Mapping[str, Any]) -> dict[str, Any]:

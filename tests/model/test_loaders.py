@@ -112,6 +112,15 @@ def test_chat_template_matches_transformers(checkpoint, hf_tokenizer) -> None:  
             messages, tokenize=False, add_generation_prompt=True
         )
         assert ours == theirs
+    # An answer begun in the last message, continued (vLLM's continue_final_message).
+    started = [*conversations[1][:2], {"role": "assistant", "content": "Hello, "}]
+    ours = checkpoint.tokenizer.apply_chat_template(
+        started, add_generation_prompt=False, continue_final_message=True
+    )
+    theirs = hf_tokenizer.apply_chat_template(
+        started, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours == theirs and ours.endswith("assistant\nHello, ")
 
 
 def test_tokenizer_cache_is_used_on_the_second_start(

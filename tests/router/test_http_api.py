@@ -77,6 +77,37 @@ def test_openai_client_completions_and_chat_match_plain_decoding(
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_an_answer_begun_in_the_last_message_is_continued(
+    server: str, model_fp32, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's continue_final_message through the openai client (its extra_body): the answer is
+    what plain decoding writes after the begun message, and only that."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    tok = checkpoint.tokenizer
+    messages = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "The colour I pick is"},
+    ]
+    prompt = tok.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    expected = tok.decode(plain_greedy(model_fp32, checkpoint, tok.encode(prompt), 8))
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == len(tok.encode(prompt))
+    code, out, _, _ = post(
+        server + "/v1/chat/completions",
+        {"messages": messages, "continue_final_message": True},
+    )
+    assert (code, out["error"]["param"]) == (400, "continue_final_message")
+
+
 def test_stream_and_whole_agree_with_usage_and_statistics(server: str) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "temperature": 0}
     status, out, _, headers = post(server + "/v1/completions", body)

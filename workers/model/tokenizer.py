@@ -174,13 +174,26 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation (`[{"role": ..., "content": ...}, ...]`); `tools`
-        (OpenAI's function definitions) reach templates that take them (`takes_tools`)."""
+        (OpenAI's function definitions) reach templates that take them (`takes_tools`), and
+        `template_kwargs` are further variables for the template (`enable_thinking`, say).
+        With `continue_final_message` the text ends where the last message's content does,
+        without the end of its turn, so that generation continues it."""
+        final = ""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError("continue_final_message excludes add_generation_prompt")
+            final = str(messages[-1].get("content") or "") if messages else ""
+            if not final.strip():
+                raise ValueError("continue_final_message needs a last message with text")
         template = self._compiled()
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         context: dict[str, Any] = {
+            **(template_kwargs or {}),
             "messages": list(messages),
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.token_text(self.bos_token_id),
@@ -188,7 +201,8 @@ class Tokenizer:
         }
         if tools:
             context["tools"] = list(tools)
-        return str(template.render(**context))
+        text = str(template.render(**context))
+        return _up_to(text, final) if continue_final_message else text
 
     @property
     def takes_tools(self) -> bool:
@@ -265,6 +279,16 @@ def _token_id(backend: BackendTokenizer, token: Any) -> int | None:
         return None
     token_id = backend.token_to_id(token)
     return None if token_id is None else int(token_id)
+
+
+def _up_to(text: str, final: str) -> str:
+    """`text` cut after the last place it shows `final` (as written, or stripped as templates
+    often write a message's content)."""
+    for shown in (final, final.strip()):
+        end = text.rfind(shown)
+        if end >= 0:
+            return text[: end + len(shown)]
+    raise ValueError("the chat template does not show the last message's text: cannot continue it")
 
 
 def _template_env() -> ImmutableSandboxedEnvironment:
