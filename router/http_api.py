@@ -428,16 +428,13 @@ async def _events(
                 parser = parsers[index]
                 if parser is None:
                     delta = {"content": step.text} if step.text else {}
-                else:  # tool calls: the content outside blocks, and each call whole
+                else:  # tool calls: the content outside blocks, and the calls' deltas
                     text, calls = _parsed(parser, step)
                     if not text and not calls and not step.finished and not step.logprobs:
                         continue
                     delta = {"content": text} if text else {}
                     if calls:
-                        first = parser.num_calls - len(calls)
-                        delta["tool_calls"] = [
-                            {"index": first + k, **call} for k, call in enumerate(calls)
-                        ]
+                        delta["tool_calls"] = calls
                     finish = finish_reason(parser.calling, finish, parser.num_calls)
                 choice = {"index": index, "delta": delta, "logprobs": logprobs}
             else:
@@ -463,7 +460,7 @@ async def _events(
 
 
 def _parsed(parser: ToolCallParser, step: Step) -> tuple[str, list[dict[str, Any]]]:
-    """A step's content and the calls it closed, and at the answer's end what is left."""
+    """A step's content and tool-call deltas, and at the answer's end what is left."""
     text, calls = parser.feed(step.text)
     if step.finished:
         rest, more = parser.finish()

@@ -665,7 +665,7 @@ class RequestBuilder:
             grammar = call_grammar(functions, named, body.parallel_tool_calls, self.tokenizer)
         except ValueError as exc:
             raise errors.bad_request(f"a tool's parameters: {exc}", "tools") from exc
-        return shown, ToolCalling(tuple(names), named=named is not None), grammar
+        return shown, ToolCalling(tuple(names), named=named is not None, forced=True), grammar
 
     def _build(
         self,

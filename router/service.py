@@ -322,7 +322,8 @@ class RouterService:
             settings["chat"],
         )
         if tools := settings.get("tools"):  # the answer's tool calls are read as they were
-            resumed = replace(resumed, tools=ToolCalling(tuple(tools["names"]), tools["named"]))
+            calling = ToolCalling(tuple(tools["names"]), tools["named"], tools.get("forced", False))
+            resumed = replace(resumed, tools=calling)
         return resumed, committed
 
     def _finished(

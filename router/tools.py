@@ -23,12 +23,15 @@ shows the format (and, reliably, when the conversation has calls in it already).
 - Parser: a block holding a JSON object that names a known function becomes a tool call; the
   text outside blocks is the message's content. A block that does not parse (`auto`, where
   nothing holds the model to the format) stays content, as in vLLM. Streaming holds back text
-  that may begin a block and sends each call whole when its block closes.
+  that may begin a block. Under `auto` it sends each call whole when its block closes; under a
+  forced call (the grammar guarantees the format) a call opens as soon as its arguments begin,
+  and they stream as written.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +61,7 @@ class ToolCalling:
 
     names: tuple[str, ...]
     named: bool = False
+    forced: bool = False  # required or a named function: a grammar holds the answer to calls
 
 
 def render_prompt(
@@ -197,10 +201,49 @@ def _open_prefix(text: str) -> int:
     return 0
 
 
+# The start of a block's JSON up to its arguments' first character: `{"name": "f", "arguments": `.
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+class _ObjectEnd:
+    """Finds where a JSON object that arrives in pieces ends (brackets outside strings)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def feed(self, text: str) -> int | None:
+        """The length of `text` up to and with the object's last character, if it is there."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+
 class ToolCallParser:
     """Reads one answer's text as it comes: `feed` gives the content that can be sent now and
-    the calls whose blocks closed; `finish` the rest. Whitespace around blocks is not content.
-    The concatenated content of an answer without a call is its text, unchanged."""
+    the tool-call deltas (OpenAI's streaming `tool_calls` entries, by `index`) it completes;
+    `finish` the rest. Whitespace around blocks is not content. The concatenated content of an
+    answer without a call is its text, unchanged.
+
+    Under `auto` a block may turn out not to be a call, so each call comes whole, in one delta,
+    when its block closes. Under a forced call the grammar holds every block to the format: a
+    call opens (id and name) as soon as its arguments begin, and they follow in pieces, as the
+    model writes them."""
 
     def __init__(self, calling: ToolCalling) -> None:
         self.calling = calling
@@ -209,12 +252,14 @@ class ToolCallParser:
         self._inside = False  # the buffer starts with an open block
         self._after_block = False  # whitespace at the buffer's start follows a call
         self._space = ""  # the whitespace before the open block
+        self._arguments: _ObjectEnd | None = None  # streaming the open call's arguments
+        self._ended = False  # the open block's call is complete: skip to its end tag
         self.num_calls = 0
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         self._buffer += text
         content: list[str] = []
-        calls: list[dict[str, Any]] = []
+        deltas: list[dict[str, Any]] = []
         while True:
             if self._after_block:
                 self._buffer = self._buffer.lstrip()
@@ -222,13 +267,8 @@ class ToolCallParser:
                     break
                 self._after_block = False
             if self._inside:
-                end = self._buffer.find(CLOSE)
-                if end < 0:
+                if not self._inside_block(content, deltas):
                     break
-                block = self._buffer[: end + len(CLOSE)]
-                self._buffer = self._buffer[end + len(CLOSE) :]
-                self._inside = False
-                self._read(block, block[len(OPEN) : -len(CLOSE)], content, calls)
                 continue
             start = self._buffer.find(OPEN)
             if start < 0:
@@ -243,32 +283,85 @@ class ToolCallParser:
             content.append(before.rstrip())
             self._space = before[len(before.rstrip()) :]  # content again if no call follows
             self._buffer, self._inside = self._buffer[start:], True
-        return "".join(content), calls
+        return "".join(content), _coalesced(deltas)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """The end of the answer: an unclosed block is a call if it reads as one (the answer
-        may stop at `</tool_call>` itself)."""
+        may stop at `</tool_call>` itself), or if its arguments were streaming (a call cut
+        short by max_tokens keeps what it has, as OpenAI's does)."""
         rest, self._buffer = self._buffer, ""
         content: list[str] = []
-        calls: list[dict[str, Any]] = []
+        deltas: list[dict[str, Any]] = []
         if self._inside:
             self._inside = False
-            self._read(rest, rest[len(OPEN) :], content, calls)
+            if self._arguments is None and not self._ended:
+                self._read(rest, rest[len(OPEN) :], content, deltas)
+            self._arguments, self._ended = None, False
         elif not self._after_block:
             content.append(rest)
-        return "".join(content), calls
+        return "".join(content), deltas
 
-    def _read(self, block: str, body: str, content: list[str], calls: list[dict[str, Any]]) -> None:
+    def _inside_block(self, content: list[str], deltas: list[dict[str, Any]]) -> bool:
+        """Take what the buffer holds of the open block; whether the block is done (else more
+        text is needed)."""
+        if self._arguments is not None:
+            end = self._arguments.feed(self._buffer)
+            piece = self._buffer if end is None else self._buffer[:end]
+            self._buffer = self._buffer[len(piece) :]
+            if piece:
+                deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+            if end is None:
+                return False
+            self._arguments, self._ended = None, True
+        close = self._buffer.find(CLOSE)
+        if self._ended:  # what follows the arguments (the object's brace) is not shown
+            if close < 0:
+                return False
+            self._buffer, self._inside, self._ended = (
+                self._buffer[close + len(CLOSE) :],
+                False,
+                False,
+            )
+            self._after_block = True
+            return True
+        if self.calling.forced and (header := _HEADER.match(self._buffer, len(OPEN))):
+            name = header.group(1)
+            if name in self._names and self._buffer[header.end()] == "{":
+                deltas.append(self._opened(name, ""))
+                self._buffer = self._buffer[header.end() :]
+                self._arguments = _ObjectEnd()
+                return True
+        if close < 0:
+            return False
+        block = self._buffer[: close + len(CLOSE)]
+        self._buffer = self._buffer[close + len(CLOSE) :]
+        self._inside = False
+        self._read(block, block[len(OPEN) : -len(CLOSE)], content, deltas)
+        return True
+
+    def _opened(self, name: str, arguments: str) -> dict[str, Any]:
+        """The first delta of a call (the whole call when `arguments` are all of them)."""
+        self.num_calls += 1
+        return {
+            "index": self.num_calls - 1,
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+
+    def _read(
+        self, block: str, body: str, content: list[str], deltas: list[dict[str, Any]]
+    ) -> None:
         """A closed (or, at the end, unclosed) block: a call, or else content as written."""
         call = self._call(body)
         if call is None:
             content.append(self._space + block)
             return
-        calls.append(call)
-        self.num_calls += 1
+        deltas.append(self._opened(*call))
         self._after_block = True
 
-    def _call(self, body: str) -> dict[str, Any] | None:
+    def _call(self, body: str) -> tuple[str, str] | None:
+        """A whole block's name and arguments (as JSON text), if it is a call."""
         try:
             value = json.loads(body)
         except json.JSONDecodeError:
@@ -286,23 +379,37 @@ class ToolCallParser:
                 return None
         if not isinstance(arguments, dict):
             return None
-        return {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {
-                "name": name,
-                "arguments": json.dumps(arguments, ensure_ascii=False),
-            },
-        }
+        return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def _coalesced(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive deltas of one call as one (its opening and the first of its arguments)."""
+    out: list[dict[str, Any]] = []
+    for delta in deltas:
+        if out and out[-1]["index"] == delta["index"]:
+            last = out[-1]
+            function = {**last["function"]}
+            function["arguments"] += delta["function"]["arguments"]
+            out[-1] = {**last, "function": function}
+        else:
+            out.append(delta)
+    return out
 
 
 def read_answer(calling: ToolCalling, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole answer's content (None when it is only calls) and its calls."""
+    """A whole answer's content (None when it is only calls) and its calls: what a stream of
+    the same text gives, put together."""
     parser = ToolCallParser(calling)
-    content, calls = parser.feed(text)
+    content, deltas = parser.feed(text)
     rest, more = parser.finish()
     content += rest
-    calls += more
+    calls: list[dict[str, Any]] = []
+    for delta in deltas + more:
+        if delta["index"] == len(calls):
+            calls.append({k: v for k, v in delta.items() if k != "index"})
+        else:
+            function = calls[delta["index"]]["function"]
+            function["arguments"] += delta["function"]["arguments"]
     return (None if calls and not content.strip() else content), calls
 
 

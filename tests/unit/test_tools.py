@@ -45,15 +45,28 @@ def tokenizer() -> Tokenizer:
     return load_tokenizer()
 
 
-def streamed(text: str, cuts: list[int]) -> tuple[str, list[dict[str, Any]], int]:
-    """Content, calls and calls counted when `text` arrives cut at `cuts`."""
-    parser = ToolCallParser(CALLING)
-    content, calls = "", list[dict[str, Any]]()
+def streamed(
+    text: str, cuts: list[int], calling: ToolCalling = CALLING
+) -> tuple[str, list[dict[str, Any]], int]:
+    """Content, calls (their deltas put together by index, as a client does) and calls
+    counted when `text` arrives cut at `cuts`."""
+    parser = ToolCallParser(calling)
+    content, deltas = "", list[dict[str, Any]]()
     for start, end in zip([0, *cuts], [*cuts, len(text)], strict=True):
         part, more = parser.feed(text[start:end])
-        content, calls = content + part, calls + more
+        content, deltas = content + part, deltas + more
     rest, more = parser.finish()
-    return content + rest, calls + more, parser.num_calls
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas + more:
+        call = calls.setdefault(delta["index"], {"id": delta.get("id"), "name": "", "args": ""})
+        assert "id" in delta or call["id"] is not None  # a call opens with its id
+        call["name"] += delta["function"].get("name", "")
+        call["args"] += delta["function"]["arguments"]
+    together = [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+        for _, c in sorted(calls.items())
+    ]
+    return content + rest, together, parser.num_calls
 
 
 def names_and_arguments(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
@@ -128,6 +141,62 @@ def test_an_unclosed_block_at_the_end_is_a_call_if_it_reads_as_one() -> None:
     assert names_and_arguments(read_answer(CALLING, text)[1]) == [("get_weather", {"city": "Rome"})]
     cut_short = '<tool_call>\n{"name": "get_weather", "argu'
     assert read_answer(CALLING, cut_short) == (cut_short, [])
+
+
+FORCED = ToolCalling(CALLING.names, forced=True)
+# As a forced call's grammar lets the model write them: arguments over lines, strings holding
+# brackets, quotes and the end tag.
+FORCED_ANSWER = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}]ris \\"</tool_call>\\" {[",\n'
+    '  "days": [1, {"x": 2}]}}\n</tool_call>\n'
+    '<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'
+)
+FORCED_ARGUMENTS = [
+    '{"city": "Pa}]ris \\"</tool_call>\\" {[",\n  "days": [1, {"x": 2}]}',
+    "{}",
+]
+
+
+def test_a_forced_calls_arguments_stream_as_written_in_every_split() -> None:
+    """Under a forced call a call opens (id, name) once its arguments begin, and they follow in
+    pieces; put together, every split gives the whole answer's calls."""
+    content, calls = read_answer(FORCED, FORCED_ANSWER)
+    assert content is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == list(
+        zip(("get_weather", "get_time"), FORCED_ARGUMENTS, strict=True)
+    )
+    assert json.loads(calls[0]["function"]["arguments"])["days"] == [1, {"x": 2}]
+    for cuts in [[i] for i in range(1, len(FORCED_ANSWER))] + [list(range(1, len(FORCED_ANSWER)))]:
+        content, streamed_calls, counted = streamed(FORCED_ANSWER, cuts, FORCED)
+        assert content == "" and counted == 2, cuts
+        assert [c["function"] for c in streamed_calls] == [c["function"] for c in calls], cuts
+    parser = ToolCallParser(FORCED)
+    opened = parser.feed(FORCED_ANSWER[: FORCED_ANSWER.index("Pa}")])
+    assert opened == (
+        "",
+        [
+            {
+                "index": 0,
+                "id": opened[1][0]["id"],
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "'},
+            }
+        ],
+    )
+    assert parser.feed("Pa}") == ("", [{"index": 0, "function": {"arguments": "Pa}"}}])
+
+
+def test_a_forced_call_cut_short_keeps_the_arguments_it_has() -> None:
+    """max_tokens ends the answer inside the arguments: the call has what was written, as
+    OpenAI's does (finish reason "length"); a block cut before its arguments is content."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    content, calls = read_answer(FORCED, cut)
+    assert content is None and calls[0]["function"]["arguments"] == '{"city": "Pa'
+    before = '<tool_call>\n{"name": "get_weather", "argu'
+    assert read_answer(FORCED, before) == (before, [])
+    # Arguments that are not an object (written as a string) come whole when the block closes.
+    text = '<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}\n</tool_call>'
+    assert names_and_arguments(read_answer(FORCED, text)[1]) == [("get_time", {"zone": "CET"})]
 
 
 def test_finish_reason() -> None:
@@ -288,9 +357,9 @@ def test_the_builder_reads_tool_choice(builder: RequestBuilder) -> None:
     single = build(tools=TOOLS, parallel_tool_calls=False)
     assert single.params.stop == (CLOSE,)
     required = build(tools=TOOLS, tool_choice="required")
-    assert required.tools == CALLING and required.params.structured is not None
+    assert required.tools == FORCED and required.params.structured is not None
     named = build(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert named.tools == ToolCalling(CALLING.names, named=True)
+    assert named.tools == ToolCalling(CALLING.names, named=True, forced=True)
     none = build(tools=TOOLS, tool_choice="none")
     assert none.tools is None and "You can call" not in builder.tokenizer.decode(none.prompt_ids)
     assert build().tools is None
