@@ -10,6 +10,7 @@ request schemas.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -42,6 +43,11 @@ from router.tools import ToolCallParser, finish_reason, read_answer
 from workers.engine.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
+
+try:
+    _VERSION = importlib.metadata.version("outrider")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
+    _VERSION = "unknown"
 
 
 def _body_schema(name: str) -> dict[str, Any]:
@@ -108,11 +114,32 @@ def create_app(service: RouterService) -> FastAPI:
         await service.load()
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version", tags=["vllm"])
+    async def version() -> dict[str, str]:
+        """The server's version."""
+        return {"version": _VERSION}
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": service.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "outrider",
+            "root": service.model_name,
+            "max_model_len": service.builder.max_model_len,  # vLLM's extension
+        }
+
     @app.get("/v1/models", tags=["openai"])
     async def models(request: Request) -> dict[str, Any]:
         await service.authorize(_bearer(request))
-        model = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "outrider"}
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", tags=["openai"])
+    async def model(model: str, request: Request) -> dict[str, Any]:
+        """The served model's card (OpenAI's retrieve); 404 for any other id."""
+        await service.authorize(_bearer(request))
+        service.builder.check_model(model)
+        return model_card()
 
     @app.post("/tokenize", tags=["vllm"], openapi_extra=_body_schema("TokenizeRequest"))
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -377,12 +404,14 @@ async def _events(
     wanted = generate.params.logprobs is not None
     prompt_wanted = generate.params.prompt_logprobs is not None
 
+    last: list[Step | None] = [None] * n
+
     def chunk(choices: list[dict[str, Any]], **fields: Any) -> bytes:
         event = _envelope(service, request_id, chat, choices)
         event["object"] = kind
         event.update(fields)
-        if generate.include_usage:
-            event["usage"] = None
+        if generate.include_usage:  # vLLM's continuous_usage_stats: the usage so far
+            event["usage"] = usage(generates, last) if generate.continuous_usage else None
         return f"data: {json.dumps(event)}\n\n".encode()
 
     # Where each choice's next token's text starts in its text (completions); a resumed
@@ -407,7 +436,6 @@ async def _events(
             if prompt_wanted:
                 opening["prompt_logprobs"] = formatter.prompt(prompt_logprobs or [])
             yield chunk([{**opening, "finish_reason": None}])
-    last: list[Step | None] = [None] * n
     parsers = [None if g.tools is None else ToolCallParser(g.tools) for g in per_choice]
     try:
         async for index, step in steps:
@@ -454,7 +482,7 @@ async def _events(
     if generate.include_usage:
         final = _envelope(service, request_id, chat, [])
         final["object"] = kind
-        final["usage"] = usage(generates, [step for step in last if step is not None])
+        final["usage"] = usage(generates, last)
         yield f"data: {json.dumps(final)}\n\n".encode()
     yield b"data: [DONE]\n\n"
 

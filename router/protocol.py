@@ -59,6 +59,9 @@ class SpeculativeOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="a last chunk with empty choices and usage")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's: with include_usage, every chunk carries the usage so far"
+    )
 
 
 class StructuredOutputs(_Strict):
@@ -112,6 +115,9 @@ class _SamplingFields(_Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: independent answers")
     stream: bool = Field(False, description="server-sent events")
     stream_options: StreamOptions | None = Field(None, description="with stream: usage chunk")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=1, description="vLLM's extension: keep only the prompt's last N tokens"
+    )
     ignore_eos: bool = Field(False, description="keep generating past EOS (vLLM's extension)")
     skip_special_tokens: bool = Field(
         True, description="vLLM's extension: false shows special tokens in the text (not EOS)"
@@ -285,6 +291,7 @@ class GenerateRequest:
     include_usage: bool
     chat: bool
     n: int = 1  # choices, each its own sequence in one verifier group
+    continuous_usage: bool = False  # a stream's every chunk carries the usage so far
     echo: str | None = None  # completions' `echo`: the prompt's text, before each answer
     score_only: bool = False  # `max_tokens` 0: the prompt is scored, no answer is returned
     tools: ToolCalling | None = None  # chat: the answer's tool calls are parsed against these
@@ -524,6 +531,10 @@ class RequestBuilder:
             vocab = self.tokenizer.vocab_size
             if not prompt_ids or any(not 0 <= t < vocab for t in prompt_ids):
                 raise errors.bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        keep = body.truncate_prompt_tokens
+        if keep is not None and len(prompt_ids) > keep:
+            prompt_ids = prompt_ids[-keep:]
+            prompt = prompt_ids  # an echo shows what was kept
         request = self._build(
             body,
             prompt_ids,
@@ -556,6 +567,8 @@ class RequestBuilder:
                 "a forced tool call and a structured output exclude each other", "tool_choice"
             )
         prompt_ids = self.tokenizer.encode(self._render(messages, shown, body))
+        if body.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-body.truncate_prompt_tokens :]
         max_tokens = body.max_completion_tokens or body.max_tokens
         remaining = max(1, self.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -690,7 +703,8 @@ class RequestBuilder:
                 f"asks for {len(prompt_ids)} prompt + {params.max_tokens} completion tokens",
                 "messages" if chat else "prompt",
             )
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
         return GenerateRequest(
             prompt_ids,
             params,
@@ -699,4 +713,5 @@ class RequestBuilder:
             include_usage,
             chat,
             body.n,
+            continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
         )

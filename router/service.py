@@ -320,6 +320,7 @@ class RouterService:
             stream,
             settings["include_usage"],
             settings["chat"],
+            continuous_usage=settings.get("continuous_usage", False),
         )
         if tools := settings.get("tools"):  # the answer's tool calls are read as they were
             calling = ToolCalling(tuple(tools["names"]), tools["named"], tools.get("forced", False))
@@ -372,6 +373,7 @@ def _settings(request: GenerateRequest) -> str:
             "spec": spec,
             "chat": request.chat,
             "include_usage": request.include_usage,
+            "continuous_usage": request.continuous_usage,
             "tools": None if request.tools is None else asdict(request.tools),
         }
     )
@@ -391,21 +393,24 @@ def _choice(request: GenerateRequest, index: int) -> GenerateRequest:
     return replace(request, params=params, n=1)
 
 
-def usage(requests: Sequence[GenerateRequest], last_steps: Sequence[Step]) -> dict[str, object]:
-    """OpenAI's usage object over a request's prompts and choices (their last steps), with
-    Outrider's speculative statistics: each prompt counted once, the choices' tokens and
-    drafts summed."""
+def usage(
+    requests: Sequence[GenerateRequest], last_steps: Sequence[Step | None]
+) -> dict[str, object]:
+    """OpenAI's usage object over a request's prompts and choices (their last steps, in choice
+    order; None for a choice with none yet), with Outrider's speculative statistics: each
+    prompt counted once, the choices' tokens and drafts summed."""
+    steps = [step for step in last_steps if step is not None]
     prompt_tokens = sum(len(r.prompt_ids) for r in requests)
     if requests[0].score_only:  # the token the engine generated is not part of the answer
         completion_tokens = 0
     else:
-        completion_tokens = sum(step.num_output_tokens for step in last_steps)
+        completion_tokens = sum(step.num_output_tokens for step in steps)
     spec = SpecStats()
-    for step in last_steps:
+    for step in steps:
         spec.merge(step.spec)
     # Each prompt's own cache hits: its first choice's (the others start from its blocks).
     n = requests[0].n
-    cached = sum(step.num_cached_tokens for step in last_steps[::n])
+    cached = sum(step.num_cached_tokens for step in last_steps[::n] if step is not None)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -5,6 +5,7 @@ endpoints. The same router over the Ray runtime is in test_router_runtime.py."""
 from __future__ import annotations
 
 import http.client
+import importlib.metadata
 import json
 import re
 import threading
@@ -125,6 +126,49 @@ def test_stream_and_whole_agree_with_usage_and_statistics(server: str) -> None:
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == out["choices"][0]["text"]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert all("usage" not in e for e in events[:-1])  # only with include_usage
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens sent
+    so far, and the last one's is the usage chunk's."""
+    messages = [{"role": "user", "content": "Count to five."}]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0, "stream": True}
+    _, _, raw, _ = post(server + "/v1/chat/completions", {**body, "stream_options": options})
+    *chunks, final, done = sse_events(raw)
+    assert done == "[DONE]" and final["choices"] == []
+    assert all(chunk["usage"] is not None for chunk in chunks)
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts[0] == 0 and counts == sorted(counts)  # the role chunk, then as tokens come
+    assert chunks[-1]["usage"] == final["usage"] and final["usage"]["completion_tokens"] == 10
+    prompt_tokens = final["usage"]["prompt_tokens"]
+    assert all(chunk["usage"]["prompt_tokens"] == prompt_tokens for chunk in chunks)
+    # Without include_usage the option does nothing (as vLLM's).
+    only = {"continuous_usage_stats": True}
+    _, _, raw, _ = post(server + "/v1/chat/completions", {**body, "stream_options": only})
+    assert all("usage" not in event for event in sse_events(raw)[:-1])
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's truncate_prompt_tokens: the answer is plain decoding's over the prompt's last N
+    tokens, which usage counts (and an echo shows)."""
+    tok = checkpoint.tokenizer
+    ids = tok.encode("One, two, three, four, five, six, seven, eight,")
+    kept = ids[-6:]
+    expected = tok.decode(plain_greedy(model_fp32, checkpoint, kept, 6))
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": 6}
+    code, out, _, _ = post(server + "/v1/completions", {**body, "echo": True})
+    assert code == 200, out
+    assert out["choices"][0]["text"] == tok.decode(kept) + expected
+    assert out["usage"]["prompt_tokens"] == 6
+    long_enough = {**body, "truncate_prompt_tokens": len(ids) + 5}  # nothing to cut
+    _, out, _, _ = post(server + "/v1/completions", long_enough)
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    _, out, _, _ = post(server + "/v1/chat/completions", {**chat, "truncate_prompt_tokens": 3})
+    assert out["usage"]["prompt_tokens"] == 3
+    code, out, _, _ = post(server + "/v1/completions", {**body, "truncate_prompt_tokens": 0})
+    assert (code, out["error"]["param"]) == (400, "truncate_prompt_tokens")
 
 
 def test_speculative_extension_field_and_statistics(server: str) -> None:
@@ -943,6 +987,14 @@ def test_registry_reports_a_request_from_redis(open_router) -> None:  # type: ig
 
 def test_operations_endpoints(server: str) -> None:
     assert get(server + "/health") == (200, {"status": "ok"})
+    code, version = get(server + "/version")
+    assert code == 200 and version["version"] == importlib.metadata.version("outrider")
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.model_extra["max_model_len"]) == (MODEL, 256)
+    assert client.models.list().data == [card]
+    code, out = get(server + "/v1/models/gpt-4")
+    assert (code, out["error"]["param"]) == (404, "model")
     assert get(server + "/ready") == (200, {"status": "ready"})
     code, text = get(server + "/metrics")
     assert code == 200
