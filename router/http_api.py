@@ -75,7 +75,8 @@ def create_app(service: RouterService) -> FastAPI:
         version="0.1.0",
         summary="OpenAI-compatible API of a disaggregated speculative-decoding server",
     )
-    formatter = LogprobFormatter(service.builder.tokenizer)
+    # Log-probabilities naming tokens by their text, or by id (return_tokens_as_token_ids).
+    formatters = {ids: LogprobFormatter(service.builder.tokenizer, ids) for ids in (False, True)}
 
     @app.exception_handler(RouterError)
     async def _router_error(request: Request, exc: RouterError) -> JSONResponse:
@@ -214,6 +215,7 @@ def create_app(service: RouterService) -> FastAPI:
         """Serve one request: its prompts (a batch of completions, else one), each with its
         choices; choice k of the answer is the k-th of them in order."""
         generate = generates[0]  # what they share: API, stream, options
+        formatter = formatters[generate.tokens_as_ids]
         per_choice = [g for g in generates for _ in range(g.n)]
         request_id = f"{'chatcmpl' if generate.chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:

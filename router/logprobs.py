@@ -5,7 +5,9 @@ top_logprobs, text_offset}`, where each position's `top_logprobs` maps the N lik
 texts, and the chosen token's, to their log-probabilities (as vLLM does). Chat (`"logprobs":
 true, "top_logprobs": N`) answers `{"content": [{token, logprob, bytes, top_logprobs}]}` with
 exactly the N likeliest. A token's text is its own decoding, which for a token holding part of a
-UTF-8 character is U+FFFD; `bytes` (chat) carries its true bytes.
+UTF-8 character is U+FFFD; `bytes` (chat) carries its true bytes. With vLLM's
+`return_tokens_as_token_ids` each token is written `token_id:<id>` instead (its `bytes` stay its
+own, and completions' `text_offset` still counts the text).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ class LogprobFormatter:
     """Formats log-probabilities for one served tokenizer; each token's text and bytes are
     worked out once (a vocabulary's worth at most)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, tokens_as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
-        self.text: Callable[[int], str] = functools.cache(
+        self.decoded: Callable[[int], str] = functools.cache(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
         )
+        # How a token is named in the answer: its text, or `token_id:<id>`.
+        self.text = _token_id if tokens_as_ids else self.decoded
         self._bytes: Callable[[int], list[int]] = functools.cache(
             lambda token_id: list(tokenizer.token_bytes(token_id))
         )
@@ -40,7 +44,7 @@ class LogprobFormatter:
         choice's text, and the offset where the next token's text starts (a stream's next
         chunk carries on from there). `first_token`: an echoed prompt's first token, which
         nothing before it scores (its log-probability and alternatives are null)."""
-        tokens = [self.text(lp.token_id) for lp in logprobs]
+        ids = [lp.token_id for lp in logprobs]
         values: list[float | None] = [_finite(lp.logprob) for lp in logprobs]
         top: list[dict[str, float] | None] = []
         for lp in logprobs:
@@ -48,11 +52,12 @@ class LogprobFormatter:
             alternatives.setdefault(self.text(lp.token_id), _finite(lp.logprob))
             top.append(alternatives)
         if first_token is not None:
-            tokens, values, top = [self.text(first_token), *tokens], [None, *values], [None, *top]
+            ids, values, top = [first_token, *ids], [None, *values], [None, *top]
+        tokens = [self.text(token_id) for token_id in ids]
         offsets = []
-        for token in tokens:
+        for token_id in ids:
             offsets.append(offset)
-            offset += len(token)
+            offset += len(self.decoded(token_id))
         body = {
             "tokens": tokens,
             "token_logprobs": values,
@@ -96,6 +101,10 @@ class LogprobFormatter:
             "logprob": _finite(logprob),
             "bytes": self._bytes(token_id),
         }
+
+
+def _token_id(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _finite(logprob: float) -> float:

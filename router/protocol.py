@@ -115,6 +115,9 @@ class _SamplingFields(_Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices: independent answers")
     stream: bool = Field(False, description="server-sent events")
     stream_options: StreamOptions | None = Field(None, description="with stream: usage chunk")
+    return_tokens_as_token_ids: bool = Field(
+        False, description="vLLM's extension: log-probabilities name tokens `token_id:<id>`"
+    )
     truncate_prompt_tokens: int | None = Field(
         None, ge=1, description="vLLM's extension: keep only the prompt's last N tokens"
     )
@@ -292,6 +295,7 @@ class GenerateRequest:
     chat: bool
     n: int = 1  # choices, each its own sequence in one verifier group
     continuous_usage: bool = False  # a stream's every chunk carries the usage so far
+    tokens_as_ids: bool = False  # log-probabilities name tokens `token_id:<id>`
     echo: str | None = None  # completions' `echo`: the prompt's text, before each answer
     score_only: bool = False  # `max_tokens` 0: the prompt is scored, no answer is returned
     tools: ToolCalling | None = None  # chat: the answer's tool calls are parsed against these
@@ -714,4 +718,5 @@ class RequestBuilder:
             chat,
             body.n,
             continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
+            tokens_as_ids=body.return_tokens_as_token_ids,
         )

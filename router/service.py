@@ -321,6 +321,7 @@ class RouterService:
             settings["include_usage"],
             settings["chat"],
             continuous_usage=settings.get("continuous_usage", False),
+            tokens_as_ids=settings.get("tokens_as_ids", False),
         )
         if tools := settings.get("tools"):  # the answer's tool calls are read as they were
             calling = ToolCalling(tuple(tools["names"]), tools["named"], tools.get("forced", False))
@@ -374,6 +375,7 @@ def _settings(request: GenerateRequest) -> str:
             "chat": request.chat,
             "include_usage": request.include_usage,
             "continuous_usage": request.continuous_usage,
+            "tokens_as_ids": request.tokens_as_ids,
             "tools": None if request.tools is None else asdict(request.tools),
         }
     )

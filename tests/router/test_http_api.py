@@ -281,6 +281,30 @@ def test_logprobs_are_the_models_and_streams_carry_them(
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
 
+    # vLLM's return_tokens_as_token_ids: the same entries, each token named `token_id:<id>`.
+    by_id = {**spec, "return_tokens_as_token_ids": True}
+    named = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=3, extra_body=by_id
+    ).choices[0]
+    assert named.text == whole.choices[0].text
+    assert named.logprobs.tokens == [f"token_id:{t}" for t in answer]
+    assert named.logprobs.text_offset == logprobs.text_offset  # offsets into the text
+    for top_by_id, top in zip(named.logprobs.top_logprobs, logprobs.top_logprobs, strict=True):
+        as_text = {tok.decode([int(k.removeprefix("token_id:"))]): v for k, v in top_by_id.items()}
+        assert as_text == pytest.approx(top, abs=1e-4)
+    reply_by_id = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    for entry, by_text in zip(reply_by_id.choices[0].logprobs.content, content, strict=True):
+        token_id = int(entry.token.removeprefix("token_id:"))
+        assert tok.decode([token_id]) == by_text.token and entry.bytes == by_text.bytes
+
 
 def test_scoring_a_prompt_with_echo_and_prompt_logprobs(
     server: str, model_fp32, checkpoint
