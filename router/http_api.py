@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from router import errors
@@ -37,6 +38,13 @@ from router.protocol import (
     TokenizeRequest,
     parse_json,
     validate,
+)
+from router.responses import (
+    ResponseBuilder,
+    ResponsesRequest,
+    chat_request,
+    in_our_terms,
+    stored_items,
 )
 from router.service import Choice, RouterService, usage
 from router.tools import ToolCallParser, finish_reason, read_answer
@@ -206,6 +214,63 @@ def create_app(service: RouterService) -> FastAPI:
         body = validate(ChatCompletionRequest, parse_json(await request.body()))
         return await _serve(request, [service.builder.chat(body)])
 
+    @app.post("/v1/responses", tags=["openai"], openapi_extra=_body_schema("ResponsesRequest"))
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API, served as a chat completion (router/responses.py)."""
+        await service.authorize(_bearer(request))
+        body = validate(ResponsesRequest, parse_json(await request.body()))
+        earlier: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            earlier = (await _stored(body.previous_response_id, "previous_response_id"))["items"]
+        try:
+            chat, own = chat_request(body, earlier)
+            generate = service.builder.chat(chat)
+        except RouterError as exc:
+            raise in_our_terms(exc) from None
+        response_id = f"resp_{uuid.uuid4().hex}"
+        builder = ResponseBuilder(body, response_id, service.model_name, generate.tools)
+        choices = await service.start([generate], response_id)
+        steps = _merged(choices)
+        items = [*earlier, *own]
+        headers = {"X-Request-Id": response_id}
+        if body.stream:
+            events = _response_events(service, builder, generate, steps, items)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        last = choices[0][0]
+        async for _, step in steps:
+            builder.step(step.text, step.finished)
+            last = step
+            if await request.is_disconnected():
+                await steps.aclose()
+                return Response(status_code=499)
+        builder.finish(last.finish_reason, usage([generate], [last]))
+        await _store(service, builder.response, items)
+        service.metrics.requests.labels("responses", "ok").inc()
+        return JSONResponse(builder.response, headers=headers)
+
+    async def _stored(response_id: str, param: str | None = None) -> dict[str, Any]:
+        try:
+            record = await service.state.load_response(response_id)
+        except RedisError as exc:
+            raise errors.overloaded(f"shared state (Redis) is unavailable: {exc}") from exc
+        if record is None:
+            raise errors.not_found(f"no stored response {response_id!r}", param)
+        return record
+
+    @app.get("/v1/responses/{response_id}", tags=["openai"])
+    async def get_response(response_id: str, request: Request) -> dict[str, Any]:
+        """A stored response (any replica answers)."""
+        await service.authorize(_bearer(request))
+        response: dict[str, Any] = (await _stored(response_id))["response"]
+        return response
+
+    @app.delete("/v1/responses/{response_id}", tags=["openai"])
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        await service.authorize(_bearer(request))
+        await _stored(response_id)
+        await service.state.delete_response(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     async def _serve(
         request: Request,
         generates: list[GenerateRequest],
@@ -268,6 +333,7 @@ def create_app(service: RouterService) -> FastAPI:
                 ChatCompletionRequest,
                 TokenizeRequest,
                 DetokenizeRequest,
+                ResponsesRequest,
             ):
                 body = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(body.pop("$defs", {}))
@@ -318,7 +384,11 @@ def _choice(
     return choice
 
 
-_GENERATION_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+_GENERATION_PATHS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+}
 
 
 def _api(generate: GenerateRequest) -> str:
@@ -487,6 +557,55 @@ async def _events(
         final["usage"] = usage(generates, last)
         yield f"data: {json.dumps(final)}\n\n".encode()
     yield b"data: [DONE]\n\n"
+
+
+async def _response_events(
+    service: RouterService,
+    builder: ResponseBuilder,
+    generate: GenerateRequest,
+    steps: AsyncGenerator[tuple[int, Step], None],
+    items: list[dict[str, Any]],
+) -> AsyncIterator[bytes]:
+    """A Responses stream: the semantic events, each as an SSE event of its type (there is no
+    `[DONE]`); the response is stored before its last event goes out."""
+
+    def sse(event: dict[str, Any]) -> bytes:
+        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+
+    for event in builder.start():
+        yield sse(event)
+    last: Step | None = None
+    try:
+        async for _, step in steps:
+            last = step
+            for event in builder.step(step.text, step.finished):
+                yield sse(event)
+    except RouterError as exc:  # failed after the 200 went out: say so in the stream
+        service.metrics.requests.labels("responses", "failed").inc()
+        yield sse(builder.failed(exc))
+        return
+    finally:
+        await steps.aclose()
+    assert last is not None
+    ending = builder.finish(last.finish_reason, usage([generate], [last]))
+    await _store(service, builder.response, items)
+    service.metrics.requests.labels("responses", "ok").inc()
+    for event in ending:
+        yield sse(event)
+
+
+async def _store(
+    service: RouterService, response: dict[str, Any], items: list[dict[str, Any]]
+) -> None:
+    """Keep a finished response (with `store`) for GET and `previous_response_id`; bookkeeping
+    that fails is logged, never the request's failure."""
+    if not response["store"]:
+        return
+    record = {"response": response, "items": stored_items(items, response)}
+    try:
+        await service.state.save_response(response["id"], record)
+    except RedisError as exc:
+        log.warning("response %s not stored: %r", response["id"], exc)
 
 
 def _parsed(parser: ToolCallParser, step: Step) -> tuple[str, list[dict[str, Any]]]:

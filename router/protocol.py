@@ -40,11 +40,13 @@ M = TypeVar("M", bound=BaseModel)
 _FIELD = re.compile(r"(?!(str|int|float|bool|dict|list|none)$)[a-z][a-z0-9_]*")
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """A request body's model: types are checked strictly, unknown fields are ignored."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class SpeculativeOptions(_Strict):
+class SpeculativeOptions(Strict):
     """Outrider's extension: this request's speculation, over the server's default."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -57,14 +59,14 @@ class SpeculativeOptions(_Strict):
     )
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = Field(False, description="a last chunk with empty choices and usage")
     continuous_usage_stats: bool = Field(
         False, description="vLLM's: with include_usage, every chunk carries the usage so far"
     )
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's `structured_outputs`: one of these."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -77,7 +79,7 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = Field(None, description="true: any JSON object")
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(Strict):
     model: str | None = Field(None, description="the served model's id (GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="most tokens to generate")
     temperature: float | None = Field(None, ge=0, le=2, description="0 is greedy; default 1")
@@ -172,12 +174,12 @@ class CompletionRequest(_SamplingFields):
     )
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"] = Field(description="only text parts are served")
     text: str = Field(description="the part's text")
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="the function's name")
     description: str | None = Field(None, description="what it does, shown to the model")
     parameters: dict[str, Any] | None = Field(
@@ -188,32 +190,32 @@ class FunctionDefinition(_Strict):
     )
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"] = Field(description="only functions")
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(Strict):
     name: str = Field(description="one of the tools' names")
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"] = Field(description="only functions")
     function: FunctionName
 
 
-class CalledFunction(_Strict):
+class CalledFunction(Strict):
     name: str = Field(description="the function called")
     arguments: str = Field(description="its arguments, as JSON text")
 
 
-class MessageToolCall(_Strict):
+class MessageToolCall(Strict):
     id: str | None = Field(None, description="the call's id, which its result names")
     type: Literal["function"] = Field("function", description="only functions")
     function: CalledFunction
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"] = Field(
         description="developer counts as system; tool: a tool call's result"
     )
@@ -253,7 +255,7 @@ class ChatCompletionRequest(_SamplingFields):
     )
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     """vLLM's `/tokenize`: a prompt's token ids, or a conversation's through the chat template
     (with the tools it would show)."""
 
@@ -278,7 +280,7 @@ class TokenizeRequest(_Strict):
     return_token_strs: bool = Field(False, description="each token's text too")
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     model: str | None = Field(None, description="the served model's id")
     tokens: list[int] = Field(description="token ids")
 

@@ -7,6 +7,8 @@
   any replica can report on (or resume from) a request another one is serving.
 - The shared n-gram pool: finished sequences appended to a capped stream that engines with an
   `ngram` drafter follow (cluster/ngram_pool.py), so drafting learns across requests.
+- Stored responses (the Responses API's `store`): response id -> the response and the input
+  items that led to it, for `GET /v1/responses/{id}` and `previous_response_id` on any replica.
 - The prefix index: KV block hash -> verifier groups that computed that block recently. Hashes
   are the engine's own chained block hashes, so the router asks "who holds the longest prefix of
   this prompt" without talking to the verifiers. Entries expire: it is a hint, never a promise
@@ -27,6 +29,7 @@ from workers.kv_cache.block_allocator import block_hashes
 
 NAMESPACE = "outrider"
 REGISTRY_TTL_S = 3600
+RESPONSE_TTL_S = 3600
 PREFIX_TTL_S = 600
 MAX_INDEXED_BLOCKS = 512  # longest prefix the index tracks, in blocks
 
@@ -198,6 +201,19 @@ class SharedState:
     async def lookup_prompt(self, request_id: str) -> list[int] | None:
         raw = await self.redis.get(self._k("request", request_id, "prompt"))
         return None if raw is None else ngram_pool.decode(raw)
+
+    # Stored responses.
+
+    async def save_response(self, response_id: str, record: dict[str, Any]) -> None:
+        key = self._k("response", response_id)
+        await self.redis.set(key, json.dumps(record), ex=RESPONSE_TTL_S)
+
+    async def load_response(self, response_id: str) -> dict[str, Any] | None:
+        raw = await self.redis.get(self._k("response", response_id))
+        return None if raw is None else dict(json.loads(raw))
+
+    async def delete_response(self, response_id: str) -> bool:
+        return bool(await self.redis.delete(self._k("response", response_id)))
 
     async def share_sequence(self, token_ids: Sequence[int]) -> None:
         """Offer a finished sequence to every engine's shared n-gram pool."""

@@ -234,11 +234,16 @@ class _ObjectEnd:
         return None
 
 
+# What a parser reads from an answer, in order: content (text) and tool-call deltas.
+Piece = str | dict[str, Any]
+
+
 class ToolCallParser:
     """Reads one answer's text as it comes: `feed` gives the content that can be sent now and
     the tool-call deltas (OpenAI's streaming `tool_calls` entries, by `index`) it completes;
-    `finish` the rest. Whitespace around blocks is not content. The concatenated content of an
-    answer without a call is its text, unchanged.
+    `finish` the rest. `read` and `read_end` give the same as one list in the order the answer
+    holds them (what the Responses API's items follow). Whitespace around blocks is not
+    content. The concatenated content of an answer without a call is its text, unchanged.
 
     Under `auto` a block may turn out not to be a call, so each call comes whole, in one delta,
     when its block closes. Under a forced call the grammar holds every block to the format: a
@@ -257,9 +262,14 @@ class ToolCallParser:
         self.num_calls = 0
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        return _split(self.read(text))
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return _split(self.read_end())
+
+    def read(self, text: str) -> list[Piece]:
         self._buffer += text
-        content: list[str] = []
-        deltas: list[dict[str, Any]] = []
+        pieces: list[Piece] = []
         while True:
             if self._after_block:
                 self._buffer = self._buffer.lstrip()
@@ -267,7 +277,7 @@ class ToolCallParser:
                     break
                 self._after_block = False
             if self._inside:
-                if not self._inside_block(content, deltas):
+                if not self._inside_block(pieces):
                     break
                 continue
             start = self._buffer.find(OPEN)
@@ -276,32 +286,31 @@ class ToolCallParser:
                 held = _open_prefix(self._buffer)
                 ready = self._buffer[: len(self._buffer) - held]
                 held += _whitespace_tail(ready)
-                content.append(self._buffer[: len(self._buffer) - held])
+                pieces.append(self._buffer[: len(self._buffer) - held])
                 self._buffer = self._buffer[len(self._buffer) - held :]
                 break
             before = self._buffer[:start]
-            content.append(before.rstrip())
+            pieces.append(before.rstrip())
             self._space = before[len(before.rstrip()) :]  # content again if no call follows
             self._buffer, self._inside = self._buffer[start:], True
-        return "".join(content), _coalesced(deltas)
+        return _merged(pieces)
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def read_end(self) -> list[Piece]:
         """The end of the answer: an unclosed block is a call if it reads as one (the answer
         may stop at `</tool_call>` itself), or if its arguments were streaming (a call cut
         short by max_tokens keeps what it has, as OpenAI's does)."""
         rest, self._buffer = self._buffer, ""
-        content: list[str] = []
-        deltas: list[dict[str, Any]] = []
+        pieces: list[Piece] = []
         if self._inside:
             self._inside = False
             if self._arguments is None and not self._ended:
-                self._read(rest, rest[len(OPEN) :], content, deltas)
+                self._read(rest, rest[len(OPEN) :], pieces)
             self._arguments, self._ended = None, False
         elif not self._after_block:
-            content.append(rest)
-        return "".join(content), deltas
+            pieces.append(rest)
+        return _merged(pieces)
 
-    def _inside_block(self, content: list[str], deltas: list[dict[str, Any]]) -> bool:
+    def _inside_block(self, pieces: list[Piece]) -> bool:
         """Take what the buffer holds of the open block; whether the block is done (else more
         text is needed)."""
         if self._arguments is not None:
@@ -309,7 +318,7 @@ class ToolCallParser:
             piece = self._buffer if end is None else self._buffer[:end]
             self._buffer = self._buffer[len(piece) :]
             if piece:
-                deltas.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
+                pieces.append({"index": self.num_calls - 1, "function": {"arguments": piece}})
             if end is None:
                 return False
             self._arguments, self._ended = None, True
@@ -317,17 +326,13 @@ class ToolCallParser:
         if self._ended:  # what follows the arguments (the object's brace) is not shown
             if close < 0:
                 return False
-            self._buffer, self._inside, self._ended = (
-                self._buffer[close + len(CLOSE) :],
-                False,
-                False,
-            )
-            self._after_block = True
+            self._buffer = self._buffer[close + len(CLOSE) :]
+            self._inside, self._ended, self._after_block = False, False, True
             return True
         if self.calling.forced and (header := _HEADER.match(self._buffer, len(OPEN))):
             name = header.group(1)
             if name in self._names and self._buffer[header.end()] == "{":
-                deltas.append(self._opened(name, ""))
+                pieces.append(self._opened(name, ""))
                 self._buffer = self._buffer[header.end() :]
                 self._arguments = _ObjectEnd()
                 return True
@@ -336,7 +341,7 @@ class ToolCallParser:
         block = self._buffer[: close + len(CLOSE)]
         self._buffer = self._buffer[close + len(CLOSE) :]
         self._inside = False
-        self._read(block, block[len(OPEN) : -len(CLOSE)], content, deltas)
+        self._read(block, block[len(OPEN) : -len(CLOSE)], pieces)
         return True
 
     def _opened(self, name: str, arguments: str) -> dict[str, Any]:
@@ -349,15 +354,13 @@ class ToolCallParser:
             "function": {"name": name, "arguments": arguments},
         }
 
-    def _read(
-        self, block: str, body: str, content: list[str], deltas: list[dict[str, Any]]
-    ) -> None:
+    def _read(self, block: str, body: str, pieces: list[Piece]) -> None:
         """A closed (or, at the end, unclosed) block: a call, or else content as written."""
         call = self._call(body)
         if call is None:
-            content.append(self._space + block)
+            pieces.append(self._space + block)
             return
-        deltas.append(self._opened(*call))
+        pieces.append(self._opened(*call))
         self._after_block = True
 
     def _call(self, body: str) -> tuple[str, str] | None:
@@ -382,18 +385,32 @@ class ToolCallParser:
         return name, json.dumps(arguments, ensure_ascii=False)
 
 
-def _coalesced(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive deltas of one call as one (its opening and the first of its arguments)."""
-    out: list[dict[str, Any]] = []
-    for delta in deltas:
-        if out and out[-1]["index"] == delta["index"]:
-            last = out[-1]
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    """Adjacent content as one piece (empty content dropped), and adjacent deltas of one call
+    as one delta (its opening and the first of its arguments)."""
+    out: list[Piece] = []
+    for piece in pieces:
+        last = out[-1] if out else None
+        if isinstance(piece, str):
+            if not piece:
+                continue
+            if isinstance(last, str):
+                out[-1] = last + piece
+                continue
+        elif isinstance(last, dict) and last["index"] == piece["index"]:
             function = {**last["function"]}
-            function["arguments"] += delta["function"]["arguments"]
+            function["arguments"] += piece["function"]["arguments"]
             out[-1] = {**last, "function": function}
-        else:
-            out.append(delta)
+            continue
+        out.append(piece)
     return out
+
+
+def _split(pieces: list[Piece]) -> tuple[str, list[dict[str, Any]]]:
+    """Pieces as (all the content, the deltas)."""
+    content = "".join(piece for piece in pieces if isinstance(piece, str))
+    deltas = _merged([piece for piece in pieces if not isinstance(piece, str)])
+    return content, [delta for delta in deltas if not isinstance(delta, str)]
 
 
 def read_answer(calling: ToolCalling, text: str) -> tuple[str | None, list[dict[str, Any]]]:

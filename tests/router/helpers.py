@@ -75,7 +75,8 @@ def post(
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             raw = resp.read().decode()
-            parsed = None if raw.startswith("data:") else json.loads(raw)
+            stream = resp.headers.get("Content-Type", "").startswith("text/event-stream")
+            parsed = None if stream else json.loads(raw)
             return resp.status, parsed, raw, {k.lower(): v for k, v in resp.headers.items()}
     except urllib.error.HTTPError as err:
         return (
