@@ -28,7 +28,7 @@ from router.tools import CLOSE, OPEN, ToolCalling, call_grammar, render_prompt
 from workers.engine.config import RequestSpec
 from workers.engine.logprobs import MAX_LOGPROBS
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.structured import StructuredOutput, compile_grammar
+from workers.engine.structured import Kind, StructuredOutput, compile_grammar
 from workers.model.tokenizer import Tokenizer
 
 MAX_BODY_BYTES = 4 << 20  # JSON bodies beyond this are refused before parsing (413)
@@ -381,7 +381,23 @@ def sampling_params(
 def structured_output(body: _SamplingFields) -> StructuredOutput | None:
     """The grammar the body asks its answer to follow, if any; 400 for a bad one, or more
     than one."""
-    asked: list[tuple[str, Any, Any]] = []  # (param, kind, value)
+    asked = requested_output(body)
+    return None if asked is None else compiled(asked)
+
+
+def compiled(asked: tuple[str, Kind, Any]) -> StructuredOutput:
+    """The grammar of a `requested_output`; 400 naming its field when it does not compile."""
+    param, kind_of, value = asked
+    try:
+        return compile_grammar(kind_of, value)
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), param) from exc
+
+
+def requested_output(body: _SamplingFields) -> tuple[str, Kind, Any] | None:
+    """The structured output the body asks for, as (the field, its kind, its value), if any;
+    400 for more than one."""
+    asked: list[tuple[str, Kind, Any]] = []
     response_format = body.response_format or {}
     kind = response_format.get("type", "text")
     if kind == "json_object":
@@ -400,18 +416,25 @@ def structured_output(body: _SamplingFields) -> StructuredOutput | None:
             "response_format",
         )
     options = body.structured_outputs
+    fields: tuple[tuple[str, Kind], ...] = (
+        ("json_", "json"),
+        ("regex", "regex"),
+        ("choice", "choice"),
+        ("grammar", "grammar"),
+    )
     if options is not None:
-        for name, kind_of in (("json_", "json"), *((k, k) for k in ("regex", "choice", "grammar"))):
+        for name, kind_of in fields:
             if getattr(options, name) is not None:
                 asked.append(("structured_outputs", kind_of, getattr(options, name)))
         if options.json_object:
             asked.append(("structured_outputs", "json", {"type": "object"}))
-    for name, kind_of in (
+    guided: tuple[tuple[str, Kind], ...] = (
         ("guided_json", "json"),
         ("guided_regex", "regex"),
         ("guided_choice", "choice"),
         ("guided_grammar", "grammar"),
-    ):
+    )
+    for name, kind_of in guided:
         if getattr(body, name) is not None:
             asked.append((name, kind_of, getattr(body, name)))
     if not asked:
@@ -422,11 +445,7 @@ def structured_output(body: _SamplingFields) -> StructuredOutput | None:
             + ", ".join(sorted({param for param, _, _ in asked})),
             asked[1][0],
         )
-    ((param, kind_of, value),) = asked
-    try:
-        return compile_grammar(kind_of, value)
-    except ValueError as exc:
-        raise errors.bad_request(str(exc), param) from exc
+    return asked[0]
 
 
 def request_spec(options: SpeculativeOptions | None) -> RequestSpec | None:
@@ -566,25 +585,29 @@ class RequestBuilder:
         if body.top_logprobs is not None and not body.logprobs:
             raise errors.bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         messages = [_message(m, i) for i, m in enumerate(body.messages)]
-        shown, calling, forced = self._tools(body)
-        structured = structured_output(body)
-        if forced is not None and structured is not None:
+        shown, calling, grammar = self._tools(body)
+        asked = requested_output(body)
+        if asked is not None and grammar is not None:
             raise errors.bad_request(
                 "a forced tool call and a structured output exclude each other", "tool_choice"
             )
+        if asked is not None and calling is not None and asked[1] == "json":
+            # auto with a JSON output: the answer is calls, or JSON that follows the schema
+            grammar = self._calls_or_json(body, asked)
+            calling = replace(calling, forced=True)
+        elif asked is not None:
+            grammar = compiled(asked)
         prompt_ids = self.tokenizer.encode(self._render(messages, shown, body))
         if body.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-body.truncate_prompt_tokens :]
         max_tokens = body.max_completion_tokens or body.max_tokens
         remaining = max(1, self.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        request = self._build(
-            body, prompt_ids, max_tokens, remaining, True, logprobs, forced or structured
-        )
+        request = self._build(body, prompt_ids, max_tokens, remaining, True, logprobs, grammar)
         if calling is None:
             return request
         params = request.params
-        if not body.parallel_tool_calls and forced is None:  # one call: stop where it closes
+        if not body.parallel_tool_calls and not calling.forced:  # one call: stop where it closes
             params = replace(params, stop=(*params.stop, CLOSE))
         if any(self.tokenizer.is_special(t) for t in self._tag_tokens()):  # the parser reads them
             params = replace(params, skip_special_tokens=False)
@@ -685,6 +708,24 @@ class RequestBuilder:
         except ValueError as exc:
             raise errors.bad_request(f"a tool's parameters: {exc}", "tools") from exc
         return shown, ToolCalling(tuple(names), named=named is not None, forced=True), grammar
+
+    def _calls_or_json(
+        self, body: ChatCompletionRequest, asked: tuple[str, Kind, Any]
+    ) -> StructuredOutput:
+        param, _, schema = asked
+        try:
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be an object")
+            functions = [tool.function.model_dump(exclude_none=True) for tool in body.tools or ()]
+            return call_grammar(
+                functions, None, body.parallel_tool_calls, self.tokenizer, answer=schema
+            )
+        except ValueError as exc:  # json.JSONDecodeError is one
+            raise errors.bad_request(
+                f"the structured output or a tool's parameters: {exc}", param
+            ) from exc
 
     def _build(
         self,

@@ -19,7 +19,8 @@ shows the format (and, reliably, when the conversation has calls in it already).
   block for a named function or with `parallel_tool_calls` false) whose JSON is
   `{"name": ..., "arguments": ...}` with the arguments following the function's parameter
   schema. It is a structured output like `response_format`'s, so speculation under it stays
-  exact and the EAGLE drafter drafts inside it.
+  exact and the EAGLE drafter drafts inside it. `auto` with a JSON output (a schema) is one
+  grammar of both: such calls, or JSON that follows the schema.
 - Parser: a block holding a JSON object that names a known function becomes a tool call; the
   text outside blocks is the message's content. A block that does not parse (`auto`, where
   nothing holds the model to the format) stays content, as in vLLM. Streaming holds back text
@@ -61,7 +62,9 @@ class ToolCalling:
 
     names: tuple[str, ...]
     named: bool = False
-    forced: bool = False  # required or a named function: a grammar holds the answer to calls
+    # A grammar holds the answer's blocks to the format: required, a named function, or auto
+    # with a JSON output (the answer is then calls, or that JSON).
+    forced: bool = False
 
 
 def render_prompt(
@@ -148,11 +151,14 @@ def call_grammar(
     name: str | None,
     parallel: bool,
     tokenizer: Tokenizer | None = None,
+    answer: Mapping[str, Any] | None = None,
 ) -> StructuredOutput:
     """The grammar of an answer that is tool calls only: of the function `name` (once), or of
     any of `functions` (OpenAI's function definitions; more than one call when `parallel`).
-    Where `tokenizer` has a tag as a token of its own (Qwen2.5's `<tool_call>`), the grammar
-    asks for that token. ValueError when a function's parameter schema does not compile."""
+    With `answer` (a JSON schema: `auto` with a structured output) the answer may instead be
+    JSON that follows it. Where `tokenizer` has a tag as a token of its own (Qwen2.5's
+    `<tool_call>`), the grammar asks for that token. ValueError when a function's parameter
+    schema, or the answer's, does not compile."""
     chosen = [f for f in functions if name is None or f["name"] == name]
     definitions: dict[str, Any] = {}
     options = []
@@ -177,8 +183,12 @@ def call_grammar(
     schema["x-guidance"] = JSON_DEFAULTS
     more = ' ("\\n" call)*' if parallel and name is None else ""
     opening, closing = _tag(OPEN, tokenizer), _tag(CLOSE, tokenizer)
-    lark = f'start: call{more}\ncall: {opening} "\\n" %json {json.dumps(schema)} "\\n" {closing}'
-    return compile_grammar("grammar", lark)
+    lark = f'calls: call{more}\ncall: {opening} "\\n" %json {json.dumps(schema)} "\\n" {closing}'
+    if answer is None:
+        return compile_grammar("grammar", f"start: calls\n{lark}")
+    answer = {"x-guidance": JSON_DEFAULTS, **answer}  # its own options win
+    lark += f"\nanswer: %json {json.dumps(answer)}"
+    return compile_grammar("grammar", f"start: calls | answer\n{lark}")
 
 
 def _tag(text: str, tokenizer: Tokenizer | None) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from router.tools import block_text, call_grammar, render_prompt
+from router.tools import ToolCalling, block_text, call_grammar, read_answer, render_prompt
 from tests.model.helpers import NAME_AND_AGE, PERSON_QUESTION, TIME, WEATHER
 from tests.router.helpers import MODEL, PROMPT, get, post, raw_completion_stream, sse_events
 from workers.engine.sampling_params import SamplingParams
@@ -614,6 +614,57 @@ def test_tool_calls_the_model_chooses(server: str, model_fp32, checkpoint) -> No
         [],
     )
     assert reply.choices[0].finish_reason == ("stop" if len(answer) < 12 else "length")
+
+
+def test_auto_tool_choice_with_a_json_output_calls_or_answers_in_the_schema(
+    server: str, model_fp32, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice auto with a response_format schema: the answer is calls, or JSON that
+    follows the schema; each is what plain decoding writes under the same grammar."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    tok = checkpoint.tokenizer
+    weather = {"name": "get_weather", "parameters": {"properties": {"city": {"type": "string"}}}}
+    tools = [{"type": "function", "function": weather}]
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": NAME_AND_AGE}}
+    plain = SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=256, tokenizer=tok
+    )
+
+    def under_grammar(messages: list[dict[str, Any]], n: int, parallel: bool = True) -> str:
+        prompt_ids = tok.encode(render_prompt(tok, messages, tools))
+        grammar = call_grammar([weather], None, parallel, answer=NAME_AND_AGE)
+        params = SamplingParams(max_tokens=n, temperature=0, structured=grammar)
+        return tok.decode(plain.generate(prompt_ids, params).token_ids)
+
+    ask: dict[str, Any] = {"model": MODEL, "tools": tools, "response_format": schema}
+    question = [{"role": "user", "content": PERSON_QUESTION}]
+    reply = client.chat.completions.create(**ask, messages=question, max_tokens=30, temperature=0)
+    message = reply.choices[0].message
+    assert message.content == under_grammar(question, 30) and not message.tool_calls
+    assert set(json.loads(message.content)) == {"name", "age"}
+    call = {"name": "get_weather", "arguments": json.dumps({"city": "Rome"})}
+    history = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_0", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny"},
+        {"role": "user", "content": "Weather in Paris?"},
+    ]
+    reply = client.chat.completions.create(
+        **ask, messages=history, max_tokens=30, temperature=0, parallel_tool_calls=False
+    )
+    text = under_grammar(history, 30, parallel=False)
+    assert text.startswith("<tool_call>")  # after a call in the conversation, it calls again
+    content, calls = read_answer(ToolCalling(("get_weather",), forced=True), text)
+    message = reply.choices[0].message
+    assert message.content == content is None
+    assert [c.function.arguments for c in message.tool_calls] == [
+        c["function"]["arguments"] for c in calls
+    ]
+    assert reply.choices[0].finish_reason == "tool_calls"
 
 
 def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(server: str) -> None:

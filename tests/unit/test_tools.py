@@ -22,7 +22,7 @@ from router.tools import (
     read_answer,
     render_prompt,
 )
-from tests.model.helpers import TIME, WEATHER
+from tests.model.helpers import NAME_AND_AGE, TIME, WEATHER
 from workers.engine.structured import Grammars
 from workers.model.loader import load_tokenizer
 from workers.model.tokenizer import Tokenizer
@@ -277,6 +277,13 @@ def test_the_grammar_of_forced_calls(tokenizer: Tokenizer) -> None:
     assert not accepts(named, weather)[0]
     # A function without parameters takes any object.
     assert accepts(call_grammar([{"name": "f"}], None, True), block_text("f", {"x": [1]}))[0]
+    # auto with a JSON output: calls, or JSON that follows its schema, and nothing else.
+    either = call_grammar([WEATHER, TIME], None, True, answer=NAME_AND_AGE)
+    assert accepts(either, f"{weather}\n{time}") == (True, False)
+    assert accepts(either, '{"name": "Bob", "age": 41}') == (True, True)
+    assert not accepts(either, '{"name": "Bob"}}')[0]
+    assert not accepts(either, "Bob is 41.")[0]
+    assert not accepts(either, '{"name": "Bob", "age": 41}' + weather)[0]
 
 
 def test_tags_that_are_tokens_of_their_own() -> None:
@@ -360,6 +367,12 @@ def test_the_builder_reads_tool_choice(builder: RequestBuilder) -> None:
     assert required.tools == FORCED and required.params.structured is not None
     named = build(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert named.tools == ToolCalling(CALLING.names, named=True, forced=True)
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": NAME_AND_AGE}}
+    either = build(tools=TOOLS, response_format=schema)  # auto: calls, or the schema's JSON
+    assert either.tools == FORCED and either.params.structured is not None
+    assert either.params.stop == ()
+    regex = build(tools=TOOLS, structured_outputs={"regex": "[ab]+"})  # the regex holds it all
+    assert regex.tools == CALLING and regex.params.structured is not None
     none = build(tools=TOOLS, tool_choice="none")
     assert none.tools is None and "You can call" not in builder.tokenizer.decode(none.prompt_ids)
     assert build().tools is None
