@@ -105,6 +105,15 @@ class _SamplingFields(Strict):
     min_tokens: int | None = Field(
         None, ge=0, description="vLLM's extension: no EOS, stop token or stop string before"
     )
+    allowed_token_ids: Annotated[list[int], Field(min_length=1)] | None = Field(
+        None, description="vLLM's extension: only these tokens may be generated"
+    )
+    bad_words: Annotated[list[str], Field(max_length=64)] | None = Field(
+        None, description="vLLM's extension: words the output never holds"
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM's extension: the stop string (or token) that ends it stays"
+    )
     prompt_logprobs: int | None = Field(
         None,
         ge=0,
@@ -709,6 +718,35 @@ class RequestBuilder:
             raise errors.bad_request(f"a tool's parameters: {exc}", "tools") from exc
         return shown, ToolCalling(tuple(names), named=named is not None, forced=True), grammar
 
+    def _allowed(
+        self, body: _SamplingFields, structured: StructuredOutput | None
+    ) -> tuple[int, ...]:
+        allowed = body.allowed_token_ids or []
+        if allowed and structured is not None:  # the grammar may need a token it rules out
+            raise errors.bad_request(
+                "allowed_token_ids and a structured output (or tool call) exclude each other",
+                "allowed_token_ids",
+            )
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in allowed):
+            raise errors.bad_request(
+                f"allowed token ids must be in [0, {vocab})", "allowed_token_ids"
+            )
+        return tuple(sorted(set(allowed)))
+
+    def _bad_words(self, body: _SamplingFields) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's tokens as written and after a space (as it appears mid-text), as
+        vLLM takes them."""
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in body.bad_words or ():
+            if not word.strip():
+                raise errors.bad_request("bad words must not be empty", "bad_words")
+            for text in (word, " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    sequences[ids] = None
+        return tuple(sequences)
+
     def _calls_or_json(
         self, body: ChatCompletionRequest, asked: tuple[str, Kind, Any]
     ) -> StructuredOutput:
@@ -742,6 +780,12 @@ class RequestBuilder:
             raise errors.bad_request(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
         bias = _logit_bias(body, vocab)
         params = sampling_params(body, max_tokens, default_max_tokens, logprobs, bias)
+        params = replace(
+            params,
+            allowed_token_ids=self._allowed(body, structured),
+            bad_words=self._bad_words(body),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+        )
         if structured is not None:
             params = replace(params, structured=structured)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:

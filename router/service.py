@@ -304,6 +304,8 @@ class RouterService:
                 "stop": tuple(raw["stop"]),
                 "stop_token_ids": tuple(raw["stop_token_ids"]),
                 "logit_bias": tuple((t, b) for t, b in raw.get("logit_bias", ())),
+                "allowed_token_ids": tuple(raw.get("allowed_token_ids", ())),
+                "bad_words": tuple(tuple(word) for word in raw.get("bad_words", ())),
                 # The committed tokens are part of the resumed prompt now.
                 "min_tokens": max(0, raw.get("min_tokens", 0) - len(committed)),
                 "structured": structured,

@@ -78,3 +78,13 @@ def test_stop_strings_wait_for_min_tokens(checkpoint) -> None:  # type: ignore[n
     assert out == text[: text.index("stop there")]
     plain = IncrementalDetokenizer(tok, stop=("stop",))
     assert "".join(plain.add([t]) for t in ids) + plain.flush() == ""
+
+
+def test_the_stop_string_stays_on_request(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's include_stop_str_in_output: the text ends after the first stop string to appear
+    (not the first in the list)."""
+    tok = checkpoint.tokenizer
+    text = "one two three four"
+    detok = IncrementalDetokenizer(tok, stop=("four", "two"), include_stop=True)
+    out = "".join(detok.add([t]) for t in tok.encode(text)) + detok.flush()
+    assert detok.stopped and out == "one two"

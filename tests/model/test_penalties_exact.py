@@ -1,7 +1,7 @@
 """Logit adjustments on the bundled model (fp32): plain decoding applies penalties as
 transformers does (repetition) and as OpenAI defines them (frequency, presence), and greedy
 decoding with speculation commits exactly what plain decoding does with the same penalties,
-logit bias or `min_tokens`."""
+logit bias, `min_tokens`, bad words or allowed tokens."""
 
 from __future__ import annotations
 
@@ -112,3 +112,26 @@ def test_min_tokens_and_logit_bias_with_speculation_are_plain_decoding(  # type:
     got = engine.generate([prompt, prompt], [held, biased], RequestSpec(method=method))
     assert [g.token_ids for g in got] == expected
     assert got[0].spec.accepted > 0
+
+
+def test_bad_words_and_allowed_tokens_with_speculation_are_plain_decoding(  # type: ignore[no-untyped-def]
+    plain, model_fp32, checkpoint
+) -> None:
+    """The n-gram drafter copies the repeated pattern, bad word included; verification rules
+    its last token out after the rest of it, so those drafts are rejected. Allowed tokens keep
+    the answer inside their set the same way."""
+    tok = checkpoint.tokenizer
+    prompt = tok.encode(PROMPTS[1])
+    unconstrained = plain.generate(prompt, SamplingParams(max_tokens=16, temperature=0))
+    word = tuple(tok.encode(" 2, 3", add_special_tokens=False))
+    banned = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, bad_words=(word,))
+    allowed = tuple(sorted({*tok.encode(" 1, 2, 4,", add_special_tokens=False)}))
+    kept = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, allowed_token_ids=allowed)
+    expected = [plain.generate(prompt, p).token_ids for p in (banned, kept)]
+    assert expected[0] != unconstrained.token_ids and set(expected[1]) <= set(allowed)
+    engine = speculative_engine("ngram", model_fp32, checkpoint.config.eos_token_ids)
+    got = engine.generate([prompt, prompt], [banned, kept], RequestSpec(method="ngram"))
+    assert [g.token_ids for g in got] == expected
+    assert got[0].spec.drafted > got[0].spec.accepted  # drafts of the bad word were turned away
+    text = tok.decode(got[0].token_ids)
+    assert "2, 3" not in text

@@ -457,6 +457,53 @@ def test_logit_bias_and_min_tokens(server: str, checkpoint) -> None:  # type: ig
     assert longer["usage"]["completion_tokens"] >= n + 5
 
 
+def test_allowed_tokens_bad_words_and_the_stop_string_kept(
+    server: str, model_fp32, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's allowed_token_ids and bad_words change the greedy text exactly as plain decoding
+    with the same settings does; include_stop_str_in_output keeps the stop string and the stop
+    token's text."""
+    tok = checkpoint.tokenizer
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    _, plain, _, _ = post(server + "/v1/completions", body)
+    engine = SequentialEngine(model_fp32, max_model_len=256)
+
+    def expected(**fields: Any) -> str:
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, **fields)
+        return tok.decode(engine.generate(tok.encode(prompt), params).token_ids)
+
+    allowed = sorted({*tok.encode(" 1, 2, 4, 5,", add_special_tokens=False)})
+    _, out, _, _ = post(server + "/v1/completions", {**body, "allowed_token_ids": allowed})
+    text = out["choices"][0]["text"]
+    assert text == expected(allowed_token_ids=tuple(allowed)) != plain["choices"][0]["text"]
+    assert " 3" not in text
+    _, out, _, _ = post(server + "/v1/completions", {**body, "bad_words": ["2, 3"]})
+    words = tuple(
+        tuple(tok.encode(w, add_special_tokens=False)) for w in dict.fromkeys(["2, 3", " 2, 3"])
+    )
+    text = out["choices"][0]["text"]
+    assert text == expected(bad_words=words) and "2, 3" not in text
+    stop = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "stop": [" 2"]}
+    _, cut, _, _ = post(server + "/v1/completions", stop)
+    _, kept, _, _ = post(server + "/v1/completions", {**stop, "include_stop_str_in_output": True})
+    assert kept["choices"][0]["text"] == cut["choices"][0]["text"] + " 2"
+    first = tok.encode(plain["choices"][0]["text"], add_special_tokens=False)[0]
+    at_token = {**body, "stop_token_ids": [first], "include_stop_str_in_output": True}
+    _, kept, _, _ = post(server + "/v1/completions", at_token)
+    assert kept["choices"][0]["text"] == tok.decode([first])
+    for field, value in (
+        ("allowed_token_ids", [10**9]),
+        ("allowed_token_ids", []),
+        ("bad_words", [" "]),
+    ):
+        code, out, _, _ = post(server + "/v1/completions", {**body, field: value})
+        assert (code, out["error"]["param"]) == (400, field), (field, value)
+    together = {**body, "allowed_token_ids": [5], "structured_outputs": {"regex": "a+"}}
+    code, out, _, _ = post(server + "/v1/completions", together)
+    assert (code, out["error"]["param"]) == (400, "allowed_token_ids")
+
+
 def test_structured_output_in_openais_and_vllms_fields(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
     """A JSON schema through the openai client's response_format, whole and streamed, is the
     greedy answer plain decoding gives under the same grammar; vLLM's fields hold a regex and

@@ -1,5 +1,6 @@
 """Logit adjustments against token-by-token references: repetition, frequency and presence
-penalties with their per-row counts in a verify forward, the logit bias, `min_tokens`."""
+penalties with their per-row counts in a verify forward, the logit bias, `min_tokens`,
+`allowed_token_ids` and bad words."""
 
 from __future__ import annotations
 
@@ -99,6 +100,25 @@ def test_logit_bias_and_min_tokens_row_by_row() -> None:
     assert keep_eos[:2, 5].tolist() == [float("-inf")] * 2 and keep_eos[:, 7].eq(0).all()
     done = params.adjust(logits, [0], [2, 3, 3, 3], [4], [7])
     assert done[:, 5].eq(0).all() and done[:, 7].eq(0).all()
+
+
+def test_allowed_tokens_and_bad_words_row_by_row() -> None:
+    """Only the allowed tokens stay; a one-token bad word is ruled out everywhere, a longer one
+    only in the rows whose output so far (drafts before the row included) ends with the rest
+    of it."""
+    logits = torch.zeros(4, 8)
+    inf = float("-inf")
+    allowed = SamplingParams(allowed_token_ids=(2, 5)).adjust(logits, [0], [1], [2, 2, 2])
+    assert allowed.isfinite().nonzero()[:, 1].tolist() == [2, 5] * 4
+    params = SamplingParams(bad_words=((6,), (3, 4, 7)))
+    assert params.adjusts_logits
+    # Output [1, 3], drafts [4, 2, 3]: row 1 follows [1, 3, 4], so 7 would complete 3 4 7.
+    got = params.adjust(logits, [0], [1, 3], [4, 2, 3])
+    assert got[:, 6].tolist() == [inf] * 4
+    assert got[:, 7].tolist() == [0.0, inf, 0.0, 0.0]
+    assert got.isfinite().sum() == 4 * 8 - 5
+    ends = params.adjust(logits[:1], [0], [3, 4], [])  # the output alone ends with 3 4
+    assert ends[0, 7] == inf
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,9 @@ Text is emitted as soon as it is final: never half of a multi-byte character (a 
 token can end mid-character, which decodes to U+FFFD until the rest arrives), and never the
 first characters of what may turn out to be a stop string (the last `len(longest stop) - 1`
 characters are held back until they can no longer begin one). A stop string ends the text
-before it, as OpenAI's API does; with `min_tokens` (vLLM's), stop strings are looked for once
-that many tokens are in, in the text from the held-back characters on.
+before it, as OpenAI's API does (with vLLM's `include_stop_str_in_output`, after it); with
+`min_tokens` (vLLM's), stop strings are looked for once that many tokens are in, in the text
+from the held-back characters on.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         min_tokens: int = 0,
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop
         self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -61,10 +64,11 @@ class IncrementalDetokenizer:
 
     def _find_stop(self) -> bool:
         window = max(0, self._emitted - self._hold)
-        hits = [i for i in (self.text.find(s, window) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, window), s) for s in self.stop) if i >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        start, stop = min(hits, key=lambda hit: hit[0])  # the first to appear
+        self.text = self.text[: start + len(stop) if self.include_stop else start]
         self.stopped = True
         return True
 

@@ -212,7 +212,11 @@ class LLMEngine:
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, params.stop, params.min_tokens, params.skip_special_tokens
+                self.tokenizer,
+                params.stop,
+                params.min_tokens,
+                params.skip_special_tokens,
+                params.include_stop_str_in_output,
             )
         self.speculator.add(seq)
         if prefilled is not None:
@@ -369,10 +373,11 @@ class LLMEngine:
             seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
         detok = self._detokenizers.get(seq.request_id)
         # A stop token or EOS ends the text without being in it (as vLLM does), whether or not
-        # the text shows special tokens.
+        # the text shows special tokens; unless the request asks for it.
         last = tokens[-1] if reason and tokens else None
         eos = () if seq.params.ignore_eos else seq.eos_token_ids
-        shown = tokens[:-1] if last in seq.params.stop_token_ids or last in eos else tokens
+        ended = last in seq.params.stop_token_ids or last in eos
+        shown = tokens[:-1] if ended and not seq.params.include_stop_str_in_output else tokens
         text = "" if detok is None else detok.add(shown)
         if detok is not None and detok.stopped:
             reason = "stop"

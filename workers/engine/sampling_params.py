@@ -39,6 +39,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), OpenAI's
+    # vLLM's: only these tokens may be generated (empty: any)
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's `bad_words`, as token sequences: the output never holds one (a sequence's last
+    # token is ruled out where the output ends with the rest of it)
+    bad_words: tuple[tuple[int, ...], ...] = ()
     min_tokens: int = 0  # EOS and stop tokens are held off until this many tokens (vLLM's)
     # A grammar the answer follows (workers/engine/structured.py); the engine holds each
     # sequence's place in it and hands that to `adjust`, which applies its masks last
@@ -46,6 +51,8 @@ class SamplingParams:
     # Special tokens (those the tokenizer marks so) left out of the text, as vLLM's
     # `skip_special_tokens`; EOS and stop tokens are left out either way
     skip_special_tokens: bool = True
+    # vLLM's: the stop string, or the stop token's (or EOS's) text, that ends the text stays in it
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -73,6 +80,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(not word for word in self.bad_words):
+            raise ValueError("bad words must not be empty")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
@@ -96,6 +105,8 @@ class SamplingParams:
         return (
             self.penalized
             or bool(self.logit_bias)
+            or bool(self.allowed_token_ids)
+            or bool(self.bad_words)
             or self.min_tokens > 0
             or self.structured is not None
         )
@@ -111,7 +122,8 @@ class SamplingParams:
     ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32 on the host
         """These settings' changes to the logits of a verify forward's rows, row j being the
         position after the output so far and the first j drafts: penalties, then the logit
-        bias, then, at positions short of `min_tokens`, EOS and the stop tokens ruled out, then
+        bias, then the tokens outside `allowed_token_ids` and those that would complete a bad
+        word ruled out, then, at positions short of `min_tokens`, EOS and the stop tokens, then
         what `grammar` (the sequence's place in `structured`) forbids."""
         vocab = logits.shape[-1]
         logits = logits.float().cpu()
@@ -131,6 +143,16 @@ class SamplingParams:
             logits = logits.clone()
         for token, bias in self.logit_bias:
             logits[:, token] += bias
+        if self.allowed_token_ids:
+            outside = torch.ones(vocab, dtype=torch.bool)
+            outside[list(self.allowed_token_ids)] = False
+            logits[:, outside] = -math.inf
+        for row in range(logits.shape[0]) if self.bad_words else ():
+            before = [*output_ids, *draft_ids[:row]]  # the output this row's token follows
+            for word in self.bad_words:
+                rest = list(word[:-1])
+                if not rest or (len(before) >= len(rest) and before[-len(rest) :] == rest):
+                    logits[row, word[-1]] = -math.inf
         short = self.min_tokens - len(output_ids)  # rows whose token would come too early
         if short > 0:
             ends = {*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)}
