@@ -43,9 +43,14 @@ def _body(request: Any) -> tuple[dict[str, Any], bool]:
         "frequency_penalty",
         "repetition_penalty",
         "min_tokens",
+        "truncate_prompt_tokens",
     ):
         if request.HasField(name):
             body[name] = getattr(request, name)
+    for name in ("allowed_token_ids", "bad_words"):
+        if getattr(request, name):
+            body[name] = list(getattr(request, name))
+    body["include_stop_str_in_output"] = request.include_stop_str_in_output
     if request.stop:
         body["stop"] = list(request.stop)
     body["ignore_eos"] = request.ignore_eos

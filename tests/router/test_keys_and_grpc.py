@@ -148,6 +148,20 @@ def test_grpc_streams_the_same_tokens_as_http(replicas) -> None:  # type: ignore
         steps = list(stub.Generate(one_of, metadata=[("authorization", f"Bearer {OPEN}")]))
         assert "".join(r.text for r in steps) == http_choice["choices"][0]["text"] == " Paris"
         assert steps[-1].finish_reason == "stop"
+        # vLLM's allowed_token_ids, bad_words, include_stop_str_in_output, truncate_prompt_tokens
+        vllm = {
+            "allowed_token_ids": [11, 12, 13],
+            "bad_words": ["the"],
+            "include_stop_str_in_output": True,
+            "truncate_prompt_tokens": 3,
+            "stop": ["\n"],
+        }
+        http_vllm = post(replicas[0].url + "/v1/completions", {**body, **vllm}, OPEN)[1]
+        extras = generate_pb2.GenerateRequest(prompt=PROMPT, max_tokens=12, temperature=0.0, **vllm)
+        steps = list(stub.Generate(extras, metadata=[("authorization", f"Bearer {OPEN}")]))
+        assert {t for r in steps for t in r.token_ids} <= {11, 12, 13}
+        assert "".join(r.text for r in steps) == http_vllm["choices"][0]["text"]
+        assert steps[-1].usage.prompt_tokens == 3 == http_vllm["usage"]["prompt_tokens"]
         models = stub.ListModels(
             generate_pb2.ListModelsRequest(), metadata=[("authorization", f"Bearer {OPEN}")]
         )
