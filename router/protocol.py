@@ -238,6 +238,11 @@ class ChatMessage(Strict):
     tool_call_id: str | None = Field(None, description="a tool message's call id")
 
 
+class PredictedOutput(Strict):
+    type: Literal["content"] = Field(description="only content")
+    content: str | list[TextPart] = Field(description="the text the answer is expected to be")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
     max_completion_tokens: int | None = Field(
@@ -261,6 +266,9 @@ class ChatCompletionRequest(_SamplingFields):
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's: further variables for the chat template"
+    )
+    prediction: PredictedOutput | None = Field(
+        None, description="OpenAI's predicted output: drafts copy from it (speculation only)"
     )
 
 
@@ -613,6 +621,11 @@ class RequestBuilder:
         remaining = max(1, self.max_model_len - len(prompt_ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         request = self._build(body, prompt_ids, max_tokens, remaining, True, logprobs, grammar)
+        if body.prediction is not None:
+            content = body.prediction.content
+            text = content if isinstance(content, str) else "".join(p.text for p in content)
+            predicted = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+            request = replace(request, params=replace(request.params, prediction=predicted))
         if calling is None:
             return request
         params = request.params

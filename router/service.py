@@ -306,6 +306,7 @@ class RouterService:
                 "logit_bias": tuple((t, b) for t, b in raw.get("logit_bias", ())),
                 "allowed_token_ids": tuple(raw.get("allowed_token_ids", ())),
                 "bad_words": tuple(tuple(word) for word in raw.get("bad_words", ())),
+                "prediction": tuple(raw.get("prediction", ())),
                 # The committed tokens are part of the resumed prompt now.
                 "min_tokens": max(0, raw.get("min_tokens", 0) - len(committed)),
                 "structured": structured,
@@ -415,10 +416,18 @@ def usage(
     # Each prompt's own cache hits: its first choice's (the others start from its blocks).
     n = requests[0].n
     cached = sum(step.num_cached_tokens for step in last_steps[::n] if step is not None)
-    return {
+    answer: dict[str, object] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
         "speculative": spec.as_dict(),
     }
+    done = [step for step in steps if step.finished]  # counted once a choice is over
+    if (predicted := len(requests[0].params.prediction)) and done:  # OpenAI's Predicted Outputs
+        accepted = sum(step.accepted_prediction_tokens for step in done)
+        answer["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": predicted * len(done) - accepted,
+        }
+    return answer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -85,6 +86,19 @@ def test_structured_output_with_eagle_drafter_actors_is_exact(  # type: ignore[n
     assert set(json.loads(tok.decode(got))) == {"name", "age"}
     (after,) = eagle_runtime.verifier_stats()
     assert after["spec"]["accepted"] > before["spec"]["accepted"]
+
+
+def test_a_predicted_output_reaches_the_drafter_actors(eagle_runtime, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    """A request's predicted output crosses to the EAGLE drafter actors with its settings:
+    they draft it, so nearly every draft holds, and the output is plain decoding's."""
+    (before,) = eagle_runtime.verifier_stats()
+    params = replace(GREEDY, prediction=tuple(expected[1]))
+    stream = eagle_runtime.submit(prompts[1], params, RequestSpec(method="eagle"))
+    assert [t for chunk in stream for t in chunk] == expected[1]
+    (after,) = eagle_runtime.verifier_stats()
+    drafted = after["spec"]["drafted"] - before["spec"]["drafted"]
+    accepted = after["spec"]["accepted"] - before["spec"]["accepted"]
+    assert drafted > 0 and accepted >= 0.8 * drafted
 
 
 def test_logprobs_from_the_prefill_worker_and_the_verifier(  # type: ignore[no-untyped-def]

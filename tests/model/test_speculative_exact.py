@@ -299,3 +299,27 @@ def test_bf16_greedy_is_identical_to_plain_decoding_on_the_native_kernels(
     got = run_staggered(engine, prompts, params, RequestSpec(method="ngram"))
     assert got == expected
     assert engine.stats.accepted > 0 and engine.stats.drafted > engine.stats.accepted
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle_lookup"])
+def test_a_predicted_output_drafts_and_changes_nothing(  # type: ignore[no-untyped-def]
+    method: str, model_fp32, checkpoint, draft_net, prompt_ids, expected
+) -> None:
+    """OpenAI's predicted output: drafts copy it (from the answer's first token, and again
+    after a stretch the answer does not share); the output is plain decoding's, whether the
+    prediction is right, edited or wrong, and a right one is accepted far more often."""
+    # Each of the first eight requests predicts its own answer, with one token in the middle
+    # changed for the odd ones; the last two predict another request's answer.
+    predictions = [list(e) for e in expected[:8]]
+    for i in range(1, 8, 2):
+        predictions[i][10] = (predictions[i][10] + 1) % 1000
+    predictions[6], predictions[7] = expected[9], expected[10]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0, prediction=tuple(p)) for p in predictions
+    ]
+    engine = make_engine(model_fp32, checkpoint, make_drafter(method, draft_net, model_fp32))
+    got = engine.generate(prompt_ids[:8], params, RequestSpec(method=method.split("_")[0]))
+    assert [g.token_ids for g in got] == expected[:8]
+    right = [got[i].spec.mean_acceptance_length for i in (0, 2, 4)]
+    assert min(right) > 3.0, right  # four drafts a step, nearly all accepted
+    assert got[1].spec.mean_acceptance_length > 2.0  # picked up again after the edit

@@ -171,6 +171,43 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server: str, model_fp32, c
     assert (code, out["error"]["param"]) == (400, "truncate_prompt_tokens")
 
 
+def test_a_predicted_output_speeds_the_answer_up_and_changes_nothing(server: str) -> None:
+    """OpenAI's Predicted Outputs through the openai client: the answer is the one without a
+    prediction; n-gram drafts copy the prediction (most of a step's drafts accepted), and usage
+    counts the prediction's tokens the answer held and those it did not."""
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    ask: dict[str, Any] = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 24}
+    ngram = {"speculative": {"method": "ngram", "num_speculative_tokens": 4}}
+    plain = client.chat.completions.create(**ask, extra_body=ngram)
+    answer = plain.choices[0].message.content
+    predicted = client.chat.completions.create(
+        **ask, prediction={"type": "content", "content": answer}, extra_body=ngram
+    )
+    assert predicted.choices[0].message.content == answer
+    usage = predicted.usage
+    assert usage.speculative["mean_acceptance_length"] > max(
+        3.0, plain.usage.speculative["mean_acceptance_length"]
+    )
+    details = usage.completion_tokens_details
+    assert details.accepted_prediction_tokens >= usage.completion_tokens - 1
+    assert details.rejected_prediction_tokens <= 1
+    wrong = "Mountains stand in snow, quiet pines hold the cold air, a hawk circles once."
+    chunks = list(
+        client.chat.completions.create(
+            **ask,
+            prediction={"type": "content", "content": wrong},
+            extra_body=ngram,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+    details = chunks[-1].usage.completion_tokens_details
+    assert details.rejected_prediction_tokens > details.accepted_prediction_tokens
+    assert plain.usage.completion_tokens_details is None  # only with a prediction
+
+
 def test_speculative_extension_field_and_statistics(server: str) -> None:
     body = {"prompt": "A B C D A B C D A B C", "max_tokens": 12, "temperature": 0}
     _, plain, _, _ = post(server + "/v1/completions", body)

@@ -574,3 +574,32 @@ def test_take_ahead_changes_nothing_when_a_commit_is_not_the_guess(
     assert not ahead.is_alive() and not seq.ahead.following
     assert seq.ahead.guess == seq.ahead.draft + chain[:1]
     assert seq.ahead.prepared is not None and seq.ahead.prepared.token_ids == chain[1:3]
+
+
+def test_a_prediction_is_drafted_from_its_start_and_followed_through_edits() -> None:
+    from workers.drafting.ngram import Prediction
+
+    prompt = [90, 91, 92]
+    predicted = [1, 2, 3, 4, 5, 1, 2, 3, 6, 7]
+    prediction = Prediction(predicted, len(prompt))
+    assert prediction.draft(prompt, 4, 2, 4) == [1, 2, 3, 4]  # nothing answered yet
+    assert prediction.draft([*prompt, 1], 3, 2, 4) == [2, 3, 4]  # one token: matched alone
+    # "1 2 3" occurs twice; the first at or after the last draft's place is taken.
+    assert prediction.draft([*prompt, 1, 2, 3], 2, 2, 4) == [4, 5]
+    assert prediction.draft([*prompt, 1, 2, 3, 4, 5, 1, 2, 3], 2, 2, 4) == [6, 7]
+    # An edit (9 instead of 4 5) is passed over; the prediction is picked up where it resumes.
+    fresh = Prediction(predicted, len(prompt))
+    assert fresh.draft([*prompt, 1, 2, 3, 9, 9], 2, 2, 4) == []
+    assert fresh.draft([*prompt, 1, 2, 3, 9, 9, 1, 2], 3, 2, 4) == [3, 4, 5]
+    assert fresh.draft([*prompt, 7], 2, 2, 4) == []  # the prediction's end: nothing follows
+
+
+def test_the_ngram_drafter_copies_a_prediction_first() -> None:
+    drafter = NgramDrafter(NgramConfig(2, 4))
+    params = SamplingParams(prediction=(5, 6, 7, 8))
+    drafter.add("a", [1, 2, 1], params)
+    drafter.add("b", [1, 2, 1], SamplingParams())
+    drafts = drafter.propose([DraftRequest("a", 3, 3), DraftRequest("b", 3, 3)])
+    assert drafts["a"].token_ids == [5, 6, 7] and drafts["b"].token_ids == [2, 1]
+    drafter.commit("a", [5, 6])
+    assert drafter.propose([DraftRequest("a", 5, 3)])["a"].token_ids == [7, 8]

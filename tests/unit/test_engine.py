@@ -480,3 +480,27 @@ def test_a_whole_remote_prefill_samples_the_first_token_without_a_forward(
         eng.add_request(
             "short", ps[0], one, prefilled=Prefilled(result.kv[:, :, :-1], None, result.logits)
         )
+
+
+def test_a_finished_request_counts_the_predicted_tokens_its_output_holds(
+    model: TransformerLM,
+) -> None:
+    """OpenAI's accepted_prediction_tokens: the prediction's tokens the output holds in order
+    (one changed token is the one not counted); the output is plain decoding's either way."""
+    ps = prompts(2, seed=13)
+    expected = reference(model, ps, GREEDY)
+    edited = list(expected[1])
+    edited[4] = (edited[4] + 1) % 90
+    eng = engine(model, spec=SpecConfig(method="ngram", adaptive=False))
+    for rid, prompt, predicted in (("right", ps[0], expected[0]), ("edited", ps[1], edited)):
+        eng.add_request(rid, prompt, dataclasses.replace(GREEDY, prediction=tuple(predicted)))
+    eng.add_request("none", ps[0], GREEDY)
+    tokens: dict[str, list[int]] = {"right": [], "edited": [], "none": []}
+    counted = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                counted[out.request_id] = out.accepted_prediction_tokens
+    assert [tokens["right"], tokens["edited"], tokens["none"]] == [*expected, expected[0]]
+    assert counted == {"right": 12, "edited": 11, "none": 0}

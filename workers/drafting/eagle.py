@@ -17,7 +17,9 @@ of it falls below `min_confidence` (base.py `ConfidenceStop`).
 
 With `lookup` set, a sequence whose text ends in an n-gram that occurred before is drafted by
 prompt lookup instead (what followed the n-gram there; q one-hot) and the head does not run for
-it: its unread features stay pending and go into the cache with its next head draft.
+it: its unread features stay pending and go into the cache with its next head draft. A request
+with a predicted output (OpenAI's Predicted Outputs, ngram.py `Prediction`) is drafted from it
+first, lookup or not.
 
 Drafting ahead (base.py) redoes the last proposal's rows (the tokens are given, not drawn), then
 draws the bonus-token guess and k more, all from the head's own features: the target's features
@@ -44,7 +46,7 @@ from workers.drafting.base import (
     draft_generator,
     greedy_probability,
 )
-from workers.drafting.ngram import NgramConfig, prompt_lookup
+from workers.drafting.ngram import NgramConfig, Prediction, prompt_lookup
 from workers.eagle.head import EagleHead
 from workers.engine.model_runner import SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
@@ -70,6 +72,7 @@ class _EagleSeq:
     cached: int = 0  # cache rows written, feature rows then the last proposal's draft rows
     last_input: torch.Tensor | None = None  # head input of the last feature row, to redo it
     ahead: AheadState = field(default_factory=AheadState)
+    prediction: Prediction | None = None  # the request's predicted output, drafted from first
     grammar: GrammarState | None = None  # the request's, at its committed tokens
 
 
@@ -132,7 +135,12 @@ class EagleDrafter(DraftsAhead):
             except ValueError:  # the verifier refuses such a request itself
                 grammar = None
         self._seqs[request_id] = _EagleSeq(
-            params, table, generator, list(prompt_token_ids), grammar=grammar
+            params,
+            table,
+            generator,
+            list(prompt_token_ids),
+            grammar=grammar,
+            prediction=Prediction.of(params, len(prompt_token_ids)),
         )
 
     def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
@@ -212,12 +220,17 @@ class EagleDrafter(DraftsAhead):
                     seq.grammar.rollback(read)
         try:
             drafts: dict[str, Draft] = {}
-            if self.lookup is not None:
+            if self.lookup is not None or any(item[1].prediction for item in active):
                 rest = []
+                lookup = self.lookup or NgramConfig()
                 for item in active:
                     rid, seq, forced, n = item
-                    lookup = self.lookup
-                    found = prompt_lookup(seq.tokens + forced, n, lookup.min_n, lookup.max_n)
+                    text = seq.tokens + forced
+                    found = []
+                    if seq.prediction is not None:
+                        found = seq.prediction.draft(text, n, lookup.min_n, lookup.max_n)
+                    if not found and self.lookup is not None:
+                        found = prompt_lookup(text, n, lookup.min_n, lookup.max_n)
                     if found and rid in grammars:
                         found = found[: grammars[rid].grammar.valid_prefix(found)]
                     if found:

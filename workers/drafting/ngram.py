@@ -16,6 +16,13 @@ back to one-token contexts as `NgramDrafter` does.
 
 Both are deterministic (q is one-hot) and cost microseconds, so the verifier gets k for free.
 
+`Prediction` drafts from a request's predicted output (OpenAI's Predicted Outputs: the client
+sends the text it expects, a file it asks to edit, say). Before the answer has begun it proposes
+the prediction's start; then, where the text's last min_n..max_n tokens occur in the prediction,
+what follows them there, preferring the first occurrence at or after the place the last draft
+came from, so that the drafts walk through the prediction with the answer and pick it up again
+after an edit. `NgramDrafter` and the EAGLE drafter try it before anything else.
+
 `SharedNgramPool` lets `NgramDrafter` learn across requests: finished sequences (fed in from
 Redis by the runtime, see cluster/ngram_pool.py) are indexed by their n-grams, and when a
 sequence's own tokens hold no match the drafter proposes what followed the same n-gram in
@@ -50,15 +57,58 @@ class NgramConfig:
             raise ValueError(f"fallback_tokens must be >= 0, got {self.fallback_tokens}")
 
 
+class Prediction:
+    """A request's predicted output, and where in it the last draft came from."""
+
+    def __init__(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        self.tokens = np.asarray(token_ids, dtype=np.int64)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.cursor = 0  # the prediction continues the answer from about here
+
+    @classmethod
+    def of(cls, params: SamplingParams, num_prompt_tokens: int) -> Prediction | None:
+        return cls(params.prediction, num_prompt_tokens) if params.prediction else None
+
+    def draft(self, tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+        """Up to k tokens of the prediction that continue `tokens` (prompt and answer so far,
+        with any guessed tokens); [] where the text's end is nowhere in it."""
+        if k <= 0:
+            return []
+        answered = len(tokens) - self.num_prompt_tokens
+        if answered <= 0:  # nothing to match yet: the prediction's start
+            return self.tokens[:k].tolist()
+        # Only the answer's tokens are matched (right after it began, fewer than min_n).
+        tail = np.asarray(tokens[-max_n:], dtype=np.int64)
+        end = self._match(tail, min(max_n, answered), min(min_n, answered))
+        if end is None or end >= len(self.tokens):
+            return []
+        self.cursor = end
+        return self.tokens[end : end + k].tolist()
+
+    def _match(self, tail: np.ndarray, max_n: int, min_n: int) -> int | None:
+        """Where the longest of the text's last max_n..min_n tokens ends in the prediction."""
+        for n in range(min(max_n, len(self.tokens)), min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(self.tokens, n)
+            hits = np.flatnonzero((windows == tail[-n:]).all(axis=1)) + n
+            if len(hits):
+                ahead = hits[hits >= self.cursor]
+                return int(ahead[0] if len(ahead) else hits[-1])
+        return None
+
+
 class _TokenDrafter(Drafter):
-    """Keeps each sequence's committed tokens; subclasses draft from them."""
+    """Keeps each sequence's committed tokens (and predicted output); subclasses draft from
+    them."""
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
         self._tokens: dict[str, list[int]] = {}
+        self._predictions: dict[str, Prediction] = {}
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self._tokens[request_id] = []
+        if prediction := Prediction.of(params, len(prompt_token_ids)):
+            self._predictions[request_id] = prediction
         self.commit(request_id, prompt_token_ids)
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -66,13 +116,20 @@ class _TokenDrafter(Drafter):
 
     def remove(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
+        self._predictions.pop(request_id, None)
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
         drafts = {}
         for req in requests:
             tokens = self._tokens[req.request_id]
             check_view(req, len(tokens))
-            drafts[req.request_id] = Draft(self._draft(req.request_id, tokens, req.k))
+            prediction = self._predictions.get(req.request_id)
+            found = (
+                []
+                if prediction is None
+                else prediction.draft(tokens, req.k, self.config.min_n, self.config.max_n)
+            )
+            drafts[req.request_id] = Draft(found or self._draft(req.request_id, tokens, req.k))
         return drafts
 
     def _draft(self, request_id: str, tokens: list[int], k: int) -> list[int]:

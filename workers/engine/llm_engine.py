@@ -7,6 +7,7 @@ tokens appended, rejected KV slots rolled back, drafters told, stop conditions c
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import logging
 import time
@@ -57,6 +58,9 @@ class RequestOutput:
     # which ended it alone while the batch went on
     error: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
+    # Once finished, with a predicted output (`params.prediction`): how many of its tokens the
+    # output holds, in order (OpenAI's accepted_prediction_tokens)
+    accepted_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -453,6 +457,8 @@ class LLMEngine:
         self._record_output(seq, [], detok.flush() if detok and ended else "")
         out = self._outputs[seq.request_id]
         out.finished, out.finish_reason = True, reason
+        if seq.params.prediction:
+            out.accepted_prediction_tokens = _in_order(seq.params.prediction, seq.output_token_ids)
         del self._seqs[seq.request_id]
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
@@ -473,6 +479,13 @@ class LLMEngine:
         outputs = list(self._outputs.values())
         self._outputs.clear()
         return outputs
+
+
+def _in_order(prediction: Seq[int], output: Seq[int]) -> int:
+    """How many of the prediction's tokens appear in the output in order (the matching blocks
+    of the two)."""
+    matcher = difflib.SequenceMatcher(None, list(prediction), list(output), autojunk=False)
+    return sum(block.size for block in matcher.get_matching_blocks())
 
 
 def _logprobs(seq: Sequence, rows: torch.Tensor, tokens: list[int] | None) -> list[TokenLogprob]:

@@ -53,6 +53,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # vLLM's: the stop string, or the stop token's (or EOS's) text, that ends the text stays in it
     include_stop_str_in_output: bool = False
+    # OpenAI's predicted output, as token ids: a hint for speculation only (drafters that copy
+    # text also copy from it, workers/drafting/ngram.py `Prediction`); what is sampled never
+    # depends on it
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
