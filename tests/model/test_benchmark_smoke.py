@@ -86,3 +86,10 @@ def test_bench_structured_quick_run(tmp_path: Path) -> None:
     text = quick_run("bench_structured", tmp_path)
     assert "<!-- bench_structured:start -->" in text
     assert "| eagle | schema |" in text and "| eagle | tool call |" in text
+
+
+def test_bench_prediction_quick_run(tmp_path: Path) -> None:
+    text = quick_run("bench_prediction", tmp_path)
+    assert "<!-- bench_prediction:start -->" in text
+    assert "| chat, asked again | ngram | right |" in text
+    assert "| code edit | eagle | none |" in text
