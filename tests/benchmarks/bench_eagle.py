@@ -12,7 +12,6 @@ section of docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kernels.linear import linear
-from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
+from tests.benchmarks.report import bench_args, bench_parser, machine_line, table, write_section
 from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
@@ -221,17 +220,9 @@ def lm_head_seconds(lm_head: torch.Tensor, rows: int, reps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = bench_parser(__doc__)
     parser.add_argument("--head", type=Path, default=BUNDLED_HEAD)
-    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
-    parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
-    args = parser.parse_args()
-    if args.quick:
-        args.runs, args.max_tokens = 1, 8
-    torch.set_num_threads(args.threads)
+    args = bench_args(parser)
     checkpoint = load_checkpoint()
     tok = checkpoint.tokenizer
     target = build_model(checkpoint, dtype=torch.bfloat16)

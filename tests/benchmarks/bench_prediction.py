@@ -13,16 +13,14 @@ prediction, with the prediction, and with a wrong one (the other kind's predicti
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from tests.benchmarks.bench_spec import CODE, JS, PROMPTS, SCRIPT
-from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
+from tests.benchmarks.report import bench_args, bench_parser, machine_line, table, write_section
 from workers.eagle.prompts import HELD_OUT
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import ModelSpec, build_engine
@@ -82,18 +80,7 @@ def run_requests(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--runs", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
-    parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
-    args = parser.parse_args()
-    if args.quick:
-        args.runs, args.max_tokens = 1, 8
-    torch.set_num_threads(args.threads)
+    args = bench_args(bench_parser(__doc__))
     config = EngineConfig(
         max_model_len=1024, spec=SpecConfig(method="eagle", num_speculative_tokens=K)
     )

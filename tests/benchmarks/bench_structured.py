@@ -13,14 +13,12 @@ answers hold to the schema, and the host time the grammar masks take per step. W
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -28,7 +26,7 @@ import jsonschema
 import torch
 
 from router.tools import ToolCalling, call_grammar, read_answer, render_prompt
-from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
+from tests.benchmarks.report import bench_args, bench_parser, machine_line, table, write_section
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import ModelSpec, build_engine
 from workers.engine.llm_engine import Completion, LLMEngine
@@ -197,18 +195,7 @@ def valid(text: str, schema: dict[str, Any], mode: str) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--runs", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
-    parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
-    args = parser.parse_args()
-    if args.quick:
-        args.runs, args.max_tokens = 1, 8
-    torch.set_num_threads(args.threads)
+    args = bench_args(bench_parser(__doc__))
     config = EngineConfig(
         max_model_len=1024, spec=SpecConfig(method="eagle", num_speculative_tokens=K)
     )

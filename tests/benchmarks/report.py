@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -14,6 +15,31 @@ from load_tests.report import cpu_name
 from load_tests.report import table as table  # the benchmarks take their tables from here
 
 DEFAULT_REPORT = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options the single-stream benchmarks share: rounds, answer length, torch threads,
+    a tiny `--quick` run for the smoke tests, the report to write."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=3, help="interleaved rounds")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
+    parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
+    return parser
+
+
+def bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The parsed options (`--quick`: one round of 8 tokens), torch's threads set."""
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.max_tokens = 1, 8
+    torch.set_num_threads(args.threads)
+    return args
+
+
 _HEADER = (
     "# Benchmarks\n\n"
     "Each section is written by the script it names; rerun the script to refresh it. "
