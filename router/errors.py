@@ -72,5 +72,10 @@ def overloaded(message: str, retry_after_s: float = 1.0) -> RouterError:
     )
 
 
+def shared_state_down(exc: Exception) -> RouterError:
+    """Redis did not answer: 503, the request can be retried."""
+    return overloaded(f"shared state (Redis) is unavailable: {exc}")
+
+
 def server_error(message: str) -> RouterError:
     return RouterError(500, message, "server_error", "INTERNAL")

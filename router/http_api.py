@@ -252,7 +252,7 @@ def create_app(service: RouterService) -> FastAPI:
         try:
             record = await service.state.load_response(response_id)
         except RedisError as exc:
-            raise errors.overloaded(f"shared state (Redis) is unavailable: {exc}") from exc
+            raise errors.shared_state_down(exc) from exc
         if record is None:
             raise errors.not_found(f"no stored response {response_id!r}", param)
         return record
@@ -267,8 +267,12 @@ def create_app(service: RouterService) -> FastAPI:
     @app.delete("/v1/responses/{response_id}", tags=["openai"])
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
         await service.authorize(_bearer(request))
-        await _stored(response_id)
-        await service.state.delete_response(response_id)
+        try:
+            deleted = await service.state.delete_response(response_id)
+        except RedisError as exc:
+            raise errors.shared_state_down(exc) from exc
+        if not deleted:
+            raise errors.not_found(f"no stored response {response_id!r}")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def _serve(

@@ -90,7 +90,7 @@ class RouterService:
         try:
             return await self._authorize(api_key)
         except RedisError as exc:
-            raise errors.overloaded(f"shared state (Redis) is unavailable: {exc}") from exc
+            raise errors.shared_state_down(exc) from exc
 
     async def _authorize(self, api_key: str | None) -> ApiKey | None:
         if not await self.state.auth_required():
@@ -241,7 +241,7 @@ class RouterService:
                 request_id, name, self.replica, request.prompt_ids, _settings(request)
             )
         except RedisError as exc:
-            raise errors.overloaded(f"shared state (Redis) is unavailable: {exc}") from exc
+            raise errors.shared_state_down(exc) from exc
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         output_ids: list[int] = []
         num_registered = 0  # of output_ids, already in the registry

@@ -160,6 +160,8 @@ def test_stored_responses_continue_and_can_be_read_and_deleted(
     assert (second.usage.input_tokens, second.output_text) == (len(prompt), expected)
     deleted = client.responses.delete(first.id)
     assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)  # deleted already
     code, out = get(f"{open_router.url}/v1/responses/{first.id}")
     assert (code, out["error"]["type"]) == (404, "not_found_error")
     unstored = client.responses.create(**ask, input="Hi", store=False)
