@@ -22,6 +22,7 @@ come before the new input; its `instructions` do not carry over, as in OpenAI's)
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -360,7 +361,7 @@ class ResponseBuilder:
                 "content": [],
             }
             events += self._add(item)
-            part = {"type": "output_text", "text": "", "annotations": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
             events.append(self._event("response.content_part.added", **self._where(), part=part))
             item["content"].append(part)
         self._open["content"][0]["text"] += text  # type: ignore[index]
@@ -391,7 +392,7 @@ class ResponseBuilder:
         self.output.append(item)
         self._open = item
         index = len(self.output) - 1
-        return [self._event("response.output_item.added", output_index=index, item=dict(item))]
+        return [self._event("response.output_item.added", output_index=index, item=item)]
 
     def _close(self) -> list[dict[str, Any]]:
         item, self._open = self._open, None
@@ -433,7 +434,10 @@ class ResponseBuilder:
         }
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        """An event, holding a copy of what it shows as it is now: items and parts change as
+        the answer goes on, and a stream may send the event after that (as `step` returns all
+        of a step's events at once)."""
+        event = {"type": kind, "sequence_number": self._sequence, **copy.deepcopy(fields)}
         self._sequence += 1
         return event
 

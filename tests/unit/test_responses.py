@@ -3,6 +3,7 @@ conversation, and the builder of output items and stream events."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -49,6 +50,48 @@ def test_items_follow_the_order_the_model_wrote_them(cut: int) -> None:
     assert done == response["output"]
     last = {"type": "response.completed", "sequence_number": len(events) - 1, "response": response}
     assert events[-1] == last
+
+
+def replayed(sent: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output a client builds from a stream's events, as OpenAI's SDK accumulates them: the
+    item as added, its parts as added, then the deltas (the done events are not read)."""
+    output: list[dict[str, Any]] = []
+    for event in sent:
+        if event["type"] == "response.output_item.added":
+            output.append(event["item"])
+        elif event["type"] == "response.content_part.added":
+            output[event["output_index"]]["content"].append(event["part"])
+        elif event["type"] == "response.output_text.delta":
+            output[event["output_index"]]["content"][event["content_index"]]["text"] += event[
+                "delta"
+            ]
+        elif event["type"] == "response.function_call_arguments.delta":
+            output[event["output_index"]]["arguments"] += event["delta"]
+    return output
+
+
+@pytest.mark.parametrize("cut", [1, 5, 14, 20, 40])
+def test_events_as_sent_build_the_response(cut: int) -> None:
+    """Each step's events go out (serialized) before the next step: an item is added empty and
+    a part with no text, so that the deltas a client adds up give the response's text once."""
+    text = f"Let me check. {CALL}\nDone."
+    body = validate(ResponsesRequest, {"input": "hi"})
+    builder = ResponseBuilder(body, "resp_1", "smol", ToolCalling(("get_weather",)))
+    sent = [json.loads(json.dumps(event)) for event in builder.start()]
+    for number, piece in enumerate([text[:cut], text[cut:]]):
+        sent += [json.loads(json.dumps(e)) for e in builder.step(piece, finished=number == 1)]
+    usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "speculative": {}}
+    sent += [json.loads(json.dumps(e)) for e in builder.finish("stop", usage)]
+    added = [e for e in sent if e["type"] == "response.content_part.added"]
+    assert [e["part"]["text"] for e in added] == ["", ""]
+    messages = [e["item"] for e in sent if e["type"] == "response.output_item.added"]
+    assert [m.get("content") for m in messages] == [[], None, []]
+    built_up = replayed(sent)
+    final = builder.response["output"]
+    assert [item["type"] for item in built_up] == [item["type"] for item in final]
+    assert built_up[0]["content"] == final[0]["content"]
+    assert built_up[1]["arguments"] == final[1]["arguments"]
+    assert built_up[2]["content"] == final[2]["content"]
 
 
 def test_a_cut_answer_is_incomplete() -> None:
