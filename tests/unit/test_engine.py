@@ -504,3 +504,57 @@ def test_a_finished_request_counts_the_predicted_tokens_its_output_holds(
                 counted[out.request_id] = out.accepted_prediction_tokens
     assert [tokens["right"], tokens["edited"], tokens["none"]] == [*expected, expected[0]]
     assert counted == {"right": 12, "edited": 11, "none": 0}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_answer_ends_where_its_settings_leave_no_token(
+    model: TransformerLM, temperature: float
+) -> None:
+    """Only token 7 is allowed and the bad word 7 7 7 rules it out after two 7s: nothing may
+    come third, so the answer ends there (finish reason "stop"), as plain decoding's does,
+    whether or not drafts (7s, from its prediction) run through that position. No token its
+    settings rule out is ever committed, and the request beside it is plain decoding's."""
+    ps = prompts(2, seed=17)
+    base = SamplingParams(max_tokens=12, temperature=temperature, seed=3, ignore_eos=True)
+    stuck = dataclasses.replace(
+        base, allowed_token_ids=(7,), bad_words=((7, 7, 7),), prediction=(7,) * 12
+    )
+    plain = SequentialEngine(model, max_model_len=512).generate(ps[0], stuck)
+    assert (plain.token_ids, plain.finish_reason) == ([7, 7], "stop")
+    (expected,) = reference(model, [ps[1]], GREEDY)
+    for spec in (SpecConfig(), SpecConfig(method="ngram", adaptive=False)):
+        eng = engine(model, spec=spec)
+        eng.add_request("stuck", ps[0], stuck)
+        eng.add_request("other", ps[1], GREEDY, RequestSpec(method="none"))
+        tokens: dict[str, list[int]] = {"stuck": [], "other": []}
+        reasons = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                tokens[out.request_id] += out.new_token_ids
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        assert tokens == {"stuck": [7, 7], "other": expected}
+        assert reasons == {"stuck": "stop", "other": "length"}
+        assert eng.allocator.num_free_blocks == eng.config.kv_blocks
+    assert eng.stats.drafted > 0  # drafts did run through the position that has no token
+
+
+def test_an_answer_with_no_first_token_is_empty(model: TransformerLM) -> None:
+    """Settings that leave no first token (the only allowed token is a bad word): the answer
+    is empty and stops, from a local prefill and from a whole remote one alike."""
+    from cluster.prefill import PrefillWorker
+    from workers.engine.llm_engine import Prefilled
+
+    (prompt,) = prompts(1, seed=19)
+    none_left = dataclasses.replace(GREEDY, allowed_token_ids=(7,), bad_words=((7,),))
+    plain = SequentialEngine(model, max_model_len=512).generate(prompt, none_left)
+    assert (plain.token_ids, plain.finish_reason) == ([], "stop")
+    (local,) = engine(model).generate([prompt], none_left)
+    assert (local.token_ids, local.finish_reason) == ([], "stop")
+    result = PrefillWorker(model, max_model_len=256).compute(prompt, hidden_layers=())
+    eng = engine(model)
+    eng.add_request("r", prompt, none_left, prefilled=Prefilled(result.kv, None, result.logits))
+    (out,) = eng.take_outputs()
+    assert (out.new_token_ids, out.finished, out.finish_reason) == ([], True, "stop")
+    assert not eng.has_unfinished_requests()
+    assert eng.allocator.num_free_blocks == eng.config.kv_blocks

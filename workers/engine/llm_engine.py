@@ -28,7 +28,7 @@ from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
 from workers.engine.structured import Grammars
-from workers.engine.verification import Failed, sample_one, sampling_rows, verify
+from workers.engine.verification import DeadEnd, Failed, sample_one, sampling_rows, verify
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
 from workers.kv_cache.block_allocator import block_hashes
 from workers.model.tokenizer import Tokenizer
@@ -228,7 +228,10 @@ class LLMEngine:
                 logits = self._load_prefilled(seq, prefilled)
                 if logits is not None:  # the whole prompt came: its first token needs no forward
                     token = sample_one(seq, logits)
-                    self._append(seq, [token], _logprobs(seq, logits.view(1, -1), [token]))
+                    if isinstance(token, DeadEnd):
+                        self._finish(seq, "stop")
+                    else:
+                        self._append(seq, [token], _logprobs(seq, logits.view(1, -1), [token]))
             except Exception as exc:  # this request's own failure: it ends alone
                 self._fail(seq, exc)
             if seq.finished:
@@ -281,6 +284,10 @@ class LLMEngine:
                 if isinstance(tokens, Failed):  # its own verification raised: it ends alone
                     results.append(None)
                     self._fail(scheduled.seq, tokens.error)
+                    continue
+                if isinstance(tokens, DeadEnd):  # its settings let no token come next
+                    results.append(None)
+                    self._finish(scheduled.seq, "stop")
                     continue
                 results.append(tokens)
                 try:

@@ -17,6 +17,7 @@ from kernels.sampling import sample_from_probs
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import Grammars
+from workers.engine.verification import is_dead
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
@@ -72,7 +73,8 @@ class SequentialEngine:
         params: SamplingParams,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
-        """Tokens after the prompt until EOS, a stop token, max_tokens or the context's end."""
+        """Tokens after the prompt until EOS, a stop token, max_tokens, the context's end, or a
+        position where the request's settings leave no token."""
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -96,6 +98,9 @@ class SequentialEngine:
                 if params.adjusts_logits:
                     output = tokens[len(prompt) :]
                     logits = params.adjust(logits, prompt, output, (), self.eos_token_ids, grammar)
+                    if bool(is_dead(logits.view(1, -1))):  # no token may come next: it ends
+                        reason = "stop"
+                        break
                 token = self._sample(logits, params, generator)
                 if grammar is not None and not grammar.advance([token]):
                     reason = "stop"  # refused (the mask should have ruled it out)

@@ -22,9 +22,24 @@ class Failed:
     error: Exception
 
 
-def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int] | Failed | None]:
+@dataclass(frozen=True, slots=True)
+class DeadEnd:
+    """A sequence whose own settings rule out every token at its next position
+    (`allowed_token_ids`, and a bad word that ends in each of them): nothing may come next,
+    so its answer ends there (finish reason "stop"), as one whose grammar is complete does."""
+
+
+def is_dead(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows] bool
+    """Rows whose every token the request's settings put at -inf."""
+    return torch.isneginf(logits.amax(dim=-1))
+
+
+def verify(
+    batch: Sequence[ScheduledSeq], output: RunnerOutput
+) -> list[list[int] | Failed | DeadEnd | None]:
     """Committed tokens of each scheduled sequence (None for a prefill chunk that samples none,
-    `Failed` for one whose penalties or grammar raised).
+    `Failed` for one whose penalties or grammar raised, `DeadEnd` for one that may take no
+    token).
 
     A sequence without a draft simply samples one token (k = 0: the bonus token); one with a
     draft gets its accepted prefix plus a recovered or bonus token. Greedy rows are decided by
@@ -32,9 +47,11 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     `rejection_sample` together. A request with penalties, a logit bias, `min_tokens` or a
     grammar has them applied to each row first, the row's output taking in the drafts before
     it. A sequence's sampling rows are its last k + 1 (a prompt chunk scored for its
-    log-probabilities has every position's row before them).
+    log-probabilities has every position's row before them). A row whose settings leave no
+    token is never committed from: the tokens before it are, and the next step, starting at that
+    row, ends the sequence there (as plain decoding would).
     """
-    committed: list[list[int] | Failed | None] = [None] * len(batch)
+    committed: list[list[int] | Failed | DeadEnd | None] = [None] * len(batch)
     rows = []  # sampled rows: they need the target's probabilities
     # Greedy rows need only the argmax: one call and one copy to the host for the whole batch
     # (per row, a GPU step paid a launch and a sync for each sequence).
@@ -50,7 +67,8 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
             except Exception as exc:  # this sequence's own failure: the batch goes on
                 committed[i] = Failed(exc)
                 continue
-            committed[i] = greedy_accept(s.draft.token_ids, rows_logits.argmax(dim=-1).tolist())
+            tokens = greedy_accept(s.draft.token_ids, rows_logits.argmax(dim=-1).tolist())
+            committed[i] = _before_dead_end(tokens, is_dead(rows_logits))
         elif s.seq.params.greedy:  # the argmax decides: no transform, no probabilities
             if argmax is None:
                 argmax = output.output.logits.argmax(dim=-1).tolist()
@@ -73,6 +91,7 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
         .to("cpu", torch.float32)
         .view(len(rows), max_k + 1, vocab)
     )
+    dead: dict[int, torch.Tensor] = {}  # [k + 1] bool per adjusted sequence (is_dead)
     for n, (i, k) in enumerate(zip(rows, ks, strict=True)):
         seq = batch[i].seq
         if seq.params.adjusts_logits:
@@ -81,6 +100,9 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
             except Exception as exc:  # sampled below like the rest, and then dropped
                 committed[i] = Failed(exc)
                 logits[n] = 0.0  # whatever it left half-done, a harmless distribution
+                continue
+            dead[i] = is_dead(logits[n, : k + 1])
+            logits[n, : k + 1][dead[i]] = 0.0  # a harmless distribution, never committed from
     params = [batch[i].seq.params for i in rows]
 
     def per_row(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -106,8 +128,18 @@ def verify(batch: Sequence[ScheduledSeq], output: RunnerOutput) -> list[list[int
     )
     for i, row in zip(rows, sampled.tolist(), strict=True):
         if not isinstance(committed[i], Failed):
-            committed[i] = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+            tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+            committed[i] = _before_dead_end(tokens, dead[i]) if i in dead else tokens
     return committed
+
+
+def _before_dead_end(tokens: list[int], dead: torch.Tensor) -> list[int] | DeadEnd:
+    """The committed tokens (token j drawn from row j) before the first row that had no token
+    to give, or `DeadEnd` when that is the first row."""
+    first = next((j for j, row_dead in enumerate(dead[: len(tokens)].tolist()) if row_dead), None)
+    if first is None:
+        return tokens
+    return tokens[:first] if first > 0 else DeadEnd()
 
 
 def sampling_rows(output: RunnerOutput, index: int, k: int) -> torch.Tensor:
@@ -116,13 +148,15 @@ def sampling_rows(output: RunnerOutput, index: int, k: int) -> torch.Tensor:
     return rows[rows.shape[0] - k - 1 :]
 
 
-def sample_one(seq: Sequence_, logits: torch.Tensor) -> int:
+def sample_one(seq: Sequence_, logits: torch.Tensor) -> int | DeadEnd:
     """The token a forward with these last-position logits (`[vocab]`) would commit for `seq`
     without a draft: the same transform and the same draw from the sequence's generator as
     `verify` makes for a row with k = 0."""
     p = seq.params
     if p.adjusts_logits:
         logits = _adjusted(seq, (), logits.view(1, -1))[0]
+        if bool(is_dead(logits.view(1, -1))):
+            return DeadEnd()
     if p.greedy:
         return int(logits.argmax())
     probs = p.probs(logits).view(1, 1, -1)
