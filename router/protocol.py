@@ -747,6 +747,26 @@ class RequestBuilder:
             )
         return tuple(sorted(set(allowed)))
 
+    def _check_some_token_left(self, params: SamplingParams) -> None:
+        """400 where `allowed_token_ids` leaves nothing to generate from the start: every
+        allowed token a bad word of one token, or, with `min_tokens`, only tokens that end the
+        text. (Bad words of more tokens can still close the last way on later; the engine then
+        ends the request with an error where no token may come next.)"""
+        if not params.allowed_token_ids:
+            return
+        banned = {word[0] for word in params.bad_words if len(word) == 1}
+        usable = set(params.allowed_token_ids) - banned
+        if not usable:
+            raise errors.bad_request(
+                "bad_words rule out every token of allowed_token_ids", "allowed_token_ids"
+            )
+        eos = () if params.ignore_eos else self.tokenizer.eos_token_ids
+        if params.min_tokens > 0 and usable <= {*params.stop_token_ids, *eos}:
+            raise errors.bad_request(
+                "every token of allowed_token_ids ends the text, which min_tokens holds off",
+                "allowed_token_ids",
+            )
+
     def _bad_words(self, body: _SamplingFields) -> tuple[tuple[int, ...], ...]:
         """Each bad word's tokens as written and after a space (as it appears mid-text), as
         vLLM takes them."""
@@ -799,6 +819,7 @@ class RequestBuilder:
             bad_words=self._bad_words(body),
             include_stop_str_in_output=body.include_stop_str_in_output,
         )
+        self._check_some_token_left(params)
         if structured is not None:
             params = replace(params, structured=structured)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:

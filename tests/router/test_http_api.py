@@ -539,6 +539,21 @@ def test_allowed_tokens_bad_words_and_the_stop_string_kept(
     together = {**body, "allowed_token_ids": [5], "structured_outputs": {"regex": "a+"}}
     code, out, _, _ = post(server + "/v1/completions", together)
     assert (code, out["error"]["param"]) == (400, "allowed_token_ids")
+    # Settings that leave no token: refused where that shows from the start (the only allowed
+    # token is a bad word; only EOS, held off by min_tokens), else the answer stops where
+    # nothing may come next ("1" alone, and never "111").
+    (one,) = tok.encode("1", add_special_tokens=False)
+    (eos,) = tok.eos_token_ids
+    for fields in (
+        {"allowed_token_ids": [one], "bad_words": ["1"]},
+        {"allowed_token_ids": [eos], "min_tokens": 2, "ignore_eos": False},
+    ):
+        code, out, _, _ = post(server + "/v1/completions", {**body, **fields})
+        assert (code, out["error"]["param"]) == (400, "allowed_token_ids"), fields
+    ones = {**body, "allowed_token_ids": [one], "bad_words": ["111"]}
+    code, out, _, _ = post(server + "/v1/completions", ones)
+    assert code == 200 and out["choices"][0]["text"] == "11"
+    assert out["choices"][0]["finish_reason"] == "stop"
 
 
 def test_structured_output_in_openais_and_vllms_fields(server: str, model_fp32, checkpoint) -> None:  # type: ignore[no-untyped-def]
