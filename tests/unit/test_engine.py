@@ -12,7 +12,7 @@ from tests.factories import tiny_model
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
-from workers.engine.llm_engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
 from workers.model.transformer import TransformerLM
@@ -44,6 +44,18 @@ def engine(model: TransformerLM, **overrides: object) -> LLMEngine:
     spec = overrides.pop("spec", SpecConfig())
     config = EngineConfig(max_model_len=512, **{"spec": spec, **overrides})  # type: ignore[arg-type]
     return LLMEngine(model, config, drafters={"ngram": NgramDrafter(NgramConfig(1, 3))})
+
+
+def run_to_end(eng: LLMEngine, tokens: dict[str, list[int]]) -> dict[str, RequestOutput]:
+    """Step `eng` until no request is left, appending each request's new tokens to `tokens`;
+    each request's last output (finish reason, error, counts)."""
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
 
 
 def test_batched_engine_matches_plain_decoding(model: TransformerLM) -> None:
@@ -135,12 +147,7 @@ def test_a_request_whose_own_work_fails_ends_alone(
     for out in eng.step():  # the prompts and their first tokens
         tokens[out.request_id] += out.new_token_ids
     eng._seqs["r1"].grammar = _Exploding(where)  # type: ignore[assignment]
-    finals = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.finished:
-                finals[out.request_id] = out
+    finals = run_to_end(eng, tokens)
     assert finals["r1"].finish_reason == "error"
     assert finals["r1"].error == f"RuntimeError: boom in {where}"
     assert [tokens["r0"], tokens["r2"]] == [e.token_ids for e in expected]
@@ -496,13 +503,9 @@ def test_a_finished_request_counts_the_predicted_tokens_its_output_holds(
         eng.add_request(rid, prompt, dataclasses.replace(GREEDY, prediction=tuple(predicted)))
     eng.add_request("none", ps[0], GREEDY)
     tokens: dict[str, list[int]] = {"right": [], "edited": [], "none": []}
-    counted = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.finished:
-                counted[out.request_id] = out.accepted_prediction_tokens
+    finals = run_to_end(eng, tokens)
     assert [tokens["right"], tokens["edited"], tokens["none"]] == [*expected, expected[0]]
+    counted = {rid: out.accepted_prediction_tokens for rid, out in finals.items()}
     assert counted == {"right": 12, "edited": 11, "none": 0}
 
 
@@ -527,14 +530,12 @@ def test_an_answer_ends_where_its_settings_leave_no_token(
         eng.add_request("stuck", ps[0], stuck)
         eng.add_request("other", ps[1], GREEDY, RequestSpec(method="none"))
         tokens: dict[str, list[int]] = {"stuck": [], "other": []}
-        reasons = {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                tokens[out.request_id] += out.new_token_ids
-                if out.finished:
-                    reasons[out.request_id] = out.finish_reason
+        finals = run_to_end(eng, tokens)
         assert tokens == {"stuck": [7, 7], "other": expected}
-        assert reasons == {"stuck": "stop", "other": "length"}
+        assert {rid: out.finish_reason for rid, out in finals.items()} == {
+            "stuck": "stop",
+            "other": "length",
+        }
         assert eng.allocator.num_free_blocks == eng.config.kv_blocks
     assert eng.stats.drafted > 0  # drafts did run through the position that has no token
 
