@@ -751,7 +751,7 @@ class RequestBuilder:
         """400 where `allowed_token_ids` leaves nothing to generate from the start: every
         allowed token a bad word of one token, or, with `min_tokens`, only tokens that end the
         text. (Bad words of more tokens can still close the last way on later; the engine then
-        ends the request with an error where no token may come next.)"""
+        ends the answer where no token may come next, verification.py `DeadEnd`.)"""
         if not params.allowed_token_ids:
             return
         banned = {word[0] for word in params.bad_words if len(word) == 1}

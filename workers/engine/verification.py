@@ -151,7 +151,7 @@ def sampling_rows(output: RunnerOutput, index: int, k: int) -> torch.Tensor:
 def sample_one(seq: Sequence_, logits: torch.Tensor) -> int | DeadEnd:
     """The token a forward with these last-position logits (`[vocab]`) would commit for `seq`
     without a draft: the same transform and the same draw from the sequence's generator as
-    `verify` makes for a row with k = 0."""
+    `verify` makes for a row with k = 0; `DeadEnd` where its settings leave no token."""
     p = seq.params
     if p.adjusts_logits:
         logits = _adjusted(seq, (), logits.view(1, -1))[0]
