@@ -23,13 +23,19 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</t
 
 
 def built(steps: list[str], calling: ToolCalling | None, reason: str = "stop") -> Any:
+    """The response, and its events as a stream sends them: serialized when each call returns,
+    before the next step."""
     body = validate(ResponsesRequest, {"input": "hi"})
     builder = ResponseBuilder(body, "resp_1", "smol", calling)
-    events = builder.start()
+
+    def sent(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [json.loads(json.dumps(event)) for event in events]
+
+    events = sent(builder.start())
     for number, text in enumerate(steps):
-        events += builder.step(text, finished=number == len(steps) - 1)
+        events += sent(builder.step(text, finished=number == len(steps) - 1))
     usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "speculative": {}}
-    events += builder.finish(reason, usage)
+    events += sent(builder.finish(reason, usage))
     return builder.response, events
 
 
@@ -75,19 +81,13 @@ def test_events_as_sent_build_the_response(cut: int) -> None:
     """Each step's events go out (serialized) before the next step: an item is added empty and
     a part with no text, so that the deltas a client adds up give the response's text once."""
     text = f"Let me check. {CALL}\nDone."
-    body = validate(ResponsesRequest, {"input": "hi"})
-    builder = ResponseBuilder(body, "resp_1", "smol", ToolCalling(("get_weather",)))
-    sent = [json.loads(json.dumps(event)) for event in builder.start()]
-    for number, piece in enumerate([text[:cut], text[cut:]]):
-        sent += [json.loads(json.dumps(e)) for e in builder.step(piece, finished=number == 1)]
-    usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8, "speculative": {}}
-    sent += [json.loads(json.dumps(e)) for e in builder.finish("stop", usage)]
+    response, sent = built([text[:cut], text[cut:]], ToolCalling(("get_weather",)))
     added = [e for e in sent if e["type"] == "response.content_part.added"]
     assert [e["part"]["text"] for e in added] == ["", ""]
     messages = [e["item"] for e in sent if e["type"] == "response.output_item.added"]
     assert [m.get("content") for m in messages] == [[], None, []]
     built_up = replayed(sent)
-    final = builder.response["output"]
+    final = response["output"]
     assert [item["type"] for item in built_up] == [item["type"] for item in final]
     assert built_up[0]["content"] == final[0]["content"]
     assert built_up[1]["arguments"] == final[1]["arguments"]
