@@ -18,8 +18,11 @@ guesses of the sequences it asks for: that step is answered from the chains draf
 drafting ahead goes on (`Drafter.take_ahead`), once each chain holds the whole draft an in-line
 proposal would make.
 
-A restarted actor comes back empty with a new incarnation number; a step meant for the old one
-raises `DrafterRestarted`, and the verifier re-adds its sequences.
+Each link the verifier opens starts a new incarnation of the drafter's state: a restarted actor
+comes back empty with one, and a verifier that reconnects (its channel broke, or it restarted
+itself) gets one too. A step meant for an older incarnation raises `DrafterRestarted`, and the
+verifier re-adds its sequences; the first step of a new incarnation drops whatever the drafter
+still held from the one before, so a verifier that restarted leaves no sequences behind.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ Event = (
 class StepMessage:
     """One step's traffic to a drafter (plain data; feature rows follow over the link)."""
 
-    incarnation: int  # which life of the drafter actor this state belongs to
+    incarnation: int  # which incarnation of the drafter's state (its latest link) this is for
     events: list[Any]
     requests: list[DraftRequest]
     feature_rows: int = 0
@@ -76,8 +79,8 @@ class DraftReply:
 
 @dataclass(frozen=True, slots=True)
 class Handshake:
-    """The drafter's answer to `open_link`: which life of the actor this is, and where its step
-    channel listens (with the token for one connection)."""
+    """The drafter's answer to `open_link`: the incarnation of its state this link starts, and
+    where its step channel listens (with the token for one connection)."""
 
     incarnation: int
     channel: ChannelAddress
@@ -100,7 +103,9 @@ class DrafterWorker:
         self.keep_going = keep_going and self.draft_ahead and self.drafter.keeps_drafting_ahead
         self.link: TensorLink | None = None
         self.channel: StepServer | None = None  # opened with the first link
-        self.incarnation = int(time.time_ns())  # a restarted actor gets a new one
+        self.incarnation = time.time_ns()  # a restarted actor gets a new one; so does a link
+        self._held = self.incarnation  # the incarnation the drafter's sequences belong to
+        self._live: set[str] = set()  # those sequences
         self._ahead: threading.Thread | None = None
         self._stop_ahead = threading.Event()
         self._abandon_ahead = threading.Event()
@@ -111,14 +116,18 @@ class DrafterWorker:
             "method": self.drafter.method,
             "hidden_layers": list(self.drafter.hidden_layers),
             "incarnation": self.incarnation,
+            "sequences": len(self._live),  # held for its verifier
             "draft_ahead": self.draft_ahead,
             "keep_drafting_ahead": self.keep_going,
         }
 
     def open_link(self, address: LinkAddress) -> Handshake:
+        """A verifier's (new) link and step channel, and a new incarnation: the verifier adds
+        every sequence it holds afresh."""
         self.link = TensorLink.join(address)
         if self.channel is None:
             self.channel = StepServer(self.step, f"{self.name}-steps")
+        self.incarnation = max(time.time_ns(), self.incarnation + 1)
         return Handshake(self.incarnation, self.channel.address())
 
     def step(self, message: StepMessage) -> DraftReply:
@@ -134,6 +143,11 @@ class DrafterWorker:
         self._finish_ahead(abandon=not self.guess_may_hold(message.events))
         if message.incarnation != self.incarnation:
             raise DrafterRestarted(f"{self.name} restarted; the verifier must re-add its sequences")
+        if self._held != self.incarnation:  # the first step since a new link
+            for rid in self._live:
+                self.drafter.remove(rid)
+            self._live.clear()
+            self._held = self.incarnation
         features = None
         if message.feature_rows:
             if self.link is None:
@@ -145,6 +159,7 @@ class DrafterWorker:
             kind, rid = event[0], event[1]
             if kind == "add":
                 self.drafter.add(rid, event[2], event[3])
+                self._live.add(rid)
             elif kind == "features":
                 assert features is not None
                 first, rows = event[2], event[3]
@@ -154,6 +169,7 @@ class DrafterWorker:
                 self.drafter.commit(rid, event[2])
             elif kind == "remove":
                 self.drafter.remove(rid)
+                self._live.discard(rid)
         start = time.perf_counter()
         served = self.drafter.ahead_served
         drafts = self.drafter.propose(message.requests) if message.requests else {}

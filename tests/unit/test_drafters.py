@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from cluster.drafter_worker import DrafterWorker, DraftReply, StepMessage
+from cluster.drafter_worker import DrafterRestarted, DrafterWorker, DraftReply, StepMessage
+from cluster.links import TensorLink
 from tests.factories import tiny_model
 from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_bar
 from workers.drafting.base import (
@@ -351,6 +352,40 @@ def test_drafter_worker_abandons_drafting_ahead_only_when_no_commit_can_be_the_g
     assert not worker.guess_may_hold([("commit", "a", [draft[0], other]), ("commit", "a", [1])])
     assert not worker.guess_may_hold([("remove", "a")]) and not worker.guess_may_hold([])
     assert not worker.guess_may_hold([("commit", "unknown", [*draft, 7])])
+
+
+def test_a_new_link_drops_what_the_drafter_held_for_the_verifier_before(
+    draft_net: TransformerLM,
+) -> None:
+    """A verifier that restarted (or reconnected) opens a new link and adds the sequences it
+    holds afresh: steps meant for the old incarnation are refused, and the sequences of the
+    old one go, their draft KV blocks with them."""
+    greedy = SamplingParams(temperature=0.0)
+    worker = DrafterWorker(
+        lambda: DraftModelDrafter(draft_net, num_blocks=32, block_size=4), "d", draft_ahead=False
+    )
+    before = worker.incarnation
+    adds = [("add", rid, [5, 17, 33, 8], greedy) for rid in ("a", "b")]
+    worker.step(StepMessage(before, adds, [DraftRequest("a", 4, 3), DraftRequest("b", 4, 3)]))
+    allocator = worker.drafter.allocator
+    assert allocator.num_free_blocks < allocator.num_blocks
+    host = TensorLink.host("drafter-relink", timeout_s=5.0)
+    opened = threading.Thread(target=lambda: worker.open_link(host.address))
+    opened.start()
+    host.connect()
+    opened.join()
+    try:
+        assert worker.incarnation > before
+        with pytest.raises(DrafterRestarted):
+            worker.step(StepMessage(before, [], [DraftRequest("a", 4, 3)]))
+        reply = worker.step(StepMessage(worker.incarnation, adds[:1], [DraftRequest("a", 4, 3)]))
+        assert len(reply.drafts["a"][0]) == 3
+        assert set(worker.drafter._seqs) == {"a"}  # "b" went with the old incarnation
+        worker.step(StepMessage(worker.incarnation, [("remove", "a")], []))
+        assert allocator.num_free_blocks == allocator.num_blocks
+    finally:
+        assert worker.channel is not None
+        worker.channel.close()
 
 
 def test_sampled_drafting_ahead_returns_q_for_each_prepared_token(
