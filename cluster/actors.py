@@ -243,9 +243,13 @@ class TensorParallelRunner(ModelRunner):
                     self.group.send(part, wait=False, peer=peer)
         except (ChannelError, LinkError) as err:
             raise RankFailed(f"a tensor-parallel rank is gone: {err}") from err
-        out = super().forward(seqs, hidden_layers, return_final_hidden)
-        if writes and self.group is not None:
-            self.group.flush()  # the ranks received them before their first all-reduce
+        try:
+            out = super().forward(seqs, hidden_layers, return_final_hidden)
+            if writes and self.group is not None:
+                self.group.flush()  # the ranks received them before their first all-reduce
+        except Exception as err:  # a rank vanished mid-forward, or this rank failed: the
+            # others are left waiting in an all-reduce that will not pair up
+            raise RankFailed(f"the group's forward failed: {err!r}") from err
         return out
 
     def _reap(self) -> None:
@@ -268,7 +272,8 @@ class TensorParallelRunner(ModelRunner):
 
 
 class RankFailed(RuntimeError):
-    """A rank of a tensor-parallel group failed or vanished; the group cannot go on."""
+    """A rank of a tensor-parallel group failed or vanished, or a forward failed part-way: the
+    ranks are out of step and the group cannot go on (rank 0 restarts it: cluster/verifier.py)."""
 
 
 class VerifierRankActor:
@@ -291,9 +296,10 @@ class VerifierRankActor:
         self.runner = ModelRunner(model, cache)
         self.link: TensorLink | None = None
         self.plans: StepServer | None = None  # rank 0's plans arrive here
+        self.incarnation = time.time_ns()  # a restarted rank gets a new one
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "rank": self.rank, **where()}
+        return {"name": self.name, "rank": self.rank, "incarnation": self.incarnation, **where()}
 
     def join_group(self, address: Any) -> ChannelAddress:
         """Join the group's link; returns where rank 0 sends its plans."""

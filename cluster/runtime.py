@@ -281,6 +281,7 @@ class Runtime:
                     pools.verifier.resources,
                     [(plain, name, r, tp) for r, name in enumerate(rank_names, start=1)],
                     first_bundle=1,
+                    max_restarts=-1,  # their rank 0 restarts them (cluster/verifier.py)
                 )
                 # Each verifier group drafts and prefills with its share of those pools.
                 name = f"verifier-g{g}-r0"
@@ -293,6 +294,7 @@ class Runtime:
                     pools.verifier.resources,
                     [(plain, name, mine, my_prefills, rank_names)],
                     max_concurrency=1000,
+                    max_restarts=-1,  # a group recovers as a whole (cluster/verifier.py)
                 )
                 verifier_names.append(name)
             ray.get([v.info.remote() for v in verifiers], timeout=300)

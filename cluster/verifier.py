@@ -1,12 +1,21 @@
 """The verifier actor: rank 0 of a verifier group, which runs the engine (continuous batching
 and verification), drafts through the drafter pool, prefills through the prefill pool, and
 streams each request's steps to its caller as typed messages.
+
+Ray restarts a verifier that dies (its process killed, its node lost), and a group recovers as
+a whole: a rank 0 that lost a rank of its tensor-parallel group, or whose forward failed part-way
+(the ranks are out of step), ends its own process, and a restarted rank 0 restarts its other
+ranks before it forms the group again. Its requests fail with the actor (the router answers
+503); its drafters and prefill workers take the new links it opens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,6 +24,7 @@ from cluster import ngram_pool, telemetry
 from cluster.actors import (
     DRAFT_DEADLINE_S,
     RAY_NAMESPACE,
+    RankFailed,
     TensorParallelRunner,
     assigned_device,
     engine_config,
@@ -35,6 +45,8 @@ from workers.engine.sampling_params import SamplingParams
 from workers.model.tensor_parallel import build_sharded_model, split_evenly
 
 log = logging.getLogger(__name__)
+# How long a restarted rank 0 waits for each of its restarted ranks (their model loaded).
+RANK_RESTART_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +149,7 @@ class VerifierActor:
         loaded.engine.step_listeners.append(self.rounds)
         self.step_times = StepTimes()
         loaded.engine.step_listeners.append(self.step_times)
-        self.loop = EngineLoop(loaded.engine)
+        self.loop = EngineLoop(loaded.engine, self._fatal)
         self.dtype = deployment.dtype
         self.min_remote_prompt = deployment.pools.prefill.min_remote_prompt_tokens
         self.prefill_names = list(prefill_names or [])
@@ -163,6 +175,8 @@ class VerifierActor:
         import ray
 
         ranks = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in self.rank_names]
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            _restart_ranks(ranks)
         backend = link_backend(engine.runner.model.device)  # NCCL for GPU ranks
         group = TensorLink.host(f"{self.name}-tp", backend, timeout_s=60.0, world=world)
         joined = [r.join_group.remote(group.address) for r in ranks]
@@ -173,6 +187,14 @@ class VerifierActor:
         kv_heads = split_evenly(self.model_config.num_kv_heads, world)
         engine.runner = TensorParallelRunner(engine.runner, plans, group, kv_heads)
         self.group = group
+
+    def _fatal(self, exc: Exception) -> None:
+        """The engine loop's hook for a step's exception: a broken tensor-parallel group ends
+        this process, so that Ray restarts the group (this actor first)."""
+        if isinstance(exc, RankFailed):
+            log.error("%s: %s; restarting the group", self.name, exc)
+            sys.stderr.flush()
+            os._exit(1)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -309,3 +331,29 @@ class VerifierActor:
             await outputs.aclose()
             self.rounds.finish(request_id)
             self._prefilled_by.pop(request_id, None)
+
+
+def _restart_ranks(ranks: list[Any]) -> None:
+    """Restart a group's other ranks and wait until each is back, its model loaded (a rank left
+    from the group before may be waiting in an all-reduce of the old one, or replaying its
+    plans). Ray's kill is asynchronous: a rank is back when it answers as a new incarnation."""
+    import ray
+
+    before: list[int | None] = []
+    for rank in ranks:
+        try:
+            before.append(ray.get(rank.info.remote(), timeout=30)["incarnation"])
+        except ray.exceptions.RayError:  # dead or restarting already
+            before.append(None)
+        ray.kill(rank, no_restart=False)
+    for rank, old in zip(ranks, before, strict=True):
+        deadline = time.monotonic() + RANK_RESTART_TIMEOUT_S
+        while True:
+            try:
+                if ray.get(rank.info.remote(), timeout=30)["incarnation"] != old:
+                    break
+            except ray.exceptions.RayError:  # calls fail at once while the actor restarts
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a rank did not come back within {RANK_RESTART_TIMEOUT_S} s")
+            time.sleep(0.5)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from tests.cluster.common import GREEDY, deployment, run_all
+from tests.cluster.common import GREEDY, deployment, run_all, wait_restarted
 from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
 
@@ -244,3 +244,33 @@ def test_a_prefill_worker_that_dies_costs_no_request(  # type: ignore[no-untyped
     assert served(2) == "prefill-0"  # the restarted worker, over a new link
     (after,) = eagle_runtime.verifier_stats()
     assert after["prefill"]["remote"] == before["prefill"]["remote"] + 1
+
+
+def test_a_verifier_that_dies_comes_back_to_its_pools(eagle_runtime, prompts, expected) -> None:  # type: ignore[no-untyped-def]
+    """Ray restarts a verifier killed mid-stream (last in this module: it takes the verifier's
+    counters and prefix cache with it). The stream fails with the actor (the router answers
+    503); once it is back, requests are exact again, drafted by the same drafter actors (which
+    dropped the dead verifier's sequences) and prefilled by the same worker."""
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    stream = eagle_runtime.submit(prompts[3], long, RequestSpec(method="eagle"))
+    chunks = iter(stream)
+    received = 0
+    while received < 16:  # past its first token (sampled from the prefill): drafted for
+        received += len(next(chunks))
+    (verifier,) = eagle_runtime.verifiers
+    before = ray.get(verifier.info.remote())["pid"]
+    ray.kill(verifier, no_restart=False)
+    with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        for _ in chunks:
+            pass
+    wait_restarted(verifier, before)
+    assert run_all(eagle_runtime, prompts, "eagle") == expected
+    (stats,) = eagle_runtime.verifier_stats()
+    assert stats["spec"]["accepted"] > 0 and stats["remote_drafting"]["failures"] == 0
+    assert stats["prefill"]["remote"] == len(prompts) and stats["prefill"]["failures"] == 0
+    # A drafter hears of a finished sequence with the verifier's next step to it: after one
+    # more request, only that request's own sequence is left, on its drafter.
+    flush = eagle_runtime.submit(prompts[1], GREEDY, RequestSpec(method="eagle"))
+    assert [t for c in flush for t in c] == expected[1]
+    held = {d["name"]: d["sequences"] for d in eagle_runtime.actor_info()["drafters"]}
+    assert held == {name: int(name == flush.served_by.drafter) for name in held}

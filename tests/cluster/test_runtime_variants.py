@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.common import GREEDY, deployment, run_all
+from tests.cluster.common import GREEDY, deployment, run_all, wait_restarted
 from workers.engine.config import RequestSpec
 
 ray = pytest.importorskip("ray")
@@ -68,5 +68,14 @@ def test_tensor_parallel_verifier_is_exact(prompts, expected) -> None:  # type: 
         (stats,) = runtime.verifier_stats()
         assert stats["spec"]["accepted"] > 0
         assert stats["prefill"]["remote"] == len(prompts) + 3 and stats["prefill"]["failures"] == 0
+        # A rank that dies breaks the group: the next request fails with rank 0, which ends
+        # itself; restarted, it restarts rank 1 and forms the group again.
+        (verifier,), (rank,) = runtime.verifiers, runtime.ranks
+        before = ray.get(verifier.info.remote())["pid"]
+        ray.kill(rank, no_restart=False)
+        with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+            run_all(runtime, prompts[:1], "eagle")
+        wait_restarted(verifier, before)
+        assert run_all(runtime, prompts, "eagle") == expected
     finally:
         runtime.shutdown()

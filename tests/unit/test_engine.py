@@ -185,6 +185,38 @@ def test_the_engine_loop_hands_a_failed_request_its_error_and_serves_the_rest(
         loop.close()
 
 
+def test_the_engine_loop_shows_a_failed_step_to_its_fatal_hook_first(
+    model: TransformerLM,
+) -> None:
+    """A verifier's hook sees the step's exception before the running requests get it (a
+    broken tensor-parallel group ends the process there instead); then the loop goes on."""
+    from workers.engine.engine_loop import EngineLoop
+
+    eng = engine(model)
+    real_step = eng.step
+    seen: list[str] = []
+
+    def step_failing_once() -> list[RequestOutput]:
+        if not seen:
+            raise RuntimeError("the group broke")
+        return real_step()
+
+    def fatal(exc: Exception) -> None:
+        seen.append(f"{exc} while {sorted(loop._streams)} still ran")
+
+    eng.step = step_failing_once  # type: ignore[method-assign]
+    loop = EngineLoop(eng, fatal)
+    try:
+        failed = loop.submit("a", prompts(1, seed=5)[0], GREEDY)
+        with pytest.raises(RuntimeError, match="the group broke"):
+            list(failed)
+        assert seen == ["the group broke while ['a'] still ran"]
+        served = loop.submit("b", prompts(1, seed=6)[0], GREEDY)
+        assert len([t for out in served for t in out.new_token_ids]) == GREEDY.max_tokens
+    finally:
+        loop.close()
+
+
 def test_bad_requests_are_rejected(model: TransformerLM) -> None:
     eng = engine(model)
     with pytest.raises(ValueError, match="empty"):

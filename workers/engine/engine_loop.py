@@ -15,7 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -65,8 +65,13 @@ class LoopLoad:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine) -> None:
+    """`fatal`, when given, sees every exception a step raises before the running requests are
+    failed with it, and may end the process: a tensor-parallel verifier whose group broke has
+    Ray restart it (cluster/verifier.py), so that its requests fail with the actor instead."""
+
+    def __init__(self, engine: LLMEngine, fatal: Callable[[Exception], None] | None = None) -> None:
         self.engine = engine
+        self._fatal = fatal
         self._inbox: queue.Queue[_Submit | str] = queue.Queue()  # submissions and abort ids
         self._streams: dict[str, _Sink] = {}
         self._wake = threading.Event()
@@ -160,6 +165,8 @@ class EngineLoop:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug must not hang every client: fail the running ones
+                if self._fatal is not None:
+                    self._fatal(exc)
                 log.exception(
                     "engine step failed; failing the %d running requests", len(self._streams)
                 )
