@@ -89,6 +89,26 @@ def where() -> dict[str, Any]:
     return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "gpu_ids": list(ray.get_gpu_ids())}
 
 
+def info_when_up(
+    actor: Any, timeout_s: float, changed: Callable[[dict[str, Any]], bool] = lambda _: True
+) -> dict[str, Any]:
+    """The actor's `info` once it answers (and `changed` holds of it), for an actor that may be
+    restarting: Ray fails calls to it at once meanwhile, and its constructor may load a model."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            info: dict[str, Any] = ray.get(actor.info.remote(), timeout=timeout_s)
+            if changed(info):
+                return info
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"an actor did not answer as asked within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
 def start_tracing(config: DeploymentConfig) -> None:
     t = config.telemetry
     telemetry.setup_tracing(t.exporter, t.otlp_endpoint, t.service_name)

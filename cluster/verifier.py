@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from cluster.actors import (
     TensorParallelRunner,
     assigned_device,
     engine_config,
+    info_when_up,
     model_spec,
     start_tracing,
     use_assigned_cpus,
@@ -45,8 +45,9 @@ from workers.engine.sampling_params import SamplingParams
 from workers.model.tensor_parallel import build_sharded_model, split_evenly
 
 log = logging.getLogger(__name__)
-# How long a restarted rank 0 waits for each of its restarted ranks (their model loaded).
-RANK_RESTART_TIMEOUT_S = 600.0
+# How long a (restarted) verifier waits for each actor it needs that is restarting too (a
+# drafter on the same lost node, its other ranks): their models load first.
+RESTART_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class VerifierActor:
         self.drafters: ShardedDrafter | None = None
         if drafter_names:
             actors = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in drafter_names]
-            infos: list[dict[str, Any]] = ray.get([a.info.remote() for a in actors])
+            infos = [info_when_up(a, RESTART_TIMEOUT_S) for a in actors]
             shards = [
                 RemoteDrafter(
                     a,
@@ -347,13 +348,8 @@ def _restart_ranks(ranks: list[Any]) -> None:
             before.append(None)
         ray.kill(rank, no_restart=False)
     for rank, old in zip(ranks, before, strict=True):
-        deadline = time.monotonic() + RANK_RESTART_TIMEOUT_S
-        while True:
-            try:
-                if ray.get(rank.info.remote(), timeout=30)["incarnation"] != old:
-                    break
-            except ray.exceptions.RayError:  # calls fail at once while the actor restarts
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"a rank did not come back within {RANK_RESTART_TIMEOUT_S} s")
-            time.sleep(0.5)
+
+        def restarted(info: dict[str, Any], old: int | None = old) -> bool:
+            return bool(info["incarnation"] != old)
+
+        info_when_up(rank, RESTART_TIMEOUT_S, restarted)

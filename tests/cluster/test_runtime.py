@@ -250,7 +250,8 @@ def test_a_verifier_that_dies_comes_back_to_its_pools(eagle_runtime, prompts, ex
     """Ray restarts a verifier killed mid-stream (last in this module: it takes the verifier's
     counters and prefix cache with it). The stream fails with the actor (the router answers
     503); once it is back, requests are exact again, drafted by the same drafter actors (which
-    dropped the dead verifier's sequences) and prefilled by the same worker."""
+    dropped the dead verifier's sequences) and prefilled by the same worker. Then the verifier
+    and its drafters all at once."""
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     stream = eagle_runtime.submit(prompts[3], long, RequestSpec(method="eagle"))
     chunks = iter(stream)
@@ -274,3 +275,12 @@ def test_a_verifier_that_dies_comes_back_to_its_pools(eagle_runtime, prompts, ex
     assert [t for c in flush for t in c] == expected[1]
     held = {d["name"]: d["sequences"] for d in eagle_runtime.actor_info()["drafters"]}
     assert held == {name: int(name == flush.served_by.drafter) for name in held}
+    # A node lost with the verifier and its drafters on it: all restart at once, and the
+    # verifier's constructor waits for drafters that are still loading.
+    before = ray.get(verifier.info.remote())["pid"]
+    for actor in [*eagle_runtime.drafters, verifier]:
+        ray.kill(actor, no_restart=False)
+    wait_restarted(verifier, before)
+    assert run_all(eagle_runtime, prompts[:2], "eagle") == expected[:2]
+    (stats,) = eagle_runtime.verifier_stats()
+    assert stats["spec"]["accepted"] > 0 and stats["remote_drafting"]["failures"] == 0
