@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -176,6 +177,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "(default $OUTRIDER_API_KEYS_FILE; none: the API is open)",
     )
     api.add_argument("--max-queue", type=int, default=None, help="requests in flight before 503")
+    api.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=None,
+        help="on SIGTERM or Ctrl-C, how long requests in flight may finish (default 30)",
+    )
     _add_engine_args(serve)
 
     k8s.add_parser(sub)
@@ -387,7 +394,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.ngram_pool import follow
+    from cluster.ngram_pool import PoolFollower, follow
     from router.backends import Backend, LocalBackend, RuntimeBackend
     from router.protocol import RequestBuilder
     from router.redis_server import EmbeddedRedis
@@ -405,6 +412,7 @@ def _serve(args: argparse.Namespace) -> int:
     redis_url = config.redis.connection_url()
     assert redis_url is not None
     backend: Backend
+    follower: PoolFollower | None = None
     if _uses_cluster(args):
         runtime, tokenizer, name = _start_runtime(args, config)
         backend = RuntimeBackend(runtime)
@@ -425,7 +433,7 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         loaded = load(args)
         backend = LocalBackend(EngineLoop(loaded.engine))
-        follow(loaded.engine.speculator.drafters, redis_url, config.redis.password())
+        follower = follow(loaded.engine.speculator.drafters, redis_url, config.redis.password())
         tokenizer, name = loaded.tokenizer, loaded.model_name
         block_size = loaded.engine.config.block_size
         max_model_len = loaded.engine.config.max_model_len
@@ -443,6 +451,11 @@ def _serve(args: argparse.Namespace) -> int:
         requests_per_s=config.router.requests_per_s,
         burst=config.router.burst,
         api_keys=keys,
+        shutdown_grace_s=(
+            config.router.shutdown_grace_s
+            if args.shutdown_grace_s is None
+            else args.shutdown_grace_s
+        ),
     )
     router = Router(backend, RequestBuilder(tokenizer, name, max_model_len), options)
     print(f"Outrider is serving {name} on http://{host}:{port} (OpenAI API)", flush=True)
@@ -455,12 +468,17 @@ def _serve(args: argparse.Namespace) -> int:
         '-d \'{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}\'',
         flush=True,
     )
+    # SIGTERM (Kubernetes stopping the pod) as Ctrl-C: the router drains, and once it is down
+    # uvicorn raises the signal again, which must reach the clean-up below, not end the process.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         asyncio.run(router.serve())
     except KeyboardInterrupt:
         pass
     finally:
         asyncio.run(backend.close())
+        if follower is not None:
+            follower.stop()  # before Redis goes
         if embedded is not None:
             embedded.stop()
     return 0

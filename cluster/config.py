@@ -21,7 +21,8 @@ RayCluster). A config is checked as a whole when it is built, and every error na
                  keep_drafting_ahead: true,   # a draft model goes on across guessed steps
                  resources: {cpus: 1, custom: {grace_cpu: 1}}}
     router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256,
-             requests_per_s: 0, burst: 0}                 # per-key token bucket, 0: none
+             requests_per_s: 0, burst: 0,                 # per-key token bucket, 0: none
+             shutdown_grace_s: 30}    # on SIGTERM, how long requests in flight may finish
     redis: {url: null, tls: false, password_env: null}   # url null: embedded redis-server
     telemetry: {otlp_endpoint: null, service_name: outrider}
     ray: {address: null, dashboard_host: 127.0.0.1, dashboard_port: 8265}
@@ -147,6 +148,9 @@ class RouterSettings:
     # Every API key's token bucket unless its line in the keys file says otherwise; 0: no limit.
     requests_per_s: float = 0.0
     burst: int = 0  # bucket size (0: one second's worth)
+    # On SIGTERM (or SIGINT), how long the requests in flight may run before they are cut; new
+    # ones are refused meanwhile (router/server.py `Router.drain`).
+    shutdown_grace_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +263,7 @@ class DeploymentConfig:
         _check(self.router.max_queue >= 1, "router.max_queue", "must be >= 1")
         _check(self.router.requests_per_s >= 0, "router.requests_per_s", "must be >= 0")
         _check(self.router.burst >= 0, "router.burst", "must be >= 0")
+        _check(self.router.shutdown_grace_s >= 0, "router.shutdown_grace_s", "must be >= 0")
         _check(
             self.telemetry.exporter in ("none", "console", "memory"),
             "telemetry.exporter",

@@ -112,7 +112,9 @@ def create_app(service: RouterService) -> FastAPI:
 
     @app.get("/ready", tags=["operations"], responses={503: {"description": "not ready"}})
     async def ready() -> Response:
-        """Redis and every verifier group answer."""
+        """Redis and every verifier group answer, and the replica is not shutting down."""
+        if service.draining:
+            return _error(errors.overloaded("this replica is shutting down"))
         if await service.ready():
             return JSONResponse({"status": "ready"})
         return _error(errors.overloaded("the pools or Redis are not reachable"))

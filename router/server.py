@@ -1,10 +1,11 @@
 """One router replica: the HTTP API (uvicorn) and the gRPC API on one asyncio loop, over a
 backend (the Ray runtime, or one in-process engine) and Redis.
 
-`Router.serve()` runs until `stop()`; `RouterThread` runs a router on a background thread
-(tests, benchmarks). API keys come from a file (one per line: `<key> [name] [requests/s]
-[burst]`, `#` comments), are stored hashed in Redis, and switch authentication on; without any
-key in Redis the API is open.
+`Router.serve()` runs until `stop()`, or until `drain()` has let the requests in flight finish:
+the first SIGTERM or SIGINT drains (Kubernetes stopping a pod, Ctrl-C), a second one stops at
+once. `RouterThread` runs a router on a background thread (tests, benchmarks). API keys come
+from a file (one per line: `<key> [name] [requests/s] [burst]`, `#` comments), are stored
+hashed in Redis, and switch authentication on; without any key in Redis the API is open.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -24,6 +27,8 @@ from router.service import RouterService, RoutingPolicy
 from router.state import SharedState
 
 log = logging.getLogger(__name__)
+# After a drain's grace period, how long the requests it cut get to send their error and close.
+CUT_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,26 @@ class RouterOptions:
     burst: int = 0
     api_keys: list[KeyLine] = field(default_factory=list)
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    # How long a drain lets the requests in flight run before it cuts them.
+    shutdown_grace_s: float = 30.0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM or SIGINT calls `on_signal` (a drain) instead of
+    stopping it; a second one stops it as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+        self._signalled = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._signalled or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self._signalled = True
+        self._captured_signals.append(sig)  # raised again once the server is down, as uvicorn does
+        self._on_signal()
 
 
 class Router:
@@ -75,6 +100,7 @@ class Router:
         self.started = threading.Event()
         self._http: uvicorn.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
 
     async def serve(self) -> None:
         import redis.asyncio as aioredis
@@ -105,7 +131,7 @@ class Router:
             lifespan="off",
             timeout_graceful_shutdown=5,
         )
-        self._http = uvicorn.Server(config)
+        self._http = _DrainingServer(config, self.drain)
         self._loop = asyncio.get_running_loop()
         grpc_server: Any = None
         try:
@@ -128,6 +154,42 @@ class Router:
         """Ask the servers to stop (from any thread); `serve` returns once they have."""
         if self._http is not None:
             self._http.should_exit = True
+
+    def drain(self) -> None:
+        """Shut down gracefully (from any thread, or a signal handler): refuse new requests
+        (503, `/ready` too) and let those in flight finish, for up to `shutdown_grace_s`; then
+        cut what still runs (each ends with a 503 error that says how to resume it from the
+        registry) and stop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drained())
+
+    async def _drained(self) -> None:
+        service = self.service
+        assert service is not None and self._loop is not None
+        service.draining = True
+        grace = self.options.shutdown_grace_s
+        log.warning(
+            "shutting down: %d requests in flight get up to %.0f s to finish "
+            "(send the signal again to stop now)",
+            service.in_flight,
+            grace,
+        )
+        await _until_idle(service, self._loop.time() + grace)
+        if service.in_flight:
+            log.warning("cutting %d requests still in flight", service.in_flight)
+            service.cut = True
+            await _until_idle(service, self._loop.time() + CUT_WAIT_S)
+        self.stop()
+
+
+async def _until_idle(service: RouterService, deadline: float) -> None:
+    loop = asyncio.get_running_loop()
+    while service.in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
 
 
 class RouterThread:

@@ -73,6 +73,8 @@ class RouterService:
         self.replica = replica or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.metrics = RouterMetrics()
         self.in_flight = 0
+        self.draining = False  # shutting down: new requests are refused (Router.drain)
+        self.cut = False  # the drain's grace is over: requests in flight end at their next step
         self._random = random.Random(self.policy.seed)
         self._load: list[LoopLoad] = []
         self._load_at = 0.0
@@ -216,6 +218,8 @@ class RouterService:
     ) -> AsyncGenerator[Step, None]:
         """The request's steps; raises `RouterError` before the first one when refused.
         `routed`: the verifier group (and why) when the caller chose it."""
+        if self.draining:
+            raise errors.overloaded("this replica is shutting down; another one will answer")
         if self.in_flight >= self.max_queue:
             raise errors.overloaded(
                 f"the server has {self.in_flight} requests in flight (limit {self.max_queue})"
@@ -251,6 +255,11 @@ class RouterService:
             async for step in self.backend.stream(
                 group, request_id, request.prompt_ids, request.params, request.spec
             ):
+                if self.cut:  # the committed tokens reach the registry below
+                    raise errors.overloaded(
+                        f"this replica shut down before request {request_id} finished; "
+                        f"POST /v1/requests/{request_id}/resume to any replica goes on with it"
+                    )
                 now = time.perf_counter()
                 if step.new_token_ids:
                     if not output_ids:

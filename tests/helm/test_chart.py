@@ -179,6 +179,9 @@ def test_router_probes_service_and_secrets(chart) -> None:  # type: ignore[no-un
     assert c["command"][:4] == ["outrider", "serve", "--config", "/etc/outrider/outrider.yaml"]
     config = from_dict(yaml.safe_load(one(objects, "ConfigMap")["data"]["outrider.yaml"]))
     assert config.ray.address == "ray://demo-outrider-ray-head-svc:10001"
+    # A rollout lets a router drain: Kubernetes waits past the router's own grace period.
+    assert config.router.shutdown_grace_s == 30
+    assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 45
     service = one(objects, "Service", "demo-outrider")
     assert service["spec"]["type"] == "ClusterIP"
     assert {p["name"] for p in service["spec"]["ports"]} == {"http", "grpc"}
@@ -256,6 +259,7 @@ def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> N
     [
         ({"verifier": {"tensorParallelSize": 3}}, "/verifier/tensorParallelSize"),
         ({"router": {"service": {"type": "Ingress"}}}, "/router/service/type"),
+        ({"router": {"shutdownGraceSeconds": -5}}, "/router/shutdownGraceSeconds"),
         ({"drafter": {"replicas": -1}}, "/drafter/replicas"),
         ({"drafter": {"draftAhead": "yes"}}, "/drafter/draftAhead"),
         ({"speculative": {"method": "medusa"}}, "/speculative/method"),

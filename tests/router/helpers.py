@@ -46,6 +46,7 @@ def start_router(
     max_queue: int = 64,
     max_model_len: int = 256,
     block_size: int = 16,
+    shutdown_grace_s: float = 30.0,
 ) -> RunningRouter:
     from router.protocol import RequestBuilder
 
@@ -58,6 +59,7 @@ def start_router(
         max_queue=max_queue,
         block_size=block_size,
         api_keys=keys or [],
+        shutdown_grace_s=shutdown_grace_s,
     )
     router = Router(backend, RequestBuilder(tokenizer, MODEL, max_model_len), options)
     return RunningRouter(RouterThread(router).start(), port, grpc_port, url)

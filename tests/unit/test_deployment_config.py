@@ -84,6 +84,7 @@ def test_pools_that_name_their_gpus_claim_them_first() -> None:
         ({"pools": {"prefill": {"gpu": 1}}}, "pools.prefill: unknown setting(s) gpu"),
         ({"router": {"port": 70000}}, "router.port"),
         ({"router": {"grpc_port": 8000}}, "router.grpc_port: must differ"),
+        ({"router": {"shutdown_grace_s": -1}}, "router.shutdown_grace_s: must be >= 0"),
         ({"redis": {"url": "http://redis"}}, "redis.url"),
         ({"pools": {"drafter": {"resources": {"custom": {"grace_cpu": 0}}}}}, "custom.grace_cpu"),
         ({"speculative": {"adaptive": "yes"}}, "speculative.adaptive: must be true or false"),
