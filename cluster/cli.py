@@ -468,8 +468,9 @@ def _serve(args: argparse.Namespace) -> int:
         '-d \'{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}\'',
         flush=True,
     )
-    # SIGTERM (Kubernetes stopping the pod) as Ctrl-C: the router drains, and once it is down
-    # uvicorn raises the signal again, which must reach the clean-up below, not end the process.
+    # SIGTERM (Kubernetes stopping the pod) as Ctrl-C: the first drains the router; a second
+    # stops it, and uvicorn then raises the signal again, which must reach the clean-up below
+    # rather than end the process.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         asyncio.run(router.serve())

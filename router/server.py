@@ -88,8 +88,7 @@ class _DrainingServer(uvicorn.Server):
         if self._signalled or self.should_exit:
             super().handle_exit(sig, frame)
             return
-        self._signalled = True
-        self._captured_signals.append(sig)  # raised again once the server is down, as uvicorn does
+        self._signalled = True  # and serve() returns once the drain has stopped it
         self._on_signal()
 
 
