@@ -157,6 +157,9 @@ class Runtime:
     prefill_names: list[str] = field(default_factory=list)
     ranks: list[Any] = field(default_factory=list)  # verifier ranks > 0
     attached: bool = False  # joined pools another process started (and will not stop them)
+    # Started the pools for a cluster this process joined (a router replica): they are Ray's
+    # detached actors and outlive it, for the other replicas.
+    detached: bool = False
     _ids: Iterator[int] = field(default_factory=itertools.count)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -313,6 +316,7 @@ class Runtime:
             prefills,
             prefill_names,
             ranks,
+            detached=lifetime == "detached",
         )
 
     def submit(
@@ -371,13 +375,16 @@ class Runtime:
             "prefill": ray.get([p.info.remote() for p in self.prefills]),
         }
 
-    def shutdown(self) -> None:
-        """Stop the pools this runtime started (a runtime that attached to running pools
-        leaves them to the others) and, if it started Ray, Ray."""
+    def shutdown(self, stop_pools: bool | None = None) -> None:
+        """Stop the pools (by default only those this runtime started for itself: pools it
+        attached to, or started detached for a cluster it joined, stay for the other router
+        replicas) and, if it started Ray, Ray."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        if not self.attached:
+        if stop_pools is None:
+            stop_pools = not (self.attached or self.detached)
+        if stop_pools:
             for actor in [*self.verifiers, *self.ranks, *self.drafters, *self.prefills]:
                 ray.kill(actor, no_restart=True)
             for pg in self.placement_groups:

@@ -131,3 +131,34 @@ def test_unsatisfiable_placement_is_a_clear_error(multi_node) -> None:  # type: 
     )
     with pytest.raises(PlacementError, match="tpu_v9"):
         Runtime.start(config, placement_timeout_s=3)
+
+
+def test_pools_started_for_a_joined_cluster_outlive_the_router_that_started_them(
+    multi_node,  # type: ignore[no-untyped-def]
+) -> None:
+    """A router replica that joined a cluster (an address) starts the pools as detached actors:
+    its shutdown (a rollout replacing it) leaves them to the other replicas, which attach."""
+    from cluster.runtime import Runtime
+    from workers.engine.sampling_params import SamplingParams
+
+    config = from_dict(
+        {
+            "dtype": "float32",
+            "speculative": {"method": "ngram"},
+            "pools": {"prefill": {"replicas": 0}, "drafter": {"replicas": 0}},
+        }
+    )
+    address = ray.get_runtime_context().gcs_address
+    first = Runtime.start(config, address=address)
+    try:
+        assert first.detached and not first.attached
+        first.shutdown()  # the replica goes; its pools stay
+        other = Runtime.attach(config)
+        assert other is not None and other.attached
+        assert other.verifier_names == first.verifier_names == ["verifier-g0-r0"]
+        params = SamplingParams(max_tokens=5, temperature=0)
+        assert len([t for chunk in other.submit([1, 2, 3], params) for t in chunk]) == 5
+        other.shutdown()
+        assert ray.get(first.verifiers[0].info.remote(), timeout=30)["name"] == "verifier-g0-r0"
+    finally:
+        first.shutdown(stop_pools=True)
