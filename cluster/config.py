@@ -279,6 +279,11 @@ class DeploymentConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def pool_settings(self) -> dict[str, Any]:
+        """What the pools' actors are built from (the rest configures routers and clients)."""
+        raw = self.to_dict()
+        return {key: raw[key] for key in ("model", "dtype", "engine", "speculative", "pools")}
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
@@ -297,6 +302,22 @@ class DeploymentConfig:
             _check(last in node, dotted, "no such setting")
             node[last] = value
         return from_dict(raw)
+
+
+def settings_differ(wanted: Any, running: Any, where: str = "") -> list[str]:
+    """Dotted keys where `running` pool settings are not `wanted` (both `pool_settings()`); a
+    pool's GPUs that `wanted` leaves to decide (null) match what they were decided to be."""
+    if isinstance(wanted, dict) and isinstance(running, dict):
+        return [
+            difference
+            for key in sorted(wanted.keys() | running.keys())
+            for difference in settings_differ(
+                wanted.get(key), running.get(key), f"{where}.{key}" if where else key
+            )
+        ]
+    if wanted is None and where.endswith(".resources.gpus"):
+        return []
+    return [] if wanted == running else [where]
 
 
 def resolve_gpus(config: DeploymentConfig, cluster_gpus: float) -> DeploymentConfig:

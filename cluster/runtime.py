@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import os
 import threading
@@ -38,13 +39,15 @@ from cluster.actors import (
     VerifierRankActor,
     start_tracing,
 )
-from cluster.config import DeploymentConfig, Resources, resolve_gpus
+from cluster.config import DeploymentConfig, Resources, resolve_gpus, settings_differ
 from cluster.verifier import ServedBy, StepMessage, VerifierActor
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.llm_engine import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
+
+log = logging.getLogger(__name__)
 
 
 class PlacementError(RuntimeError):
@@ -408,6 +411,14 @@ class Runtime:
         except ValueError:
             return None
         infos = ray.get([v.info.remote() for v in verifiers], timeout=60)
+        differ = settings_differ(config.pool_settings(), infos[0]["pool_settings"])
+        if differ:
+            log.warning(
+                "the running pools were started with other settings (%s) than this config; "
+                "they are served as they are. To apply the config, stop the pools (docs/"
+                "operations.md, Changing a running deployment).",
+                ", ".join(differ),
+            )
         drafter_names = [n for i in infos for n in i["drafters"]]
         prefill_names = [n for i in infos for n in i["prefill"]]
         rank_names = [n for i in infos for n in i["ranks"]]

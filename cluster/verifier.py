@@ -104,6 +104,7 @@ class VerifierActor:
 
         use_assigned_cpus()
         deployment = from_dict(config)
+        self.pool_settings = deployment.pool_settings()  # what a router that attaches checks
         self.name = name
         self.device = assigned_device()
         start_tracing(deployment)
@@ -204,6 +205,7 @@ class VerifierActor:
             "prefill": self.prefill_names,
             "ranks": self.rank_names,
             "device": self.device,
+            "pool_settings": self.pool_settings,
             **where(),
         }
 

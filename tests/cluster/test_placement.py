@@ -4,6 +4,7 @@ verifier runs elsewhere; asking for a resource no node has fails with a clear er
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -135,9 +136,11 @@ def test_unsatisfiable_placement_is_a_clear_error(multi_node) -> None:  # type: 
 
 def test_pools_started_for_a_joined_cluster_outlive_the_router_that_started_them(
     multi_node,  # type: ignore[no-untyped-def]
+    caplog,  # type: ignore[no-untyped-def]
 ) -> None:
     """A router replica that joined a cluster (an address) starts the pools as detached actors:
-    its shutdown (a rollout replacing it) leaves them to the other replicas, which attach."""
+    its shutdown (a rollout replacing it) leaves them to the other replicas, which attach; one
+    whose config asks for other pools says so."""
     from cluster.runtime import Runtime
     from workers.engine.sampling_params import SamplingParams
 
@@ -160,5 +163,10 @@ def test_pools_started_for_a_joined_cluster_outlive_the_router_that_started_them
         assert len([t for chunk in other.submit([1, 2, 3], params) for t in chunk]) == 5
         other.shutdown()
         assert ray.get(first.verifiers[0].info.remote(), timeout=30)["name"] == "verifier-g0-r0"
+        assert "other settings" not in caplog.text
+        changed = config.with_overrides({"engine.max_num_seqs": 4, "router.max_queue": 9})
+        with caplog.at_level(logging.WARNING, logger="cluster.runtime"):
+            assert Runtime.attach(changed) is not None
+        assert "other settings (engine.max_num_seqs) than this config" in caplog.text
     finally:
         first.shutdown(stop_pools=True)

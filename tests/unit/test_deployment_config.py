@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from cluster.actors import engine_config
-from cluster.config import ConfigError, DeploymentConfig, from_dict, load_config, resolve_gpus
+from cluster.config import (
+    ConfigError,
+    DeploymentConfig,
+    from_dict,
+    load_config,
+    resolve_gpus,
+    settings_differ,
+)
 
 
 def test_defaults_are_valid_and_round_trip_through_yaml(tmp_path: Path) -> None:
@@ -147,3 +154,16 @@ def test_overrides_apply_dotted_keys_and_skip_unset_flags() -> None:
         config.with_overrides({"pools.verifier.gpus": 1})
     with pytest.raises(ConfigError, match=r"pools\.verifier\.groups"):
         config.with_overrides({"pools.verifier.groups": 0})
+
+
+def test_pool_settings_differences_name_their_keys() -> None:
+    """What a router that attaches to running pools checks: the pools' own settings only (not
+    the router's), and a GPU count left to decide matches whatever it was decided to be."""
+    wanted = from_dict({"router": {"max_queue": 8}})
+    running = resolve_gpus(from_dict({}), cluster_gpus=2).pool_settings()
+    assert running["pools"]["verifier"]["resources"]["gpus"] == 1  # decided at start
+    assert settings_differ(wanted.pool_settings(), running) == []
+    changed = wanted.with_overrides({"pools.drafter.replicas": 3, "dtype": "float32"})
+    assert settings_differ(changed.pool_settings(), running) == ["dtype", "pools.drafter.replicas"]
+    pinned = wanted.with_overrides({"pools.verifier.resources.gpus": 0})
+    assert settings_differ(pinned.pool_settings(), running) == ["pools.verifier.resources.gpus"]
