@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+from cluster.actors import info_when_up
 from cluster.config import DeploymentConfig, from_dict
 from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
@@ -42,14 +42,4 @@ def run_all(runtime, prompts, method: str) -> list[list[int]]:  # type: ignore[n
 
 def wait_restarted(actor: Any, before: int, timeout_s: float = 180.0) -> None:
     """Wait until Ray has restarted `actor` (its process `before` gone) and it answers."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if ray.get(actor.info.remote(), timeout=60)["pid"] != before:
-                return
-        except ray.exceptions.RayError:  # calls fail at once while the actor restarts
-            pass
-        assert time.monotonic() < deadline, "the actor did not come back"
-        time.sleep(0.5)
+    info_when_up(actor, timeout_s, lambda info: bool(info["pid"] != before))

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from cluster.actors import info_when_up
 from tests.cluster.common import GREEDY, deployment, run_all, wait_restarted
 from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
@@ -233,14 +234,7 @@ def test_a_prefill_worker_that_dies_costs_no_request(  # type: ignore[no-untyped
     assert served(1) is None  # prefilled on the verifier
     (mid,) = eagle_runtime.verifier_stats()
     assert mid["prefill"]["failures"] == before["prefill"]["failures"] + 1
-    deadline = time.monotonic() + 120
-    while True:  # until Ray has the worker back (its model loaded)
-        try:
-            ray.get(worker.info.remote(), timeout=60)
-            break
-        except ray.exceptions.RayActorError:
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+    info_when_up(worker, 120.0)  # until Ray has the worker back (its model loaded)
     assert served(2) == "prefill-0"  # the restarted worker, over a new link
     (after,) = eagle_runtime.verifier_stats()
     assert after["prefill"]["remote"] == before["prefill"]["remote"] + 1
