@@ -217,6 +217,27 @@ def test_the_engine_loop_shows_a_failed_step_to_its_fatal_hook_first(
         loop.close()
 
 
+def test_the_engine_loop_aborts_a_request_whose_caller_loop_closed(model: TransformerLM) -> None:
+    """A stream's event loop closed with the request still running (a router thread that
+    stopped): the engine loop aborts it instead of dying on the closed loop, and serves on."""
+    import asyncio
+
+    from workers.engine.engine_loop import EngineLoop
+
+    loop = EngineLoop(engine(model))
+    try:
+        caller = asyncio.new_event_loop()
+        long = dataclasses.replace(GREEDY, max_tokens=200)
+        gone = loop.stream("gone", prompts(1, seed=7)[0], long)
+        caller.run_until_complete(anext(gone))
+        caller.close()  # without closing the stream: no abort is sent
+        served = loop.submit("b", prompts(1, seed=8)[0], GREEDY)
+        assert len([t for out in served for t in out.new_token_ids]) == GREEDY.max_tokens
+        assert loop.ready() and not loop.engine.has_unfinished_requests()
+    finally:
+        loop.close()
+
+
 def test_bad_requests_are_rejected(model: TransformerLM) -> None:
     eng = engine(model)
     with pytest.raises(ValueError, match="empty"):

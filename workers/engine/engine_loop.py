@@ -12,6 +12,7 @@ batching). The engine itself is only ever touched by the loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -38,7 +39,15 @@ class _AsyncSink:
         self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
 
     def put(self, item: RequestOutput | Exception) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError as exc:  # the caller's event loop is closed
+            raise ReaderGone(str(exc)) from exc
+
+
+class ReaderGone(Exception):
+    """A request's outputs have no reader any more (its caller's event loop closed before the
+    request's abort came through): the loop aborts the request instead of dying on it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +187,12 @@ class EngineLoop:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:  # a request that failed alone gets its error
-                stream.put(out if out.error is None else RuntimeError(out.error))
+                try:
+                    stream.put(out if out.error is None else RuntimeError(out.error))
+                except ReaderGone:
+                    self.engine.abort_request(out.request_id)
+                    self._streams.pop(out.request_id, None)
+                    continue
             if out.finished:
                 self._streams.pop(out.request_id, None)
 
@@ -199,13 +213,15 @@ class EngineLoop:
                     item.request_id, item.prompt_token_ids, item.params, item.spec, item.prefilled
                 )
             except ValueError as exc:
-                item.outputs.put(exc)
+                with contextlib.suppress(ReaderGone):
+                    item.outputs.put(exc)
                 continue
             self._streams[item.request_id] = item.outputs
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
-            stream.put(RuntimeError(f"engine step failed: {exc!r}"))
+            with contextlib.suppress(ReaderGone):
+                stream.put(RuntimeError(f"engine step failed: {exc!r}"))
         self._streams.clear()
         self.engine.step()  # drain the abort outputs
