@@ -1,0 +1,110 @@
+"""Paged attention over a uniform batch: the shape a CUDA graph captures.
+
+Every sequence brings the same number of new tokens, `width` (decode: 1; verification: 1 + k,
+a shorter draft padded at its end), and everything the call reads is a tensor of fixed shape:
+the block tables `[num_seqs, max_blocks]` and the context lengths `[num_seqs]` (the cached
+tokens plus the `width` new ones). New token j of sequence i sits at position
+`seq_lens[i] - width + j` and sees every key up to its own position. A padded token sees keys
+that were never written (its own K/V goes to a scratch slot); its output is garbage that
+nobody reads, and the real tokens before it never see it.
+
+`UniformTorchAttention` is the plain-torch version: it gathers every block a table can name and
+masks, so it reads the whole table's width whatever the context. It runs anywhere (the CPU tests
+of the graph path run it) and is the reference of the Triton kernel
+(kernels/attention_triton.py), which reads only each context's own blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel
+
+from kernels.attention import CUDA_SDPA_BACKENDS, AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class UniformPlan:
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32/int64
+    seq_lens: torch.Tensor  # [num_seqs] int32/int64, context including the new tokens
+    width: int  # new tokens per sequence
+
+
+def uniform_plan(meta: AttentionMetadata) -> UniformPlan:
+    widths = set(meta.query_lens_host)
+    if len(widths) != 1:
+        raise ValueError(f"a uniform batch needs one query length, got {sorted(widths)}")
+    return UniformPlan(meta.block_tables, meta.seq_lens, widths.pop())
+
+
+class UniformTorchAttention(AttentionBackend):
+    """Uniform-batch paged attention in plain torch (see the module docstring)."""
+
+    name = "uniform-torch"
+
+    def prepare(self, meta: AttentionMetadata) -> UniformPlan:
+        return uniform_plan(meta)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_seqs * width, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        plan: UniformPlan,
+        scale: float,
+    ) -> torch.Tensor:  # [num_seqs * width, num_heads, head_dim]
+        return uniform_attention_reference(
+            query, key_cache, value_cache, plan.block_tables, plan.seq_lens, plan.width, scale
+        )
+
+
+def uniform_attention_reference(
+    query: torch.Tensor,  # [num_seqs * width, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    width: int,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs * width, num_heads, head_dim]
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_heads = query.shape[1]
+    kv_len = max_blocks * block_size
+    flat = block_tables.reshape(-1).long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [num_seqs, kv_heads, kv_len, head_dim]
+        blocks = cache.index_select(0, flat).view(num_seqs, kv_len, num_kv_heads, head_dim)
+        return blocks.transpose(1, 2)
+
+    q = query.reshape(num_seqs, width, num_heads, head_dim).transpose(1, 2)
+    positions = seq_lens.long().view(-1, 1) - width + torch.arange(width, device=query.device)
+    keys = torch.arange(kv_len, device=query.device)
+    mask = keys.view(1, 1, -1) <= positions.unsqueeze(2)  # [num_seqs, width, kv_len]
+    backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
+    with backends:
+        out = F.scaled_dot_product_attention(
+            q,
+            gather(key_cache),
+            gather(value_cache),
+            attn_mask=mask.unsqueeze(1),
+            scale=scale,
+            enable_gqa=True,
+        )  # [num_seqs, num_heads, width, head_dim]
+    return out.transpose(1, 2).reshape(num_seqs * width, num_heads, head_dim)
+
+
+def select_uniform_backend(
+    device: torch.device, dtype: torch.dtype, head_dim: int
+) -> AttentionBackend:
+    """The Triton kernel where it runs (CUDA, Triton installed, a power-of-two head_dim of at
+    least 16), else the torch reference."""
+    from kernels.attention_triton import TritonUniformAttention, triton_available
+
+    usable = head_dim >= 16 and not head_dim & (head_dim - 1)
+    if device.type == "cuda" and triton_available() and usable and dtype != torch.float64:
+        return TritonUniformAttention()
+    return UniformTorchAttention()
