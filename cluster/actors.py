@@ -51,6 +51,7 @@ def engine_config(config: DeploymentConfig) -> EngineConfig:
         max_model_len=config.engine.max_model_len,
         max_num_seqs=config.engine.max_num_seqs,
         block_size=config.engine.block_size,
+        enforce_eager=config.engine.enforce_eager,
         spec=spec,
     )
 

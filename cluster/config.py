@@ -119,6 +119,9 @@ class EngineSettings:
     max_model_len: int = 4096
     max_num_seqs: int = 32
     block_size: int = 16
+    # On a GPU, decode and verify steps replay captured CUDA graphs; true runs every forward
+    # eagerly (no capture at start-up).
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from cluster import ngram_pool, telemetry
@@ -130,9 +130,14 @@ class VerifierActor:
             remote[infos[0]["method"]] = (self.drafters, max(i["token_seconds"] for i in infos))
         self.rank_names = list(rank_names or [])
         world = 1 + len(self.rank_names)
+        settings = engine_config(deployment)
+        if world > 1:
+            # The group's all-reduces are joined after the engine is built (its graphs would
+            # be captured without them), and a gloo all-reduce cannot be captured at all.
+            settings = replace(settings, enforce_eager=True)
         loaded = build_engine(
             model_spec(deployment, self.device),
-            engine_config(deployment),
+            settings,
             False,
             remote,
             lambda ck, dtype: build_sharded_model(ck, 0, world, None, dtype, self.device),

@@ -7,7 +7,20 @@ A row with temperature 0 is greedy: its distribution is one-hot on the argmax.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TransformUse:
+    """Which parts of the transform any row uses, known on the host (from the requests'
+    settings), so that a GPU batch skips the unused parts without asking the device."""
+
+    greedy: bool
+    top_k: bool
+    top_p: bool
+    min_p: bool
 
 
 def logits_to_probs(
@@ -16,32 +29,36 @@ def logits_to_probs(
     top_k: torch.Tensor,  # [num_rows] int64, 0 = off
     top_p: torch.Tensor,  # [num_rows] fp32, 1 = off
     min_p: torch.Tensor,  # [num_rows] fp32, 0 = off
+    uses: TransformUse | None = None,  # None: read off the tensors (a sync on a GPU)
 ) -> torch.Tensor:  # [num_rows, vocab] fp32, rows sum to 1
     logits = logits.float()
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    scaled = _mask_top_k(scaled, top_k)
+    if uses is None or uses.top_k:
+        scaled = _mask_top_k(scaled, top_k, check=uses is None)
     probs = torch.softmax(scaled, dim=-1)
-    probs = _mask_top_p(probs, top_p)
-    probs = _mask_min_p(probs, min_p)
-    if bool(greedy.any()):
+    if uses is None or uses.top_p:
+        probs = _mask_top_p(probs, top_p, check=uses is None)
+    if uses is None or uses.min_p:
+        probs = _mask_min_p(probs, min_p, check=uses is None)
+    if bool(greedy.any()) if uses is None else uses.greedy:
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
     return probs
 
 
-def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor, check: bool = True) -> torch.Tensor:
     vocab = logits.shape[-1]
     k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
-    if bool((k == vocab).all()):
+    if check and bool((k == vocab).all()):
         return logits
     sorted_logits = logits.sort(dim=-1, descending=True).values
     kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [num_rows, 1]
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    if bool((top_p >= 1).all()):
+def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor, check: bool = True) -> torch.Tensor:
+    if check and bool((top_p >= 1).all()):
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -53,8 +70,8 @@ def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return _renormalize(probs.masked_fill(drop, 0.0))
 
 
-def _mask_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    if bool((min_p <= 0).all()):
+def _mask_min_p(probs: torch.Tensor, min_p: torch.Tensor, check: bool = True) -> torch.Tensor:
+    if check and bool((min_p <= 0).all()):
         return probs
     threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
     return _renormalize(probs.masked_fill(probs < threshold, 0.0))

@@ -187,9 +187,8 @@ def teacher_force(
         out = runner.forward(forwards, hidden_layers=target_layers)
         top = torch.log_softmax(out.output.logits, dim=-1).topk(TOP_K, dim=-1)
         hidden = torch.cat([out.output.hidden_states[i] for i in target_layers], -1)
-        rows = out.inputs.query_start_loc  # every position is scored: logits rows match
         for n, forward in enumerate(forwards):
-            part = slice(rows[n], rows[n + 1])
+            part = slice(*out.token_spans[n])  # every position is scored: logits rows match
             ids.append(torch.tensor(forward.token_ids))
             feats.append(hidden[part].bfloat16().cpu())
             top_ids.append(top.indices[part].cpu())

@@ -39,21 +39,46 @@ def forward_samples(
     runner = ModelRunner(model, cache)
     table = BlockTable(BlockAllocator(num_blocks), block_size)
     table.prepare_write(0, context + max(counts))
-    vocab = model.config.vocab_size
-    runner.forward([SeqForward([(i * 7919) % vocab for i in range(context)], 0, table.block_ids)])
-    seqs = [
-        SeqForward(
-            [(context + i) % vocab for i in range(n)], context, table.block_ids, num_logits=n
-        )
-        for n in counts
-    ]
-    samples: list[list[float]] = [[] for _ in seqs]
+    return runner_samples(runner, table.block_ids, counts, reps, context)
+
+
+def runner_samples(
+    runner: ModelRunner,
+    block_ids: Sequence[int],
+    counts: Sequence[int],
+    reps: int,
+    context: int = 128,
+    width: int | None = None,
+) -> list[list[float]]:
+    """`forward_samples` through `runner`, over blocks it may write (`block_ids`, room for
+    `context` + max(counts) tokens). With `width`, n new tokens come as sequences of at most
+    `width` tokens each over the same context, as a step verifying drafts of width - 1 tokens
+    brings them (a graph runner replays its graphs for those); else as one sequence."""
+    vocab = runner.model.config.vocab_size
+    device = runner.model.device
+    runner.forward([SeqForward([(i * 7919) % vocab for i in range(context)], 0, block_ids)])
+    batches = []
+    for n in counts:
+        tokens = [(context + i) % vocab for i in range(n)]
+        size = width or n
+        chunks = [tokens[s : s + size] for s in range(0, n, size)]
+        batches.append([SeqForward(c, context, block_ids, num_logits=len(c)) for c in chunks])
+    samples: list[list[float]] = [[] for _ in batches]
     for _ in range(reps + 1):
-        for seq, times in zip(seqs, samples, strict=True):
+        for seqs, times in zip(batches, samples, strict=True):
             start = time.perf_counter()
-            runner.forward([seq])
+            runner.forward(seqs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
     return [t[1:] for t in samples]
+
+
+def calibration_counts(max_tokens: int) -> list[int]:
+    """The forward sizes calibration times: 1, 2, 4, 8, ... and max_tokens."""
+    return sorted(
+        {1, max_tokens} | {2**i for i in range(max_tokens.bit_length()) if 2**i < max_tokens}
+    )
 
 
 @torch.inference_mode()
@@ -63,12 +88,17 @@ def verify_costs(model: TransformerLM, max_tokens: int, reps: int = 5) -> tuple[
     Measured at 1, 2, 4, 8, ... and max_tokens, linear in between. Each count's cost is the
     median over rounds of its time over the one-token forward's in the same round: on a busy
     machine the absolute times of separate medians can disagree by half (seen on 2 cores)."""
-    counts = sorted(
-        {1, max_tokens} | {2**i for i in range(max_tokens.bit_length()) if 2**i < max_tokens}
-    )
-    samples = dict(zip(counts, forward_samples(model, counts, reps), strict=True))
+    counts = calibration_counts(max_tokens)
+    return costs_from_samples(counts, forward_samples(model, counts, reps), max_tokens)
+
+
+def costs_from_samples(
+    counts: Sequence[int], samples: Sequence[Sequence[float]], max_tokens: int
+) -> tuple[float, ...]:
+    """`verify_costs`' table from the timings of `counts` (one list per count, by round)."""
+    by_count = dict(zip(counts, samples, strict=True))
     ratio = {
-        n: statistics.median(t / one for t, one in zip(samples[n], samples[1], strict=True))
+        n: statistics.median(t / one for t, one in zip(by_count[n], by_count[1], strict=True))
         for n in counts
     }
     costs = []

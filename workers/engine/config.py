@@ -86,6 +86,9 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512  # per step: prefill chunks + decode + draft tokens
     enable_prefix_caching: bool = True
+    # On a GPU, uniform decode/verify steps replay CUDA graphs captured at start-up
+    # (workers/engine/graph_runner.py); True runs every forward eagerly.
+    enforce_eager: bool = False
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import itertools
 import logging
+import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -17,19 +18,27 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.counter_rng import key_of_seed
 from workers.drafting.base import EMPTY_DRAFT, Drafter
-from workers.engine.calibration import verify_costs
+from workers.engine.calibration import (
+    calibration_counts,
+    costs_from_samples,
+    runner_samples,
+    verify_costs,
+)
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.detokenizer import IncrementalDetokenizer
+from workers.engine.graph_runner import GraphRunner, make_runner
 from workers.engine.logprobs import TokenLogprob, token_logprobs
 from workers.engine.model_runner import ModelRunner, RunnerOutput
+from workers.engine.sampler import DeviceSampler, HostSampler, Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
 from workers.engine.structured import Grammars
 from workers.engine.verification import DeadEnd, Failed, sample_one, sampling_rows, verify
-from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
+from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError
 from workers.kv_cache.block_allocator import block_hashes
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
@@ -126,21 +135,32 @@ class LLMEngine:
         eos_token_ids: Seq[int] = (),
         drafters: dict[str, Drafter] | None = None,
         draft_costs: dict[str, float] | None = None,
+        runner: ModelRunner | None = None,
+        sampler: Sampler | None = None,
     ) -> None:
+        """`runner` (default: `make_runner`, a graph runner on a GPU) holds the model and a KV
+        cache of at least `config.kv_blocks` blocks; `sampler` (default: on the device for a
+        GPU, on the host elsewhere) turns sampled rows into tokens."""
         self.config = config or EngineConfig()
         max_len = min(self.config.max_model_len, model.config.max_position_embeddings)
         self.max_model_len = max_len
-        cache = PagedKVCache(
-            model.config, self.config.kv_blocks, self.config.block_size, model.dtype, model.device
+        drafters = drafters or {}
+        if runner is None:
+            layers = sorted({layer for d in drafters.values() for layer in d.hidden_layers})
+            runner = make_runner(model, self.config, layers)
+        if runner.model is not model or runner.kv_cache.num_blocks < self.config.kv_blocks:
+            raise ValueError("the runner must hold this model and a cache of kv_blocks blocks")
+        self.runner = runner
+        self.sampler = sampler or (
+            DeviceSampler() if model.device.type == "cuda" else HostSampler()
         )
-        self.runner = ModelRunner(model, cache)
         self.allocator = BlockAllocator(self.config.kv_blocks)
         self.scheduler = Scheduler(self.config)
         self.speculator = Speculator(
             self.config.spec,
-            drafters or {},
+            drafters,
             max_len,
-            self._verify_costs(model, bool(drafters)),
+            self._verify_costs(bool(drafters)),
             draft_costs,
             model.config.vocab_size,
         )
@@ -157,7 +177,7 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self._feature_bytes: dict[str, int] = {}
 
-    def _verify_costs(self, model: TransformerLM, has_drafters: bool) -> tuple[float, ...]:
+    def _verify_costs(self, has_drafters: bool) -> tuple[float, ...]:
         spec = self.config.spec
         if spec.verify_costs is not None:
             return spec.verify_costs
@@ -166,7 +186,19 @@ class LLMEngine:
         # A step's forward holds every decoding sequence's token and drafts; speculation stops
         # at disable_batch_size sequences.
         per_seq = max(spec.num_speculative_tokens, 1) + 1
-        return verify_costs(model, min(max(spec.disable_batch_size - 1, 1) * per_seq, 256))
+        max_tokens = min(max(spec.disable_batch_size - 1, 1) * per_seq, 256)
+        if not isinstance(self.runner, GraphRunner):
+            return verify_costs(self.runner.model, max_tokens)
+        # Measured where steps run: this runner's graphs, on blocks lent by the allocator,
+        # with the tokens of a step as sequences verifying k drafts each.
+        context = 128
+        blocks = self.allocator.allocate(-(-(context + max_tokens) // self.config.block_size))
+        try:
+            counts = calibration_counts(max_tokens)
+            samples = runner_samples(self.runner, blocks, counts, 5, context, per_seq)
+        finally:
+            self.allocator.free(blocks)
+        return costs_from_samples(counts, samples, max_tokens)
 
     def add_request(
         self,
@@ -212,6 +244,7 @@ class LLMEngine:
             arrival=next(self._arrivals),
             eos_token_ids=self.eos_token_ids,
             grammar=grammar,
+            rng_key=key_of_seed(params.seed if params.seed is not None else random.getrandbits(64)),
         )
         self._seqs[request_id] = seq
         if self.tokenizer is not None:
@@ -278,7 +311,7 @@ class LLMEngine:
             self.runner.copy_blocks(batch.block_copies)
             layers = self.speculator.hidden_layers(s.seq for s in batch.seqs)
             output = self.runner.forward([s.forward() for s in batch.seqs], hidden_layers=layers)
-            verified = verify(batch.seqs, output)
+            verified = verify(batch.seqs, output, self.sampler)
             results: list[list[int] | None] = []
             for index, (scheduled, tokens) in enumerate(zip(batch.seqs, verified, strict=True)):
                 if isinstance(tokens, Failed):  # its own verification raised: it ends alone

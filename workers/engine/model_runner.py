@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -101,15 +102,27 @@ def build_inputs(
 
 @dataclass(slots=True)
 class RunnerOutput:
+    """A forward's output and where each sequence's rows are in it: its scored rows in
+    `output.logits` and its new tokens' rows in the hidden states, as (start, end) pairs (a
+    padded batch leaves gaps between sequences)."""
+
     output: ModelOutput
-    inputs: BatchInputs
+    logits_spans: tuple[tuple[int, int], ...]
+    token_spans: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, output: ModelOutput, inputs: BatchInputs) -> RunnerOutput:
+        def spans(starts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+            return tuple(itertools.pairwise(starts))
+
+        return cls(output, spans(inputs.logits_start_loc), spans(inputs.query_start_loc))
 
     def logits_of(self, seq_index: int) -> torch.Tensor:  # [num_logits of that seq, vocab]
-        start, end = self.inputs.logits_start_loc[seq_index : seq_index + 2]
+        start, end = self.logits_spans[seq_index]
         return self.output.logits[start:end]
 
     def hidden_of(self, layer: int, seq_index: int) -> torch.Tensor:  # [new tokens, hidden]
-        start, end = self.inputs.query_start_loc[seq_index : seq_index + 2]
+        start, end = self.token_spans[seq_index]
         return self.output.hidden_states[layer][start:end]
 
 
@@ -153,4 +166,4 @@ class ModelRunner:
             return_final_hidden=return_final_hidden,
             interrupt=interrupt,
         )
-        return RunnerOutput(output, inputs)
+        return RunnerOutput.of(output, inputs)

@@ -99,6 +99,9 @@ class Sequence:
     # Prompt tokens 1.. as their positions are scored, when `params.prompt_logprobs` asks
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     grammar: GrammarState | None = None  # its place in `params.structured`'s grammar
+    # The device sampler's random numbers are keyed by this (kernels/counter_rng.py): from the
+    # seed when the request has one, else drawn at random
+    rng_key: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

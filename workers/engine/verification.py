@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept, rejection_sample
-from kernels.sampling import logits_to_probs
 from workers.engine.model_runner import RunnerOutput
+from workers.engine.sampler import Sampler
 from workers.engine.scheduler import ScheduledSeq
 from workers.engine.sequence import Sequence as Sequence_
 
@@ -35,7 +35,7 @@ def is_dead(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows] bo
 
 
 def verify(
-    batch: Sequence[ScheduledSeq], output: RunnerOutput
+    batch: Sequence[ScheduledSeq], output: RunnerOutput, sampler: Sampler
 ) -> list[list[int] | Failed | DeadEnd | None]:
     """Committed tokens of each scheduled sequence (None for a prefill chunk that samples none,
     `Failed` for one whose penalties or grammar raised, `DeadEnd` for one that may take no
@@ -46,17 +46,18 @@ def verify(
     the argmax of their logits alone; the rest go through the sampling transform and
     `rejection_sample` together. A request with penalties, a logit bias, `min_tokens` or a
     grammar has them applied to each row first, the row's output taking in the drafts before
-    it. A sequence's sampling rows are its last k + 1 (a prompt chunk scored for its
-    log-probabilities has every position's row before them). A row whose settings leave no
-    token is never committed from: the tokens before it are, and the next step, starting at that
-    row, ends the sequence there (as plain decoding would).
+    it. The sampled rows go to `sampler` together (workers/engine/sampler.py: on the host, or
+    on the forward's device). A sequence's sampling rows are its last k + 1 (a prompt chunk
+    scored for its log-probabilities has every position's row before them). A row whose
+    settings leave no token is never committed from: the tokens before it are, and the next
+    step, starting at that row, ends the sequence there (as plain decoding would).
     """
     committed: list[list[int] | Failed | DeadEnd | None] = [None] * len(batch)
     rows = []  # sampled rows: they need the target's probabilities
     # Greedy rows need only the argmax: one call and one copy to the host for the whole batch
     # (per row, a GPU step paid a launch and a sync for each sequence).
     argmax: list[int] | None = None
-    ends = output.inputs.logits_start_loc[1:]
+    ends = [end for _, end in output.logits_spans]
     for i, s in enumerate(batch):
         if not s.samples:
             continue
@@ -82,13 +83,13 @@ def verify(
     all_logits = output.output.logits
     vocab = all_logits.shape[-1]
     # Row n's k_n + 1 logits, padded to max_k + 1 by repeating its last (never read), in one
-    # gather and one copy to the host.
+    # gather, then where the sampler works (the host's copies them over once).
     index = [
         ends[i] - k - 1 + min(j, k) for i, k in zip(rows, ks, strict=True) for j in range(max_k + 1)
     ]
     logits = (
         all_logits.index_select(0, torch.tensor(index, device=all_logits.device))
-        .to("cpu", torch.float32)
+        .to(sampler.device_for(all_logits), torch.float32)
         .view(len(rows), max_k + 1, vocab)
     )
     dead: dict[int, torch.Tensor] = {}  # [k + 1] bool per adjusted sequence (is_dead)
@@ -96,39 +97,22 @@ def verify(
         seq = batch[i].seq
         if seq.params.adjusts_logits:
             try:
-                logits[n, : k + 1] = _adjusted(seq, batch[i].draft.token_ids, logits[n, : k + 1])
+                adjusted = _adjusted(seq, batch[i].draft.token_ids, logits[n, : k + 1])
             except Exception as exc:  # sampled below like the rest, and then dropped
                 committed[i] = Failed(exc)
                 logits[n] = 0.0  # whatever it left half-done, a harmless distribution
                 continue
-            dead[i] = is_dead(logits[n, : k + 1])
-            logits[n, : k + 1][dead[i]] = 0.0  # a harmless distribution, never committed from
-    params = [batch[i].seq.params for i in rows]
-
-    def per_row(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).repeat_interleave(max_k + 1)
-
-    target_probs = logits_to_probs(
-        logits.view(-1, vocab),
-        per_row([p.temperature for p in params], torch.float32),
-        per_row([p.top_k for p in params], torch.long),
-        per_row([p.top_p for p in params], torch.float32),
-        per_row([p.min_p for p in params], torch.float32),
-    ).view(len(rows), max_k + 1, vocab)
-    drafts = torch.full((len(rows), max_k), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
-    for n, i in enumerate(rows):
-        drafts[n, : ks[n]] = torch.tensor(batch[i].draft.token_ids, dtype=torch.long)
-    sampled = rejection_sample(
-        drafts,
-        ks,
+            dead[i] = is_dead(adjusted)
+            adjusted[dead[i]] = 0.0  # a harmless distribution, never committed from
+            logits[n, : k + 1] = adjusted.to(logits.device)
+    sampled = sampler.sample(
+        logits,
+        [batch[i].draft.token_ids for i in rows],
         [batch[i].draft.probs for i in rows],
-        target_probs,
-        [p.greedy for p in params],
-        [batch[i].seq.generator for i in rows],
+        [batch[i].seq for i in rows],
     )
-    for i, row in zip(rows, sampled.tolist(), strict=True):
+    for i, tokens in zip(rows, sampled, strict=True):
         if not isinstance(committed[i], Failed):
-            tokens = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
             committed[i] = _before_dead_end(tokens, dead[i]) if i in dead else tokens
     return committed
 

@@ -205,18 +205,21 @@ class TransformerLM(nn.Module):
         hidden_layers: Sequence[int] = (),
         return_final_hidden: bool = False,
         interrupt: Callable[[], bool] | None = None,
+        attention: AttentionBackend | None = None,
     ) -> ModelOutput:
         """`interrupt`, checked after each layer, gives the forward up (`ForwardInterrupted`)
         when it turns true: for work that has lost its purpose (drafting ahead on a guess that
         the verifier has just proved wrong). Never for a sharded model, whose ranks must run
-        the same layers."""
-        plan = self.attention.prepare(meta)
+        the same layers. `attention`: a backend for this forward instead of the model's (a
+        uniform decode/verify batch: workers/engine/graph_runner.py)."""
+        backend = attention or self.attention
+        plan = backend.prepare(meta)
         angles = self._angles(positions)
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            h = layer(h, angles, kv_caches[i], meta, self.attention, plan, self.reduce)
+            h = layer(h, angles, kv_caches[i], meta, backend, plan, self.reduce)
             if i in wanted:
                 hidden[i] = h
             if interrupt is not None and interrupt():

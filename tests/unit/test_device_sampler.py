@@ -1,0 +1,146 @@
+"""The device sampler's math on CPU tensors: the same committed tokens as the host reference for
+greedy rows, the target's distribution for sampled ones (the chi-square tests of the host
+sampler, over many keys), and counter-based random numbers that are uniform and depend only on
+(key, counter, lane). Then the engine with the device sampler: greedy output equal to plain
+decoding, and a seeded sampled request drawing the same alone or in a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.counter_rng import hash32, hash32_int, key_of_seed, uniform
+from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept
+from kernels.rejection_device import greedy_accept_batched, rejection_sample_batched
+from tests.factories import tiny_model
+from tests.model.helpers import run_staggered
+from tests.unit.test_cuda import GREEDY, SPEC, make_drafter, prompts
+from tests.unit.test_rejection import CHI2_CRITICAL_0_001, PAIRS, VOCAB, chi_square
+from workers.engine.config import EngineConfig, RequestSpec
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampler import DeviceSampler
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
+
+P = PLACEHOLDER_TOKEN_ID
+
+
+def test_greedy_rows_commit_what_the_host_reference_commits() -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_seqs, max_k = 64, 5
+    ks = torch.randint(0, max_k + 1, (num_seqs,), generator=gen)
+    argmax = torch.randint(0, 4, (num_seqs, max_k + 1), generator=gen)
+    drafts = torch.randint(0, 4, (num_seqs, max_k), generator=gen)
+    drafts[torch.arange(max_k) >= ks.unsqueeze(1)] = P
+    tokens, counts = greedy_accept_batched(drafts, ks, argmax)
+    for n in range(num_seqs):
+        k = int(ks[n])
+        expected = greedy_accept(drafts[n, :k].tolist(), argmax[n, : k + 1].tolist())
+        assert tokens[n, : len(expected)].tolist() == expected
+        assert (tokens[n, len(expected) :] == P).all()
+        assert int(counts[n]) == len(expected)
+
+
+def run_trials(p: torch.Tensor, q: torch.Tensor | None, k: int, trials: int, seed: int):  # type: ignore[no-untyped-def]
+    """Committed tokens of `trials` sequences with different keys; every position has target p."""
+    gen = torch.Generator().manual_seed(seed)
+    if q is None:
+        drafts = torch.randint(0, VOCAB, (trials, k), generator=gen)
+        draft_probs = None
+    else:
+        drafts = torch.multinomial(
+            q.expand(trials * k, VOCAB), 1, replacement=True, generator=gen
+        ).view(trials, k)
+        draft_probs = q.expand(trials, k, VOCAB)
+    keys = torch.tensor([key_of_seed(seed * 1_000_003 + i) for i in range(trials)])
+    tokens, _ = rejection_sample_batched(
+        drafts,
+        torch.full((trials,), k),
+        draft_probs,
+        None,
+        p.expand(trials, k + 1, VOCAB),
+        keys,
+        torch.full((trials,), 17),
+    )
+    return tokens
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+@pytest.mark.parametrize("one_hot_q", [False, True])
+def test_committed_tokens_follow_the_target_distribution(name: str, one_hot_q: bool) -> None:
+    p, q = PAIRS[name]
+    out = run_trials(p, None if one_hot_q else q, k=3, trials=6000, seed=1 + len(name))
+    support = int((p > 0).sum())
+    for position in range(2):
+        column = out[:, position]
+        column = column[column != P]
+        counts = torch.bincount(column, minlength=VOCAB).float()
+        assert counts[p == 0].sum() == 0, "a token the target gives zero probability was emitted"
+        assert chi_square(counts, p) < CHI2_CRITICAL_0_001[support - 1], (name, position, counts)
+
+
+def test_rows_with_and_without_q_and_without_drafts_share_a_batch() -> None:
+    """Ragged drafts, a one-hot row beside rows with q, a row with no draft: each row's first
+    token still follows p."""
+    p, q = PAIRS["q far from p"]
+    trials = 4000
+    ks = torch.tensor([3, 0, 2, 1] * (trials // 4))
+    gen = torch.Generator().manual_seed(5)
+    # Drafts drawn from q: what rows with q claim, and as good as any guess for one-hot rows.
+    drafts = torch.multinomial(q.expand(trials * 3, VOCAB), 1, generator=gen).view(trials, 3)
+    drafts[torch.arange(3) >= ks.unsqueeze(1)] = P
+    has_q = torch.arange(trials) % 2 == 0
+    tokens, counts = rejection_sample_batched(
+        drafts,
+        ks,
+        q.expand(trials, 3, VOCAB).clone(),
+        has_q,
+        p.expand(trials, 4, VOCAB),
+        torch.tensor([key_of_seed(i) for i in range(trials)]),
+        torch.zeros(trials, dtype=torch.long),
+    )
+    assert bool((counts >= 1).all()) and bool((counts <= ks + 1).all())
+    first = torch.bincount(tokens[:, 0], minlength=VOCAB).float()
+    assert chi_square(first, p) < CHI2_CRITICAL_0_001[VOCAB - 1], first
+
+
+def test_uniforms_are_uniform_and_depend_only_on_key_counter_and_lane() -> None:
+    keys = torch.tensor([key_of_seed(s) for s in (0, 1, -1, 2**70)])
+    u = uniform(keys, torch.tensor([0, 0, 5, 5]), torch.arange(20000))
+    assert bool(((u > 0) & (u < 1)).all())
+    counts = torch.histc(u.flatten(), bins=10, min=0, max=1)
+    expected = torch.full((10,), u.numel() / 10)
+    assert float(((counts - expected) ** 2 / expected).sum()) < 27.88  # chi2(9) at 0.001
+    alone = uniform(keys[2:3], torch.tensor([5]), torch.arange(100, 200))
+    assert torch.equal(alone, u[2:3, 100:200])  # no dependence on the batch
+    assert not torch.equal(u[0], u[1])
+    assert hash32(torch.tensor([12345])).item() == hash32_int(12345)
+
+
+def test_engine_with_the_device_sampler() -> None:
+    """Greedy output equal to plain decoding; a seeded sampled request the same alone or
+    batched, with drafts (ngram, one-hot) and with q (a draft model)."""
+    model = tiny_model(seed=4, max_position_embeddings=512)
+    config = EngineConfig(max_model_len=512, block_size=8, spec=SPEC)
+
+    def engine(method: str) -> LLMEngine:
+        drafter = make_drafter(method, model)
+        return LLMEngine(model, config, drafters={drafter.method: drafter}, sampler=DeviceSampler())
+
+    prompt_ids = prompts(4, seed=8)
+    plain = SequentialEngine(model, max_model_len=512)
+    expected = [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+    assert run_staggered(engine("ngram"), prompt_ids, GREEDY, RequestSpec(method="ngram")) == (
+        expected
+    )
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7 + i, ignore_eos=True)
+        for i in range(4)
+    ]
+    for method in ("ngram", "draft_model"):
+        spec = RequestSpec(method=method)
+        together = run_staggered(engine(method), prompt_ids, params, spec)
+        pairs = zip(prompt_ids, params, strict=True)
+        alone = [run_staggered(engine(method), [p], [sp], spec)[0] for p, sp in pairs]
+        assert together == alone
+        assert all(len(tokens) == 12 for tokens in together)

@@ -1,0 +1,166 @@
+"""The graph runner's padded path on the CPU: everything a CUDA graph replays except the capture.
+
+Decode and verify steps run on persistent buffers, padded to a captured batch size and to the
+widest draft, attending through the uniform-batch backend. Greedy output must equal plain
+decoding for every drafter, and padding must leave no trace: not in outputs, not in the
+speculation counters, not in any block a sequence owns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention_uniform import UniformTorchAttention
+from tests.factories import tiny_model
+from tests.model.helpers import run_staggered
+from tests.unit.test_cuda import GREEDY, METHODS, SPEC, make_drafter, prompts
+from workers.drafting.base import Drafter
+from workers.engine.config import EngineConfig, RequestSpec
+from workers.engine.graph_runner import GraphRunner, capture_sizes, make_runner
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.engine.sequential import SequentialEngine
+from workers.engine.step_buffers import StepBuffers, UniformShape
+from workers.kv_cache import PagedKVCache
+from workers.model.transformer import TransformerLM
+
+MAX_NUM_SEQS = 16
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def model() -> TransformerLM:
+    return tiny_model(seed=4, max_position_embeddings=512)
+
+
+def config() -> EngineConfig:
+    return EngineConfig(
+        max_model_len=512, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS, spec=SPEC
+    )
+
+
+def padded_runner(model: TransformerLM, drafter: Drafter | None) -> GraphRunner:
+    blocks = config().kv_blocks
+    cache = PagedKVCache(model.config, blocks + 1, BLOCK_SIZE, model.dtype, model.device)
+    return GraphRunner(
+        model,
+        cache,
+        attention=UniformTorchAttention(),
+        max_num_seqs=MAX_NUM_SEQS,
+        max_width=1 + SPEC.num_speculative_tokens,
+        max_graph_tokens=512,
+        scratch_block=blocks,
+        hidden_layers=() if drafter is None else drafter.hidden_layers,
+    )
+
+
+def engine(model: TransformerLM, method: str, padded: bool) -> LLMEngine:
+    drafter = make_drafter(method, model)
+    runner = padded_runner(model, drafter) if padded else None
+    return LLMEngine(model, config(), drafters={drafter.method: drafter}, runner=runner)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("method", METHODS)
+def test_padded_steps_give_plain_decodings_greedy_output(
+    model: TransformerLM, method: str, batch: int
+) -> None:
+    prompt_ids = prompts(batch, seed=batch)
+    plain = SequentialEngine(model, max_model_len=512)
+    expected = [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+    eng = engine(model, method, padded=True)
+    (drafted_by,) = eng.speculator.drafters
+    got = run_staggered(eng, prompt_ids, GREEDY, RequestSpec(method=drafted_by))
+    assert got == expected
+    assert isinstance(eng.runner, GraphRunner)
+    assert eng.runner.num_padded_steps > 0  # the padded path ran (no graphs on a CPU)
+    assert eng.stats.drafted > 0
+    assert eng.allocator.num_free_blocks == eng.config.kv_blocks
+
+
+def test_padding_leaves_no_trace_in_outputs_stats_or_cache(model: TransformerLM) -> None:
+    """Against the eager engine, step by step: the same tokens, the same counters, and the same
+    K/V in every block a sequence owns (a padded token writing into one would show)."""
+    prompt_ids = prompts(5, seed=3)  # 5 sequences: padded to a batch of 8
+    eager, padded = (engine(model, "ngram", padded=p) for p in (False, True))
+    spec = RequestSpec(method="ngram")
+    for i, p in enumerate(prompt_ids):
+        for eng in (eager, padded):
+            eng.add_request(f"r{i}", p, GREEDY, spec)
+    while eager.has_unfinished_requests():
+        a, b = eager.step(), padded.step()
+        assert [(o.request_id, o.new_token_ids) for o in a] == [
+            (o.request_id, o.new_token_ids) for o in b
+        ]
+        owned = sorted(
+            {block for seq in padded._seqs.values() for block in seq.block_table.block_ids}
+        )
+        if owned:
+            index = torch.tensor(owned)
+            torch.testing.assert_close(
+                padded.runner.kv_cache.data[:, :, index],
+                eager.runner.kv_cache.data[:, :, index],
+                rtol=1e-5,
+                atol=1e-5,
+            )
+    assert padded.stats == eager.stats
+    assert padded.has_unfinished_requests() is False
+
+
+def test_a_uniform_shape_is_chosen_only_for_decode_and_verify(model: TransformerLM) -> None:
+    runner = padded_runner(model, None)
+    blocks = list(range(8))
+    decode = SeqForward([5], 10, blocks, num_logits=1)
+    verify = SeqForward([5, 6, 7], 10, blocks, num_logits=3)
+    assert runner.uniform_shape([decode]) == UniformShape(1, 1)
+    assert runner.uniform_shape([decode, verify, decode]) == UniformShape(4, 3)
+    prefill = SeqForward(list(range(12)), 0, blocks, num_logits=1)
+    assert runner.uniform_shape([decode, prefill]) is None  # a prompt chunk: eager
+    too_wide = SeqForward(list(range(6)), 10, blocks, num_logits=6)
+    assert runner.uniform_shape([too_wide]) is None
+    assert runner.uniform_shape([decode], return_final_hidden=True) is None
+    assert runner.uniform_shape([decode], hidden_layers=(0,)) is None  # no graph keeps it
+    assert runner.uniform_shape([decode] * (MAX_NUM_SEQS + 1)) is None
+
+
+def test_capture_sizes_step_by_16_after_8() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def test_staged_padding_writes_only_the_scratch_slot() -> None:
+    buffers = StepBuffers(
+        max_num_seqs=4,
+        max_width=3,
+        max_blocks=6,
+        block_size=4,
+        scratch_slot=99,
+        max_positions=12,
+        device=torch.device("cpu"),
+    )
+    seqs = [SeqForward([7, 8, 9], 5, [3, 1], 3), SeqForward([4], 10, [2, 0, 5], 1)]
+    buffers.stage(seqs, UniformShape(4, 3))
+    t = buffers.views(UniformShape(4, 3))
+    assert t.input_ids.view(4, 3).tolist() == [[7, 8, 9], [4, 0, 0], [0, 0, 0], [0, 0, 0]]
+    # positions 5, 6, 7 live in block 1 (slots 4..7); position 10 in block 5 (slot 22).
+    assert t.slot_mapping.view(4, 3).tolist() == [
+        [5, 6, 7],
+        [22, 99, 99],
+        [99, 99, 99],
+        [99, 99, 99],
+    ]
+    assert t.positions.view(4, 3).tolist()[1] == [10, 11, 11]  # clamped into the table
+    assert t.seq_lens.tolist() == [8, 13, 3, 3]
+    assert t.block_tables[:2, :3].tolist() == [[3, 1, 0], [2, 0, 5]]
+    with pytest.raises(ValueError, match="do not fit"):
+        buffers.stage(seqs, UniformShape(1, 3))
+
+
+def test_the_cpu_gets_the_eager_runner_and_a_gpu_config_can_ask_for_it(
+    model: TransformerLM,
+) -> None:
+    runner = make_runner(model, config())
+    assert type(runner) is ModelRunner
+    assert runner.kv_cache.num_blocks == config().kv_blocks

@@ -1,0 +1,260 @@
+"""A model runner whose decode and verify steps replay captured CUDA graphs.
+
+A step in which every sequence brings its last token and a draft of at most k tokens (plain
+decode is k = 0) is a uniform batch: `num_seqs` sequences x `width` = 1 + max k new tokens.
+`GraphRunner` pads such a step up to the next captured batch size (1, 2, 4, 8, then every 16
+up to `max_num_seqs`, as nano-vllm does), writes its inputs into persistent buffers
+(workers/engine/step_buffers.py) and replays the graph captured for that shape: one launch for
+the whole forward instead of hundreds, which on a GPU is most of a small model's step.
+Everything else (prefill chunks, steps wider or larger than any graph, a step that wants the
+final hidden state) runs eagerly through `ModelRunner.forward`, unchanged.
+
+Uniform steps attend through a uniform-batch backend (the Triton kernel on a GPU, the torch
+reference elsewhere: kernels/attention_uniform.py); on a CPU, or with `enforce_eager`, they run
+the same padded path without graphs, which is how CI tests the padding.
+
+Graphs write their outputs into fixed buffers (logits, and the hidden states of the layers
+drafters read), so the memory of all graphs together is one forward at the largest shape plus
+those buffers. Capture happens once, at start-up (`capture`), largest shape first into one
+shared memory pool; it logs its time and memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention_uniform import select_uniform_backend
+from workers.engine.config import EngineConfig
+from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
+from workers.engine.step_buffers import StepBuffers, UniformShape
+from workers.kv_cache import PagedKVCache
+from workers.model.transformer import ModelOutput, TransformerLM
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a graph: 1, 2, 4, 8, then every 16, and max_num_seqs itself."""
+    sizes = {b for b in (1, 2, 4, 8) if b <= max_num_seqs}
+    sizes |= set(range(16, max_num_seqs + 1, 16))
+    return sorted(sizes | {max_num_seqs})
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureReport:
+    num_graphs: int
+    seconds: float
+    memory_bytes: int  # device memory the capture took (pool and buffers)
+
+
+class GraphRunner(ModelRunner):
+    """`ModelRunner` with uniform decode/verify steps on persistent buffers, replayed from CUDA
+    graphs where captured (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: TransformerLM,
+        kv_cache: PagedKVCache,
+        *,
+        attention: AttentionBackend,
+        max_num_seqs: int,
+        max_width: int,
+        max_graph_tokens: int,
+        scratch_block: int,
+        hidden_layers: Sequence[int] = (),
+    ) -> None:
+        super().__init__(model, kv_cache)
+        if not 0 <= scratch_block < kv_cache.num_blocks:
+            raise ValueError(f"scratch block {scratch_block} is not in the cache")
+        self.attention = attention
+        self.max_width = max_width
+        self.hidden_layers = tuple(sorted(set(hidden_layers)))
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_graph_tokens = max_graph_tokens
+        block_size = kv_cache.block_size
+        max_len = model.config.max_position_embeddings
+        self.buffers = StepBuffers(
+            max_num_seqs=self.sizes[-1],
+            max_width=max_width,
+            max_blocks=-(-(max_len + max_width) // block_size),
+            block_size=block_size,
+            scratch_slot=scratch_block * block_size,
+            max_positions=max_len,
+            device=model.device,
+        )
+        num_tokens = self.sizes[-1] * max_width
+        device, vocab = model.device, model.config.vocab_size
+        self._logits = torch.zeros(num_tokens, vocab, dtype=torch.float32, device=device)
+        self._hidden = {
+            layer: torch.zeros(
+                num_tokens, model.config.hidden_size, dtype=model.dtype, device=device
+            )
+            for layer in self.hidden_layers
+        }
+        self._all_rows = torch.arange(num_tokens, device=device)
+        self._graphs: dict[UniformShape, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0  # uniform steps served by a graph
+        self.num_padded_steps = 0  # uniform steps served without one
+
+    @property
+    def shapes(self) -> list[UniformShape]:
+        """Every shape a graph is captured for, largest first."""
+        return [
+            UniformShape(b, w)
+            for b in reversed(self.sizes)
+            for w in range(self.max_width, 0, -1)
+            if b * w <= self.max_graph_tokens
+        ]
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def capture(self, progress: bool = True) -> CaptureReport:
+        """Capture a graph for every shape (CUDA only)."""
+        if self.model.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need the model on a CUDA device")
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        shapes = self.shapes
+        with torch.inference_mode():
+            for shape in tqdm(shapes, desc="capturing CUDA graphs", disable=not progress):
+                self.buffers.stage([], shape)  # all padding: writes only the scratch slot
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._run(shape)  # warm-up outside the capture (lazy inits, autotuning)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._run(shape)
+                self._graphs[shape] = graph
+        torch.cuda.synchronize()
+        report = CaptureReport(
+            len(shapes), time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0]
+        )
+        log.info(
+            "captured %d CUDA graphs (batch sizes %s, widths 1..%d) in %.1f s, %.0f MiB",
+            report.num_graphs,
+            self.sizes,
+            self.max_width,
+            report.seconds,
+            report.memory_bytes / 2**20,
+        )
+        return report
+
+    def uniform_shape(
+        self,
+        seqs: Sequence[SeqForward],
+        hidden_layers: Sequence[int] = (),
+        return_final_hidden: bool = False,
+    ) -> UniformShape | None:
+        """The padded shape this forward runs at, or None where it runs eagerly: any sequence
+        with a prompt chunk to compute before its scored tokens, more sequences or tokens than
+        the buffers hold, layers no graph keeps, or the final hidden state wanted."""
+        if return_final_hidden or not set(hidden_layers) <= set(self.hidden_layers):
+            return None
+        if not all(s.num_logits == len(s.token_ids) for s in seqs) or not self.buffers.fits(seqs):
+            return None
+        b = next(size for size in self.sizes if size >= len(seqs))
+        return UniformShape(b, max(len(s.token_ids) for s in seqs))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        seqs: Sequence[SeqForward],
+        hidden_layers: Sequence[int] = (),
+        return_final_hidden: bool = False,
+        interrupt: Callable[[], bool] | None = None,
+    ) -> RunnerOutput:
+        shape = None if interrupt else self.uniform_shape(seqs, hidden_layers, return_final_hidden)
+        if shape is None:
+            return super().forward(seqs, hidden_layers, return_final_hidden, interrupt)
+        for seq in seqs:
+            end = seq.num_computed_tokens + len(seq.token_ids)
+            if end > self.model.config.max_position_embeddings:
+                raise ValueError(f"sequence reaches position {end - 1}, past the context")
+        self.buffers.stage(seqs, shape)
+        graph = self._graphs.get(shape)
+        if graph is not None:
+            graph.replay()
+            self.num_replays += 1
+        else:
+            self._run(shape)
+            self.num_padded_steps += 1
+        rows = shape.num_seqs * shape.width
+        output = ModelOutput(
+            self._logits[:rows], {layer: h[:rows] for layer, h in self._hidden.items()}
+        )
+        spans = tuple(
+            (i * shape.width, i * shape.width + len(s.token_ids)) for i, s in enumerate(seqs)
+        )
+        return RunnerOutput(output, spans, spans)
+
+    def _run(self, shape: UniformShape) -> None:
+        """The forward at `shape` on the persistent buffers, its outputs into the fixed ones
+        (what a graph captures)."""
+        t = self.buffers.views(shape)
+        rows = shape.num_seqs * shape.width
+        meta = AttentionMetadata(
+            block_size=self.block_size,
+            query_start_loc=t.seq_lens,  # unused by uniform backends
+            seq_lens=t.seq_lens,
+            block_tables=t.block_tables,
+            slot_mapping=t.slot_mapping,
+            query_lens_host=(shape.width,) * shape.num_seqs,
+            seq_lens_host=(shape.width,) * shape.num_seqs,
+        )
+        out = self.model(
+            t.input_ids,
+            t.positions,
+            meta,
+            self.kv_cache.layers,
+            self._all_rows[:rows],
+            hidden_layers=self.hidden_layers,
+            attention=self.attention,
+        )
+        self._logits[:rows].copy_(out.logits)
+        for layer, h in self._hidden.items():
+            h[:rows].copy_(out.hidden_states[layer])
+
+
+def make_runner(
+    model: TransformerLM,
+    config: EngineConfig,
+    hidden_layers: Sequence[int] = (),
+    progress: bool = False,
+) -> ModelRunner:
+    """The engine's runner: on a GPU a `GraphRunner` with its graphs captured (unless
+    `config.enforce_eager`), elsewhere a plain `ModelRunner`. The cache holds
+    `config.kv_blocks` blocks, plus the scratch block padding writes into."""
+    num_blocks, block_size = config.kv_blocks, config.block_size
+    if model.device.type != "cuda" or config.enforce_eager:
+        cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+        return ModelRunner(model, cache)
+    cache = PagedKVCache(model.config, num_blocks + 1, block_size, model.dtype, model.device)
+    attention = select_uniform_backend(model.device, model.dtype, model.config.head_dim)
+    log.info(
+        "decode/verify attention: %s; other forwards: %s", attention.name, model.attention.name
+    )
+    runner = GraphRunner(
+        model,
+        cache,
+        attention=attention,
+        max_num_seqs=config.max_num_seqs,
+        max_width=1 + config.spec.num_speculative_tokens,
+        max_graph_tokens=config.max_num_batched_tokens,
+        scratch_block=num_blocks,
+        hidden_layers=hidden_layers,
+    )
+    runner.capture(progress)
+    return runner

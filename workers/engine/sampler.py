@@ -1,0 +1,154 @@
+"""Sampled rows to committed tokens: the host sampler (the reference, and the CPU's) and the
+device sampler (a GPU's).
+
+`verify` (workers/engine/verification.py) decides greedy rows by their argmax and applies each
+request's logit adjustments; what is left, the sampled rows' logits `[num_seqs, max_k + 1,
+vocab]` with their drafts, goes to a `Sampler`, which applies the sampling transform and
+rejection-samples.
+
+- `HostSampler` brings the logits to the host and draws from each request's own
+  `torch.Generator` (seeded requests) one row at a time: `kernels/rejection.py`.
+- `DeviceSampler` keeps them where the forward left them and does the whole batch as tensor
+  code (`kernels/rejection_device.py`), drawing from counter-based random numbers keyed by the
+  request (`kernels/counter_rng.py`); only the committed token ids come to the host. A seeded
+  request draws the same tokens alone or in any batch, but not the same as under the host
+  sampler (another generator).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from kernels.rejection_device import rejection_sample_batched
+from kernels.sampling import TransformUse, logits_to_probs
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import Sequence as Sequence_
+
+
+class Sampler(ABC):
+    name: str
+
+    def device_for(self, logits: torch.Tensor) -> torch.device:
+        """Where the sampled rows' logits should be gathered."""
+        return logits.device
+
+    @abstractmethod
+    def sample(
+        self,
+        logits: torch.Tensor,  # [num_seqs, max_k + 1, vocab] fp32, on device_for(...)
+        draft_ids: Sequence[Sequence[int]],  # each sequence's drafts (k may differ)
+        draft_probs: Sequence[torch.Tensor | None],  # [k, vocab] q each, None: one-hot drafts
+        seqs: Sequence[Sequence_],
+    ) -> list[list[int]]:
+        """Each sequence's committed tokens: accepted drafts, then a recovered or bonus one."""
+
+
+def _per_row(values: list[float] | list[int], dtype: torch.dtype, repeat: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).repeat_interleave(repeat)
+
+
+def _transform(
+    logits: torch.Tensor, params: list[SamplingParams], uses: TransformUse | None
+) -> torch.Tensor:  # [num_seqs, width, vocab] probabilities
+    num_seqs, width, vocab = logits.shape
+    device = logits.device
+
+    def rows(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return _per_row(values, dtype, width).to(device, non_blocking=True)
+
+    return logits_to_probs(
+        logits.view(-1, vocab),
+        rows([p.temperature for p in params], torch.float32),
+        rows([p.top_k for p in params], torch.long),
+        rows([p.top_p for p in params], torch.float32),
+        rows([p.min_p for p in params], torch.float32),
+        uses,
+    ).view(num_seqs, width, vocab)
+
+
+class HostSampler(Sampler):
+    name = "host"
+
+    def device_for(self, logits: torch.Tensor) -> torch.device:
+        return torch.device("cpu")
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        draft_ids: Sequence[Sequence[int]],
+        draft_probs: Sequence[torch.Tensor | None],
+        seqs: Sequence[Sequence_],
+    ) -> list[list[int]]:
+        num_seqs, width, _ = logits.shape
+        params = [seq.params for seq in seqs]
+        target_probs = _transform(logits, params, None)
+        drafts = torch.full((num_seqs, width - 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+        for n, ids in enumerate(draft_ids):
+            drafts[n, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        sampled = rejection_sample(
+            drafts,
+            [len(ids) for ids in draft_ids],
+            [None if q is None else q.cpu() for q in draft_probs],
+            target_probs,
+            [p.greedy for p in params],
+            [seq.generator for seq in seqs],
+        )
+        return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in sampled.tolist()]
+
+
+class DeviceSampler(Sampler):
+    name = "device"
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        draft_ids: Sequence[Sequence[int]],
+        draft_probs: Sequence[torch.Tensor | None],
+        seqs: Sequence[Sequence_],
+    ) -> list[list[int]]:
+        num_seqs, width, vocab = logits.shape
+        device = logits.device
+        params = [seq.params for seq in seqs]
+        uses = TransformUse(
+            greedy=any(p.greedy for p in params),
+            top_k=any(0 < p.top_k < vocab for p in params),
+            top_p=any(p.top_p < 1 for p in params),
+            min_p=any(p.min_p > 0 for p in params),
+        )
+        target_probs = _transform(logits, params, uses)
+        max_k = width - 1
+        host = torch.full((num_seqs, max_k + 3), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+        for n, (ids, seq) in enumerate(zip(draft_ids, seqs, strict=True)):
+            host[n, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+            host[n, max_k] = len(ids)
+            host[n, max_k + 1] = seq.rng_key
+            host[n, max_k + 2] = len(seq.token_ids)  # the position this step samples from
+        host = host.to(device, non_blocking=True)
+        q, has_q = _stacked_probs(draft_probs, num_seqs, max_k, vocab, device)
+        tokens, _ = rejection_sample_batched(
+            host[:, :max_k], host[:, max_k], q, has_q, target_probs, host[:, -2], host[:, -1]
+        )
+        return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in tokens.tolist()]
+
+
+def _stacked_probs(
+    draft_probs: Sequence[torch.Tensor | None],
+    num_seqs: int,
+    max_k: int,
+    vocab: int,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The drafts' q as one `[num_seqs, max_k, vocab]` tensor and which rows have one; (None,
+    None) when every draft is one-hot."""
+    if all(q is None for q in draft_probs):
+        return None, None
+    stacked = torch.zeros(num_seqs, max_k, vocab, dtype=torch.float32, device=device)
+    for n, q in enumerate(draft_probs):
+        if q is not None:
+            stacked[n, : q.shape[0]] = q.to(device, torch.float32)
+    has = torch.tensor([q is not None for q in draft_probs], device=device)
+    return stacked, has

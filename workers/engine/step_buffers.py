@@ -1,0 +1,109 @@
+"""The inputs of a uniform decode/verify step, in persistent buffers a CUDA graph reads.
+
+A uniform step feeds every sequence the same number of new tokens, `width` (its last token and
+a draft; a shorter draft is padded at its end), for `num_seqs` sequences padded up to a captured
+batch size. All of it lives in one int64 device buffer, written each step from a pinned host
+buffer with one copy: token ids, positions, cache slots, context lengths and block tables
+(`StepTensors` are views into it, at fixed addresses).
+
+Padding never touches a sequence's data: a padded token (after a short draft) or a padded
+sequence writes its K/V into the scratch slot, which no sequence owns; its position is clamped
+into the rotary table; a padded sequence's context is its `width` tokens over block 0, read
+and never written. Their logits are computed and never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workers.engine.model_runner import SeqForward
+
+
+@dataclass(frozen=True, slots=True)
+class UniformShape:
+    num_seqs: int  # the batch size a graph is captured for (real sequences + padding)
+    width: int  # new tokens per sequence
+
+
+@dataclass(frozen=True, slots=True)
+class StepTensors:
+    """One shape's views into the device buffer."""
+
+    input_ids: torch.Tensor  # [num_seqs * width] int64
+    positions: torch.Tensor  # [num_seqs * width] int64
+    slot_mapping: torch.Tensor  # [num_seqs * width] int64
+    seq_lens: torch.Tensor  # [num_seqs] int64, cached tokens + width
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
+
+
+class StepBuffers:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_width: int,
+        max_blocks: int,  # block table columns: the longest context's blocks (+ a padded draft)
+        block_size: int,
+        scratch_slot: int,
+        max_positions: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_seqs, self.max_width, self.max_blocks = max_num_seqs, max_width, max_blocks
+        self.block_size, self.scratch_slot = block_size, scratch_slot
+        self.max_positions = max_positions
+        num_tokens = max_num_seqs * max_width
+        # Regions: ids, positions, slots (num_tokens each), seq_lens, then the block tables.
+        self._tokens_at = (0, num_tokens, 2 * num_tokens)
+        self._lens_at = 3 * num_tokens
+        self._tables_at = self._lens_at + max_num_seqs
+        size = self._tables_at + max_num_seqs * max_blocks
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self.device = torch.zeros(size, dtype=torch.int64, device=device)
+        self._host = self.host.numpy()
+
+    def views(self, shape: UniformShape) -> StepTensors:
+        b, n = shape.num_seqs, shape.num_seqs * shape.width
+        ids, pos, slots = (self.device[at : at + n] for at in self._tokens_at)
+        lens = self.device[self._lens_at : self._lens_at + b]
+        tables = self.device[self._tables_at : self._tables_at + b * self.max_blocks]
+        return StepTensors(ids, pos, slots, lens, tables.view(b, self.max_blocks))
+
+    def fits(self, seqs: Sequence[SeqForward]) -> bool:
+        """Whether these sequences fit the buffers (few enough, short enough)."""
+        return len(seqs) <= self.max_num_seqs and all(
+            len(s.block_ids) <= self.max_blocks and len(s.token_ids) <= self.max_width for s in seqs
+        )
+
+    def stage(self, seqs: Sequence[SeqForward], shape: UniformShape) -> None:
+        """Write the step's inputs, padded to `shape`, and copy them to the device."""
+        b, w, bs = shape.num_seqs, shape.width, self.block_size
+        n = len(seqs)
+        if n > b or any(len(s.token_ids) > w for s in seqs):
+            raise ValueError(f"{n} sequences do not fit a uniform step of {b} x {w}")
+        host = self._host
+        ids, pos, slots = (host[at : at + b * w].reshape(b, w) for at in self._tokens_at)
+        lens = host[self._lens_at : self._lens_at + b]
+        tables = host[self._tables_at : self._tables_at + b * self.max_blocks]
+        tables = tables.reshape(b, self.max_blocks)
+        ids[:] = 0
+        tables[:] = 0
+        starts = np.zeros(b, dtype=np.int64)
+        counts = np.zeros(b, dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            num_new = len(seq.token_ids)
+            ids[i, :num_new] = seq.token_ids
+            tables[i, : len(seq.block_ids)] = seq.block_ids
+            starts[i], counts[i] = seq.num_computed_tokens, num_new
+        offsets = np.arange(w, dtype=np.int64)
+        positions = starts[:, None] + offsets[None, :]  # [b, w]
+        real = offsets[None, :] < counts[:, None]
+        blocks = np.take_along_axis(tables, np.where(real, positions // bs, 0), axis=1)
+        slots[:] = np.where(real, blocks * bs + positions % bs, self.scratch_slot)
+        pos[:] = np.minimum(positions, self.max_positions - 1)
+        lens[:] = starts + w
+        end = self._tables_at + b * self.max_blocks
+        self.device[:end].copy_(self.host[:end], non_blocking=True)
