@@ -75,7 +75,7 @@ def _kernel() -> Any:
         stride_table,
         stride_o_tok,
         stride_o_head,
-        WIDTH: tl.constexpr,
+        width,
         GROUP: tl.constexpr,
         ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -87,13 +87,13 @@ def _kernel() -> Any:
         kv_head = tl.program_id(1)
         rows = tl.arange(0, ROWS)
         token = rows // GROUP  # row = token * GROUP + query head within the group
-        row_ok = rows < WIDTH * GROUP
+        row_ok = rows < width * GROUP
         head = kv_head * GROUP + rows % GROUP
         dims = tl.arange(0, HEAD_DIM)
-        q_rows = (seq * WIDTH + token) * stride_q_tok + head * stride_q_head
+        q_rows = (seq * width + token) * stride_q_tok + head * stride_q_head
         q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
         seq_len = tl.load(seq_lens_ptr + seq)
-        position = seq_len - WIDTH + token  # [ROWS]
+        position = seq_len - width + token  # [ROWS]
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -130,7 +130,7 @@ def _kernel() -> Any:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / l_i[:, None]
-        o_rows = (seq * WIDTH + token) * stride_o_tok + head * stride_o_head
+        o_rows = (seq * width + token) * stride_o_tok + head * stride_o_head
         tl.store(
             out_ptr + o_rows[:, None] + dims[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -175,7 +175,7 @@ def triton_uniform_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        WIDTH=width,
+        width,
         GROUP=group,
         ROWS=rows,
         HEAD_DIM=head_dim,

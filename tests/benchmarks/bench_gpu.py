@@ -1,0 +1,461 @@
+"""The GPU benchmark: Outrider's engine on one CUDA GPU beside transformers on the same card.
+
+    python -m tests.benchmarks.bench_gpu --out DIR       # on the GPU machine (bundled model)
+    python -m tests.benchmarks.bench_gpu --render DIR/gpu.json   # anywhere: docs/benchmarks.md
+
+One process, one card, in this order (each part writes DIR/gpu.json as it ends, so a run cut
+short keeps what it measured; a part that raises is recorded and the next one runs):
+1. the card, torch's version, and its measured device-to-device copy bandwidth;
+2. forward cost by new tokens of one sequence (1..16 through the captured graphs; 64 and 256
+   eager), beside the eager runner, bundled model in bf16;
+3. single stream (greedy, 128 tokens) for no speculation, ngram and eagle on code edits, a
+   summary and open chat (bench_spec's prompts), adaptive k as served;
+4. 1, 16, 64 and 256 concurrent requests (held-out prompts) for each method;
+5. a model of Llama-3.1-8B's shape with random bf16 weights made on the device: forward costs
+   and plain decode at batch 1 and 64 against their floor (weight and KV bytes a step reads
+   over the measured copy bandwidth);
+6. transformers on the same weights: `generate` eager, with `cache_implementation="static"`
+   (which compiles the forward and replays CUDA graphs), eager with prompt lookup, and the
+   static cache at batch 64.
+
+Our engine runs without a tokenizer here (token ids only, as `generate`); the served path also
+detokenizes. Free of Ray, Redis and OpenTelemetry imports: the lent GPU machines have none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.drafting.base import Drafter
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.ngram import NgramConfig, NgramDrafter
+from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.eagle.prompts import held_out_prompts
+from workers.engine.calibration import runner_samples
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.graph_runner import GraphRunner
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.model_runner import ModelRunner
+from workers.engine.sampling_params import SamplingParams
+from workers.kv_cache import PagedKVCache
+from workers.model.config import ModelConfig
+from workers.model.loader import Checkpoint, build_model, load_checkpoint
+from workers.model.tokenizer import Tokenizer
+from workers.model.transformer import TransformerLM
+
+METHODS = ("none", "ngram", "eagle")
+LEVELS = (1, 16, 64, 256)
+FORWARD_COUNTS = (*range(1, 17), 64, 256)
+CONTEXT = 256  # cached tokens under the forward-cost rows
+K = 4  # draft tokens at most, as served
+HF_PAD = 192  # transformers' prompts are left-padded to this (one static shape, one compile)
+LLAMA_8B = ModelConfig(
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    name="Llama-3.1-8B shape, random weights",
+)
+EIGHT_B_COUNTS = (1, 2, 5, 9, 17, 64)
+
+
+def chat_ids(tok: Tokenizer, text: str) -> list[int]:
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# -- parts ------------------------------------------------------------------------------------
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        return {"card": "cpu (a dry run)", "torch": torch.__version__, "copy_gb_s": 10.0}
+    import triton
+
+    size = 2**30  # bytes per buffer
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync()
+    seconds = (time.perf_counter() - start) / 10
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "card": props.name,
+        "memory_gib": round(props.total_memory / 2**30),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_gb_s": 2 * size / seconds / 1e9,  # bytes read plus written
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def forward_costs(model: TransformerLM, counts: Sequence[int], reps: int) -> dict[str, Any]:
+    """ms of one forward of n new tokens onto a CONTEXT-token cache, graphs and eager."""
+    block_size = 16
+    num_blocks = -(-(CONTEXT + max(counts)) // block_size)
+    cache = PagedKVCache(model.config, num_blocks + 1, block_size, model.dtype, model.device)
+    width = max(n for n in counts if n <= 17)
+    graphs = GraphRunner(
+        model,
+        cache,
+        attention=_uniform_backend(model),
+        max_num_seqs=1,
+        max_width=width,
+        max_graph_tokens=width,
+        scratch_block=num_blocks,
+    )
+    capture_s = graphs.capture(progress=False).seconds if model.device.type == "cuda" else 0.0
+    eager = ModelRunner(model, cache)
+    blocks = list(range(num_blocks))
+    rows = {}
+    for name, runner in (("graph", graphs), ("eager", eager)):
+        samples = runner_samples(runner, blocks, counts, reps, CONTEXT)
+        rows[name] = [1000 * statistics.median(s) for s in samples]
+    return {
+        "counts": list(counts),
+        "graph_ms": rows["graph"],
+        "eager_ms": rows["eager"],
+        "capture_s": capture_s,
+        "attention": graphs.attention.name,
+    }
+
+
+def _uniform_backend(model: TransformerLM) -> Any:
+    from kernels.attention_uniform import select_uniform_backend
+
+    return select_uniform_backend(model.device, model.dtype, model.config.head_dim)
+
+
+def bundled_engine(
+    checkpoint: Checkpoint, model: TransformerLM, max_num_seqs: int
+) -> tuple[LLMEngine, float]:
+    """One engine serving every method (per request), graphs captured; its start-up seconds."""
+    head = EagleHead.load(Path(BUNDLED_HEAD))
+    config = EngineConfig(
+        max_model_len=2048, max_num_seqs=max_num_seqs, spec=SpecConfig(num_speculative_tokens=K)
+    )
+    ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
+    drafters: dict[str, Drafter] = {
+        "ngram": NgramDrafter(ngram),
+        "eagle": EagleDrafter(
+            head,
+            model,
+            num_blocks=config.kv_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            lookup=ngram,
+        ),
+    }
+    start = time.perf_counter()
+    engine = LLMEngine(
+        model,
+        config,
+        eos_token_ids=checkpoint.tokenizer.eos_token_ids,
+        drafters=drafters,
+    )
+    return engine, time.perf_counter() - start
+
+
+def spec_for(method: str) -> RequestSpec:
+    return RequestSpec(enabled=False) if method == "none" else RequestSpec(method=method)
+
+
+def timed_generate(
+    engine: LLMEngine, prompts: list[list[int]], method: str, max_tokens: int
+) -> tuple[int, float, float]:
+    """(output tokens, seconds, mean acceptance length) of the prompts served together."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    sync()
+    start = time.perf_counter()
+    done = engine.generate(prompts, params, spec_for(method))
+    sync()
+    seconds = time.perf_counter() - start
+    steps = sum(c.spec.verify_steps for c in done)
+    accepted = sum(c.spec.accepted for c in done)
+    return sum(len(c.token_ids) for c in done), seconds, (accepted + steps) / max(steps, 1)
+
+
+def single_stream(
+    engine: LLMEngine, prompts: dict[str, list[list[int]]], rounds: int, max_tokens: int
+) -> dict[str, Any]:
+    """tokens/s of each kind's prompts one at a time, median over interleaved rounds."""
+    per: dict[str, dict[str, list[float]]] = {k: {m: [] for m in METHODS} for k in prompts}
+    acceptance: dict[str, dict[str, list[float]]] = {k: {m: [] for m in METHODS} for k in prompts}
+    for _ in range(rounds):
+        for kind, kind_prompts in prompts.items():
+            for method in METHODS:
+                tokens, seconds = 0, 0.0
+                for p in kind_prompts:
+                    n, s, mal = timed_generate(engine, [p], method, max_tokens)
+                    tokens, seconds = tokens + n, seconds + s
+                    acceptance[kind][method].append(mal)
+                per[kind][method].append(tokens / seconds)
+    return {
+        "tokens_per_s": {
+            k: {m: statistics.median(v) for m, v in d.items()} for k, d in per.items()
+        },
+        "acceptance": {
+            k: {m: statistics.mean(v) for m, v in d.items()} for k, d in acceptance.items()
+        },
+    }
+
+
+def concurrency(
+    engine: LLMEngine, pool: list[list[int]], levels: Sequence[int], max_tokens: int
+) -> dict[str, Any]:
+    out: dict[str, dict[str, float]] = {}
+    for level in levels:
+        prompts = [pool[i % len(pool)] for i in range(level)]
+        timed_generate(engine, prompts, "none", 4)  # warm-up of the prefill shapes
+        out[str(level)] = {}
+        for method in METHODS:
+            tokens, seconds, _ = timed_generate(engine, prompts, method, max_tokens)
+            out[str(level)][method] = tokens / seconds
+    return {"tokens_per_s": out}
+
+
+def random_model(config: ModelConfig, device: torch.device) -> TransformerLM:
+    """`config`'s shape with random bf16 weights, made on the device (nothing on the host)."""
+    model = TransformerLM(config).to(dtype=torch.bfloat16).to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def eight_b(device: torch.device, copy_gb_s: float, max_tokens: int) -> dict[str, Any]:
+    model = random_model(LLAMA_8B, device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = EngineConfig(
+        max_model_len=1024,
+        max_num_seqs=64,
+        num_kv_blocks=64 * 24,
+        spec=SpecConfig(num_speculative_tokens=16, adaptive=False),
+    )
+    start = time.perf_counter()
+    engine = LLMEngine(model, config)
+    startup_s = time.perf_counter() - start
+    blocks = engine.allocator.allocate(-(-(CONTEXT + max(EIGHT_B_COUNTS)) // 16))
+    samples = runner_samples(engine.runner, blocks, EIGHT_B_COUNTS, 10, CONTEXT)
+    engine.allocator.free(blocks)
+    forward_ms = [1000 * statistics.median(s) for s in samples]
+    gen = torch.Generator().manual_seed(0)
+    decode = {}
+    prompt_len = 128
+    kv_per_token = 2 * LLAMA_8B.num_layers * LLAMA_8B.kv_size * 2
+    for batch in (1, 64):
+        prompts = torch.randint(0, LLAMA_8B.vocab_size, (batch, prompt_len), generator=gen)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        engine.generate(prompts[:, :16].tolist(), SamplingParams(max_tokens=4, temperature=0))
+        sync()
+        t0 = time.perf_counter()
+        engine.generate(prompts.tolist(), params, RequestSpec(enabled=False))
+        sync()
+        seconds = time.perf_counter() - t0
+        mean_context = prompt_len + max_tokens / 2
+        floor_s = (weight_bytes + batch * mean_context * kv_per_token) / (copy_gb_s * 1e9 / 2)
+        decode[str(batch)] = {
+            "tokens_per_s": batch * max_tokens / seconds,
+            "step_ms": 1000 * seconds / max_tokens,  # prefill included
+            "floor_ms": 1000 * floor_s,
+        }
+    # The decode step alone: a uniform forward of one token per sequence, graph replayed.
+    return {
+        "weight_gb": weight_bytes / 1e9,
+        "startup_s": startup_s,
+        "counts": list(EIGHT_B_COUNTS),
+        "forward_ms": forward_ms,
+        "decode": decode,
+        "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+
+
+class TransformersPeer:
+    """transformers' `generate` on the same weights and card."""
+
+    def __init__(self, checkpoint: Checkpoint, max_tokens: int, device: torch.device) -> None:
+        from tests.benchmarks.hf import dense_transformers
+
+        self.model = dense_transformers(checkpoint, torch.bfloat16).to(device)
+        self.eos = list(checkpoint.tokenizer.eos_token_ids)
+        self.max_tokens = max_tokens
+        self.device = device
+
+    def generate(self, rows: list[list[int]], padded: bool, **kwargs: Any) -> tuple[int, float]:
+        """(tokens up to each row's EOS, seconds); `padded`: left-padded to HF_PAD, so that
+        the static cache has one shape whatever the prompt."""
+        pad = self.eos[0]
+        length = HF_PAD if padded else max(len(r) for r in rows)
+        ids = torch.full((len(rows), length), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, length - len(r) :] = torch.tensor(r)
+            mask[i, length - len(r) :] = 1
+        sync()
+        start = time.perf_counter()
+        out = self.model.generate(
+            ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            max_new_tokens=self.max_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=self.eos,
+            **kwargs,
+        )
+        sync()
+        seconds = time.perf_counter() - start
+        tokens = 0
+        for row in out[:, length:].tolist():
+            ends = [i for i, t in enumerate(row) if t in self.eos]
+            tokens += ends[0] + 1 if ends else len(row)
+        return tokens, seconds
+
+    def single(
+        self, prompts: dict[str, list[list[int]]], rounds: int, padded: bool, **kwargs: Any
+    ) -> dict[str, float]:
+        """tokens/s of each kind's prompts one at a time (after a warm-up that compiles)."""
+        self.generate(prompts["open chat"], padded, **kwargs)
+        rates = {}
+        for kind, kind_prompts in prompts.items():
+            samples = []
+            for _ in range(rounds):
+                done = [self.generate([p], padded, **kwargs) for p in kind_prompts]
+                samples.append(sum(n for n, _ in done) / sum(t for _, t in done))
+            rates[kind] = statistics.median(samples)
+        return rates
+
+    def batch(self, rows: list[list[int]]) -> float:
+        """tokens/s of `rows` at once through the static cache (after a compiling warm-up)."""
+        self.generate(rows, True, cache_implementation="static")
+        tokens, seconds = self.generate(rows, True, cache_implementation="static")
+        return tokens / seconds
+
+
+# -- driver -----------------------------------------------------------------------------------
+
+
+def run_part(results: dict[str, Any], name: str, out: Path, fn: Callable[[], Any]) -> None:
+    start = time.perf_counter()
+    print(f"== {name}", flush=True)
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = {"error": traceback.format_exc()[-4000:]}
+        print(results[name]["error"], flush=True)
+    results.setdefault("seconds", {})[name] = time.perf_counter() - start
+    out.write_text(json.dumps(results, indent=1))
+    print(f"   {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def measure(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    out_dir: Path = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / "gpu.json"
+    results: dict[str, Any] = {}
+    max_tokens = 8 if args.quick else 128
+    rounds = 1 if args.quick else args.rounds
+    run_part(results, "environment", out, lambda: environment(device))
+    checkpoint = load_checkpoint(dtype=torch.bfloat16)
+    tok = checkpoint.tokenizer
+    model = build_model(checkpoint, dtype=torch.bfloat16, device=device)
+    from tests.benchmarks.bench_spec import PROMPTS
+
+    prompts = {kind: [chat_ids(tok, t) for t in texts] for kind, texts in PROMPTS.items()}
+    pool = [chat_ids(tok, t) for texts in held_out_prompts().values() for t in texts]
+    counts = (1, 2, 5) if args.quick else FORWARD_COUNTS
+    run_part(results, "forward", out, lambda: forward_costs(model, counts, 5 if args.quick else 20))
+    levels = (1, 4) if args.quick else LEVELS
+    engine_box: dict[str, LLMEngine] = {}
+
+    def start_engine() -> dict[str, Any]:
+        engine, seconds = bundled_engine(checkpoint, model, max(levels))
+        engine_box["engine"] = engine
+        runner = engine.runner
+        graphs = runner.num_graphs if isinstance(runner, GraphRunner) else 0
+        return {
+            "startup_s": seconds,
+            "graphs": graphs,
+            "verify_costs": engine.speculator.verify_costs[:8],
+        }
+
+    run_part(results, "engine", out, start_engine)
+    if "engine" in engine_box:
+        engine = engine_box["engine"]
+        run_part(results, "single", out, lambda: single_stream(engine, prompts, rounds, max_tokens))
+        run_part(results, "concurrency", out, lambda: concurrency(engine, pool, levels, max_tokens))
+        del engine, engine_box["engine"]
+    torch.cuda.empty_cache()
+    if not args.skip_8b:
+        copy = results.get("environment", {}).get("copy_gb_s", 4000.0)
+        run_part(results, "llama_8b_shape", out, lambda: eight_b(device, copy, max_tokens))
+        torch.cuda.empty_cache()
+    if args.skip_hf:
+        return
+    peer = TransformersPeer(checkpoint, max_tokens, device)
+    batch = [pool[i % len(pool)] for i in range(4 if args.quick else 64)]
+    # Most wanted first: a run cut short keeps the baselines the goals are set against.
+    parts: dict[str, Callable[[], Any]] = {
+        "hf_static": lambda: peer.single(prompts, rounds, True, cache_implementation="static"),
+        "hf_static_batch": lambda: {"batch": len(batch), "tokens_per_s": peer.batch(batch)},
+        "hf_eager": lambda: peer.single(prompts, 1, False),
+        "hf_lookup": lambda: peer.single(prompts, 1, False, prompt_lookup_num_tokens=10),
+    }
+    for name, part in parts.items():
+        run_part(results, name, out, part)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-gpu"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a tiny run, to check the script")
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the engine parts")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-8b", action="store_true")
+    parser.add_argument("--render", type=Path, help="write docs/benchmarks.md from this JSON")
+    args = parser.parse_args()
+    if args.render is not None:
+        from tests.benchmarks.bench_gpu_report import render
+
+        render(json.loads(args.render.read_text()))
+        return
+    measure(args)
+
+
+if __name__ == "__main__":
+    main()
