@@ -1,12 +1,13 @@
 """RMSNorm, optionally after the residual add before it: our one-call C kernel for bf16 on CPUs
-that run it (kernels/native.py), torch's ops elsewhere and wherever autograd needs gradients."""
+that run it (kernels/native.py), one Triton kernel on CUDA (kernels/fused_triton.py), torch's
+ops elsewhere and wherever autograd needs gradients."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import fused_triton, native
 
 
 def rms_norm(
@@ -27,5 +28,7 @@ def rms_norm(
         and native.available()
     ):
         return native.rms_norm_bf16(x, weight, eps, residual)
+    if x.dim() == 2 and fused_triton.usable(x, weight, residual):
+        return fused_triton.add_rms_norm(x, weight, eps, residual)
     total = x if residual is None else x + residual
     return F.rms_norm(total, (total.shape[-1],), weight, eps), total

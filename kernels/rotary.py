@@ -5,8 +5,9 @@ undoes that permutation, so every model here uses this one layout.
 
 `rotate_and_store` is what an attention layer does with its fused QKV projection: rotate Q and
 K, and store K and V in the paged cache. In bf16 on a CPU that runs our kernels that is one C
-call (kernels/native.py `rotary_kv_bf16`: fp32 angles, one rounding); elsewhere torch's ops, in
-the model's dtype as transformers does.
+call (kernels/native.py `rotary_kv_bf16`: fp32 angles, one rounding), on CUDA one Triton kernel
+(kernels/fused_triton.py `rotary_kv`, likewise); elsewhere torch's ops, in the model's dtype
+as transformers does.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native
+from kernels import fused_triton, native
 from kernels.attention import write_kv
 
 
@@ -92,6 +93,26 @@ def rotate_and_store(
             angles.cos_table,
             angles.sin_table,
             slot_mapping.contiguous(),
+            key_cache,
+            value_cache,
+        )
+        return qkv.view(num_tokens, -1, head_dim)[:, :num_heads]
+    half = head_dim // 2
+    if (
+        qkv.dim() == 2
+        and qkv.stride(1) == 1
+        and not half & (half - 1)
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and fused_triton.usable(qkv, key_cache, slot_mapping)
+    ):
+        fused_triton.rotary_kv(
+            qkv,
+            num_heads,
+            angles.positions,
+            angles.cos_table,
+            angles.sin_table,
+            slot_mapping,
             key_cache,
             value_cache,
         )

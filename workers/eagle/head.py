@@ -179,7 +179,8 @@ class EagleHead(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:  # a, [num_tokens, hidden]
         angles = self.rope(positions, x.dtype)
-        return self.layer(x, angles, kv_cache, meta, backend, backend.prepare(meta))
+        mlp, residual = self.layer(x, None, angles, kv_cache, meta, backend, backend.prepare(meta))
+        return mlp + residual
 
     # -- files ---------------------------------------------------------------------------------
 

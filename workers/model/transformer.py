@@ -103,19 +103,27 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         angles: RotaryAngles,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
         plan: object,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(h), angles, kv_cache, meta, backend, plan)
-        normed, h = self.post_attention_layernorm.add_forward(
-            attn if reduce is None else reduce(attn), h
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is `h + residual` (`h` alone for the first layer): the layer
+        before left its MLP output unadded, so that the add and this layer's norm are one
+        kernel. Returns this layer's MLP output and the stream before it, likewise."""
+        if residual is None:
+            normed, residual = self.input_layernorm(h), h
+        else:
+            normed, residual = self.input_layernorm.add_forward(h, residual)
+        attn = self.self_attn(normed, angles, kv_cache, meta, backend, plan)
+        normed, residual = self.post_attention_layernorm.add_forward(
+            attn if reduce is None else reduce(attn), residual
         )
         mlp = self.mlp(normed)
-        return h + (mlp if reduce is None else reduce(mlp))
+        return (mlp if reduce is None else reduce(mlp)), residual
 
 
 class ForwardInterrupted(Exception):
@@ -217,14 +225,14 @@ class TransformerLM(nn.Module):
         angles = self._angles(positions)
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            h = layer(h, angles, kv_caches[i], meta, backend, plan, self.reduce)
+            h, residual = layer(h, residual, angles, kv_caches[i], meta, backend, plan, self.reduce)
             if i in wanted:
-                hidden[i] = h
+                hidden[i] = h + residual
             if interrupt is not None and interrupt():
                 raise ForwardInterrupted(f"interrupted after layer {i}")
-        h = self.norm(h)
+        h = self.norm.add_forward(h, residual)[0] if residual is not None else self.norm(h)
         rows = h.index_select(0, logits_indices)
         logits = self.packs.linear("lm_head", rows, self.lm_head_weight()).float()
         return ModelOutput(logits, hidden, h if return_final_hidden else None)
