@@ -46,6 +46,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["cpu", "cuda"],
         help="where an in-process engine runs (default cpu); --cluster places by pool GPUs",
     )
+    model.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on a GPU, run every forward eagerly: no CUDA graphs captured at start-up",
+    )
     model.add_argument("--max-model-len", type=int, default=None, help="context (default 4096)")
     model.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default 32)")
     model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -223,7 +228,10 @@ def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
         eagle_prompt_lookup=not args.no_eagle_lookup,
     )
     config = EngineConfig(
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, spec=spec
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+        spec=spec,
     )
     device = args.device or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -252,6 +260,7 @@ def _deployment(args: argparse.Namespace) -> DeploymentConfig:
         "dtype": args.dtype,
         "engine.max_model_len": args.max_model_len,
         "engine.max_num_seqs": args.max_num_seqs,
+        "engine.enforce_eager": True if args.enforce_eager else None,
         "speculative.method": method,
         "speculative.num_speculative_tokens": args.num_spec_tokens,
         "speculative.adaptive": False if args.no_adaptive else None,

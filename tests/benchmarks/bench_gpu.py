@@ -43,7 +43,7 @@ from workers.eagle.prompts import held_out_prompts
 from workers.engine.calibration import runner_samples
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.graph_runner import GraphRunner
-from workers.engine.llm_engine import LLMEngine
+from workers.engine.llm_engine import LLMEngine, StepReport
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import PagedKVCache
@@ -57,6 +57,10 @@ LEVELS = (1, 16, 64, 256)
 FORWARD_COUNTS = (*range(1, 17), 64, 256)
 CONTEXT = 256  # cached tokens under the forward-cost rows
 K = 4  # draft tokens at most, as served
+# Tokens a step may bring (EngineConfig.max_num_batched_tokens, 512 by default for CPUs): prefill
+# chunks run eagerly, and an eager forward of the bundled model costs about the same for 16 or
+# 256 tokens on a GPU, so fewer, larger prefill steps pay.
+PREFILL_BUDGET = 2048
 HF_PAD = 192  # transformers' prompts are left-padded to this (one static shape, one compile)
 LLAMA_8B = ModelConfig(
     architecture="llama",
@@ -159,26 +163,29 @@ def bundled_engine(
     """One engine serving every method (per request), graphs captured; its start-up seconds."""
     head = EagleHead.load(Path(BUNDLED_HEAD))
     config = EngineConfig(
-        max_model_len=2048, max_num_seqs=max_num_seqs, spec=SpecConfig(num_speculative_tokens=K)
+        max_model_len=2048,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=PREFILL_BUDGET,
+        spec=SpecConfig(num_speculative_tokens=K),
     )
     ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
-    drafters: dict[str, Drafter] = {
-        "ngram": NgramDrafter(ngram),
-        "eagle": EagleDrafter(
-            head,
-            model,
-            num_blocks=config.kv_blocks,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            lookup=ngram,
-        ),
-    }
+    eagle = EagleDrafter(
+        head,
+        model,
+        num_blocks=config.kv_blocks,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        lookup=ngram,
+    )
+    drafters: dict[str, Drafter] = {"ngram": NgramDrafter(ngram), "eagle": eagle}
     start = time.perf_counter()
+    eagle_seconds = eagle.token_seconds()
     engine = LLMEngine(
         model,
         config,
         eos_token_ids=checkpoint.tokenizer.eos_token_ids,
         drafters=drafters,
+        draft_seconds={"eagle": eagle_seconds},
     )
     return engine, time.perf_counter() - start
 
@@ -208,16 +215,32 @@ def single_stream(
     """tokens/s of each kind's prompts one at a time, median over interleaved rounds."""
     per: dict[str, dict[str, list[float]]] = {k: {m: [] for m in METHODS} for k in prompts}
     acceptance: dict[str, dict[str, list[float]]] = {k: {m: [] for m in METHODS} for k in prompts}
+    # Where a decode step's time goes, per method: drafting, and the rest (schedule, forward,
+    # verification, commit), in ms; and how many steps replayed a graph.
+    reports: list[StepReport] = []
+    engine.step_listeners.append(reports.append)
+    steps: dict[str, dict[str, Any]] = {}
     for _ in range(rounds):
         for kind, kind_prompts in prompts.items():
             for method in METHODS:
                 tokens, seconds = 0, 0.0
+                replays = getattr(engine.runner, "num_replays", 0)
+                reports.clear()
                 for p in kind_prompts:
                     n, s, mal = timed_generate(engine, [p], method, max_tokens)
                     tokens, seconds = tokens + n, seconds + s
                     acceptance[kind][method].append(mal)
                 per[kind][method].append(tokens / seconds)
+                decode = [r for r in reports if r.verified]
+                steps[f"{kind}, {method}"] = {
+                    "steps": len(reports),
+                    "graph_steps": getattr(engine.runner, "num_replays", 0) - replays,
+                    "draft_ms": 1000 * statistics.median(r.draft_s for r in decode),
+                    "rest_ms": 1000 * statistics.median(r.forward_s for r in decode),
+                }
+    engine.step_listeners.remove(reports.append)
     return {
+        "steps": steps,
         "tokens_per_s": {
             k: {m: statistics.median(v) for m, v in d.items()} for k, d in per.items()
         },
@@ -268,12 +291,19 @@ def eight_b(device: torch.device, copy_gb_s: float, max_tokens: int) -> dict[str
     startup_s = time.perf_counter() - start
     blocks = engine.allocator.allocate(-(-(CONTEXT + max(EIGHT_B_COUNTS)) // 16))
     samples = runner_samples(engine.runner, blocks, EIGHT_B_COUNTS, 10, CONTEXT)
+    # The decode step of 64 sequences alone: 64 one-token sequences over the same context.
+    (batch_step,) = runner_samples(engine.runner, blocks, [64], 10, CONTEXT, width=1)
     engine.allocator.free(blocks)
     forward_ms = [1000 * statistics.median(s) for s in samples]
+    kv_per_token = 2 * LLAMA_8B.num_layers * LLAMA_8B.kv_size * 2
+    bandwidth = copy_gb_s * 1e9  # bytes moved per second, as a step reads them
+
+    def floor_ms(batch: int, context: float) -> float:
+        return 1000 * (weight_bytes + batch * context * kv_per_token) / bandwidth
+
     gen = torch.Generator().manual_seed(0)
     decode = {}
     prompt_len = 128
-    kv_per_token = 2 * LLAMA_8B.num_layers * LLAMA_8B.kv_size * 2
     for batch in (1, 64):
         prompts = torch.randint(0, LLAMA_8B.vocab_size, (batch, prompt_len), generator=gen)
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -283,15 +313,14 @@ def eight_b(device: torch.device, copy_gb_s: float, max_tokens: int) -> dict[str
         engine.generate(prompts.tolist(), params, RequestSpec(enabled=False))
         sync()
         seconds = time.perf_counter() - t0
-        mean_context = prompt_len + max_tokens / 2
-        floor_s = (weight_bytes + batch * mean_context * kv_per_token) / (copy_gb_s * 1e9 / 2)
         decode[str(batch)] = {
             "tokens_per_s": batch * max_tokens / seconds,
             "step_ms": 1000 * seconds / max_tokens,  # prefill included
-            "floor_ms": 1000 * floor_s,
+            "floor_ms": floor_ms(batch, prompt_len + max_tokens / 2),
         }
-    # The decode step alone: a uniform forward of one token per sequence, graph replayed.
     return {
+        "step_ms": {"1": forward_ms[0], "64": 1000 * statistics.median(batch_step)},
+        "step_floor_ms": {"1": floor_ms(1, CONTEXT), "64": floor_ms(64, CONTEXT)},
         "weight_gb": weight_bytes / 1e9,
         "startup_s": startup_s,
         "counts": list(EIGHT_B_COUNTS),

@@ -190,9 +190,12 @@ class EagleDrafter(DraftsAhead):
             request = [DraftRequest(rid, context + 1, 1)]
             self.propose(request)  # the history; later calls redo only the last row
             times = []
+            on_gpu = self.cache.data.device.type == "cuda"
             for _ in range(reps + 1):
                 start = time.perf_counter()
                 self.propose(request)
+                if on_gpu:  # the draft's kernels must have run, not just been launched
+                    torch.cuda.synchronize(self.cache.data.device)
                 times.append(time.perf_counter() - start)
             return statistics.median(times[1:])
         finally:

@@ -161,17 +161,13 @@ def build_engine(
     )
     for method, (drafter, token_seconds) in remote.items():
         drafters[method], draft_seconds[method] = drafter, token_seconds
-    draft_costs = dict.fromkeys(draft_seconds, 0.0)
-    if any(draft_seconds.values()):
-        target_seconds = forward_times(target, [1], reps=5)[0]
-        draft_costs = {m: s / target_seconds for m, s in draft_seconds.items()}
     engine = LLMEngine(
         target,
         config,
         tokenizer=checkpoint.tokenizer,
         eos_token_ids=checkpoint.tokenizer.eos_token_ids,
         drafters=drafters,
-        draft_costs=draft_costs,
+        draft_seconds=draft_seconds,
     )
     return LoadedEngine(
         engine, checkpoint.tokenizer, spec.model or BUNDLED_MODEL_NAME, checkpoint.config

@@ -11,6 +11,7 @@ import difflib
 import itertools
 import logging
 import random
+import statistics
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -137,10 +138,14 @@ class LLMEngine:
         draft_costs: dict[str, float] | None = None,
         runner: ModelRunner | None = None,
         sampler: Sampler | None = None,
+        draft_seconds: dict[str, float] | None = None,
     ) -> None:
         """`runner` (default: `make_runner`, a graph runner on a GPU) holds the model and a KV
         cache of at least `config.kv_blocks` blocks; `sampler` (default: on the device for a
-        GPU, on the host elsewhere) turns sampled rows into tokens."""
+        GPU, on the host elsewhere) turns sampled rows into tokens. A drafted token's cost
+        comes as `draft_costs` (in one-token target forwards) or as `draft_seconds`, which
+        the engine divides by its own one-token forward, timed through its runner (graphs
+        included: on a GPU they make it several times faster than an eager forward)."""
         self.config = config or EngineConfig()
         max_len = min(self.config.max_model_len, model.config.max_position_embeddings)
         self.max_model_len = max_len
@@ -156,6 +161,9 @@ class LLMEngine:
         )
         self.allocator = BlockAllocator(self.config.kv_blocks)
         self.scheduler = Scheduler(self.config)
+        if draft_seconds and any(draft_seconds.values()):
+            one = self._one_token_seconds()
+            draft_costs = {**(draft_costs or {}), **{m: s / one for m, s in draft_seconds.items()}}
         self.speculator = Speculator(
             self.config.spec,
             drafters,
@@ -176,6 +184,14 @@ class LLMEngine:
         # Called after every step that ran a forward (tracing); must not raise.
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self._feature_bytes: dict[str, int] = {}
+
+    def _one_token_seconds(self, context: int = 128) -> float:
+        """Median seconds of a one-token forward through this engine's runner."""
+        blocks = self.allocator.allocate(-(-(context + 1) // self.config.block_size))
+        try:
+            return statistics.median(runner_samples(self.runner, blocks, [1], 5, context)[0])
+        finally:
+            self.allocator.free(blocks)
 
     def _verify_costs(self, has_drafters: bool) -> tuple[float, ...]:
         spec = self.config.spec

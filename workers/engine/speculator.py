@@ -83,6 +83,7 @@ class Speculator:
         self.pooled: dict[str, tuple[int, int]] = {}
         # Per method: calls into its drafter that raised or proposed an invalid draft.
         self.failures: dict[str, int] = {}
+        self.speculating = True  # the last `propose` let sequences draft (its load allowed)
 
     def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
         """(method, k_max) for a request: its own settings over the server defaults."""
@@ -200,7 +201,12 @@ class Speculator:
                 self._drop(seq.spec_method, [seq], "add", exc)
 
     def hidden_layers(self, seqs: Iterable[Sequence]) -> tuple[int, ...]:
-        """Target layers whose hidden states the drafters of these sequences read."""
+        """Target layers whose hidden states the drafters of these sequences read; none while
+        the load keeps everyone from speculating (`disable_batch_size`): handing each
+        sequence its rows every step costs the host more than a GPU step of a small model,
+        and a drafter that misses some starts its context over after the gap."""
+        if not self.speculating:
+            return ()
         layers: set[int] = set()
         for seq in seqs:
             if seq.spec_method != "none":
@@ -257,6 +263,7 @@ class Speculator:
         off before they all decode rather than after."""
         seqs = list(decoding)
         load = len(seqs) if batch_size is None else batch_size
+        self.speculating = load < self.config.disable_batch_size
         by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
         for seq, k in zip(seqs, self.num_draft_tokens(seqs, load), strict=True):
             seq.draft = EMPTY_DRAFT
