@@ -28,7 +28,12 @@ def rms_norm(
         and native.available()
     ):
         return native.rms_norm_bf16(x, weight, eps, residual)
-    if x.dim() == 2 and fused_triton.usable(x, weight, residual):
+    if (
+        x.dim() == 2
+        and x.stride(1) == 1
+        and (residual is None or (residual.dim() == 2 and residual.stride(1) == 1))
+        and fused_triton.usable(x, weight, residual)
+    ):
         return fused_triton.add_rms_norm(x, weight, eps, residual)
     total = x if residual is None else x + residual
     return F.rms_norm(total, (total.shape[-1],), weight, eps), total
