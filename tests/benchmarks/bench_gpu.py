@@ -158,7 +158,7 @@ def _uniform_backend(model: TransformerLM) -> Any:
 
 
 def bundled_engine(
-    checkpoint: Checkpoint, model: TransformerLM, max_num_seqs: int
+    checkpoint: Checkpoint, model: TransformerLM, max_num_seqs: int, k: int = K
 ) -> tuple[LLMEngine, float]:
     """One engine serving every method (per request), graphs captured; its start-up seconds."""
     head = EagleHead.load(Path(BUNDLED_HEAD))
@@ -166,7 +166,7 @@ def bundled_engine(
         max_model_len=2048,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=PREFILL_BUDGET,
-        spec=SpecConfig(num_speculative_tokens=K),
+        spec=SpecConfig(num_speculative_tokens=k),
     )
     ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
     eagle = EagleDrafter(
@@ -394,7 +394,12 @@ class TransformersPeer:
 # -- driver -----------------------------------------------------------------------------------
 
 
+PARTS = ("environment", "forward", "engine", "single", "concurrency", "llama_8b_shape", "hf")
+
+
 def run_part(results: dict[str, Any], name: str, out: Path, fn: Callable[[], Any]) -> None:
+    if name.split("_")[0] not in results["parts"] and name not in results["parts"]:
+        return
     start = time.perf_counter()
     print(f"== {name}", flush=True)
     try:
@@ -413,7 +418,7 @@ def measure(args: argparse.Namespace) -> None:
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "gpu.json"
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"parts": args.parts, "k": args.k}
     max_tokens = 8 if args.quick else 128
     rounds = 1 if args.quick else args.rounds
     run_part(results, "environment", out, lambda: environment(device))
@@ -430,7 +435,7 @@ def measure(args: argparse.Namespace) -> None:
     engine_box: dict[str, LLMEngine] = {}
 
     def start_engine() -> dict[str, Any]:
-        engine, seconds = bundled_engine(checkpoint, model, max(levels))
+        engine, seconds = bundled_engine(checkpoint, model, max(levels), args.k)
         engine_box["engine"] = engine
         runner = engine.runner
         graphs = runner.num_graphs if isinstance(runner, GraphRunner) else 0
@@ -447,11 +452,11 @@ def measure(args: argparse.Namespace) -> None:
         run_part(results, "concurrency", out, lambda: concurrency(engine, pool, levels, max_tokens))
         del engine, engine_box["engine"]
     torch.cuda.empty_cache()
-    if not args.skip_8b:
+    if not args.skip_8b and "llama_8b_shape" in args.parts:
         copy = results.get("environment", {}).get("copy_gb_s", 4000.0)
         run_part(results, "llama_8b_shape", out, lambda: eight_b(device, copy, max_tokens))
         torch.cuda.empty_cache()
-    if args.skip_hf:
+    if args.skip_hf or "hf" not in args.parts:
         return
     peer = TransformersPeer(checkpoint, max_tokens, device)
     batch = [pool[i % len(pool)] for i in range(4 if args.quick else 64)]
@@ -474,6 +479,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a tiny run, to check the script")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the engine parts")
+    parser.add_argument("--k", type=int, default=K, help="most draft tokens per step")
+    parser.add_argument(
+        "--parts",
+        type=lambda s: s.split(","),
+        default=list(PARTS),
+        help=f"comma-separated, of {', '.join(PARTS)} (engine is needed by single, concurrency)",
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--render", type=Path, help="write docs/benchmarks.md from this JSON")
