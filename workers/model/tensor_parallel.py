@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 
 from workers.model.config import ModelConfig
-from workers.model.loader import Checkpoint
+from workers.model.loader import Checkpoint, attention_for
 from workers.model.transformer import TransformerLM
 
 
@@ -83,12 +83,13 @@ def build_sharded_model(
 ) -> TransformerLM:
     """Rank `rank` of `world`: its slice of the weights, and `reduce` (a sum over the group)
     after the attention and MLP outputs. `reduce` may be set later (`model.reduce = ...`)."""
+    attention = attention_for(device, dtype)
     if world == 1:
-        model = TransformerLM(checkpoint.config)
+        model = TransformerLM(checkpoint.config, attention)
         model.load_hf_weights(checkpoint.weights)
     else:
         config = shard_config(checkpoint.config, rank, world)
-        model = TransformerLM(config)
+        model = TransformerLM(config, attention)
         model.load_hf_weights(shard_weights(checkpoint.weights, checkpoint.config, rank, world))
     model = model.to(device=device, dtype=dtype).eval()
     model.reduce = reduce
