@@ -17,13 +17,26 @@ import torch
 
 
 def position_counts(
-    output_ids: Sequence[int], draft_ids: Sequence[int], vocab: int
+    output_ids: Sequence[int],
+    draft_ids: Sequence[int],
+    vocab: int,
+    device: torch.device | None = None,
 ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32
-    """Row j: how often each token occurs in `output_ids` plus the first j drafts."""
-    base = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)
+    """Row j: how often each token occurs in `output_ids` plus the first j drafts (built on
+    `device` from the ids, with one write for the drafts)."""
+    ids = torch.tensor(list(output_ids), dtype=torch.long, device=device)
+    base = torch.bincount(ids, minlength=vocab)
     counts = base.float().repeat(len(draft_ids) + 1, 1)
-    for j, token in enumerate(draft_ids, start=1):
-        counts[j:, token] += 1
+    if draft_ids:
+        pairs = [
+            (row, token)
+            for j, token in enumerate(draft_ids, 1)
+            for row in range(j, 1 + len(draft_ids))
+        ]
+        rows, tokens = torch.tensor(pairs, dtype=torch.long, device=device).T
+        counts.index_put_(
+            (rows, tokens), torch.ones_like(rows, dtype=counts.dtype), accumulate=True
+        )
     return counts
 
 

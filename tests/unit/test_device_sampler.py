@@ -133,8 +133,16 @@ def test_engine_with_the_device_sampler() -> None:
     assert run_staggered(engine("ngram"), prompt_ids, GREEDY, RequestSpec(method="ngram")) == (
         expected
     )
-    params = [
-        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7 + i, ignore_eos=True)
+    params = [  # two of them with logits adjusted (on the logits' device) before sampling
+        SamplingParams(
+            max_tokens=12,
+            temperature=0.8,
+            top_p=0.9,
+            seed=7 + i,
+            ignore_eos=True,
+            frequency_penalty=0.5 * (i % 2),
+            logit_bias=((3, 2.0),) if i % 2 else (),
+        )
         for i in range(4)
     ]
     for method in ("ngram", "draft_model"):

@@ -123,21 +123,27 @@ class SamplingParams:
         draft_ids: Sequence[int] = (),
         eos_token_ids: Iterable[int] = (),
         grammar: GrammarState | None = None,
-    ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32 on the host
+    ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32 on the logits' device
         """These settings' changes to the logits of a verify forward's rows, row j being the
         position after the output so far and the first j drafts: penalties, then the logit
         bias, then the tokens outside `allowed_token_ids` and those that would complete a bad
         word ruled out, then, at positions short of `min_tokens`, EOS and the stop tokens, then
-        what `grammar` (the sequence's place in `structured`) forbids."""
-        vocab = logits.shape[-1]
-        logits = logits.float().cpu()
+        what `grammar` (the sequence's place in `structured`) forbids. Done where the logits
+        are (a GPU's included): the host builds only small index tensors, each change is one
+        write."""
+        vocab, device = logits.shape[-1], logits.device
+
+        def ids(values: Iterable[int]) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.long, device=device)
+
+        logits = logits.float()
         if self.penalized:
-            in_prompt = torch.zeros(vocab, dtype=torch.bool)
+            in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
             if self.repetition_penalty != 1.0:
-                in_prompt[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+                in_prompt[ids(prompt_ids)] = True
             logits = apply_penalties(
                 logits,
-                position_counts(output_ids, draft_ids, vocab),
+                position_counts(output_ids, draft_ids, vocab, device),
                 in_prompt,
                 self.repetition_penalty,
                 self.frequency_penalty,
@@ -145,23 +151,28 @@ class SamplingParams:
             )
         else:
             logits = logits.clone()
-        for token, bias in self.logit_bias:
-            logits[:, token] += bias
+        if self.logit_bias:
+            tokens, biases = zip(*self.logit_bias, strict=True)
+            bias = torch.tensor(biases, dtype=logits.dtype, device=device)
+            logits.index_add_(1, ids(tokens), bias.expand(logits.shape[0], -1))
         if self.allowed_token_ids:
-            outside = torch.ones(vocab, dtype=torch.bool)
-            outside[list(self.allowed_token_ids)] = False
-            logits[:, outside] = -math.inf
-        for row in range(logits.shape[0]) if self.bad_words else ():
-            before = [*output_ids, *draft_ids[:row]]  # the output this row's token follows
-            for word in self.bad_words:
-                rest = list(word[:-1])
-                if not rest or (len(before) >= len(rest) and before[-len(rest) :] == rest):
-                    logits[row, word[-1]] = -math.inf
+            outside = torch.ones(vocab, dtype=torch.bool, device=device)
+            outside[ids(self.allowed_token_ids)] = False
+            logits.masked_fill_(outside, -math.inf)
+        banned = [  # (row, token): the token would complete a bad word after that row's output
+            (row, word[-1])
+            for row in (range(logits.shape[0]) if self.bad_words else ())
+            for word in self.bad_words
+            if _ends_with([*output_ids, *draft_ids[:row]], word[:-1])
+        ]
+        if banned:
+            rows, tokens = ids(t for pair in banned for t in pair).view(-1, 2).T
+            logits[rows, tokens] = -math.inf
         short = self.min_tokens - len(output_ids)  # rows whose token would come too early
         if short > 0:
             ends = {*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)}
             if ends:
-                logits[:short, sorted(ends)] = -math.inf
+                logits[:short, ids(sorted(ends))] = -math.inf
         if grammar is not None:
             grammar.mask(logits, draft_ids)
         return logits
@@ -177,3 +188,9 @@ class SamplingParams:
             torch.tensor([self.top_p], dtype=torch.float32),
             torch.tensor([self.min_p], dtype=torch.float32),
         )
+
+
+def _ends_with(output: Sequence[int], suffix: Sequence[int]) -> bool:
+    """Whether `output` ends with `suffix` (an empty suffix: always)."""
+    n = len(suffix)
+    return n == 0 or (len(output) >= n and list(output[-n:]) == list(suffix))

@@ -156,9 +156,10 @@ class GrammarState:
 
     def mask(self, logits: torch.Tensor, draft_ids: Sequence[int] = ()) -> torch.Tensor:
         """`logits` (`[len(draft_ids) + 1, vocab]`) with the tokens the grammar forbids at -inf,
-        in place. A row whose every allowed token was already at -inf (`min_tokens` holding
-        off the EOS a finished grammar wants) gets its allowed tokens at 0: the grammar wins."""
-        allowed = self.allowed(draft_ids)
+        in place, on their device (the rows are built on the host, by llguidance). A row whose
+        every allowed token was already at -inf (`min_tokens` holding off the EOS a finished
+        grammar wants) gets its allowed tokens at 0: the grammar wins."""
+        allowed = self.allowed(draft_ids).to(logits.device, non_blocking=True)
         vocab = logits.shape[-1]
         logits.masked_fill_(~allowed[:, :vocab], -math.inf)
         dead = torch.isneginf(logits.amax(dim=-1))
