@@ -488,12 +488,17 @@ def main() -> None:
     )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-8b", action="store_true")
-    parser.add_argument("--render", type=Path, help="write docs/benchmarks.md from this JSON")
+    parser.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        help="write docs/benchmarks.md from these results (a whole run, then runs of some parts)",
+    )
     args = parser.parse_args()
     if args.render is not None:
         from tests.benchmarks.bench_gpu_report import render
 
-        render(json.loads(args.render.read_text()))
+        render([json.loads(path.read_text()) for path in args.render])
         return
     measure(args)
 

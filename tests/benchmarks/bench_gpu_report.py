@@ -1,0 +1,218 @@
+"""The GPU section of docs/benchmarks.md from bench_gpu's results (`--render run.json [...]`).
+
+The first file is a whole run; later ones (runs of some parts, with `--parts`, and another
+`--k`, say) add their single-stream tables beside it. Kept apart from bench_gpu.py because it
+imports the report helpers, which the GPU machines' images need not hold.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.benchmarks.report import DEFAULT_REPORT, table, write_section
+
+SECTION = "bench_gpu"
+COMMAND = "python -m tests.benchmarks.bench_gpu"
+
+
+def _f(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def _x(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def goals(run: dict[str, Any]) -> str:
+    """The issue's goals as ratios within the run, each with its target and whether it holds."""
+    rows = []
+    single, hf = run.get("single", {}).get("tokens_per_s", {}), run.get("hf_static", {})
+    if single and "error" not in hf:
+        for kind, by_method in single.items():
+            ratio = by_method["none"] / hf[kind]
+            rows.append(
+                [
+                    f"plain single stream vs static-cache `generate`, {kind}",
+                    _x(ratio),
+                    ">= 2x",
+                    ratio >= 2,
+                ]
+            )
+    levels = run.get("concurrency", {}).get("tokens_per_s", {})
+    batch = run.get("hf_static_batch", {})
+    if "64" in levels and "tokens_per_s" in batch:
+        ratio = levels["64"]["none"] / batch["tokens_per_s"]
+        rows.append(
+            [
+                "64 concurrent vs static-cache `generate` at batch 64",
+                _x(ratio),
+                ">= 1.2x",
+                ratio >= 1.2,
+            ]
+        )
+    forward = run.get("forward", {})
+    if "graph_ms" in forward:
+        ms = dict(zip(forward["counts"], forward["graph_ms"], strict=True))
+        ratio = ms[5] / ms[1]
+        rows.append(
+            [
+                "verify forward of 1 + 4 tokens vs a decode step",
+                _x(ratio),
+                "<= 1.15x",
+                ratio <= 1.15,
+            ]
+        )
+    if single:
+        ratio = single["code edit"]["ngram"] / single["code edit"]["none"]
+        rows.append(
+            ["ngram vs plain, code edit, single stream", _x(ratio), ">= 2.5x", ratio >= 2.5]
+        )
+    for level in ("16", "64", "256"):
+        for method, rate in levels.get(level, {}).items():
+            if method != "none":
+                ratio = rate / levels[level]["none"]
+                rows.append(
+                    [f"{method} vs plain, {level} concurrent", _x(ratio), ">= 0.95x", ratio >= 0.95]
+                )
+    big = run.get("llama_8b_shape", {})
+    if "step_ms" in big:
+        for batch_size in ("1", "64"):
+            ratio = big["step_ms"][batch_size] / big["step_floor_ms"][batch_size]
+            rows.append(
+                [
+                    f"8B-shaped decode step, batch {batch_size}, vs its floor",
+                    _x(ratio),
+                    "<= 1.25x",
+                    ratio <= 1.25,
+                ]
+            )
+    marked = [[name, value, goal, "yes" if met else "**no**"] for name, value, goal, met in rows]
+    return table(["goal", "measured", "target", "met"], marked)  # fmt: skip
+
+
+def forward_table(run: dict[str, Any]) -> str:
+    forward = run["forward"]
+    decode = forward["graph_ms"][0]
+    rows = [
+        [n, _f(g, 2), _f(e, 2), _x(g / decode)]
+        for n, g, e in zip(forward["counts"], forward["graph_ms"], forward["eager_ms"], strict=True)
+    ]
+    return table(["new tokens", "graph ms", "eager ms", "vs one token (graph)"], rows)
+
+
+def single_table(run: dict[str, Any], with_hf: bool) -> str:
+    single = run["single"]
+    rows = []
+    for kind, by_method in single["tokens_per_s"].items():
+        row = [kind]
+        for method, rate in by_method.items():
+            accepted = single["acceptance"][kind][method]
+            shown = f"{_f(rate)} ({_x(rate / by_method['none'])}, {accepted:.2f})"
+            row.append(_f(rate) if method == "none" else shown)
+        if with_hf:
+            row += [_f(run[part][kind]) for part in ("hf_static", "hf_eager", "hf_lookup")]
+        rows.append(row)
+    header = ["prompts", *single["tokens_per_s"]["code edit"]]
+    if with_hf:
+        header += ["`generate` static cache", "`generate` eager", "`generate` prompt lookup 10"]
+    return table(header, rows)
+
+
+def steps_table(run: dict[str, Any]) -> str:
+    rows = [
+        [case, v["steps"], v["graph_steps"], _f(v["draft_ms"], 3), _f(v["rest_ms"], 3)]
+        for case, v in run["single"]["steps"].items()
+    ]
+    return table(["prompts, method", "steps", "graph replays", "drafting ms", "the rest ms"], rows)
+
+
+def concurrency_table(run: dict[str, Any]) -> str:
+    levels = run["concurrency"]["tokens_per_s"]
+    rows = []
+    for level, by_method in levels.items():
+        row = [level]
+        for method, rate in by_method.items():
+            row.append(
+                _f(rate) if method == "none" else f"{_f(rate)} ({_x(rate / by_method['none'])})"
+            )
+        rows.append(row)
+    return table(["concurrent requests", *levels["1"]], rows)  # fmt: skip
+
+
+def eight_b_table(run: dict[str, Any]) -> str:
+    big = run["llama_8b_shape"]
+    rows = [
+        [
+            b,
+            _f(big["step_ms"][b], 2),
+            _f(big["step_floor_ms"][b], 2),
+            _x(big["step_ms"][b] / big["step_floor_ms"][b]),
+            _f(big["decode"][b]["tokens_per_s"]),
+        ]
+        for b in ("1", "64")
+    ]
+    steps = table(
+        ["batch", "decode step ms", "floor ms", "vs floor", "tokens/s, 128-token answers"], rows
+    )
+    one = big["forward_ms"][0]
+    costs = table(
+        ["new tokens", *(str(n) for n in big["counts"])],
+        [
+            ["ms", *(_f(ms, 2) for ms in big["forward_ms"])],
+            ["vs one", *(_x(ms / one) for ms in big["forward_ms"])],
+        ],
+    )
+    return (
+        steps
+        + "\n\nOne forward of n new tokens of one sequence (graphs up to 17, 64 eager):\n\n"
+        + costs
+    )
+
+
+def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
+    run = runs[0]
+    env = run["environment"]
+    k = run.get("k", 4)
+    parts = [
+        f"## One GPU (`{COMMAND}`)",
+        f"Card: {env['card']} ({env.get('memory_gib', '?')} GiB), torch {env['torch']}, Triton "
+        f"{env.get('triton', '?')}, {env['date']}; device-to-device copy "
+        f"{_f(env['copy_gb_s'] / 1000, 2)} TB/s (bytes read plus written). Model: the bundled "
+        "SmolLM2-135M-Instruct in bf16; transformers runs the same weights on the same card in "
+        "the same process. Greedy, 128-token answers, tokens/s including the prompt's prefill; "
+        "our engine runs without a tokenizer (token ids, as `generate`), with decode and verify "
+        f"steps replayed from CUDA graphs, at most {k} draft tokens a step (adaptive k) and "
+        "prefill steps of up to 2048 tokens.",
+        "### Goals",
+        goals(run),
+        "### Forward cost by new tokens",
+        "One sequence over a 256-token cache: through the captured graphs (up to 16 new "
+        "tokens; 64 and 256 run eagerly) and through the eager runner.",
+        forward_table(run),
+        "### Single stream",
+        "tokens/s per method; for the speculative ones, (vs none, mean acceptance length).",
+        single_table(run, with_hf=True),
+        "Where a decode step's time goes (median ms per verify step):",
+        steps_table(run),
+    ]
+    for extra in runs[1:]:
+        parts += [
+            f"With at most {extra['k']} draft tokens a step ({extra['environment']['card']}, "
+            f"the same day, `--k {extra['k']} --parts {','.join(extra['parts'])}`):",
+            single_table(extra, with_hf=False),
+        ]
+    parts += [
+        "### Concurrent requests",
+        "All at once, each a held-out prompt (chat, code, summaries), tokens/s over the batch; "
+        "(vs none). At 8 and more unfinished requests nobody speculates (`disable_batch_size`). "
+        f"transformers' static-cache `generate` at batch 64: "
+        f"{_f(run['hf_static_batch']['tokens_per_s'])} tokens/s.",
+        concurrency_table(run),
+        "### A model of Llama-3.1-8B's shape",
+        f"Random bf16 weights made on the device ({_f(run['llama_8b_shape']['weight_gb'], 2)} "
+        "GB). The floor is the bytes a step must read (the weights, and the KV cache of "
+        "256-token contexts) over the measured copy rate.",
+        eight_b_table(run),
+    ]
+    write_section(SECTION, "\n\n".join(parts), path)
