@@ -117,8 +117,16 @@ def test_a_seeded_sampled_request_draws_the_same_alone_or_in_a_batch(
     model: TransformerLM, method: str
 ) -> None:
     prompt_ids = prompts(4, seed=21)
-    params = [
-        SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7 + i, ignore_eos=True)
+    params = [  # two of them with their logits adjusted (on the device) before sampling
+        SamplingParams(
+            max_tokens=12,
+            temperature=0.8,
+            top_p=0.9,
+            seed=7 + i,
+            ignore_eos=True,
+            frequency_penalty=0.5 * (i % 2),
+            logit_bias=((3, 2.0),) if i % 2 else (),
+        )
         for i in range(4)
     ]
     spec = RequestSpec(enabled=False) if method == "none" else RequestSpec(method=method)
@@ -193,3 +201,30 @@ def test_graph_replay_gives_eagers_output(
             assert eng.runner.num_replays > 0
             assert eng.runner.attention.name == "triton"
     assert outputs[0] == outputs[1] == expected
+
+
+ADJUSTED = SamplingParams(
+    max_tokens=16,
+    temperature=0,
+    repetition_penalty=1.3,
+    frequency_penalty=0.4,
+    presence_penalty=0.2,
+    logit_bias=((5, 3.0), (9, -2.0)),
+    bad_words=((7, 8), (11,)),
+    min_tokens=6,
+    stop_token_ids=(1,),
+)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model"])
+def test_adjusted_logits_give_the_cpus_greedy_output(model: TransformerLM, method: str) -> None:
+    """Penalties, a logit bias, bad words and min_tokens, applied where the logits are: the
+    engine on its device (graphs and the device sampler on a GPU) commits what plain decoding
+    on the CPU does."""
+    cpu_model = tiny_model(seed=4, max_position_embeddings=512)
+    prompt_ids = prompts(4, seed=60)
+    plain = SequentialEngine(cpu_model, max_model_len=512)
+    expected = [plain.generate(p, ADJUSTED).token_ids for p in prompt_ids]
+    spec = RequestSpec(enabled=False) if method == "none" else RequestSpec(method=method)
+    eng = engine(model, None if method == "none" else make_drafter(method, model))
+    assert run_staggered(eng, prompt_ids, ADJUSTED, spec) == expected
