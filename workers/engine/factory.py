@@ -168,6 +168,7 @@ def build_engine(
         eos_token_ids=checkpoint.tokenizer.eos_token_ids,
         drafters=drafters,
         draft_seconds=draft_seconds,
+        progress=progress,
     )
     return LoadedEngine(
         engine, checkpoint.tokenizer, spec.model or BUNDLED_MODEL_NAME, checkpoint.config

@@ -139,20 +139,22 @@ class LLMEngine:
         runner: ModelRunner | None = None,
         sampler: Sampler | None = None,
         draft_seconds: dict[str, float] | None = None,
+        progress: bool = False,
     ) -> None:
         """`runner` (default: `make_runner`, a graph runner on a GPU) holds the model and a KV
         cache of at least `config.kv_blocks` blocks; `sampler` (default: on the device for a
         GPU, on the host elsewhere) turns sampled rows into tokens. A drafted token's cost
         comes as `draft_costs` (in one-token target forwards) or as `draft_seconds`, which
         the engine divides by its own one-token forward, timed through its runner (graphs
-        included: on a GPU they make it several times faster than an eager forward)."""
+        included: on a GPU they make it several times faster than an eager forward).
+        `progress`: a progress bar while CUDA graphs are captured."""
         self.config = config or EngineConfig()
         max_len = min(self.config.max_model_len, model.config.max_position_embeddings)
         self.max_model_len = max_len
         drafters = drafters or {}
         if runner is None:
             layers = sorted({layer for d in drafters.values() for layer in d.hidden_layers})
-            runner = make_runner(model, self.config, layers)
+            runner = make_runner(model, self.config, layers, progress)
         if runner.model is not model or runner.kv_cache.num_blocks < self.config.kv_blocks:
             raise ValueError("the runner must hold this model and a cache of kv_blocks blocks")
         self.runner = runner
