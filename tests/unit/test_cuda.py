@@ -61,6 +61,22 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
+def seeded_params(n: int) -> list[SamplingParams]:
+    """Seeded sampled requests, every other one with its logits adjusted before sampling."""
+    return [
+        SamplingParams(
+            max_tokens=12,
+            temperature=0.8,
+            top_p=0.9,
+            seed=7 + i,
+            ignore_eos=True,
+            frequency_penalty=0.5 * (i % 2),
+            logit_bias=((3, 2.0),) if i % 2 else (),
+        )
+        for i in range(n)
+    ]
+
+
 def make_drafter(method: str, model: TransformerLM) -> Drafter:
     if method == "ngram":
         return NgramDrafter(NgramConfig(1, 3))
@@ -117,18 +133,7 @@ def test_a_seeded_sampled_request_draws_the_same_alone_or_in_a_batch(
     model: TransformerLM, method: str
 ) -> None:
     prompt_ids = prompts(4, seed=21)
-    params = [  # two of them with their logits adjusted (on the device) before sampling
-        SamplingParams(
-            max_tokens=12,
-            temperature=0.8,
-            top_p=0.9,
-            seed=7 + i,
-            ignore_eos=True,
-            frequency_penalty=0.5 * (i % 2),
-            logit_bias=((3, 2.0),) if i % 2 else (),
-        )
-        for i in range(4)
-    ]
+    params = seeded_params(4)
     spec = RequestSpec(enabled=False) if method == "none" else RequestSpec(method=method)
 
     def fresh() -> LLMEngine:

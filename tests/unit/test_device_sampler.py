@@ -14,12 +14,17 @@ from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept
 from kernels.rejection_device import greedy_accept_batched, rejection_sample_batched
 from tests.factories import tiny_model
 from tests.model.helpers import run_staggered
-from tests.unit.test_cuda import GREEDY, SPEC, make_drafter, prompts
-from tests.unit.test_rejection import CHI2_CRITICAL_0_001, PAIRS, VOCAB, chi_square
+from tests.unit.test_cuda import GREEDY, SPEC, make_drafter, prompts, seeded_params
+from tests.unit.test_rejection import (
+    CHI2_CRITICAL_0_001,
+    PAIRS,
+    VOCAB,
+    assert_first_tokens_follow,
+    chi_square,
+)
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampler import DeviceSampler
-from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
 
 P = PLACEHOLDER_TOKEN_ID
@@ -70,13 +75,7 @@ def run_trials(p: torch.Tensor, q: torch.Tensor | None, k: int, trials: int, see
 def test_committed_tokens_follow_the_target_distribution(name: str, one_hot_q: bool) -> None:
     p, q = PAIRS[name]
     out = run_trials(p, None if one_hot_q else q, k=3, trials=6000, seed=1 + len(name))
-    support = int((p > 0).sum())
-    for position in range(2):
-        column = out[:, position]
-        column = column[column != P]
-        counts = torch.bincount(column, minlength=VOCAB).float()
-        assert counts[p == 0].sum() == 0, "a token the target gives zero probability was emitted"
-        assert chi_square(counts, p) < CHI2_CRITICAL_0_001[support - 1], (name, position, counts)
+    assert_first_tokens_follow(out, p, name)
 
 
 def test_rows_with_and_without_q_and_without_drafts_share_a_batch() -> None:
@@ -133,18 +132,7 @@ def test_engine_with_the_device_sampler() -> None:
     assert run_staggered(engine("ngram"), prompt_ids, GREEDY, RequestSpec(method="ngram")) == (
         expected
     )
-    params = [  # two of them with logits adjusted (on the logits' device) before sampling
-        SamplingParams(
-            max_tokens=12,
-            temperature=0.8,
-            top_p=0.9,
-            seed=7 + i,
-            ignore_eos=True,
-            frequency_penalty=0.5 * (i % 2),
-            logit_bias=((3, 2.0),) if i % 2 else (),
-        )
-        for i in range(4)
-    ]
+    params = seeded_params(4)
     for method in ("ngram", "draft_model"):
         spec = RequestSpec(method=method)
         together = run_staggered(engine(method), prompt_ids, params, spec)

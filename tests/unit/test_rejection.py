@@ -103,8 +103,13 @@ def run_trials(
 def test_committed_tokens_follow_the_target_distribution(name: str, one_hot_q: bool) -> None:
     p, q = PAIRS[name]
     out = run_trials(p, None if one_hot_q else q, k=3, trials=6000, seed=1 + len(name))
+    assert_first_tokens_follow(out, p, name)
+
+
+def assert_first_tokens_follow(out: torch.Tensor, p: torch.Tensor, name: str) -> None:
+    """The first and (where committed) second token of each row `out` are distributed as p."""
     support = int((p > 0).sum())
-    for position in range(2):  # first and (where committed) second token
+    for position in range(2):
         column = out[:, position]
         column = column[column != P]
         counts = torch.bincount(column, minlength=VOCAB).float()
