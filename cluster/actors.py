@@ -51,6 +51,7 @@ def engine_config(config: DeploymentConfig) -> EngineConfig:
         max_model_len=config.engine.max_model_len,
         max_num_seqs=config.engine.max_num_seqs,
         block_size=config.engine.block_size,
+        max_num_batched_tokens=config.engine.max_num_batched_tokens,
         enforce_eager=config.engine.enforce_eager,
         spec=spec,
     )

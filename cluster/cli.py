@@ -53,6 +53,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--max-model-len", type=int, default=None, help="context (default 4096)")
     model.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default 32)")
+    model.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens a step may bring: prefill chunks, decode and draft tokens (default 512)",
+    )
     model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--spec-method", default=None, choices=SPEC_METHODS)
@@ -198,6 +204,7 @@ ENGINE_DEFAULTS = {
     "dtype": "float32",
     "max_model_len": 4096,
     "max_num_seqs": 32,
+    "max_num_batched_tokens": 512,
     "spec_method": "none",
     "num_spec_tokens": 4,
     "ngram_min": 2,
@@ -230,6 +237,7 @@ def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
     config = EngineConfig(
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
         spec=spec,
     )
@@ -261,6 +269,7 @@ def _deployment(args: argparse.Namespace) -> DeploymentConfig:
         "engine.max_model_len": args.max_model_len,
         "engine.max_num_seqs": args.max_num_seqs,
         "engine.enforce_eager": True if args.enforce_eager else None,
+        "engine.max_num_batched_tokens": args.max_num_batched_tokens,
         "speculative.method": method,
         "speculative.num_speculative_tokens": args.num_spec_tokens,
         "speculative.adaptive": False if args.no_adaptive else None,

@@ -7,7 +7,7 @@ RayCluster). A config is checked as a whole when it is built, and every error na
 
     model: null                 # GGUF file, HF folder, fetched name, or null for the bundled model
     dtype: bfloat16
-    engine: {max_model_len: 4096, max_num_seqs: 32, block_size: 16}
+    engine: {max_model_len: 4096, max_num_seqs: 32, block_size: 16, max_num_batched_tokens: 512}
     speculative: {method: eagle, num_speculative_tokens: 4, adaptive: true,
                   eagle_prompt_lookup: true,    # EAGLE copies where the text repeats
                   ngram_min: 2, ngram_max: 4,   # n-gram sizes prompt lookup matches
@@ -119,6 +119,9 @@ class EngineSettings:
     max_model_len: int = 4096
     max_num_seqs: int = 32
     block_size: int = 16
+    # Tokens a step may bring (prefill chunks, decode and draft tokens). Prefill runs eagerly
+    # on a GPU, where a larger budget (2048, say) means fewer, cheaper prefill steps.
+    max_num_batched_tokens: int = 512
     # On a GPU, decode and verify steps replay captured CUDA graphs; true runs every forward
     # eagerly (no capture at start-up).
     enforce_eager: bool = False
@@ -205,8 +208,13 @@ class DeploymentConfig:
     def validate(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
         e = self.engine
-        for name in ("max_model_len", "max_num_seqs", "block_size"):
+        for name in ("max_model_len", "max_num_seqs", "block_size", "max_num_batched_tokens"):
             _check(getattr(e, name) >= 1, f"engine.{name}", "must be >= 1")
+        _check(
+            e.max_num_batched_tokens >= 1 + self.speculative.num_speculative_tokens,
+            "engine.max_num_batched_tokens",
+            "must fit one token plus speculative.num_speculative_tokens drafts",
+        )
         for where, method, k in (
             ("speculative", self.speculative.method, self.speculative.num_speculative_tokens),
             ("pools.drafter", self.pools.drafter.method, self.pools.drafter.num_speculative_tokens),

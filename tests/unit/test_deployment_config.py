@@ -113,6 +113,10 @@ def test_pools_that_name_their_gpus_claim_them_first() -> None:
             "speculative.min_draft_confidence: must be in [0, 1), got 1.0",
         ),
         ({"engine": []}, "engine: must be a mapping"),
+        (
+            {"engine": {"max_num_batched_tokens": 4}},
+            "engine.max_num_batched_tokens: must fit one token plus",
+        ),
         ({"telemetry": {"exporter": "jaeger"}}, "telemetry.exporter"),
     ],
 )
@@ -148,6 +152,11 @@ def test_overrides_apply_dotted_keys_and_skip_unset_flags() -> None:
     assert not engine_config(off).spec.eagle_prompt_lookup  # what verifiers and drafters build
     sure = config.with_overrides({"speculative.min_draft_confidence": 0.4})
     assert engine_config(sure).spec.min_draft_confidence == 0.4
+    gpu = config.with_overrides(
+        {"engine.max_num_batched_tokens": 2048, "engine.enforce_eager": True}
+    )
+    assert engine_config(gpu).max_num_batched_tokens == 2048
+    assert engine_config(gpu).enforce_eager and not engine_config(config).enforce_eager
     sizes = config.with_overrides({"speculative.ngram_min": 3, "speculative.ngram_max": 6})
     assert (engine_config(sizes).spec.ngram_min, engine_config(sizes).spec.ngram_max) == (3, 6)
     with pytest.raises(ConfigError, match=r"pools\.verifier\.gpus: no such setting"):
