@@ -121,6 +121,17 @@ def test_a_uniform_shape_is_chosen_only_for_decode_and_verify(model: Transformer
     assert runner.uniform_shape([decode], return_final_hidden=True) is None
     assert runner.uniform_shape([decode], hidden_layers=(0,)) is None  # no graph keeps it
     assert runner.uniform_shape([decode] * (MAX_NUM_SEQS + 1)) is None
+    small = GraphRunner(
+        runner.model,
+        runner.kv_cache,
+        attention=UniformTorchAttention(),
+        max_num_seqs=MAX_NUM_SEQS,
+        max_width=5,
+        max_graph_tokens=12,
+        scratch_block=runner.kv_cache.num_blocks - 1,
+    )
+    assert small.uniform_shape([verify] * 3) == UniformShape(4, 3)  # 12 rows fit the budget
+    assert small.uniform_shape([verify] * 5) is None  # padded to 8 x 3: past it, eager
 
 
 def test_capture_sizes_step_by_16_after_8() -> None:

@@ -89,7 +89,10 @@ class GraphRunner(ModelRunner):
             max_positions=max_len,
             device=model.device,
         )
-        num_tokens = self.sizes[-1] * max_width
+        # The fixed outputs hold the widest padded step a graph or the padded path serves: no
+        # more than a step's token budget (a 128k vocabulary's fp32 logits are 0.5 MB a row).
+        num_tokens = min(self.sizes[-1] * max_width, max_graph_tokens)
+        self.max_rows = num_tokens
         device, vocab = model.device, model.config.vocab_size
         self._logits = torch.zeros(num_tokens, vocab, dtype=torch.float32, device=device)
         self._hidden = {
@@ -160,13 +163,15 @@ class GraphRunner(ModelRunner):
     ) -> UniformShape | None:
         """The padded shape this forward runs at, or None where it runs eagerly: any sequence
         with a prompt chunk to compute before its scored tokens, more sequences or tokens than
-        the buffers hold, layers no graph keeps, or the final hidden state wanted."""
+        the buffers hold (padded, past `max_graph_tokens`), layers no graph keeps, or the final
+        hidden state wanted."""
         if return_final_hidden or not set(hidden_layers) <= set(self.hidden_layers):
             return None
         if not all(s.num_logits == len(s.token_ids) for s in seqs) or not self.buffers.fits(seqs):
             return None
         b = next(size for size in self.sizes if size >= len(seqs))
-        return UniformShape(b, max(len(s.token_ids) for s in seqs))
+        width = max(len(s.token_ids) for s in seqs)
+        return UniformShape(b, width) if b * width <= self.max_rows else None
 
     @torch.inference_mode()
     def forward(
