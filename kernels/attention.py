@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
@@ -68,6 +69,12 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+    @property
+    def query_starts_host(self) -> list[int]:
+        """`query_start_loc` from the host's query lengths (reading the tensor back would
+        wait for the device)."""
+        return [0, *itertools.accumulate(self.query_lens_host)]
 
     @property
     def num_tokens(self) -> int:
@@ -167,7 +174,7 @@ class SdpaAttention(AttentionBackend):
         self.whole_blocks = whole_blocks
 
     def prepare(self, meta: AttentionMetadata) -> list[_SdpaGroup]:
-        starts = meta.query_start_loc.tolist()
+        starts = meta.query_starts_host
         lens = meta.query_lens_host
         short = [i for i, q in enumerate(lens) if q <= MAX_BATCHED_QUERY_LEN]
         groups = [
@@ -321,7 +328,7 @@ class NativeCpuAttention(SdpaAttention):
         if not short:
             plan.sdpa = super().prepare(meta)
             return
-        starts = meta.query_start_loc.tolist()
+        starts = meta.query_starts_host
         long = [i for i, q in enumerate(lens) if q > NATIVE_MAX_QUERY_LEN]
         plan.sdpa = [self._group(meta, starts, [i]) for i in long]
         rows = torch.tensor(short)
