@@ -21,7 +21,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 inter
         and native.available()
     ):
         return native.silu_mul_bf16(gate_up)
-    if gate_up.dim() == 2 and gate_up.stride(1) == 1 and fused_triton.usable(gate_up):
+    if (
+        gate_up.is_cuda
+        and gate_up.dim() == 2
+        and gate_up.stride(1) == 1
+        and fused_triton.usable(gate_up)
+    ):
         return fused_triton.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

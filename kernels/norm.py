@@ -29,7 +29,8 @@ def rms_norm(
     ):
         return native.rms_norm_bf16(x, weight, eps, residual)
     if (
-        x.dim() == 2
+        x.is_cuda
+        and x.dim() == 2
         and x.stride(1) == 1
         and (residual is None or (residual.dim() == 2 and residual.stride(1) == 1))
         and fused_triton.usable(x, weight, residual)

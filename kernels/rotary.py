@@ -99,7 +99,8 @@ def rotate_and_store(
         return qkv.view(num_tokens, -1, head_dim)[:, :num_heads]
     half = head_dim // 2
     if (
-        qkv.dim() == 2
+        qkv.is_cuda
+        and qkv.dim() == 2
         and qkv.stride(1) == 1
         and not half & (half - 1)
         and key_cache.is_contiguous()
