@@ -494,11 +494,17 @@ def main() -> None:
         nargs="+",
         help="write docs/benchmarks.md from these results (a whole run, then runs of some parts)",
     )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md",
+        help="the report --render writes",
+    )
     args = parser.parse_args()
     if args.render is not None:
         from tests.benchmarks.bench_gpu_report import render
 
-        render([json.loads(path.read_text()) for path in args.render])
+        render([json.loads(path.read_text()) for path in args.render], args.output)
         return
     measure(args)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,30 @@ def test_bench_spec_quick_run(tmp_path: Path) -> None:
     assert "| code edit | ngram |" in text and "| 4 | draft_model |" in text
     assert "| summary | transformers prompt lookup, 16 tokens |" in text
     assert "n-gram on code edit vs none" in text
+
+
+def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> None:
+    """The GPU benchmark's engine parts run on the CPU (no graphs there), and its section
+    renders from the stored H200 runs."""
+    root = Path(__file__).resolve().parents[2]
+    script = [sys.executable, "-m", "tests.benchmarks.bench_gpu"]
+    parts = ["--device", "cpu", "--quick", "--parts", "environment,engine,single"]
+    proc = subprocess.run(
+        [*script, *parts, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    assert "error" not in results["engine"] and "error" not in results["single"]
+    assert set(results["single"]["tokens_per_s"]["code edit"]) == {"none", "ngram", "eagle"}
+    report = tmp_path / "benchmarks.md"
+    runs = [str(root / "docs" / "bench_gpu" / name) for name in ("h200-k4.json", "h200-k8.json")]
+    proc = subprocess.run(
+        [*script, "--render", *runs, "--output", str(report)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = report.read_text()
+    assert "<!-- bench_gpu:start -->" in text and "| goal | measured | target | met |" in text
+    assert "With at most 8 draft tokens a step" in text
 
 
 def runs_at(*tokens_per_s: float) -> list[Run]:
