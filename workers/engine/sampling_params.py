@@ -178,9 +178,10 @@ class SamplingParams:
         return logits
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:  # [vocab] or [1, vocab] -> [1, vocab]
-        """These settings' sampling transform of one position's logits, in fp32 on the host:
-        a request draws from its own CPU generator, so its sampling is host work on any device
-        (the logits of a GPU forward come over)."""
+        """These settings' sampling transform of one position's logits, in fp32 on the host,
+        for the draws made there: a remote prefill's first token (`sample_one`), the reference
+        engine, a model drafter's q. A batch's rows go to the engine's `Sampler` instead
+        (workers/engine/sampler.py), which works on the device on a GPU."""
         return logits_to_probs(
             logits.float().cpu().view(1, -1),
             torch.tensor([self.temperature], dtype=torch.float32),
