@@ -64,6 +64,9 @@ class StepBuffers:
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self.device = torch.zeros(size, dtype=torch.int64, device=device)
         self._host = self.host.numpy()
+        # The last copy from pinned memory runs asynchronously: the host buffer is written
+        # again only once it has been read.
+        self._copied = torch.cuda.Event() if pinned else None
 
     def views(self, shape: UniformShape) -> StepTensors:
         b, n = shape.num_seqs, shape.num_seqs * shape.width
@@ -84,6 +87,8 @@ class StepBuffers:
         n = len(seqs)
         if n > b or any(len(s.token_ids) > w for s in seqs):
             raise ValueError(f"{n} sequences do not fit a uniform step of {b} x {w}")
+        if self._copied is not None:
+            self._copied.synchronize()
         host = self._host
         ids, pos, slots = (host[at : at + b * w].reshape(b, w) for at in self._tokens_at)
         lens = host[self._lens_at : self._lens_at + b]
@@ -107,3 +112,5 @@ class StepBuffers:
         lens[:] = starts + w
         end = self._tables_at + b * self.max_blocks
         self.device[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
