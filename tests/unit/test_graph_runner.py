@@ -134,6 +134,18 @@ def test_a_uniform_shape_is_chosen_only_for_decode_and_verify(model: Transformer
     assert small.uniform_shape([verify] * 5) is None  # padded to 8 x 3: past it, eager
 
 
+def test_a_padded_step_checks_each_sequences_room_as_an_eager_one_does(
+    model: TransformerLM,
+) -> None:
+    runner = padded_runner(model, None)
+    short_table = SeqForward([5, 6], 15, [3, 4], num_logits=2)  # position 16 needs a third block
+    assert runner.uniform_shape([short_table]) is not None  # the padded path, not eager
+    with pytest.raises(ValueError, match="block table holds 2 blocks"):
+        runner.forward([short_table])
+    with pytest.raises(ValueError, match="past the context"):
+        runner.forward([SeqForward([5], 512, list(range(65)), num_logits=1)])
+
+
 def test_capture_sizes_step_by_16_after_8() -> None:
     assert capture_sizes(1) == [1]
     assert capture_sizes(6) == [1, 2, 4, 6]

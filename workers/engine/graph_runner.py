@@ -185,9 +185,7 @@ class GraphRunner(ModelRunner):
         if shape is None:
             return super().forward(seqs, hidden_layers, return_final_hidden, interrupt)
         for seq in seqs:
-            end = seq.num_computed_tokens + len(seq.token_ids)
-            if end > self.model.config.max_position_embeddings:
-                raise ValueError(f"sequence reaches position {end - 1}, past the context")
+            seq.check_room(self.block_size, self.model.config.max_position_embeddings)
         self.buffers.stage(seqs, shape)
         graph = self._graphs.get(shape)
         if graph is not None:

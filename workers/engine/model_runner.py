@@ -32,6 +32,22 @@ class SeqForward:
         if self.num_computed_tokens < 0:
             raise ValueError("num_computed_tokens must be >= 0")
 
+    @property
+    def end(self) -> int:
+        """The position after its last new token."""
+        return self.num_computed_tokens + len(self.token_ids)
+
+    def check_room(self, block_size: int, max_positions: int) -> None:
+        """Raise unless its new tokens lie inside the context and its block table covers them."""
+        if self.end > max_positions:
+            raise ValueError(
+                f"sequence reaches position {self.end - 1}, past the context {max_positions}"
+            )
+        if -(-self.end // block_size) > len(self.block_ids):
+            raise ValueError(
+                f"block table holds {len(self.block_ids)} blocks, {self.end} tokens need more"
+            )
+
 
 @dataclass(frozen=True, slots=True)
 class BatchInputs:
@@ -55,15 +71,8 @@ def build_inputs(
     logits_indices: list[int] = []
     query_start, logits_start = [0], [0]
     for seq in seqs:
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids)
-        if end > max_positions:
-            raise ValueError(
-                f"sequence reaches position {end - 1}, past the context {max_positions}"
-            )
-        if -(-end // block_size) > len(seq.block_ids):
-            raise ValueError(
-                f"block table holds {len(seq.block_ids)} blocks, {end} tokens need more"
-            )
+        seq.check_room(block_size, max_positions)
+        start, end = seq.num_computed_tokens, seq.end
         row = len(input_ids)
         input_ids += seq.token_ids
         positions += range(start, end)
