@@ -187,11 +187,18 @@ class LLMEngine:
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self._feature_bytes: dict[str, int] = {}
 
-    def _one_token_seconds(self, context: int = 128) -> float:
+    def _one_token_seconds(self) -> float:
         """Median seconds of a one-token forward through this engine's runner."""
-        blocks = self.allocator.allocate(-(-(context + 1) // self.config.block_size))
+        return statistics.median(self._forward_samples([1])[0])
+
+    def _forward_samples(
+        self, counts: list[int], width: int | None = None, context: int = 128
+    ) -> list[list[float]]:
+        """`runner_samples` through this engine's runner, on blocks lent by its allocator."""
+        needed = -(-(context + max(counts)) // self.config.block_size)
+        blocks = self.allocator.allocate(needed)
         try:
-            return statistics.median(runner_samples(self.runner, blocks, [1], 5, context)[0])
+            return runner_samples(self.runner, blocks, counts, 5, context, width)
         finally:
             self.allocator.free(blocks)
 
@@ -207,16 +214,10 @@ class LLMEngine:
         max_tokens = min(max(spec.disable_batch_size - 1, 1) * per_seq, 256)
         if not isinstance(self.runner, GraphRunner):
             return verify_costs(self.runner.model, max_tokens)
-        # Measured where steps run: this runner's graphs, on blocks lent by the allocator,
-        # with the tokens of a step as sequences verifying k drafts each.
-        context = 128
-        blocks = self.allocator.allocate(-(-(context + max_tokens) // self.config.block_size))
-        try:
-            counts = calibration_counts(max_tokens)
-            samples = runner_samples(self.runner, blocks, counts, 5, context, per_seq)
-        finally:
-            self.allocator.free(blocks)
-        return costs_from_samples(counts, samples, max_tokens)
+        # Measured where steps run: this runner's graphs, with the tokens of a step as
+        # sequences verifying k drafts each.
+        counts = calibration_counts(max_tokens)
+        return costs_from_samples(counts, self._forward_samples(counts, per_seq), max_tokens)
 
     def add_request(
         self,
