@@ -41,9 +41,10 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)[0]
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): one kernel call in bf16 on the CPU."""
+        """(norm(x + residual), x + residual), or (norm(x), x) without a residual: one kernel
+        call in bf16 on the CPU and on CUDA."""
         return rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -114,10 +115,7 @@ class DecoderLayer(nn.Module):
         """The residual stream is `h + residual` (`h` alone for the first layer): the layer
         before left its MLP output unadded, so that the add and this layer's norm are one
         kernel. Returns this layer's MLP output and the stream before it, likewise."""
-        if residual is None:
-            normed, residual = self.input_layernorm(h), h
-        else:
-            normed, residual = self.input_layernorm.add_forward(h, residual)
+        normed, residual = self.input_layernorm.add_forward(h, residual)
         attn = self.self_attn(normed, angles, kv_cache, meta, backend, plan)
         normed, residual = self.post_attention_layernorm.add_forward(
             attn if reduce is None else reduce(attn), residual
@@ -232,7 +230,7 @@ class TransformerLM(nn.Module):
                 hidden[i] = h + residual
             if interrupt is not None and interrupt():
                 raise ForwardInterrupted(f"interrupted after layer {i}")
-        h = self.norm.add_forward(h, residual)[0] if residual is not None else self.norm(h)
+        h = self.norm.add_forward(h, residual)[0]
         rows = h.index_select(0, logits_indices)
         logits = self.packs.linear("lm_head", rows, self.lm_head_weight()).float()
         return ModelOutput(logits, hidden, h if return_final_hidden else None)
