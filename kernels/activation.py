@@ -23,8 +23,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 inter
         return native.silu_mul_bf16(gate_up)
     if (
         gate_up.is_cuda
-        and gate_up.dim() == 2
-        and gate_up.stride(1) == 1
+        and fused_triton.rows_problem(gate_up) is None
         and fused_triton.usable(gate_up)
     ):
         return fused_triton.silu_mul(gate_up)

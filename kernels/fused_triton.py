@@ -109,15 +109,25 @@ def _kernels() -> dict[str, Any]:
     return {"norm": add_rms_norm_kernel, "silu": silu_mul_kernel, "rotary": rotary_kv_kernel}
 
 
+def rows_problem(*rows: torch.Tensor | None) -> str | None:
+    """Why the row-wise kernels (`add_rms_norm`, `silu_mul`) cannot take these tensors (None:
+    they can; a None tensor is absent)."""
+    for t in rows:
+        if t is not None and (t.dim() != 2 or t.stride(1) != 1):
+            return "it needs 2-d rows with contiguous features"
+    return None
+
+
 def add_rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual), x + residual)
+    problem = rows_problem(x, residual)
+    if problem is not None:
+        raise ValueError(f"add_rms_norm: {problem}")
     num_tokens, dim = x.shape
-    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
-        raise ValueError("add_rms_norm needs rows with contiguous features")
     out = torch.empty_like(x)
     total = x if residual is None else torch.empty_like(x)
     r = x if residual is None else residual
@@ -130,15 +140,28 @@ def add_rms_norm(
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 inter] -> [.., inter]
+    problem = rows_problem(gate_up)
+    if problem is not None:
+        raise ValueError(f"silu_mul: {problem}")
     num_tokens, width = gate_up.shape
     inter = width // 2
-    if gate_up.stride(1) != 1:
-        raise ValueError("silu_mul needs rows with contiguous features")
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(inter))
     grid = (num_tokens, -(-inter // block))
     _kernels()["silu"][grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block)
     return out
+
+
+def rotary_problem(
+    qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> str | None:
+    """Why `rotary_kv` cannot take these tensors (None: it can)."""
+    half = key_cache.shape[-1] // 2
+    if key_cache.shape[-1] % 2 or half & (half - 1):
+        return f"it needs head_dim / 2 a power of two, got {key_cache.shape[-1]}"
+    if not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        return "it needs contiguous caches"
+    return rows_problem(qkv)
 
 
 def rotary_kv(
@@ -151,12 +174,11 @@ def rotary_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     value_cache: torch.Tensor,  # same
 ) -> None:
+    problem = rotary_problem(qkv, key_cache, value_cache)
+    if problem is not None:
+        raise ValueError(f"rotary_kv: {problem}")
     num_tokens = qkv.shape[0]
     kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    if head_dim % 2 or (head_dim // 2) & (head_dim // 2 - 1):
-        raise ValueError(f"rotary_kv needs head_dim / 2 a power of two, got {head_dim}")
-    if qkv.stride(1) != 1 or not key_cache.is_contiguous() or not value_cache.is_contiguous():
-        raise ValueError("rotary_kv needs contiguous rows and caches")
     if num_tokens == 0:
         return
     _kernels()["rotary"][(num_tokens, num_heads + kv_heads)](

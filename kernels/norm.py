@@ -30,9 +30,7 @@ def rms_norm(
         return native.rms_norm_bf16(x, weight, eps, residual)
     if (
         x.is_cuda
-        and x.dim() == 2
-        and x.stride(1) == 1
-        and (residual is None or (residual.dim() == 2 and residual.stride(1) == 1))
+        and fused_triton.rows_problem(x, residual) is None
         and fused_triton.usable(x, weight, residual)
     ):
         return fused_triton.add_rms_norm(x, weight, eps, residual)

@@ -97,14 +97,9 @@ def rotate_and_store(
             value_cache,
         )
         return qkv.view(num_tokens, -1, head_dim)[:, :num_heads]
-    half = head_dim // 2
     if (
         qkv.is_cuda
-        and qkv.dim() == 2
-        and qkv.stride(1) == 1
-        and not half & (half - 1)
-        and key_cache.is_contiguous()
-        and value_cache.is_contiguous()
+        and fused_triton.rotary_problem(qkv, key_cache, value_cache) is None
         and fused_triton.usable(qkv, key_cache, slot_mapping)
     ):
         fused_triton.rotary_kv(

@@ -91,3 +91,21 @@ def test_the_kernels_match_torch_on_cuda() -> None:
     )
     namespace: dict[str, object] = {}
     exec(compile(code.replace('print("ok")', ""), "fused_checks", "exec"), namespace)
+
+
+def test_inputs_the_kernels_cannot_take_are_named() -> None:
+    """The dispatch falls back to torch for these, and the kernels refuse them by name."""
+    from kernels import fused_triton
+
+    rows = torch.zeros(4, 8)
+    assert fused_triton.rows_problem(rows, None) is None
+    assert fused_triton.rows_problem(rows.T) == "it needs 2-d rows with contiguous features"
+    assert fused_triton.rows_problem(rows, torch.zeros(2, 4, 8)) is not None
+    cache = torch.zeros(8, 4, 2, 16)
+    qkv = torch.zeros(3, 8 * 16)
+    assert fused_triton.rotary_problem(qkv, cache, cache) is None
+    odd = torch.zeros(8, 4, 2, 12)  # head_dim / 2 = 6
+    assert "power of two" in str(fused_triton.rotary_problem(qkv, odd, odd))
+    assert "contiguous caches" in str(fused_triton.rotary_problem(qkv, cache, cache[:, :2]))
+    with pytest.raises(ValueError, match="silu_mul: it needs 2-d rows"):
+        fused_triton.silu_mul(torch.zeros(8, 4).T)
