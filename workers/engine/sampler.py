@@ -97,7 +97,7 @@ class HostSampler(Sampler):
             [p.greedy for p in params],
             [seq.generator for seq in seqs],
         )
-        return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in sampled.tolist()]
+        return _unpadded(sampled)
 
 
 class DeviceSampler(Sampler):
@@ -132,7 +132,12 @@ class DeviceSampler(Sampler):
         tokens, _ = rejection_sample_batched(
             host[:, :max_k], host[:, max_k], q, has_q, target_probs, host[:, -2], host[:, -1]
         )
-        return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in tokens.tolist()]
+        return _unpadded(tokens)
+
+
+def _unpadded(tokens: torch.Tensor) -> list[list[int]]:  # [num_seqs, max_k + 1], padded
+    """Each row's committed tokens, without the PLACEHOLDER_TOKEN_ID padding (on the host)."""
+    return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in tokens.tolist()]
 
 
 def _stacked_probs(
