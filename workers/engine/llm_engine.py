@@ -323,12 +323,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start_ns, start = time.time_ns(), time.perf_counter()
-        self.speculator.propose(self.scheduler.decoding(), self.scheduler.num_unfinished)
+        load = self.scheduler.num_unfinished  # what speculation is judged by this step
+        self.speculator.propose(self.scheduler.decoding(), load)
         drafted = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.seqs:
             self.runner.copy_blocks(batch.block_copies)
-            layers = self.speculator.hidden_layers(s.seq for s in batch.seqs)
+            layers = self.speculator.hidden_layers((s.seq for s in batch.seqs), load)
             output = self.runner.forward([s.forward() for s in batch.seqs], hidden_layers=layers)
             verified = verify(batch.seqs, output, self.sampler)
             results: list[list[int] | None] = []

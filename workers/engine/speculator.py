@@ -83,7 +83,6 @@ class Speculator:
         self.pooled: dict[str, tuple[int, int]] = {}
         # Per method: calls into its drafter that raised or proposed an invalid draft.
         self.failures: dict[str, int] = {}
-        self.speculating = True  # the last `propose` let sequences draft (its load allowed)
 
     def resolve(self, spec: RequestSpec | None) -> tuple[str, int]:
         """(method, k_max) for a request: its own settings over the server defaults."""
@@ -119,7 +118,7 @@ class Speculator:
 
     def max_draft_tokens(self, seq: Sequence, load: int) -> int:
         """The most tokens `seq` may draft this step (0: it does not speculate)."""
-        if seq.spec_method == "none" or load >= self.config.disable_batch_size:
+        if seq.spec_method == "none" or not self.speculates_at(load):
             return 0
         return max(
             0,
@@ -200,12 +199,16 @@ class Speculator:
             except Exception as exc:
                 self._drop(seq.spec_method, [seq], "add", exc)
 
-    def hidden_layers(self, seqs: Iterable[Sequence]) -> tuple[int, ...]:
+    def speculates_at(self, load: int) -> bool:
+        """Whether anyone drafts while `load` requests are unfinished (`disable_batch_size`)."""
+        return load < self.config.disable_batch_size
+
+    def hidden_layers(self, seqs: Iterable[Sequence], load: int) -> tuple[int, ...]:
         """Target layers whose hidden states the drafters of these sequences read; none while
         the load keeps everyone from speculating (`disable_batch_size`): handing each
         sequence its rows every step costs the host more than a GPU step of a small model,
         and a drafter that misses some starts its context over after the gap."""
-        if not self.speculating:
+        if not self.speculates_at(load):
             return ()
         layers: set[int] = set()
         for seq in seqs:
@@ -263,7 +266,6 @@ class Speculator:
         off before they all decode rather than after."""
         seqs = list(decoding)
         load = len(seqs) if batch_size is None else batch_size
-        self.speculating = load < self.config.disable_batch_size
         by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
         for seq, k in zip(seqs, self.num_draft_tokens(seqs, load), strict=True):
             seq.draft = EMPTY_DRAFT
