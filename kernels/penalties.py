@@ -23,20 +23,14 @@ def position_counts(
     device: torch.device | None = None,
 ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32
     """Row j: how often each token occurs in `output_ids` plus the first j drafts (built on
-    `device` from the ids, with one write for the drafts)."""
+    `device` from the ids: draft j marked in row j, then summed down the rows)."""
     ids = torch.tensor(list(output_ids), dtype=torch.long, device=device)
-    base = torch.bincount(ids, minlength=vocab)
-    counts = base.float().repeat(len(draft_ids) + 1, 1)
+    counts = torch.bincount(ids, minlength=vocab).float().repeat(len(draft_ids) + 1, 1)
     if draft_ids:
-        pairs = [
-            (row, token)
-            for j, token in enumerate(draft_ids, 1)
-            for row in range(j, 1 + len(draft_ids))
-        ]
-        rows, tokens = torch.tensor(pairs, dtype=torch.long, device=device).T
-        counts.index_put_(
-            (rows, tokens), torch.ones_like(rows, dtype=counts.dtype), accumulate=True
-        )
+        drafted = torch.zeros_like(counts)
+        rows = torch.arange(1, len(draft_ids) + 1, device=device)
+        drafted[rows, torch.tensor(list(draft_ids), dtype=torch.long, device=device)] = 1.0
+        counts += drafted.cumsum(dim=0)
     return counts
 
 
