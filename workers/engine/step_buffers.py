@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from workers.engine.model_runner import SeqForward
+
+Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,11 +72,17 @@ class StepBuffers:
         self._copied = torch.cuda.Event() if pinned else None
 
     def views(self, shape: UniformShape) -> StepTensors:
+        return StepTensors(*self._regions(self.device, shape))
+
+    def _regions(self, buffer: Buffer, shape: UniformShape) -> tuple[Buffer, ...]:
+        """`shape`'s token ids, positions and slots (`[num_seqs * width]` each), context lengths
+        (`[num_seqs]`) and block tables (`[num_seqs, max_blocks]`) in `buffer`, the device's
+        or the host's."""
         b, n = shape.num_seqs, shape.num_seqs * shape.width
-        ids, pos, slots = (self.device[at : at + n] for at in self._tokens_at)
-        lens = self.device[self._lens_at : self._lens_at + b]
-        tables = self.device[self._tables_at : self._tables_at + b * self.max_blocks]
-        return StepTensors(ids, pos, slots, lens, tables.view(b, self.max_blocks))
+        ids, pos, slots = (buffer[at : at + n] for at in self._tokens_at)
+        lens = buffer[self._lens_at : self._lens_at + b]
+        tables = buffer[self._tables_at : self._tables_at + b * self.max_blocks]
+        return ids, pos, slots, lens, tables.reshape(b, self.max_blocks)
 
     def fits(self, seqs: Sequence[SeqForward]) -> bool:
         """Whether these sequences fit the buffers (few enough, short enough)."""
@@ -89,11 +98,8 @@ class StepBuffers:
             raise ValueError(f"{n} sequences do not fit a uniform step of {b} x {w}")
         if self._copied is not None:
             self._copied.synchronize()
-        host = self._host
-        ids, pos, slots = (host[at : at + b * w].reshape(b, w) for at in self._tokens_at)
-        lens = host[self._lens_at : self._lens_at + b]
-        tables = host[self._tables_at : self._tables_at + b * self.max_blocks]
-        tables = tables.reshape(b, self.max_blocks)
+        flat_ids, flat_pos, flat_slots, lens, tables = self._regions(self._host, shape)
+        ids, pos, slots = (x.reshape(b, w) for x in (flat_ids, flat_pos, flat_slots))
         ids[:] = 0
         tables[:] = 0
         starts = np.zeros(b, dtype=np.int64)
