@@ -16,40 +16,40 @@ same kernel runs on the CPU (the tests check it against the torch reference ther
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.attention_uniform import UniformPlan, uniform_plan
+from kernels.fused_triton import triton_available
 
 BLOCK_N = 64  # keys per inner step
 MIN_ROWS = 16  # tl.dot's smallest tile
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+MAX_ROWS = 256  # one program's tile: new tokens x query heads per KV head
 
 
 def kernel_problem(
-    query: torch.Tensor, key_cache: torch.Tensor, width: int, interpret: bool = False
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    group: int,  # query heads per KV head
+    width: int,  # the most new tokens per sequence
+    interpret: bool = False,  # under TRITON_INTERPRET=1, where the CPU runs it
 ) -> str | None:
-    """Why the kernel cannot take these inputs (None: it can)."""
-    head_dim = key_cache.shape[-1]
-    if not triton_available():
-        return "triton is not installed"
-    if query.device.type != "cuda" and not interpret:
+    """Why the kernel cannot serve a model of this shape (None: it can)."""
+    if device.type != "cuda" and not interpret:
         return "the kernel runs on CUDA (or under TRITON_INTERPRET=1)"
-    if query.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"dtype {query.dtype} is not supported"
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {dtype} is not supported"
     if head_dim < 16 or head_dim & (head_dim - 1):
         return f"head_dim {head_dim} must be a power of two >= 16"
-    if key_cache.stride(-1) != 1 or query.stride(-1) != 1:
-        return "the last dimension must be contiguous"
-    group = query.shape[1] // key_cache.shape[2]
-    if width * group > 256:
+    if width * group > MAX_ROWS:
         return f"{width} new tokens x {group} query heads per KV head exceed one tile"
+    if not triton_available():
+        return "triton is not installed"
     return None
 
 

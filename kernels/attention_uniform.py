@@ -98,13 +98,13 @@ def uniform_attention_reference(
 
 
 def select_uniform_backend(
-    device: torch.device, dtype: torch.dtype, head_dim: int
+    device: torch.device, dtype: torch.dtype, head_dim: int, group: int, max_width: int
 ) -> AttentionBackend:
-    """The Triton kernel where it runs (CUDA, Triton installed, a power-of-two head_dim of at
-    least 16), else the torch reference."""
-    from kernels.attention_triton import TritonUniformAttention, triton_available
+    """The Triton kernel where it can serve this shape (`kernel_problem`: CUDA, Triton, a
+    power-of-two head_dim of at least 16, `max_width` x `group` query rows in one tile), else
+    the torch reference."""
+    from kernels.attention_triton import TritonUniformAttention, kernel_problem
 
-    usable = head_dim >= 16 and not head_dim & (head_dim - 1)
-    if device.type == "cuda" and triton_available() and usable and dtype != torch.float64:
+    if kernel_problem(device, dtype, head_dim, group, max_width) is None:
         return TritonUniformAttention()
     return UniformTorchAttention()

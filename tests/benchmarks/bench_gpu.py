@@ -129,7 +129,7 @@ def forward_costs(model: TransformerLM, counts: Sequence[int], reps: int) -> dic
     graphs = GraphRunner(
         model,
         cache,
-        attention=_uniform_backend(model),
+        attention=_uniform_backend(model, width),
         max_num_seqs=1,
         max_width=width,
         max_graph_tokens=width,
@@ -151,10 +151,12 @@ def forward_costs(model: TransformerLM, counts: Sequence[int], reps: int) -> dic
     }
 
 
-def _uniform_backend(model: TransformerLM) -> Any:
+def _uniform_backend(model: TransformerLM, max_width: int) -> Any:
     from kernels.attention_uniform import select_uniform_backend
 
-    return select_uniform_backend(model.device, model.dtype, model.config.head_dim)
+    shape = model.config
+    group = shape.num_heads // shape.num_kv_heads
+    return select_uniform_backend(model.device, model.dtype, shape.head_dim, group, max_width)
 
 
 def bundled_engine(

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kernels.attention_uniform import UniformTorchAttention, select_uniform_backend
-from tests.unit.test_attention import build_case, expected_output
+from tests.unit.test_attention import NUM_KV_HEADS, build_case, expected_output
 
 UNIFORM_CASES = [
     (1, [1, 37, 16], 16),  # decode: a first token, a long context, one whole block
@@ -51,8 +51,19 @@ def test_a_mixed_batch_is_refused() -> None:
 
 
 def test_the_cpu_gets_the_torch_version() -> None:
-    backend = select_uniform_backend(torch.device("cpu"), torch.bfloat16, 64)
+    backend = select_uniform_backend(torch.device("cpu"), torch.bfloat16, 64, 3, 5)
     assert isinstance(backend, UniformTorchAttention)
+
+
+def test_shapes_the_kernel_cannot_serve_are_named() -> None:
+    from kernels.attention_triton import kernel_problem
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert "head_dim 8" in str(kernel_problem(cuda, bf16, 8, 2, 5))
+    assert "head_dim 96" in str(kernel_problem(cuda, bf16, 96, 2, 5))
+    assert "exceed one tile" in str(kernel_problem(cuda, bf16, 128, 16, 17))
+    assert "not supported" in str(kernel_problem(cuda, torch.float64, 64, 3, 5))
+    assert "runs on CUDA" in str(kernel_problem(torch.device("cpu"), bf16, 64, 3, 5))
 
 
 INTERPRETED = textwrap.dedent(
@@ -73,7 +84,8 @@ INTERPRETED = textwrap.dedent(
         tables = torch.randint(0, 40, (num_seqs, 12), generator=gen)
         seq_lens = torch.tensor([width + 7, width + 70, width][:num_seqs])
         query = torch.randn(num_seqs * width, heads, head_dim, generator=gen).to(dtype)
-        assert kernel_problem(query, key_cache, width, interpret=True) is None
+        group = heads // kv_heads
+        assert kernel_problem(query.device, dtype, head_dim, group, width, interpret=True) is None
         args = (query, key_cache, value_cache, tables, seq_lens, width, head_dim**-0.5)
         got = triton_uniform_attention(*args).float()
         want = uniform_attention_reference(*args).float()
@@ -111,7 +123,9 @@ def test_the_triton_kernel_on_cuda(
         [width] * len(seq_lens), seq_lens, block_size, dtype
     )
     cuda = torch.device("cuda")
-    backend = select_uniform_backend(cuda, dtype, query.shape[-1])
+    backend = select_uniform_backend(
+        cuda, dtype, query.shape[-1], query.shape[1] // NUM_KV_HEADS, width
+    )
     assert isinstance(backend, TritonUniformAttention)
     plan = backend.prepare(
         type(meta)(

@@ -245,7 +245,11 @@ def make_runner(
         cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
         return ModelRunner(model, cache)
     cache = PagedKVCache(model.config, num_blocks + 1, block_size, model.dtype, model.device)
-    attention = select_uniform_backend(model.device, model.dtype, model.config.head_dim)
+    max_width = 1 + config.spec.num_speculative_tokens
+    shape = model.config
+    attention = select_uniform_backend(
+        model.device, model.dtype, shape.head_dim, shape.num_heads // shape.num_kv_heads, max_width
+    )
     log.info(
         "decode/verify attention: %s; other forwards: %s", attention.name, model.attention.name
     )
@@ -254,7 +258,7 @@ def make_runner(
         cache,
         attention=attention,
         max_num_seqs=config.max_num_seqs,
-        max_width=1 + config.spec.num_speculative_tokens,
+        max_width=max_width,
         max_graph_tokens=config.max_num_batched_tokens,
         scratch_block=num_blocks,
         hidden_layers=hidden_layers,
