@@ -16,7 +16,8 @@ import torch
 
 from cluster import telemetry
 from cluster.config import DeploymentConfig, from_dict
-from cluster.drafter_worker import DrafterWorker, Handshake
+from cluster.drafter_worker import DrafterWorker, DraftReply, Handshake, StepMessage
+from cluster.engine_metrics import ActorMetrics
 from cluster.links import LinkAddress, LinkError, TensorLink
 from cluster.prefill import PrefillWorker
 from cluster.step_channel import (
@@ -34,6 +35,10 @@ from workers.model.tensor_parallel import build_sharded_model
 
 RAY_NAMESPACE = "outrider"
 DRAFT_DEADLINE_S = 1.0
+
+
+def _itemsize(dtype: str) -> int:
+    return int(getattr(torch, dtype).itemsize)
 
 
 def engine_config(config: DeploymentConfig) -> EngineConfig:
@@ -149,7 +154,21 @@ class DrafterActor:
 
         self.token_seconds = 0.0  # drafting one token here; the verifier weighs it
         pool = deployment.pools.drafter
-        self.worker = DrafterWorker(make, name, pool.draft_ahead, pool.keep_drafting_ahead)
+        self.metrics = ActorMetrics("drafter", name)
+        self.metrics.count_restart()
+        self.worker = DrafterWorker(
+            make, name, pool.draft_ahead, pool.keep_drafting_ahead, self._record_step
+        )
+
+    def _record_step(self, message: StepMessage, reply: DraftReply) -> None:
+        m = self.metrics
+        m.observe("outrider_drafter_step_seconds", reply.handled_s)
+        m.observe("outrider_drafter_draft_seconds", reply.seconds)
+        m.inc("outrider_drafter_proposed_tokens", sum(len(ids) for ids, _ in reply.drafts.values()))
+        m.inc("outrider_drafter_ahead_served", reply.ahead_served)
+        width = message.feature_rows * message.feature_width
+        m.inc("outrider_drafter_feature_bytes_received", width * _itemsize(message.feature_dtype))
+        m.set("outrider_drafter_sequences", self.worker.info()["sequences"])
 
     def info(self) -> dict[str, Any]:
         return {
@@ -181,6 +200,8 @@ class PrefillActor:
         self.worker = PrefillWorker(
             model, deployment.engine.max_model_len, deployment.engine.block_size
         )
+        self.metrics = ActorMetrics("prefill", name)
+        self.metrics.count_restart()
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "device": self.device, **where()}
@@ -189,7 +210,14 @@ class PrefillActor:
         self.worker.open_link(address)
 
     def prefill(self, token_ids: list[int], hidden_layers: list[int]) -> dict[str, Any]:
-        return self.worker.prefill(token_ids, hidden_layers)
+        timing = self.worker.prefill(token_ids, hidden_layers)
+        m = self.metrics
+        m.observe("outrider_prefill_seconds", timing["compute_s"])
+        m.inc("outrider_prefill_tokens", len(token_ids) - timing["reused_tokens"])
+        m.inc("outrider_prefill_reused_tokens", timing["reused_tokens"])
+        m.inc("outrider_kv_transfer_bytes", timing["bytes"])
+        m.observe("outrider_kv_transfer_seconds", timing["transfer_s"])
+        return timing
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,8 +96,10 @@ class DrafterWorker:
         name: str,
         draft_ahead: bool = True,
         keep_going: bool = True,
+        on_step: Callable[[StepMessage, DraftReply], None] | None = None,
     ) -> None:
         self.drafter = make_drafter()
+        self._on_step = on_step  # sees every step answered (the actor's metrics)
         self.name = name
         self.draft_ahead = draft_ahead and self.drafter.drafts_ahead
         self.keep_going = keep_going and self.draft_ahead and self.drafter.keeps_drafting_ahead
@@ -134,6 +136,8 @@ class DrafterWorker:
         entered = time.perf_counter()
         reply = self._step(message)
         reply.handled_s = time.perf_counter() - entered
+        if self._on_step is not None:
+            self._on_step(message, reply)
         return reply
 
     def _step(self, message: StepMessage) -> DraftReply:

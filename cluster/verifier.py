@@ -34,6 +34,7 @@ from cluster.actors import (
     where,
 )
 from cluster.config import from_dict
+from cluster.engine_metrics import ActorMetrics, VerifierMetrics
 from cluster.links import TensorLink, link_backend
 from cluster.prefill import plan_for, receive
 from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
@@ -156,6 +157,10 @@ class VerifierActor:
         loaded.engine.step_listeners.append(self.rounds)
         self.step_times = StepTimes()
         loaded.engine.step_listeners.append(self.step_times)
+        self.metrics = VerifierMetrics(ActorMetrics("verifier", name), loaded.engine, self.drafters)
+        self.metrics.metrics.count_restart()
+        loaded.engine.step_listeners.append(self.metrics)
+        self.metrics.start_sampling()
         self.loop = EngineLoop(loaded.engine, self._fatal)
         self.dtype = deployment.dtype
         self.min_remote_prompt = deployment.pools.prefill.min_remote_prompt_tokens
@@ -247,6 +252,7 @@ class VerifierActor:
         uncached = len(prompt_ids) - 1 - engine.cached_prefix_tokens(prompt_ids)
         if not self.prefill_actors or uncached < max(1, self.min_remote_prompt):
             self.prefill_stats["local"] += 1
+            self.metrics.count_prefill("local")
             return None
         try:
             method, _ = engine.speculator.resolve(spec)
@@ -275,6 +281,7 @@ class VerifierActor:
                 err,
             )
             self.prefill_stats["failures"] += 1
+            self.metrics.count_prefill("failed")
             self.prefill_links[index] = None
             span.end()
             return None
@@ -291,6 +298,7 @@ class VerifierActor:
         )
         span.end()
         self.prefill_stats["remote"] += 1
+        self.metrics.count_prefill("remote")
         self.prefill_stats["bytes"] += timing["bytes"]
         self.prefill_stats["compute_s"] += timing["compute_s"]
         self.prefill_stats["transfer_s"] += timing["transfer_s"]

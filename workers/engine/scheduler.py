@@ -55,6 +55,11 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Since start, for the engine's metrics: sequences preempted, and prompt tokens looked
+        # up in the prefix cache at first admission and found there.
+        self.num_preemptions = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
     def num_unfinished(self) -> int:
@@ -112,6 +117,8 @@ class Scheduler:
                 seq.num_computed_tokens = seq.block_table.use_cached_prefix(seq.token_ids[:-1])
                 if not seq.output_token_ids:  # its first admission (not after preemption)
                     seq.num_cached_tokens = seq.num_computed_tokens
+                    self.prefix_queried_tokens += len(seq.token_ids) - 1
+                    self.prefix_hit_tokens += seq.num_computed_tokens
             num_new = min(seq.num_uncomputed_tokens, budget)
             start = seq.num_computed_tokens
             try:
@@ -128,6 +135,7 @@ class Scheduler:
             budget -= num_new
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         seq.block_table.release()
         seq.num_computed_tokens = 0
         seq.draft = EMPTY_DRAFT
