@@ -23,7 +23,8 @@ CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
 KUBERNETES_VERSION = "1.30.0"
 # Custom resources: validated by their own schema (RayCluster) or skipped (Prometheus Operator's
 # ServiceMonitor, whose CRD is not vendored here; its fields are asserted below instead).
-CUSTOM_KINDS = {"RayCluster", "ServiceMonitor"}
+CUSTOM_KINDS = {"RayCluster", "ServiceMonitor", "PodMonitor"}
+DASHBOARD = CHART / "dashboards" / "outrider.json"
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,12 @@ def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> di
     return found[0]
 
 
+def deployment_of(objects: list[dict[str, Any]]) -> Any:
+    """The deployment config in the chart's ConfigMap, as Outrider reads it."""
+    config_map = one(objects, "ConfigMap", "demo-outrider-config")
+    return from_dict(yaml.safe_load(config_map["data"]["outrider.yaml"]))
+
+
 def worker_groups(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     cluster = one(objects, "RayCluster")
     return {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
@@ -84,8 +91,7 @@ def test_ci_values_render_valid_objects(chart, raycluster_schema, values_file: P
         elif obj["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
     # The ConfigMap holds a deployment config that Outrider itself accepts, matching the pools.
-    config_map = one(objects, "ConfigMap")
-    config = from_dict(yaml.safe_load(config_map["data"]["outrider.yaml"]))
+    config = deployment_of(objects)
     groups = worker_groups(objects)
     assert groups["verifier"]["replicas"] == config.pools.verifier.groups
     assert config.pools.verifier.tensor_parallel_size == values.get("verifier", {}).get(
@@ -126,7 +132,7 @@ def test_grace_drafters_select_arm64_nodes_and_advertise_the_resource(chart) -> 
     assert drafter["rayStartParams"]["resources"] == (
         '"{\\"grace_cpu\\":2,\\"outrider_drafter\\":2}"'
     )
-    config = from_dict(yaml.safe_load(one(objects, "ConfigMap")["data"]["outrider.yaml"]))
+    config = deployment_of(objects)
     assert config.pools.drafter.resources.custom == {"grace_cpu": 1.0, "outrider_drafter": 1.0}
     assert config.pools.drafter.replicas == 4  # 2 pods x 2 actors
     assert config.pools.drafter.draft_ahead  # the chart's defaults
@@ -177,7 +183,7 @@ def test_router_probes_service_and_secrets(chart) -> None:  # type: ignore[no-un
     assert base64.b64decode(keys_secret["data"]["api-keys"]).split() == [b"sk-ci-test-key"]
     assert env["RAY_ADDRESS"]["value"] == "ray://demo-outrider-ray-head-svc:10001"
     assert c["command"][:4] == ["outrider", "serve", "--config", "/etc/outrider/outrider.yaml"]
-    config = from_dict(yaml.safe_load(one(objects, "ConfigMap")["data"]["outrider.yaml"]))
+    config = deployment_of(objects)
     assert config.ray.address == "ray://demo-outrider-ray-head-svc:10001"
     # A rollout lets a router drain: Kubernetes waits past the router's own grace period.
     assert config.router.shutdown_grace_s == 30
@@ -230,7 +236,7 @@ def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> N
     secret_names = {s["metadata"]["name"] for s in by_kind(objects, "Secret")}
     assert secret_names == {"demo-outrider-ray-auth"}  # Redis and API keys: existing Secrets
     assert not by_kind(objects, "StatefulSet")
-    config = from_dict(yaml.safe_load(one(objects, "ConfigMap")["data"]["outrider.yaml"]))
+    config = deployment_of(objects)
     assert config.redis.url == "rediss://redis.example.internal:6380/0"
     assert config.redis.tls
     assert config.telemetry.otlp_endpoint == "http://otel-collector.observability:4317"
@@ -292,3 +298,56 @@ def test_default_values_render_with_a_generated_api_key(chart) -> None:  # type:
     for obj in objects:
         if obj["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def exported_metric_names() -> set[str]:
+    """Every series name the routers (their /metrics) and the engine actors (Ray's metrics
+    endpoint) export, as Prometheus scrapes them."""
+    from cluster.engine_metrics import ALL
+    from router.metrics import RouterMetrics
+
+    names = {series for spec in ALL for series in spec.series()}
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    for family in RouterMetrics().registry.collect():
+        names |= {family.name + suffix for suffix in suffixes[family.type]}
+    return names
+
+
+def test_the_grafana_dashboard_queries_only_exported_metrics() -> None:
+    import json
+    import re
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    queried = {name for expr in exprs for name in re.findall(r"\b(?:ray_)?outrider_\w+", expr)}
+    assert len(exprs) >= 30 and len(queried) >= 40
+    assert sorted(queried - exported_metric_names()) == []
+    # The docs' copy is the chart's file.
+    docs_copy = CHART.parents[1] / "docs" / "grafana" / "outrider.json"
+    assert docs_copy.read_text() == DASHBOARD.read_text()
+
+
+def test_dashboard_configmap_and_pod_monitor_render_when_switched_on(chart) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    assert not by_kind(render(chart, {}), "PodMonitor")
+    assert [o["metadata"]["name"] for o in by_kind(render(chart, {}), "ConfigMap")] == [
+        "demo-outrider-config"
+    ]
+    objects = render(chart, load_values(CHART / "ci" / "gpu-values.yaml"))
+    board = one(objects, "ConfigMap", "demo-outrider-grafana-dashboard")
+    assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert board["metadata"]["annotations"] == {"grafana_folder": "Outrider"}
+    assert json.loads(board["data"]["outrider.json"]) == json.loads(DASHBOARD.read_text())
+    monitor = one(objects, "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    components = monitor["spec"]["selector"]["matchExpressions"][0]["values"]
+    cluster = one(objects, "RayCluster")["spec"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:  # every Ray pod serves Ray's metrics on the port the monitor scrapes
+        labels = group["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] in components
+        assert group["rayStartParams"]["metrics-export-port"] == "8080"
+        ports = {p["name"]: p["containerPort"] for p in container(group["template"])["ports"]}
+        assert ports["metrics"] == 8080
