@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
+from tqdm import tqdm
 
 from load_tests import report
 from load_tests.clients import Client, GrpcClient, HttpClient, Sampling
@@ -116,9 +117,14 @@ def parser() -> argparse.ArgumentParser:
         help="exit with status 1 when more requests than this did not succeed (a smoke test)",
     )
     out.add_argument("--out", type=Path, help=f"folder (default {REPORTS}/<time>)")
-    rep = commands.add_parser("report", help="rebuild report.md from run folders")
+    rep = commands.add_parser("report", help="rebuild report.md and report.html from run folders")
     rep.add_argument("folders", type=Path, nargs="+")
-    rep.add_argument("--compare", type=Path, help="also write the runs side by side here")
+    rep.add_argument(
+        "--compare",
+        type=Path,
+        help="also write the runs side by side here (Markdown), and their figures overlaid "
+        "beside it (the same name ending .html)",
+    )
     return p
 
 
@@ -209,9 +215,18 @@ async def run(args: argparse.Namespace, command: str) -> tuple[Path, report.Run]
             for number, level in enumerate(levels):
                 print(f"level {level.name}: {level.num_requests} requests", flush=True)
                 poller = MetricsPoller(session, metrics_urls, args.metrics_interval)
-                records, view = await measure_level(
-                    client, level, items, poller if watch else None, args.seed + number
-                )
+                # A bar on a terminal (none in a log): conversations of the level done.
+                with tqdm(
+                    total=level.num_requests, desc=level.name, unit="req", disable=None
+                ) as bar:
+                    records, view = await measure_level(
+                        client,
+                        level,
+                        items,
+                        poller if watch else None,
+                        args.seed + number,
+                        bar.update,
+                    )
                 result.levels.append(level.name)
                 result.records += records
                 result.servers[level.name] = view
@@ -287,11 +302,14 @@ def rebuild(folders: list[Path], compare: Path | None) -> None:
     for folder in folders:
         loaded = report.load(folder)
         (folder / report.REPORT).write_text(report.render(loaded))
-        print(f"wrote {folder / report.REPORT}")
+        (folder / report.HTML_REPORT).write_text(report.render_html(loaded, folder.name))
+        print(f"wrote {folder / report.REPORT} and {report.HTML_REPORT}")
         runs.append((loaded.info.get("title") or folder.name, loaded))
     if compare is not None:
         compare.write_text(report.compare(runs))
-        print(f"wrote {compare}")
+        figures = compare.with_suffix(".html")
+        figures.write_text(report.compare_html(runs))
+        print(f"wrote {compare} and {figures}")
 
 
 def main(argv: list[str] | None = None) -> int:

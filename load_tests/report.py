@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from load_tests import html_report
 from load_tests.clients import RequestRecord
 from load_tests.server_metrics import ServerView
 from load_tests.stats import LevelSummary, Slo, percentile, summarize
@@ -20,6 +21,7 @@ from load_tests.stats import LevelSummary, Slo, percentile, summarize
 SUMMARY = "summary.json"
 RESULTS = "results.jsonl"
 REPORT = "report.md"
+HTML_REPORT = "report.html"
 
 
 @dataclass
@@ -64,6 +66,7 @@ def save(folder: Path, run: Run) -> None:
         )
     (folder / SUMMARY).write_text(json.dumps({**run.info, "levels": levels}, indent=2) + "\n")
     (folder / REPORT).write_text(render(run))
+    (folder / HTML_REPORT).write_text(render_html(run, folder.name))
 
 
 def load(folder: Path) -> Run:
@@ -258,6 +261,32 @@ def render(run: Run) -> str:
         _DEFINITIONS,
     ]
     return "\n".join(lines) + "\n"
+
+
+def _named(name: str, run: Run) -> html_report.Named:
+    return html_report.Named(name, list(run.levels), run.summaries(), run.records)
+
+
+def render_html(run: Run, name: str) -> str:
+    """report.html: the run's figures (load_tests/html_report.py)."""
+    info = run.info
+    lines = [
+        f"Started {info.get('started', '?')}: {info.get('command', '')}",
+        f"Target: {info.get('url', '?')} over {info.get('api', '?')}, model {info.get('model')}",
+        _workload_line(info.get("workload", {}), info.get("seed")).removeprefix("- "),
+        "Each request: " + _speculation(info.get("sampling", {})),
+        f"Client: {info.get('client', '?')}",
+    ]
+    title = f"Load test: {info.get('title') or info.get('url', name)}"
+    return html_report.render(title, lines, [_named(info.get("title") or name, run)])
+
+
+def compare_html(runs: Sequence[tuple[str, Run]]) -> str:
+    """The runs' figures on the same axes, levels matched by name."""
+    lines = [f"{name}: {run.info.get('command', '')}" for name, run in runs]
+    return html_report.render(
+        "Load tests side by side", lines, [_named(name, run) for name, run in runs]
+    )
 
 
 def _speculation(sampling: dict[str, Any]) -> str:

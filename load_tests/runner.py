@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from load_tests.clients import Client, RequestRecord
@@ -57,10 +57,14 @@ class Level:
 
 
 async def run_level(
-    client: Client, level: Level, items: Iterator[WorkItem], seed: int = 0
+    client: Client,
+    level: Level,
+    items: Iterator[WorkItem],
+    seed: int = 0,
+    done: Callable[[], None] | None = None,
 ) -> list[RequestRecord]:
     """Every request of the level: conversations in the order they were due, each one's turns
-    in order."""
+    in order. `done` is called as each conversation ends (a progress bar)."""
     work = [next(items) for _ in range(level.num_requests)]
     conversations: list[list[RequestRecord]] = [[] for _ in work]
     t0 = time.perf_counter()
@@ -75,9 +79,11 @@ async def run_level(
             record.start = time.perf_counter() - t0
             answer = await client.send(item, record)
             if not (record.ok and item.chat) or turn == level.turns:
-                return
+                break
             item = item.follow_up(answer, rng.choice(FOLLOW_UPS))
             due = time.perf_counter() - t0  # the next turn is due as soon as the answer is in
+        if done is not None:
+            done()
 
     if level.concurrency is not None:
         pending = iter(range(level.num_requests))
@@ -107,13 +113,14 @@ async def measure_level(
     items: Iterator[WorkItem],
     poller: MetricsPoller | None = None,
     seed: int = 0,
+    done: Callable[[], None] | None = None,
 ) -> tuple[list[RequestRecord], ServerView | None]:
     """Run one level with `poller` (new for each level) watching the routers alongside."""
     if poller is None:
-        return await run_level(client, level, items, seed), None
+        return await run_level(client, level, items, seed, done), None
     await poller.start()
     try:
-        records = await run_level(client, level, items, seed)
+        records = await run_level(client, level, items, seed, done)
     finally:
         view = await poller.stop()
     return records, view

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from tests.router.helpers import (
     get,
     post,
     raw_completion_stream,
+    small_workload,
     sse_events,
     start_router,
 )
@@ -102,48 +105,95 @@ def test_a_drain_cuts_what_outlives_its_grace_and_another_replica_resumes_it(  #
     assert text == whole["choices"][0]["text"] and text.startswith(sent)
 
 
-@pytest.mark.slow
-def test_sigterm_drains_outrider_serve_then_it_cleans_up_and_exits() -> None:
-    """The real signal path: `outrider serve` in a subprocess gets SIGTERM mid-stream; the
-    stream runs to its end, the process exits 0, and its embedded redis-server is gone."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--no-grpc"]
-    cmd += ["--max-model-len", "256", "--max-num-seqs", "2"]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
-    )
-    try:
-        assert proc.stdout is not None
-        redis_port = None
-        for line in proc.stdout:  # until it serves
+class Served:
+    """`outrider serve` in a subprocess, serving (its output read up to the banner)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.port)]
+        cmd += ["--no-grpc", "--max-model-len", "256", "--max-num-seqs", "2"]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+        )
+        assert self.proc.stdout is not None
+        self.redis_port = None
+        for line in self.proc.stdout:  # until it serves
             found = re.search(r"embedded redis-server on redis://127\.0\.0\.1:(\d+)/", line)
-            redis_port = int(found.group(1)) if found else redis_port
+            self.redis_port = int(found.group(1)) if found else self.redis_port
             if line.startswith("Outrider is serving"):
                 break
-        assert redis_port is not None
         deadline = time.monotonic() + 60
-        while get_status(f"http://127.0.0.1:{port}/ready") != 200:  # it prints, then listens
-            assert time.monotonic() < deadline and proc.poll() is None, "it never got ready"
+        while get_status(f"{self.url}/ready") != 200:  # it prints, then listens
+            assert time.monotonic() < deadline and self.proc.poll() is None, "it never got ready"
             time.sleep(0.2)
-        body = {**LONG, "max_tokens": 64}
-        received = b""
-        with raw_completion_stream(port, body) as sock:
-            while received.count(b"data: ") < 4:
-                received += sock.recv(65536)
-            proc.send_signal(signal.SIGTERM)
-            while b"data: [DONE]" not in received:
-                received += sock.recv(65536)
-        events = sse_events(received.decode())
-        assert events[-2]["choices"][0]["finish_reason"] == "length"
-        rest, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0, rest
-        assert "shutting down: 1 requests in flight" in rest
-        with pytest.raises(OSError):  # the embedded Redis went with it
-            socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """One `outrider serve` for the module's last tests (the last one stops it with SIGTERM)."""
+    running = Served()
+    yield running
+    running.stop()
+
+
+@pytest.mark.slow
+def test_a_load_test_of_outrider_serve_writes_its_figures(served: Served, tmp_path: Path) -> None:
+    """`python -m load_tests run` against `outrider serve`: report.html opens without network
+    access (no script, no fetched file: inline SVG) and each figure holds the run's data."""
+    from load_tests import html_report, report
+    from load_tests.__main__ import main
+
+    argv = ["run", "--url", served.url, "--workload", small_workload(tmp_path)]
+    argv += ["--concurrency", "1,2", "--requests", "3", "--max-tokens", "8", "--warmup", "0"]
+    assert main([*argv, "--spec-method", "ngram", "--out", str(tmp_path)]) == 0
+    page = (tmp_path / report.HTML_REPORT).read_text()
+    assert "<script" not in page and not re.search(r"""(src|href)\s*=\s*["']?\w+:""", page)
+    assert re.findall(r"@import|url\((?!#)", page) == []  # clip paths point inside the page
+    figures = dict(re.findall(r'<figure id="([a-z-]+)" data-points="(\d+)">', page))
+    assert list(figures) == list(html_report.FIGURES)
+    requests = 6
+    assert int(figures["throughput"]) == 2 * 2  # two levels, tokens/s and requests/s
+    assert int(figures["latency-percentiles"]) >= 2 * 3 * 2  # TTFT/TPOT: 2 levels x 3 quantiles
+    assert int(figures["latency-distribution"]) == 2 * requests  # latency and TTFT per request
+    assert int(figures["acceptance"]) == 2
+    assert int(figures["timeline"]) == requests
+    for level in ("1 user", "2 users"):  # the load axis names the levels, as text
+        assert page.count(f">{level}<") >= 4
+    result = report.load(tmp_path)
+    top = max(s.output_tokens_per_s for s in result.summaries())
+    assert top > 0 and f"{top:.1f}" in page  # the summary table beside the figures
+
+
+@pytest.mark.slow
+def test_sigterm_drains_outrider_serve_then_it_cleans_up_and_exits(served: Served) -> None:
+    """The real signal path: `outrider serve` in a subprocess gets SIGTERM mid-stream; the
+    stream runs to its end, the process exits 0, and its embedded redis-server is gone."""
+    proc, redis_port = served.proc, served.redis_port
+    assert redis_port is not None
+    body = {**LONG, "max_tokens": 64}
+    received = b""
+    with raw_completion_stream(served.port, body) as sock:
+        while received.count(b"data: ") < 4:
+            received += sock.recv(65536)
+        proc.send_signal(signal.SIGTERM)
+        while b"data: [DONE]" not in received:
+            received += sock.recv(65536)
+    events = sse_events(received.decode())
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+    assert "shutting down: 1 requests in flight" in rest
+    with pytest.raises(OSError):  # the embedded Redis went with it
+        socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
 
 
 def get_status(url: str) -> int | None:
