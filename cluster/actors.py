@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cluster import telemetry
+from cluster import logs, telemetry
 from cluster.config import DeploymentConfig, from_dict
 from cluster.drafter_worker import DrafterWorker, DraftReply, Handshake, StepMessage
 from cluster.engine_metrics import ActorMetrics
@@ -132,6 +132,7 @@ class DrafterActor:
 
         torch.set_num_threads(1)
         deployment = from_dict(config)
+        logs.configure(deployment.router.log_format)
         method = deployment.pools.drafter.method
         self.device = assigned_device()
         spec = model_spec(deployment, self.device)
@@ -192,6 +193,7 @@ class PrefillActor:
 
         use_assigned_cpus()
         deployment = from_dict(config)
+        logs.configure(deployment.router.log_format)
         self.name = name
         self.device = assigned_device()
         dtype = parse_dtype(deployment.dtype)
@@ -336,6 +338,7 @@ class VerifierRankActor:
 
         use_assigned_cpus()
         deployment = from_dict(config)
+        logs.configure(deployment.router.log_format)
         self.name, self.rank, self.world = name, rank, world
         dtype = parse_dtype(deployment.dtype)
         checkpoint = load_checkpoint(deployment.model, dtype=dtype)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cluster import k8s
+from cluster import k8s, logs
 from cluster.config import ConfigError, DeploymentConfig, load_config
 from cluster.runtime import Runtime
 from workers.engine.config import (
@@ -193,6 +193,13 @@ def _build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="on SIGTERM or Ctrl-C, how long requests in flight may finish (default 30)",
+    )
+    api.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="log lines (a line per finished request among them) as text or JSON "
+        "(default: the config's router.log_format, text)",
     )
     _add_engine_args(serve)
 
@@ -420,6 +427,9 @@ def _serve(args: argparse.Namespace) -> int:
     from workers.engine.engine_loop import EngineLoop
 
     config = _deployment(args)
+    # The actors log as the router does: they read the same setting.
+    config = config.with_overrides({"router.log_format": args.log_format})
+    logs.configure(config.router.log_format)
     keys = read_keys_file(args.api_keys_file) if args.api_keys_file else []
     embedded: EmbeddedRedis | None = None
     if args.redis_url is None and config.redis.url is None:
@@ -447,6 +457,7 @@ def _serve(args: argparse.Namespace) -> int:
                 "(token authentication: the token is in ~/.ray/auth_token)",
                 flush=True,
             )
+            print(f"Engine metrics (Prometheus): {runtime.metrics_url()}", flush=True)
         block_size, max_model_len = config.engine.block_size, config.engine.max_model_len
     else:
         loaded = load(args)

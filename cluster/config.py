@@ -22,7 +22,8 @@ RayCluster). A config is checked as a whole when it is built, and every error na
                  resources: {cpus: 1, custom: {grace_cpu: 1}}}
     router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256,
              requests_per_s: 0, burst: 0,                 # per-key token bucket, 0: none
-             shutdown_grace_s: 30}    # on SIGTERM, how long requests in flight may finish
+             shutdown_grace_s: 30,    # on SIGTERM, how long requests in flight may finish
+             log_format: text}        # or json: a JSON object per log line (router and actors)
     redis: {url: null, tls: false, password_env: null}   # url null: embedded redis-server
     telemetry: {otlp_endpoint: null, service_name: outrider}
     ray: {address: null, dashboard_host: 127.0.0.1, dashboard_port: 8265}
@@ -157,6 +158,8 @@ class RouterSettings:
     # On SIGTERM (or SIGINT), how long the requests in flight may run before they are cut; new
     # ones are refused meanwhile (router/server.py `Router.drain`).
     shutdown_grace_s: float = 30.0
+    # How the router and the pools' actors log (cluster/logs.py): text, or json (a line each).
+    log_format: str = "text"
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +278,11 @@ class DeploymentConfig:
         _check(self.router.requests_per_s >= 0, "router.requests_per_s", "must be >= 0")
         _check(self.router.burst >= 0, "router.burst", "must be >= 0")
         _check(self.router.shutdown_grace_s >= 0, "router.shutdown_grace_s", "must be >= 0")
+        _check(
+            self.router.log_format in ("text", "json"),
+            "router.log_format",
+            "must be text or json",
+        )
         _check(
             self.telemetry.exporter in ("none", "console", "memory"),
             "telemetry.exporter",

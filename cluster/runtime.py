@@ -369,6 +369,14 @@ class Runtime:
 
         return ray.get([v.stats.remote() for v in self.verifiers])
 
+    def metrics_url(self) -> str:
+        """Ray's Prometheus endpoint on the head node, where the actors' engine metrics are
+        (cluster/engine_metrics.py); every node serves its own actors' on its port."""
+        import ray
+
+        head = next((n for n in ray.nodes() if n.get("Alive")), ray.nodes()[0])
+        return f"http://{head['NodeManagerAddress']}:{head['MetricsExportPort']}/metrics"
+
     def actor_info(self) -> dict[str, list[dict[str, Any]]]:
         import ray
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from cluster import ngram_pool, telemetry
+from cluster import logs, ngram_pool, telemetry
 from cluster.actors import (
     DRAFT_DEADLINE_S,
     RAY_NAMESPACE,
@@ -105,6 +105,7 @@ class VerifierActor:
 
         use_assigned_cpus()
         deployment = from_dict(config)
+        logs.configure(deployment.router.log_format)
         self.pool_settings = deployment.pool_settings()  # what a router that attaches checks
         self.name = name
         self.device = assigned_device()
@@ -332,6 +333,7 @@ class VerifierActor:
         trace_carrier: dict[str, str] | None = None,
     ) -> AsyncIterator[StepMessage]:
         """Streams one message per engine step that produced something for the request."""
+        logs.REQUEST_ID.set(request_id)  # this call's task: its log lines name the request
         self.rounds.start(request_id, trace_carrier)
         prefilled = None
         if params.prompt_logprobs is None:  # a scored prompt is computed here, every position

@@ -18,7 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from router.errors import RouterError
 from router.proto import codegen
 from router.protocol import ChatCompletionRequest, CompletionRequest, validate
-from router.service import RouterService
+from router.service import REQUEST_API, RouterService
 from workers.engine.logprobs import TokenLogprob
 from workers.engine.sequence import SpecStats
 
@@ -113,6 +113,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         service = self.service
         request_id = f"grpc-{uuid.uuid4().hex}"
+        REQUEST_API.set("grpc")
         try:
             await self._authorize(context)
             body, chat = _body(request)
@@ -141,7 +142,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     )
                 yield response
         except RouterError as exc:
-            service.metrics.requests.labels("grpc", "refused").inc()
+            service.refused("grpc", exc)
             await _abort(context, exc)
         service.metrics.requests.labels("grpc", "ok").inc()
 

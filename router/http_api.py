@@ -46,7 +46,7 @@ from router.responses import (
     in_our_terms,
     stored_items,
 )
-from router.service import Choice, RouterService, usage
+from router.service import REQUEST_API, Choice, RouterService, usage
 from router.tools import ToolCallParser, finish_reason, read_answer
 from workers.engine.logprobs import TokenLogprob
 
@@ -91,7 +91,7 @@ def create_app(service: RouterService) -> FastAPI:
         # A refused generation request counts whatever refused it (key, rate limit, body,
         # admission), as on gRPC. A resume is counted by `_serve`, which knows its API.
         if api := _GENERATION_PATHS.get(request.url.path):
-            service.metrics.requests.labels(api, "refused").inc()
+            service.refused(api, exc)
         return _error(exc)
 
     @app.exception_handler(HTTPException)
@@ -230,6 +230,7 @@ def create_app(service: RouterService) -> FastAPI:
         except RouterError as exc:
             raise in_our_terms(exc) from None
         response_id = f"resp_{uuid.uuid4().hex}"
+        REQUEST_API.set("responses")
         builder = ResponseBuilder(body, response_id, service.model_name, generate.tools)
         choices = await service.start([generate], response_id)
         steps = _merged(choices)
@@ -289,11 +290,12 @@ def create_app(service: RouterService) -> FastAPI:
         formatter = formatters[generate.tokens_as_ids]
         per_choice = [g for g in generates for _ in range(g.n)]
         request_id = f"{'chatcmpl' if generate.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        REQUEST_API.set(_api(generate))
         try:
             choices = await service.start(generates, request_id)  # refusals surface here
-        except RouterError:
+        except RouterError as exc:
             if resumed is not None:  # the error handler counts the others
-                service.metrics.requests.labels(_api(generate), "refused").inc()
+                service.refused(_api(generate), exc)
             raise
         headers = {"X-Request-Id": request_id}
         steps = _merged(choices, prefix)

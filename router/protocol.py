@@ -318,6 +318,7 @@ class GenerateRequest:
     echo: str | None = None  # completions' `echo`: the prompt's text, before each answer
     score_only: bool = False  # `max_tokens` 0: the prompt is scored, no answer is returned
     tools: ToolCalling | None = None  # chat: the answer's tool calls are parsed against these
+    resumed_tokens: int = 0  # a resumed request: the tokens committed before (in the prompt)
 
 
 def parse_json(raw: bytes) -> Any:

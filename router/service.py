@@ -22,11 +22,13 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Coroutine, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from redis.exceptions import RedisError
 
+from cluster import logs
 from router import errors
 from router.backends import Backend, Step
 from router.metrics import RouterMetrics
@@ -40,6 +42,9 @@ from workers.engine.sequence import SpecStats
 from workers.engine.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
+# The API a request came in by (chat, completions, responses, grpc), set where it came in: the
+# request's log line names it.
+REQUEST_API: ContextVar[str] = ContextVar("outrider_request_api", default="")
 
 # A choice of a request: its first step, and its steps after that.
 Choice = tuple[Step, AsyncGenerator[Step, None]]
@@ -236,6 +241,7 @@ class RouterService:
     async def _generate(
         self, request: GenerateRequest, request_id: str, routed: tuple[int, str] | None
     ) -> AsyncGenerator[Step, None]:
+        logs.REQUEST_ID.set(request_id)  # this request's task: every line it logs names it
         start = time.perf_counter()
         group, reason = routed or await self.choose_group(request.prompt_ids)
         name = self.backend.groups[group]
@@ -250,7 +256,10 @@ class RouterService:
         output_ids: list[int] = []
         num_registered = 0  # of output_ids, already in the registry
         last = flushed = start
+        first: float | None = None
+        final: Step | None = None
         finish_reason = "abort"
+        error: Exception | None = None
         try:
             async for step in self.backend.stream(
                 group, request_id, request.prompt_ids, request.params, request.spec
@@ -263,6 +272,7 @@ class RouterService:
                 now = time.perf_counter()
                 if step.new_token_ids:
                     if not output_ids:
+                        first = now
                         self.metrics.ttft.observe(now - start)
                         self._background(
                             self.state.record_prefix(request.prompt_ids, self.block_size, name)
@@ -275,16 +285,50 @@ class RouterService:
                     output_ids += step.new_token_ids
                     self.metrics.generation_tokens.inc(len(step.new_token_ids))
                 if step.finished:
+                    final = step
                     finish_reason = step.finish_reason or "stop"
                     self._finished(request, step, start, name, output_ids)
                 elif len(output_ids) > num_registered and now - flushed >= REGISTRY_FLUSH_S:
                     await self.state.commit(request_id, output_ids[num_registered:])
                     num_registered, flushed = len(output_ids), now
                 yield step
+        except Exception as exc:
+            error = exc
+            raise
         finally:
             usage = None if finish_reason == "abort" else {"finish_reason": finish_reason}
             rest = output_ids[num_registered:]
             self._background(self.state.commit(request_id, rest, finish_reason, usage))
+            line = {
+                "request_id": request_id,
+                "api": REQUEST_API.get(),
+                "outcome": "ok" if final else "failed" if error else "aborted",
+                "finish_reason": None if final is None else finish_reason,
+                "prompt_tokens": len(request.prompt_ids),
+                "output_tokens": len(output_ids),
+                "ttft_ms": None if first is None else round((first - start) * 1000, 1),
+                "latency_ms": round((time.perf_counter() - start) * 1000, 1),
+                "group": name,
+                "routed_by": reason,
+                **({} if final is None else _spec_fields(final)),
+                **({"resumed_tokens": request.resumed_tokens} if request.resumed_tokens else {}),
+                **({"error": str(error)} if error else {}),
+            }
+            logs.request_line(line)
+
+    def refused(self, api: str, exc: Exception) -> None:
+        """Count and log a request refused before it was served (its status in the line)."""
+        self.metrics.requests.labels(api, "refused").inc()
+        status = getattr(exc, "status", None)
+        logs.request_line(
+            {
+                "request_id": logs.REQUEST_ID.get(),
+                "api": api,
+                "outcome": "refused",
+                "status": status,
+                "error": str(getattr(exc, "message", exc)),
+            }
+        )
 
     async def resume(self, request_id: str, stream: bool) -> tuple[GenerateRequest, list[int]]:
         """The rest of a request another replica started and did not finish (its replica died,
@@ -334,6 +378,7 @@ class RouterService:
             settings["chat"],
             continuous_usage=settings.get("continuous_usage", False),
             tokens_as_ids=settings.get("tokens_as_ids", False),
+            resumed_tokens=len(committed),
         )
         if tools := settings.get("tools"):  # the answer's tool calls are read as they were
             calling = ToolCalling(tuple(tools["names"]), tools["named"], tools.get("forced", False))
@@ -375,6 +420,16 @@ class RouterService:
     async def drain(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _spec_fields(step: Step) -> dict[str, Any]:
+    spec = step.spec
+    return {
+        "cached_tokens": step.num_cached_tokens,
+        "drafted": spec.drafted,
+        "accepted": spec.accepted,
+        "verify_steps": spec.verify_steps,
+    }
 
 
 def _settings(request: GenerateRequest) -> str:

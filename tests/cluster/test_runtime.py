@@ -324,14 +324,12 @@ WORKED = {
 }
 
 
-def scrape_ray_metrics() -> dict[tuple[str, str], float]:
-    """The largest value of each outrider series on this node's Ray metrics endpoint, by name
-    and pool."""
+def scrape_ray_metrics(url: str) -> dict[tuple[str, str], float]:
+    """The largest value of each outrider series on a Ray metrics endpoint, by name and pool."""
     import re
     import urllib.request
 
-    port = ray.nodes()[0]["MetricsExportPort"]
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
     found: dict[tuple[str, str], float] = {}
     for name, labels, value in re.findall(r"^(ray_outrider_\w+)\{([^}]*)\} (\S+)$", text, re.M):
         pool = re.search(r'pool="(\w+)"', labels)
@@ -349,17 +347,18 @@ def test_engine_metrics_reach_rays_prometheus_endpoint(eagle_runtime, prompts) -
     long = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
     stream = eagle_runtime.submit(prompts[2], long, RequestSpec(method="eagle"))
     seen: dict[tuple[str, str], float] = {}
+    url = eagle_runtime.metrics_url()  # what `outrider serve --cluster` prints
     last = 0.0
     for _ in stream:  # scrape while it generates
         if time.monotonic() - last > 0.5:
             last = time.monotonic()
-            for key, value in scrape_ray_metrics().items():
+            for key, value in scrape_ray_metrics(url).items():
                 seen[key] = max(seen.get(key, 0.0), value)
     wanted = {(name, pool) for pool, names in WORKED.items() for name in names}
     deadline = time.monotonic() + 30
     while {k for k in wanted if seen.get(k, 0) <= 0} and time.monotonic() < deadline:
         time.sleep(1.0)
-        for key, value in scrape_ray_metrics().items():
+        for key, value in scrape_ray_metrics(url).items():
             seen[key] = max(seen.get(key, 0.0), value)
     assert sorted(k for k in wanted if seen.get(k, 0) <= 0) == []
     declared = {s for specs in POOLS.values() for spec in specs for s in spec.series()}

@@ -239,6 +239,7 @@ def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> N
     config = deployment_of(objects)
     assert config.redis.url == "rediss://redis.example.internal:6380/0"
     assert config.redis.tls
+    assert config.router.log_format == "json"  # for the cluster's log collector
     assert config.telemetry.otlp_endpoint == "http://otel-collector.observability:4317"
     env = {e["name"]: e for e in container(one(objects, "Deployment")["spec"]["template"])["env"]}
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "outrider-redis"

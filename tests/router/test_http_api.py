@@ -1277,3 +1277,29 @@ def test_without_redis_requests_get_503_unavailable_and_readiness_fails(
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         running.stop()
+
+
+def test_a_log_line_per_finished_request(server: str, caplog: pytest.LogCaptureFixture) -> None:
+    """One structured line for each request the router finished (numbers as fields), and for a
+    refused one; each names the request's id, which the client saw in X-Request-Id."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="outrider.requests")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    code, out, _, headers = post(f"{server}/v1/completions", body)
+    assert code == 200
+    code, _, _, _ = post(f"{server}/v1/completions", {**body, "max_tokens": -1})
+    assert code == 400
+    deadline = time.monotonic() + 10  # the router's thread logs as the response goes out
+    while len([r for r in caplog.records if r.name == "outrider.requests"]) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    served, refused = [r.fields for r in caplog.records if r.name == "outrider.requests"][:2]
+    assert served["request_id"] == headers["x-request-id"] == out["id"]
+    assert served["api"] == "completions" and served["outcome"] == "ok"
+    assert served["finish_reason"] == "length" and served["output_tokens"] == 6
+    assert served["prompt_tokens"] == out["usage"]["prompt_tokens"]
+    assert 0 < served["ttft_ms"] <= served["latency_ms"]
+    assert served["verify_steps"] >= 1 and served["group"] and served["routed_by"]
+    assert refused["outcome"] == "refused" and refused["status"] == 400
+    assert refused["api"] == "completions" and "max_tokens" in refused["error"]
