@@ -106,9 +106,10 @@ def configure(fmt: str = "text", stream: TextIO | None = None) -> None:
 
 def request_line(fields: dict[str, Any]) -> None:
     """The router's line for a finished request (its id, outcome and numbers in `fields`)."""
+    rid = fields.get("request_id")
     logging.getLogger(REQUEST_LOGGER).info(
-        "request %s %s",
-        fields.get("request_id"),
+        "request %s%s",
+        f"{rid} " if rid else "",
         fields.get("outcome"),
-        extra={"fields": fields, "request_id": fields.get("request_id")},
+        extra={"fields": fields, "request_id": rid},
     )
