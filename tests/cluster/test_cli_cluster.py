@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_generate(*flags: str) -> dict:  # type: ignore[type-arg]
-    cmd = [sys.executable, "-m", "cluster.cli", "generate", "def add(a, b):", "--json"]
+    cmd = [sys.executable, "-m", "router.cli", "generate", "def add(a, b):", "--json"]
     cmd += ["--temperature", "0", "--max-tokens", "12", "--dtype", "float32", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -37,7 +37,7 @@ def test_generate_on_the_cluster_matches_in_process() -> None:
 
 
 def test_tp_and_prefill_flags_set_the_pools() -> None:
-    from cluster.cli import _build_parser, _deployment, _uses_cluster
+    from router.cli import _build_parser, _deployment, _uses_cluster
 
     def config(*flags: str):  # type: ignore[no-untyped-def]
         args = _build_parser().parse_args(["generate", "hi", *flags])

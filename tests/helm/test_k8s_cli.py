@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster import cli
+from router import cli
 from cluster.k8s import K8sError, RayClusterClient, run
 
 kubernetes = pytest.importorskip("kubernetes")

@@ -20,7 +20,7 @@ PROMPT = "The capital of France is"
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "cluster.cli", "generate", *args]
+    cmd = [sys.executable, "-m", "router.cli", "generate", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
 
 

@@ -87,7 +87,7 @@ def router_b(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # t
 
 
 def outrider_generate(prompt: str, *flags: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "cluster.cli", "generate", prompt, "--json", *flags]
+    cmd = [sys.executable, "-m", "router.cli", "generate", prompt, "--json", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)  # type: ignore[no-any-return]

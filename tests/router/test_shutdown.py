@@ -110,7 +110,7 @@ class Served:
 
     def __init__(self) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port)]
         cmd += ["--no-grpc", "--max-model-len", "256", "--max-num-seqs", "2"]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
