@@ -1,7 +1,8 @@
 """The `outrider` command: `generate` (one prompt, in-process), `serve` (HTTP API) and `k8s`
-(a deployment on Kubernetes). It sits at the top of the layers (docs/architecture.md): it wires
-the engine (workers/), the Ray runtime (cluster/) and the router together."""
+(a deployment on Kubernetes)."""
 
+# At the top of the layers (docs/architecture.md): it wires the engine (workers/), the Ray
+# runtime (cluster/) and the router together.
 from __future__ import annotations
 
 import argparse
