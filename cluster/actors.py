@@ -16,7 +16,7 @@ import torch
 
 from cluster import logs, telemetry
 from cluster.config import DeploymentConfig, from_dict
-from cluster.drafter_worker import DrafterWorker, DraftReply, Handshake, StepMessage
+from cluster.drafter_worker import DrafterWorker, DraftReply, DraftStep, Handshake
 from cluster.engine_metrics import ActorMetrics
 from cluster.links import LinkAddress, LinkError, TensorLink
 from cluster.prefill import PrefillWorker
@@ -161,7 +161,7 @@ class DrafterActor:
             make, name, pool.draft_ahead, pool.keep_drafting_ahead, self._record_step
         )
 
-    def _record_step(self, message: StepMessage, reply: DraftReply) -> None:
+    def _record_step(self, message: DraftStep, reply: DraftReply) -> None:
         m = self.metrics
         m.observe("outrider_drafter_step_seconds", reply.handled_s)
         m.observe("outrider_drafter_draft_seconds", reply.seconds)

@@ -57,7 +57,7 @@ Event = (
 
 
 @dataclass(slots=True)
-class StepMessage:
+class DraftStep:
     """One step's traffic to a drafter (plain data; feature rows follow over the link)."""
 
     incarnation: int  # which incarnation of the drafter's state (its latest link) this is for
@@ -96,7 +96,7 @@ class DrafterWorker:
         name: str,
         draft_ahead: bool = True,
         keep_going: bool = True,
-        on_step: Callable[[StepMessage, DraftReply], None] | None = None,
+        on_step: Callable[[DraftStep, DraftReply], None] | None = None,
     ) -> None:
         self.drafter = make_drafter()
         self._on_step = on_step  # sees every step answered (the actor's metrics)
@@ -132,7 +132,7 @@ class DrafterWorker:
         self.incarnation = max(time.time_ns(), self.incarnation + 1)
         return Handshake(self.incarnation, self.channel.address())
 
-    def step(self, message: StepMessage) -> DraftReply:
+    def step(self, message: DraftStep) -> DraftReply:
         entered = time.perf_counter()
         reply = self._step(message)
         reply.handled_s = time.perf_counter() - entered
@@ -140,7 +140,7 @@ class DrafterWorker:
             self._on_step(message, reply)
         return reply
 
-    def _step(self, message: StepMessage) -> DraftReply:
+    def _step(self, message: DraftStep) -> DraftReply:
         taken = self._take_ahead(message)
         if taken is not None:
             return taken
@@ -189,7 +189,7 @@ class DrafterWorker:
             self._ahead.start()
         return reply
 
-    def _take_ahead(self, message: StepMessage) -> DraftReply | None:
+    def _take_ahead(self, message: DraftStep) -> DraftReply | None:
         """Answer a step from drafting ahead that goes on, when it only commits (once per
         sequence, and for just the sequences it asks drafts of) and the commits are the
         guesses; None otherwise."""

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from cluster.drafter_worker import DraftReply, Handshake, StepMessage
+from cluster.drafter_worker import DraftReply, DraftStep, Handshake
 from cluster.links import LinkError, TensorLink
 from cluster.step_channel import ChannelError, ChannelTimeout, Failure, StepClient
 from workers.drafting.base import Draft, Drafter, DraftRequest
@@ -180,7 +180,7 @@ class RemoteDrafter(Drafter):
         if self._incarnation is None and not self._reconnect():
             self._drop_buffer()  # the drafter is down; its state is rebuilt when it is back
             return None
-        message = StepMessage(self._incarnation or 0, self._events, list(requests))
+        message = DraftStep(self._incarnation or 0, self._events, list(requests))
         features = torch.cat(self._features) if self._features else None
         if features is not None:
             message.feature_rows, message.feature_width = features.shape

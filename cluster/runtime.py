@@ -40,7 +40,7 @@ from cluster.actors import (
     start_tracing,
 )
 from cluster.config import DeploymentConfig, Resources, resolve_gpus, settings_differ
-from cluster.verifier import ServedBy, StepMessage, VerifierActor
+from cluster.verifier import ServedBy, StreamedStep, VerifierActor
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.llm_engine import RequestOutput
@@ -93,7 +93,7 @@ class RequestStream:
             if message.output.new_token_ids:
                 yield message.output.new_token_ids
 
-    def _items(self) -> Iterator[StepMessage]:
+    def _items(self) -> Iterator[StreamedStep]:
         import ray
 
         try:
@@ -102,7 +102,7 @@ class RequestStream:
         finally:
             self._end_span()
 
-    async def items_async(self) -> AsyncIterator[StepMessage]:
+    async def items_async(self) -> AsyncIterator[StreamedStep]:
         """The verifier's messages, for asyncio callers (the router)."""
         try:
             async for ref in self.generator:
@@ -110,7 +110,7 @@ class RequestStream:
         finally:
             self._end_span()
 
-    def _record(self, message: StepMessage) -> StepMessage:
+    def _record(self, message: StreamedStep) -> StreamedStep:
         out = message.output
         self.text.append(out.text)
         self.output_tokens = out.num_output_tokens

@@ -61,7 +61,7 @@ class ServedBy:
 
 
 @dataclass(frozen=True, slots=True)
-class StepMessage:
+class StreamedStep:
     """Verifier -> client: what one engine step produced for one request."""
 
     output: RequestOutput
@@ -331,7 +331,7 @@ class VerifierActor:
         params: SamplingParams,
         spec: RequestSpec,
         trace_carrier: dict[str, str] | None = None,
-    ) -> AsyncIterator[StepMessage]:
+    ) -> AsyncIterator[StreamedStep]:
         """Streams one message per engine step that produced something for the request."""
         logs.REQUEST_ID.set(request_id)  # this call's task: its log lines name the request
         self.rounds.start(request_id, trace_carrier)
@@ -342,7 +342,7 @@ class VerifierActor:
         try:
             async for out in outputs:
                 served_by = self._served_by(request_id) if out.finished else None
-                yield StepMessage(out, served_by)
+                yield StreamedStep(out, served_by)
         finally:
             # Cancelled (the client is gone) or failed: closing the stream aborts the request
             # in the engine and frees its blocks.

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from router import cli
 from cluster.k8s import K8sError, RayClusterClient, run
+from router import cli
 
 kubernetes = pytest.importorskip("kubernetes")
 helm_python = pytest.importorskip("helm_python")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from cluster.drafter_worker import DrafterRestarted, DrafterWorker, DraftReply, StepMessage
+from cluster.drafter_worker import DrafterRestarted, DrafterWorker, DraftReply, DraftStep
 from cluster.links import TensorLink
 from tests.factories import tiny_model
 from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_bar
@@ -366,7 +366,7 @@ def test_a_new_link_drops_what_the_drafter_held_for_the_verifier_before(
     )
     before = worker.incarnation
     adds = [("add", rid, [5, 17, 33, 8], greedy) for rid in ("a", "b")]
-    worker.step(StepMessage(before, adds, [DraftRequest("a", 4, 3), DraftRequest("b", 4, 3)]))
+    worker.step(DraftStep(before, adds, [DraftRequest("a", 4, 3), DraftRequest("b", 4, 3)]))
     allocator = worker.drafter.allocator
     assert allocator.num_free_blocks < allocator.num_blocks
     host = TensorLink.host("drafter-relink", timeout_s=5.0)
@@ -377,11 +377,11 @@ def test_a_new_link_drops_what_the_drafter_held_for_the_verifier_before(
     try:
         assert worker.incarnation > before
         with pytest.raises(DrafterRestarted):
-            worker.step(StepMessage(before, [], [DraftRequest("a", 4, 3)]))
-        reply = worker.step(StepMessage(worker.incarnation, adds[:1], [DraftRequest("a", 4, 3)]))
+            worker.step(DraftStep(before, [], [DraftRequest("a", 4, 3)]))
+        reply = worker.step(DraftStep(worker.incarnation, adds[:1], [DraftRequest("a", 4, 3)]))
         assert len(reply.drafts["a"][0]) == 3
         assert set(worker.drafter._seqs) == {"a"}  # "b" went with the old incarnation
-        worker.step(StepMessage(worker.incarnation, [("remove", "a")], []))
+        worker.step(DraftStep(worker.incarnation, [("remove", "a")], []))
         assert allocator.num_free_blocks == allocator.num_blocks
     finally:
         assert worker.channel is not None
@@ -442,7 +442,7 @@ def test_drafting_ahead_that_goes_on_serves_right_guesses_without_stopping(
     seq = lambda: worker.drafter._seqs["a"]  # noqa: E731
 
     def step(events: list, n: int) -> DraftReply:  # type: ignore[type-arg]
-        return worker.step(StepMessage(worker.incarnation, events, [DraftRequest("a", n, 3)]))
+        return worker.step(DraftStep(worker.incarnation, events, [DraftRequest("a", n, 3)]))
 
     first = step([("add", "a", prompt, greedy)], 7)
     assert first.drafts["a"][0] == whole[:3] and not first.kept_going
@@ -467,7 +467,7 @@ def test_drafting_ahead_that_goes_on_serves_right_guesses_without_stopping(
     fresh.add("b", prompt + whole[:8] + wrong, greedy)
     assert fourth.drafts["a"][0] == fresh.propose([DraftRequest("b", n, 3)])["b"].token_ids
     # A step that also removes a sequence takes the usual path; everything is freed.
-    worker.step(StepMessage(worker.incarnation, [("remove", "a")], []))
+    worker.step(DraftStep(worker.incarnation, [("remove", "a")], []))
     worker._finish_ahead(abandon=True)
     assert worker.drafter.allocator.num_free_blocks == worker.drafter.allocator.num_blocks
 
@@ -486,17 +486,17 @@ def test_drafting_ahead_that_stops_at_every_step_when_told_to(draft_net: Transfo
     assert worker.draft_ahead and not worker.keep_going
     assert worker.info()["keep_drafting_ahead"] is False
     first = worker.step(
-        StepMessage(worker.incarnation, [("add", "a", prompt, greedy)], [DraftRequest("a", 7, 3)])
+        DraftStep(worker.incarnation, [("add", "a", prompt, greedy)], [DraftRequest("a", 7, 3)])
     )
     assert first.drafts["a"][0] == whole[:3]
     assert worker._ahead is not None
     worker._ahead.join(timeout=30)  # without keep_going the thread ends at its prepared draft
     second = worker.step(
-        StepMessage(worker.incarnation, [("commit", "a", whole[:4])], [DraftRequest("a", 11, 3)])
+        DraftStep(worker.incarnation, [("commit", "a", whole[:4])], [DraftRequest("a", 11, 3)])
     )
     assert not second.kept_going and second.ahead_served == 1
     assert second.drafts["a"][0] == whole[4:7]
-    worker.step(StepMessage(worker.incarnation, [("remove", "a")], []))
+    worker.step(DraftStep(worker.incarnation, [("remove", "a")], []))
     worker._finish_ahead(abandon=True)
     assert worker.drafter.allocator.num_free_blocks == worker.drafter.allocator.num_blocks
 
