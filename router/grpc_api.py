@@ -17,7 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from router.errors import RouterError
 from router.proto import codegen
-from router.protocol import ChatCompletionRequest, CompletionRequest, validate
+from router.schemas import ChatCompletionRequest, CompletionRequest, validate
 from router.service import REQUEST_API, RouterService
 from workers.engine.logprobs import TokenLogprob
 from workers.engine.sequence import SpecStats

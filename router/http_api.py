@@ -30,21 +30,21 @@ from router import errors
 from router.backends import Step
 from router.errors import RouterError
 from router.logprobs import LogprobFormatter
-from router.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    GenerateRequest,
-    TokenizeRequest,
-    parse_json,
-    validate,
-)
+from router.protocol import GenerateRequest
 from router.responses import (
     ResponseBuilder,
     ResponsesRequest,
     chat_request,
     in_our_terms,
     stored_items,
+)
+from router.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_json,
+    validate,
 )
 from router.service import REQUEST_API, Choice, RouterService, usage
 from router.tools import ToolCallParser, finish_reason, read_answer

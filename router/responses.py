@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from router import errors
-from router.protocol import ChatCompletionRequest, SpeculativeOptions, Strict, validate
+from router.schemas import ChatCompletionRequest, SpeculativeOptions, Strict, validate
 from router.tools import Piece, ToolCalling, ToolCallParser, finish_reason
 
 # Content part types whose text a message may carry (an assistant's earlier output included).

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from router.protocol import ChatCompletionRequest, RequestBuilder, validate
+from router.protocol import RequestBuilder
+from router.schemas import ChatCompletionRequest, validate
 from router.tools import read_answer, render_prompt
 from tests.model.helpers import WEATHER, all_logits
 from workers.engine.sequential import SequentialEngine

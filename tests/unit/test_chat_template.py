@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from router.errors import RouterError
-from router.protocol import ChatCompletionRequest, RequestBuilder, TokenizeRequest, validate
+from router.protocol import RequestBuilder
+from router.schemas import ChatCompletionRequest, TokenizeRequest, validate
 from workers.model.loader import load_tokenizer
 from workers.model.tokenizer import Tokenizer
 

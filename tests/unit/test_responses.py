@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from router import errors
-from router.protocol import validate
 from router.responses import (
     ResponseBuilder,
     ResponsesRequest,
@@ -17,6 +16,7 @@ from router.responses import (
     in_our_terms,
     stored_items,
 )
+from router.schemas import validate
 from router.tools import ToolCalling
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'

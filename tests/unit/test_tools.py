@@ -11,7 +11,8 @@ import pytest
 from tokenizers import AddedToken
 
 from router.errors import RouterError
-from router.protocol import ChatCompletionRequest, CompletionRequest, RequestBuilder, validate
+from router.protocol import RequestBuilder
+from router.schemas import ChatCompletionRequest, CompletionRequest, validate
 from router.tools import (
     CLOSE,
     ToolCalling,
