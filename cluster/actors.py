@@ -28,7 +28,6 @@ from cluster.step_channel import (
     StepClient,
     StepServer,
 )
-from workers.engine.config import EngineConfig, SpecConfig
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.kv_cache import PagedKVCache
 from workers.model.tensor_parallel import build_sharded_model
@@ -39,36 +38,6 @@ DRAFT_DEADLINE_S = 1.0
 
 def _itemsize(dtype: str) -> int:
     return int(getattr(torch, dtype).itemsize)
-
-
-def engine_config(config: DeploymentConfig) -> EngineConfig:
-    spec = SpecConfig(
-        method=config.speculative.method,
-        num_speculative_tokens=config.speculative.num_speculative_tokens,
-        adaptive=config.speculative.adaptive,
-        eagle_prompt_lookup=config.speculative.eagle_prompt_lookup,
-        ngram_min=config.speculative.ngram_min,
-        ngram_max=config.speculative.ngram_max,
-        ngram_fallback_tokens=config.speculative.ngram_fallback_tokens,
-        min_draft_confidence=config.speculative.min_draft_confidence,
-    )
-    return EngineConfig(
-        max_model_len=config.engine.max_model_len,
-        max_num_seqs=config.engine.max_num_seqs,
-        block_size=config.engine.block_size,
-        max_num_batched_tokens=config.engine.max_num_batched_tokens,
-        enforce_eager=config.engine.enforce_eager,
-        spec=spec,
-    )
-
-
-def model_spec(config: DeploymentConfig, device: str = "cpu") -> Any:
-    from workers.engine.factory import ModelSpec
-
-    drafter = config.pools.drafter
-    return ModelSpec(
-        config.model, config.dtype, drafter.draft_model, drafter.draft_layers, device=device
-    )
 
 
 def assigned_device() -> str:
@@ -135,7 +104,7 @@ class DrafterActor:
         logs.configure(deployment.router.log_format)
         method = deployment.pools.drafter.method
         self.device = assigned_device()
-        spec = model_spec(deployment, self.device)
+        spec = deployment.model_spec(self.device)
 
         def make() -> Any:
             # A draft model from its own file needs only the target's config: a drafter beside
@@ -146,7 +115,7 @@ class DrafterActor:
                 checkpoint = load_checkpoint(deployment.model, dtype=dtype)
                 target = build_model(checkpoint, dtype=dtype, device=self.device)
             target_config = checkpoint.config if checkpoint else load_config(deployment.model)
-            settings = engine_config(deployment)
+            settings = deployment.engine_config()
             drafters, seconds = build_drafters(
                 spec, settings, target_config, checkpoint, target, progress=False, only=method
             )
@@ -343,7 +312,7 @@ class VerifierRankActor:
         dtype = parse_dtype(deployment.dtype)
         checkpoint = load_checkpoint(deployment.model, dtype=dtype)
         model = build_sharded_model(checkpoint, rank, world, None, dtype, assigned_device())
-        blocks = engine_config(deployment).kv_blocks
+        blocks = deployment.engine_config().kv_blocks
         block_size = deployment.engine.block_size
         cache = PagedKVCache(model.config, blocks, block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, cache)

@@ -41,7 +41,12 @@ from typing import Any
 
 import yaml
 
-from workers.engine.config import DEFAULT_MIN_DRAFT_CONFIDENCE, SPEC_METHODS
+from workers.engine.config import (
+    DEFAULT_MIN_DRAFT_CONFIDENCE,
+    SPEC_METHODS,
+    EngineConfig,
+    SpecConfig,
+)
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -305,6 +310,39 @@ class DeploymentConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine settings of this deployment: the one place a config (file, flags, Helm
+        values) becomes what an engine is built with, in-process or in a pool's actor."""
+        s = self.speculative
+        spec = SpecConfig(
+            method=s.method,
+            num_speculative_tokens=s.num_speculative_tokens,
+            adaptive=s.adaptive,
+            eagle_prompt_lookup=s.eagle_prompt_lookup,
+            ngram_min=s.ngram_min,
+            ngram_max=s.ngram_max,
+            ngram_fallback_tokens=s.ngram_fallback_tokens,
+            min_draft_confidence=s.min_draft_confidence,
+        )
+        e = self.engine
+        return EngineConfig(
+            max_model_len=e.max_model_len,
+            max_num_seqs=e.max_num_seqs,
+            block_size=e.block_size,
+            max_num_batched_tokens=e.max_num_batched_tokens,
+            enforce_eager=e.enforce_eager,
+            spec=spec,
+        )
+
+    def model_spec(self, device: str = "cpu", eagle_head: str | None = None) -> Any:
+        """The models to load (a `ModelSpec`): the target, and the drafter pool's draft model."""
+        from workers.engine.factory import ModelSpec
+
+        drafter = self.pools.drafter
+        return ModelSpec(
+            self.model, self.dtype, drafter.draft_model, drafter.draft_layers, eagle_head, device
+        )
 
     def with_overrides(self, overrides: dict[str, Any]) -> DeploymentConfig:
         """A copy with dotted keys replaced (`{"pools.verifier.tensor_parallel_size": 2}`);

@@ -26,9 +26,7 @@ from cluster.actors import (
     RankFailed,
     TensorParallelRunner,
     assigned_device,
-    engine_config,
     info_when_up,
-    model_spec,
     start_tracing,
     use_assigned_cpus,
     where,
@@ -132,13 +130,13 @@ class VerifierActor:
             remote[infos[0]["method"]] = (self.drafters, max(i["token_seconds"] for i in infos))
         self.rank_names = list(rank_names or [])
         world = 1 + len(self.rank_names)
-        settings = engine_config(deployment)
+        settings = deployment.engine_config()
         if world > 1:
             # The group's all-reduces are joined after the engine is built (its graphs would
             # be captured without them), and a gloo all-reduce cannot be captured at all.
             settings = replace(settings, enforce_eager=True)
         loaded = build_engine(
-            model_spec(deployment, self.device),
+            deployment.model_spec(self.device),
             settings,
             False,
             remote,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 import time
@@ -21,14 +20,11 @@ import torch
 from cluster import k8s, logs
 from cluster.config import ConfigError, DeploymentConfig, load_config
 from cluster.runtime import Runtime
+from router.cli_args import build_parser
 from workers.engine.config import (
-    DEFAULT_MIN_DRAFT_CONFIDENCE,
-    SPEC_METHODS,
-    EngineConfig,
     RequestSpec,
-    SpecConfig,
 )
-from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
+from workers.engine.factory import LoadedEngine, build_engine
 from workers.engine.llm_engine import LLMEngine, RequestOutput
 from workers.engine.logprobs import TokenLogprob
 from workers.engine.sampling_params import SamplingParams
@@ -36,241 +32,39 @@ from workers.engine.structured import Kind, StructuredOutput, compile_grammar
 from workers.model.tokenizer import Tokenizer
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
-    # Engine flags default to None: over a --config file only the flags given apply; without
-    # one, ENGINE_DEFAULTS fill them in.
-    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    model.add_argument(
-        "--device",
-        default=None,
-        choices=["cpu", "cuda"],
-        help="where an in-process engine runs (default cpu); --cluster places by pool GPUs",
-    )
-    model.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="on a GPU, run every forward eagerly: no CUDA graphs captured at start-up",
-    )
-    model.add_argument("--max-model-len", type=int, default=None, help="context (default 4096)")
-    model.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default 32)")
-    model.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens a step may bring: prefill chunks, decode and draft tokens (default 512)",
-    )
-    model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument("--spec-method", default=None, choices=SPEC_METHODS)
-    spec.add_argument(
-        "--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default 4)"
-    )
-    spec.add_argument("--draft-model", default=None, help="draft model (GGUF or HF folder)")
-    spec.add_argument(
-        "--draft-layers", type=int, default=None, help="use the target's first N layers as draft"
-    )
-    spec.add_argument(
-        "--eagle-head",
-        default=None,
-        help="EAGLE head file for --spec-method eagle (the bundled model has one built in)",
-    )
-    spec.add_argument(
-        "--ngram-min", type=int, default=None, help="shortest n-gram to match (default 2)"
-    )
-    spec.add_argument(
-        "--ngram-max", type=int, default=None, help="longest n-gram to match (default 4)"
-    )
-    spec.add_argument(
-        "--ngram-fallback-tokens",
-        type=int,
-        default=None,
-        help="tokens ngram/suffix draft from a match of the last token alone (default 8; 0: off)",
-    )
-    spec.add_argument(
-        "--min-draft-confidence",
-        type=float,
-        default=None,
-        help="draft_model and eagle end a draft once their probability of it falls below "
-        f"this (default {DEFAULT_MIN_DRAFT_CONFIDENCE}; 0: always k)",
-    )
-    spec.add_argument("--no-adaptive", action="store_true", help="always draft the full k")
-    spec.add_argument(
-        "--no-eagle-lookup",
-        action="store_true",
-        help="EAGLE drafts with its head only (default: prompt lookup first where text repeats)",
-    )
-    ray_group = parser.add_argument_group("disaggregated runtime (Ray)")
-    ray_group.add_argument(
-        "--cluster", action="store_true", help="run on the Ray runtime: verifier and drafter pools"
-    )
-    ray_group.add_argument(
-        "--config", default=None, help="deployment config YAML (implies --cluster)"
-    )
-    ray_group.add_argument(
-        "--address",
-        default=None,
-        help="join this Ray cluster instead of starting one (implies --cluster)",
-    )
-    ray_group.add_argument(
-        "--drafters", type=int, default=None, help="drafter actors (default: the config's, 1)"
-    )
-    ray_group.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        help="tensor-parallel ranks per verifier group (default: the config's, 1; implies "
-        "--cluster)",
-    )
-    ray_group.add_argument(
-        "--prefill",
-        default=None,
-        choices=["remote", "local"],
-        help="remote: every prompt prefills on a prefill worker (at least one is started); "
-        "local: the verifier prefills (no prefill pool); default: the config's (workers take "
-        "prompts of pools.prefill.min_remote_prompt_tokens and more). Implies --cluster",
-    )
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="outrider", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate from one prompt in-process")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off")
-    gen.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
-    structured = gen.add_mutually_exclusive_group()
-    structured.add_argument(
-        "--json-schema", default=None, metavar="SCHEMA", help="the answer follows this JSON schema"
-    )
-    structured.add_argument("--regex", default=None, help="the whole answer matches this regex")
-    structured.add_argument(
-        "--choice", action="append", default=None, help="the answer is one of these (repeatable)"
-    )
-    structured.add_argument(
-        "--grammar", default=None, help="the answer follows this Lark grammar (llguidance's)"
-    )
-    gen.add_argument(
-        "--logprobs",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with --json: each token's log-probability and the N likeliest at its position",
-    )
-    _add_engine_args(gen)
-
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and gRPC")
-    api = serve.add_argument_group("router")
-    api.add_argument("--host", default=None, help="default 127.0.0.1 (the config's with --config)")
-    api.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
-    api.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 50051)")
-    api.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
-    api.add_argument(
-        "--redis-url",
-        default=os.environ.get("REDIS_URL"),
-        help="shared Redis (default $REDIS_URL, else the config's, else an embedded redis-server)",
-    )
-    api.add_argument(
-        "--api-keys-file",
-        default=os.environ.get("OUTRIDER_API_KEYS_FILE"),
-        help="API keys, one per line: <key> [name] [requests/s] [burst] "
-        "(default $OUTRIDER_API_KEYS_FILE; none: the API is open)",
-    )
-    api.add_argument("--max-queue", type=int, default=None, help="requests in flight before 503")
-    api.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=None,
-        help="on SIGTERM or Ctrl-C, how long requests in flight may finish (default 30)",
-    )
-    api.add_argument(
-        "--log-format",
-        choices=("text", "json"),
-        default=None,
-        help="log lines (a line per finished request among them) as text or JSON "
-        "(default: the config's router.log_format, text)",
-    )
-    _add_engine_args(serve)
-
-    k8s.add_parser(sub)
-    return parser
-
-
-ENGINE_DEFAULTS = {
-    "dtype": "float32",
-    "max_model_len": 4096,
-    "max_num_seqs": 32,
-    "max_num_batched_tokens": 512,
-    "spec_method": "none",
-    "num_spec_tokens": 4,
-    "ngram_min": 2,
-    "ngram_max": 4,
-    "ngram_fallback_tokens": 8,
-    "min_draft_confidence": DEFAULT_MIN_DRAFT_CONFIDENCE,
-}
-
-
-def _with_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    filled = argparse.Namespace(**vars(args))
-    for name, value in ENGINE_DEFAULTS.items():
-        if getattr(filled, name, None) is None:
-            setattr(filled, name, value)
-    return filled
-
-
-def load(args: argparse.Namespace, progress: bool = True) -> LoadedEngine:
-    args = _with_defaults(args)
-    spec = SpecConfig(
-        method=args.spec_method,
-        num_speculative_tokens=args.num_spec_tokens,
-        ngram_min=args.ngram_min,
-        ngram_max=args.ngram_max,
-        ngram_fallback_tokens=args.ngram_fallback_tokens,
-        min_draft_confidence=args.min_draft_confidence,
-        adaptive=not args.no_adaptive,
-        eagle_prompt_lookup=not args.no_eagle_lookup,
-    )
-    config = EngineConfig(
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enforce_eager=args.enforce_eager,
-        spec=spec,
-    )
+def load(
+    args: argparse.Namespace, config: DeploymentConfig | None = None, progress: bool = True
+) -> LoadedEngine:
+    """The in-process engine the flags (over the config `deployment_of` makes) ask for."""
+    config = config or deployment_of(args)
     device = args.device or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this torch sees no CUDA device")
-    model = ModelSpec(
-        args.model, args.dtype, args.draft_model, args.draft_layers, args.eagle_head, device
-    )
-    return build_engine(model, config, progress=progress)
+    model = config.model_spec(device, args.eagle_head)
+    return build_engine(model, config.engine_config(), progress=progress)
 
 
 def _uses_cluster(args: argparse.Namespace) -> bool:
     return bool(args.cluster or args.config or args.address or args.prefill) or args.tp is not None
 
 
-def _deployment(args: argparse.Namespace) -> DeploymentConfig:
-    """The config file (or defaults) with the flags given on the command line over it."""
+# An engine in this process (no --cluster, hence no config file) runs in float32 without
+# speculation unless the flags say otherwise; all else defaults as a deployment does.
+IN_PROCESS_DEFAULTS = {"dtype": "float32", "speculative.method": "none"}
+
+
+def deployment_of(args: argparse.Namespace) -> DeploymentConfig:
+    """The config file (or the defaults) with the flags given on the command line over it: the
+    one place flags become settings, for an engine in this process and for the pools' actors
+    alike (`DeploymentConfig.engine_config`)."""
     if args.device is not None and _uses_cluster(args):
         raise ValueError(
             "--device is for an in-process engine; a cluster's actors run on the GPUs their "
             "pools ask for (pools.<pool>.resources.gpus)"
         )
     config = load_config(args.config)
+    if not _uses_cluster(args):
+        config = config.with_overrides(IN_PROCESS_DEFAULTS)
     method = args.spec_method
     overrides: dict[str, object] = {
         "model": args.model,
@@ -308,7 +102,7 @@ def _start_runtime(
 ) -> tuple[Runtime, Tokenizer, str]:
     from workers.model.loader import BUNDLED_MODEL_NAME, load_tokenizer
 
-    config = config or _deployment(args)
+    config = config or deployment_of(args)
     runtime = Runtime.start(config)
     tokenizer = load_tokenizer(config.model)
     return runtime, tokenizer, config.model or BUNDLED_MODEL_NAME
@@ -428,7 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
     from router.server import Router, RouterOptions, read_keys_file
     from workers.engine.engine_loop import EngineLoop
 
-    config = _deployment(args)
+    config = deployment_of(args)
     # The actors log as the router does: they read the same setting.
     config = config.with_overrides({"router.log_format": args.log_format})
     logs.configure(config.router.log_format)
@@ -462,7 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"Engine metrics (Prometheus): {runtime.metrics_url()}", flush=True)
         block_size, max_model_len = config.engine.block_size, config.engine.max_model_len
     else:
-        loaded = load(args)
+        loaded = load(args, config)
         backend = LocalBackend(EngineLoop(loaded.engine))
         follower = follow(loaded.engine.speculator.drafters, redis_url, config.redis.password())
         tokenizer, name = loaded.tokenizer, loaded.model_name
@@ -517,7 +311,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:

@@ -37,12 +37,13 @@ def test_generate_on_the_cluster_matches_in_process() -> None:
 
 
 def test_tp_and_prefill_flags_set_the_pools() -> None:
-    from router.cli import _build_parser, _deployment, _uses_cluster
+    from router.cli import _uses_cluster, deployment_of
+    from router.cli_args import build_parser
 
     def config(*flags: str):  # type: ignore[no-untyped-def]
-        args = _build_parser().parse_args(["generate", "hi", *flags])
+        args = build_parser().parse_args(["generate", "hi", *flags])
         assert _uses_cluster(args)  # either flag implies --cluster
-        return _deployment(args)
+        return deployment_of(args)
 
     remote = config("--tp", "2", "--prefill", "remote").pools
     assert remote.verifier.tensor_parallel_size == 2

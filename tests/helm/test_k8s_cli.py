@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from cluster.k8s import K8sError, RayClusterClient, run
-from router import cli
+from router import cli, cli_args
 
 kubernetes = pytest.importorskip("kubernetes")
 helm_python = pytest.importorskip("helm_python")
@@ -161,7 +161,7 @@ def test_clear_errors(kube: FakeKube) -> None:
 
 
 def test_cli_runs_status_and_scale(kube: FakeKube, capsys: pytest.CaptureFixture[str]) -> None:
-    parser = cli._build_parser()
+    parser = cli_args.build_parser()
     args = parser.parse_args(["k8s", "-n", "serving", "status", "--json"])
     assert run(args, client_for(kube)) == 0
     out = json.loads(capsys.readouterr().out)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from cluster.actors import engine_config
 from cluster.config import (
     ConfigError,
     DeploymentConfig,
@@ -149,16 +149,16 @@ def test_overrides_apply_dotted_keys_and_skip_unset_flags() -> None:
     assert changed.pools.drafter.replicas == 2
     off = config.with_overrides({"speculative.eagle_prompt_lookup": False})
     assert config.speculative.eagle_prompt_lookup and not off.speculative.eagle_prompt_lookup
-    assert not engine_config(off).spec.eagle_prompt_lookup  # what verifiers and drafters build
+    assert not off.engine_config().spec.eagle_prompt_lookup  # what verifiers and drafters build
     sure = config.with_overrides({"speculative.min_draft_confidence": 0.4})
-    assert engine_config(sure).spec.min_draft_confidence == 0.4
+    assert sure.engine_config().spec.min_draft_confidence == 0.4
     gpu = config.with_overrides(
         {"engine.max_num_batched_tokens": 2048, "engine.enforce_eager": True}
     )
-    assert engine_config(gpu).max_num_batched_tokens == 2048
-    assert engine_config(gpu).enforce_eager and not engine_config(config).enforce_eager
+    assert gpu.engine_config().max_num_batched_tokens == 2048
+    assert gpu.engine_config().enforce_eager and not config.engine_config().enforce_eager
     sizes = config.with_overrides({"speculative.ngram_min": 3, "speculative.ngram_max": 6})
-    assert (engine_config(sizes).spec.ngram_min, engine_config(sizes).spec.ngram_max) == (3, 6)
+    assert (sizes.engine_config().spec.ngram_min, sizes.engine_config().spec.ngram_max) == (3, 6)
     with pytest.raises(ConfigError, match=r"pools\.verifier\.gpus: no such setting"):
         config.with_overrides({"pools.verifier.gpus": 1})
     with pytest.raises(ConfigError, match=r"pools\.verifier\.groups"):
@@ -176,3 +176,24 @@ def test_pool_settings_differences_name_their_keys() -> None:
     assert settings_differ(changed.pool_settings(), running) == ["dtype", "pools.drafter.replicas"]
     pinned = wanted.with_overrides({"pools.verifier.resources.gpus": 0})
     assert settings_differ(pinned.pool_settings(), running) == ["pools.verifier.resources.gpus"]
+
+
+def test_flags_become_engine_settings_in_one_place() -> None:
+    """`outrider` flags go through `deployment_of` for an engine in this process as for a
+    cluster's actors; both build the engine from `DeploymentConfig.engine_config`."""
+    from router.cli import deployment_of
+    from router.cli_args import build_parser
+
+    def config(*flags: str) -> Any:
+        return deployment_of(build_parser().parse_args(["generate", "hi", *flags]))
+
+    in_process = config()
+    assert (in_process.dtype, in_process.speculative.method) == ("float32", "none")
+    flags = ["--dtype", "bfloat16", "--spec-method", "ngram", "--num-spec-tokens", "6"]
+    engine = config(*flags, "--max-num-seqs", "8", "--no-adaptive").engine_config()
+    assert (engine.spec.method, engine.spec.num_speculative_tokens) == ("ngram", 6)
+    assert engine.max_num_seqs == 8 and not engine.spec.adaptive
+    assert config(*flags).dtype == "bfloat16"
+    deployed = config("--cluster")  # a deployment's own defaults
+    assert (deployed.dtype, deployed.speculative.method) == ("bfloat16", "eagle")
+    assert deployed.engine_config() == from_dict({}).engine_config()
