@@ -12,13 +12,8 @@ from cluster.drafter_worker import DrafterRestarted, DrafterWorker, DraftReply, 
 from cluster.links import TensorLink
 from tests.factories import tiny_model
 from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_bar
-from workers.drafting.base import (
-    WHOLE_RATE_DECAY,
-    AheadState,
-    Draft,
-    DraftRequest,
-    DraftStateError,
-)
+from workers.drafting.ahead import WHOLE_RATE_DECAY, AheadState
+from workers.drafting.base import Draft, DraftRequest, DraftStateError
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter, prompt_lookup
 from workers.engine.config import SpecConfig

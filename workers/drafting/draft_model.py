@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.sampling import sample_from_probs
+from workers.drafting.ahead import AheadState, DraftsAhead
 from workers.drafting.base import (
-    AheadState,
     ConfidenceStop,
     Draft,
     DraftRequest,
-    DraftsAhead,
     draft_generator,
     greedy_probability,
 )

@@ -37,12 +37,11 @@ import torch
 
 from kernels.attention import AttentionBackend, NativeCpuAttention
 from kernels.sampling import sample_from_probs
+from workers.drafting.ahead import AheadState, DraftsAhead
 from workers.drafting.base import (
-    AheadState,
     ConfidenceStop,
     Draft,
     DraftRequest,
-    DraftsAhead,
     draft_generator,
     greedy_probability,
 )
