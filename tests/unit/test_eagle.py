@@ -14,7 +14,7 @@ from workers.drafting.ngram import NgramConfig
 from workers.eagle.data import EagleData, draft_vocabulary, teacher_force
 from workers.eagle.head import EagleHead, head_metadata
 from workers.eagle.self_instruct import keep_turn
-from workers.eagle.train import acceptance, batch_loss, make_batch, unrolled_outputs
+from workers.eagle.train import acceptance, batch_loss
 from workers.eagle.trees import (
     acceptance_length,
     acceptance_ranks,
@@ -23,6 +23,7 @@ from workers.eagle.trees import (
     level_widths,
     walk,
 )
+from workers.eagle.unroll import make_batch, unrolled_outputs
 from workers.engine.sampling_params import SamplingParams
 from workers.model.transformer import TransformerLM
 

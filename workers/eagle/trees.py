@@ -26,7 +26,7 @@ import torch
 
 from workers.eagle.data import EagleData
 from workers.eagle.head import EagleHead
-from workers.eagle.train import make_batch, unrolled_outputs
+from workers.eagle.unroll import make_batch, unrolled_outputs
 
 RankPath = tuple[int, ...]
 OUTSIDE = 1 << 30  # rank of a token outside the draft vocabulary: no tree holds it
