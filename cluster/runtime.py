@@ -43,7 +43,7 @@ from cluster.config import DeploymentConfig, Resources, resolve_gpus, settings_d
 from cluster.verifier import ServedBy, StreamedStep, VerifierActor
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
-from workers.engine.llm_engine import RequestOutput
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
 

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from workers.engine.llm_engine import StepReport
+from workers.engine.outputs import StepReport
 
 TRACER_NAME = "outrider"
 

@@ -39,7 +39,7 @@ from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
 from cluster.step_channel import ChannelAddress, StepClient
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
-from workers.engine.llm_engine import Prefilled, RequestOutput, StepReport
+from workers.engine.outputs import Prefilled, RequestOutput, StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.model.tensor_parallel import build_sharded_model, split_evenly
 

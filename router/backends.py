@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from router import errors
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import EngineLoop, LoopLoad
-from workers.engine.llm_engine import RequestOutput
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
 # What one engine step produced for one request: the engine's own output, whichever backend.

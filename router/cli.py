@@ -25,8 +25,9 @@ from workers.engine.config import (
     RequestSpec,
 )
 from workers.engine.factory import LoadedEngine, build_engine
-from workers.engine.llm_engine import LLMEngine, RequestOutput
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.logprobs import TokenLogprob
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import Kind, StructuredOutput, compile_grammar
 from workers.model.tokenizer import Tokenizer

@@ -43,8 +43,9 @@ from workers.eagle.prompts import held_out_prompts
 from workers.engine.calibration import runner_samples
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.graph_runner import GraphRunner
-from workers.engine.llm_engine import LLMEngine, StepReport
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner
+from workers.engine.outputs import StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import PagedKVCache
 from workers.model.config import ModelConfig

@@ -24,7 +24,8 @@ from tests.benchmarks.report import bench_args, bench_parser, machine_line, tabl
 from workers.eagle.prompts import HELD_OUT
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import ModelSpec, build_engine
-from workers.engine.llm_engine import Completion, LLMEngine
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import Completion
 from workers.engine.sampling_params import SamplingParams
 
 K = 4  # as served; the `up to 16` rows let adaptive k go further

@@ -40,7 +40,8 @@ from workers.engine.config import (
     SpecConfig,
 )
 from workers.engine.factory import ModelSpec, build_engine
-from workers.engine.llm_engine import LLMEngine, StepReport
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import load_tokenizer
 

@@ -44,7 +44,8 @@ from workers.engine.config import (
     RequestSpec,
     SpecConfig,
 )
-from workers.engine.llm_engine import Completion, LLMEngine
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import Completion
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import Checkpoint, build_model, load_checkpoint, truncate_layers
 from workers.model.tokenizer import Tokenizer

@@ -29,7 +29,8 @@ from router.tools import ToolCalling, call_grammar, read_answer, render_prompt
 from tests.benchmarks.report import bench_args, bench_parser, machine_line, table, write_section
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import ModelSpec, build_engine
-from workers.engine.llm_engine import Completion, LLMEngine
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import Completion
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import GrammarState, StructuredOutput, compile_grammar
 from workers.model.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ import pytest
 
 from tests.benchmarks.bench_spec import Run, paired_ratio
 from tests.benchmarks.report import write_section
-from workers.engine.llm_engine import Completion
+from workers.engine.outputs import Completion
 
 pytestmark = pytest.mark.slow
 

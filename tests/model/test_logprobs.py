@@ -9,8 +9,9 @@ import torch
 
 from tests.model.helpers import speculative_engine
 from workers.engine.config import EngineConfig, RequestSpec
-from workers.engine.llm_engine import Completion, LLMEngine
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.logprobs import TokenLogprob, token_logprobs
+from workers.engine.outputs import Completion
 from workers.engine.sampling_params import SamplingParams
 
 PROMPTS = [

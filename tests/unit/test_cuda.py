@@ -151,7 +151,7 @@ def test_a_remote_prefill_from_host_memory_lands_on_the_device(model: Transforme
     on a CPU, or on a GPU of another node): the engine and its EAGLE drafter take them onto
     their device, and the output is plain decoding's."""
     from cluster.prefill import PrefillWorker
-    from workers.engine.llm_engine import Prefilled
+    from workers.engine.outputs import Prefilled
 
     prompt_ids = prompts(3, seed=31)
     plain = SequentialEngine(model, max_model_len=512)

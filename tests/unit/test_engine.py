@@ -12,7 +12,8 @@ from tests.factories import tiny_model
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
-from workers.engine.llm_engine import LLMEngine, RequestOutput
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
 from workers.model.transformer import TransformerLM
@@ -481,7 +482,7 @@ def test_a_remote_prefill_lands_in_the_cache_and_changes_nothing(model: Transfor
     """A prefill worker's K/V (and hidden states) for all but the last prompt token, written
     into the engine's blocks, give the same tokens as prefilling here."""
     from cluster.prefill import PrefillWorker
-    from workers.engine.llm_engine import Prefilled
+    from workers.engine.outputs import Prefilled
 
     ps = prompts(3, seed=11)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -508,7 +509,7 @@ def test_a_whole_remote_prefill_samples_the_first_token_without_a_forward(
     """With the whole prompt's K/V and its last logits, the engine samples the first token at
     once (the same draw, seeded, as a local prefill) and runs no prompt token itself."""
     from cluster.prefill import PrefillWorker
-    from workers.engine.llm_engine import Prefilled
+    from workers.engine.outputs import Prefilled
 
     ps = prompts(3, seed=12)
     params = [
@@ -597,7 +598,7 @@ def test_an_answer_with_no_first_token_is_empty(model: TransformerLM) -> None:
     """Settings that leave no first token (the only allowed token is a bad word): the answer
     is empty and stops, from a local prefill and from a whole remote one alike."""
     from cluster.prefill import PrefillWorker
-    from workers.engine.llm_engine import Prefilled
+    from workers.engine.outputs import Prefilled
 
     (prompt,) = prompts(1, seed=19)
     none_left = dataclasses.replace(GREEDY, allowed_token_ids=(7,), bad_words=((7,),))

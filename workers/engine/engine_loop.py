@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from workers.engine.config import RequestSpec
-from workers.engine.llm_engine import LLMEngine, Prefilled, RequestOutput
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import Prefilled, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,92 @@
+"""What the engine hands out and takes in, as plain data: a request's output after each step
+(`RequestOutput`), a whole finished request (`Completion`), each step's report for its listeners
+(`StepReport`, `RoundReport`: traces and metrics read them), and a prompt computed elsewhere
+(`Prefilled`, from a prefill worker)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.engine.logprobs import TokenLogprob
+from workers.engine.sequence import SpecStats
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new final text ("" without a tokenizer)
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+    spec: SpecStats
+    # One per new token when the request asked for log-probabilities (`params.logprobs`)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With the first token, when the request asked (`params.prompt_logprobs`): one per prompt
+    # token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
+    # With finish reason "error": what failed in this request's own work (its grammar, say),
+    # which ended it alone while the batch went on
+    error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
+    # Once finished, with a predicted output (`params.prediction`): how many of its tokens the
+    # output holds, in order (OpenAI's accepted_prediction_tokens)
+    accepted_prediction_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prompt computed elsewhere (a prefill worker): the K/V of its first n tokens,
+    `[num_layers, 2, n, num_kv_heads, head_dim]` (every KV head of the model: a tensor-parallel
+    runner keeps its own and passes the rest to its ranks), optionally those positions' hidden
+    states of some layers (for a feature-reading drafter), and, when n is the whole prompt, the
+    logits of its last position (`[vocab]`, fp32), from which the engine samples the first
+    token without a forward of its own."""
+
+    kv: torch.Tensor
+    hidden: dict[int, torch.Tensor] | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class RoundReport:
+    """One sequence's share of an engine step, for tracing."""
+
+    request_id: str
+    method: str  # the sequence's drafting method ("none" without speculation)
+    prefill_tokens: int  # prompt tokens computed this step (0 for a decode/verify round)
+    drafted: int
+    accepted: int
+    feature_bytes: int  # hidden states handed to its drafter this step
+
+
+@dataclass(slots=True)
+class StepReport:
+    start_ns: int  # time.time_ns() at the start of the step
+    draft_s: float  # drafting (the drafters' proposals)
+    forward_s: float  # the target's forward and verification
+    rounds: list[RoundReport]
+
+    @property
+    def verified(self) -> bool:
+        """Whether the step verified: a sequence in it was decoding, not only prefilling."""
+        return any(r.prefill_tokens == 0 for r in self.rounds)
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole finished request, for `generate`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
