@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import linear as linear_module
-from kernels import native
+from kernels import native, native_build
 from kernels.linear import AMX_MAX_ROWS, NATIVE_MAX_ROWS, WeightPacks, linear, pack
 
 needs_native = pytest.mark.skipif(
@@ -281,11 +281,11 @@ def test_without_the_native_kernels_torch_computes_the_same(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """OUTRIDER_NATIVE_KERNELS=0 (or a CPU or machine without them): torch's kernels run."""
-    monkeypatch.setenv(native.ENABLE_ENV, "0")
-    native._load.cache_clear()
+    monkeypatch.setenv(native_build.ENABLE_ENV, "0")
+    native_build.load_library.cache_clear()
     try:
         assert not native.available()
-        assert native.unavailable_reason() == f"{native.ENABLE_ENV}=0"
+        assert native.unavailable_reason() == f"{native_build.ENABLE_ENV}=0"
         with pytest.raises(RuntimeError, match="unavailable"):
             native.linear_bf16(torch.zeros(1, 32).bfloat16(), torch.zeros(4, 32).bfloat16())
         gen = torch.Generator().manual_seed(2)
@@ -293,8 +293,8 @@ def test_without_the_native_kernels_torch_computes_the_same(
         expected = x.double() @ w.double().T
         torch.testing.assert_close(linear(x, w).double(), expected, rtol=2e-2, atol=2e-2)
     finally:
-        monkeypatch.delenv(native.ENABLE_ENV)
-        native._load.cache_clear()
+        monkeypatch.delenv(native_build.ENABLE_ENV)
+        native_build.load_library.cache_clear()
     assert linear_module.native is native
 
 

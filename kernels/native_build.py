@@ -1,0 +1,170 @@
+"""Building and loading our C kernels for the CPU (kernels/csrc), for kernels/native.py.
+
+The library is built with the machine's C compiler (`$CC`, else `cc`) into Outrider's cache
+folder (`$OUTRIDER_CACHE_DIR/kernels`, else `~/.cache/outrider/kernels`), named by a hash of the
+sources and flags, so each machine builds it once (in about a second) and processes share it.
+It comes in two builds (`build_variant()`, native.py's `variant()`): "avx512_bf16", with the
+bf16 dot-product instructions and AMX, for CPUs that have them (Sapphire Rapids on; AMD Zen 4
+lacks only AMX), and "avx512f", where each bf16 dot product is two fp32 FMAs, for AVX512 CPUs
+without them (Skylake to Ice Lake servers); kernels/csrc/simd.h is where they differ.
+`OUTRIDER_NATIVE_KERNELS=avx512f` takes the second on any AVX512 CPU (to test it), `=0`
+neither. `python -m kernels.native` builds the library ahead and says which runs. Where none can
+be had (another CPU, no compiler, a failed build), native.py's `available()` is False and
+callers keep torch's kernels; its `unavailable_reason()` says why.
+
+It is compiled with OpenMP and loaded after torch, so its parallel regions run on the OpenMP
+runtime torch already loaded (one thread pool, sized by `torch.get_num_threads()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.c")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC")
+BF16_FLAGS = ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")  # the "avx512_bf16" build adds these
+ENABLE_ENV = "OUTRIDER_NATIVE_KERNELS"
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+BF16_CPU_FLAGS = ("avx512_bf16",)
+AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
+
+
+class Unavailable(Exception):
+    pass
+
+
+@functools.cache
+def load_library() -> tuple[ctypes.CDLL | None, str | None]:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except Unavailable as e:
+        reason = str(e)
+    except OSError as e:
+        reason = f"building or loading the kernel library failed: {e}"
+    else:
+        linear = lib.outrider_linear_bf16
+        linear.restype = None
+        ptr, int_, float_ = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        linear.argtypes = [ptr, ptr, ptr, ptr, int_, int_, int_, int_]
+        for name in ("outrider_linear_amx", "outrider_linear_packed"):
+            fn = getattr(lib, name)
+            fn.restype = None
+            fn.argtypes = [ptr, ptr, ptr, ptr, int_, int_, int_, int_]
+        lib.outrider_pack_bf16.restype = None
+        lib.outrider_pack_bf16.argtypes = [ptr, ptr, int_, int_]
+        lib.outrider_amx_init.restype = int_
+        lib.outrider_amx_init.argtypes = []
+        norm = lib.outrider_rms_norm_bf16
+        norm.restype = None
+        norm.argtypes = [ptr, ptr, ptr, float_, ptr, ptr, int_, int_, int_]
+        attention = lib.outrider_paged_attention_bf16
+        attention.restype = None
+        attention.argtypes = [ptr, int_, ptr, ptr, ptr, int_, ptr, ptr, ptr, int_, int_, int_]
+        attention.argtypes += [int_, int_, float_, ptr, int_, int_]
+        rotary = lib.outrider_rotary_kv_bf16
+        rotary.restype = int_
+        long_ = ctypes.c_int64
+        rotary.argtypes = [ptr, int_, int_, int_, int_, int_, ptr, ptr, ptr, long_, ptr, long_]
+        rotary.argtypes += [ptr, ptr, int_]
+        silu = lib.outrider_silu_mul_bf16
+        silu.restype = None
+        silu.argtypes = [ptr, int_, int_, int_, ptr, int_]
+        return lib, None
+    log.warning("native CPU kernels unavailable (%s); using torch's kernels", reason)
+    return None, reason
+
+
+@functools.cache
+def amx_ready() -> bool:
+    lib = load_library()[0]
+    if lib is None or build_variant() != "avx512_bf16":
+        return False
+    if any(f not in cpu_flags() for f in AMX_CPU_FLAGS):
+        return False
+    if lib.outrider_amx_init() != 0:
+        log.warning("Linux refused AMX tiles to this process; using AVX512 kernels")
+        return False
+    return True
+
+
+def build() -> Path:
+    """The compiled library, built now if this machine has none yet."""
+    setting = os.environ.get(ENABLE_ENV, "1")
+    if setting == "0":
+        raise Unavailable(f"{ENABLE_ENV}=0")
+    if setting not in ("1", "avx512f"):
+        raise Unavailable(f"{ENABLE_ENV} takes 0, 1 or avx512f, not {setting!r}")
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        raise Unavailable(f"needs Linux on x86_64, not {platform.system()} {platform.machine()}")
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        raise Unavailable(f"this CPU lacks {', '.join(missing)}")
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise Unavailable("no C compiler (set CC)")
+    flags = FLAGS + (BF16_FLAGS if build_variant() == "avx512_bf16" else ())
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for source in SOURCES + HEADERS:
+        digest.update(source.read_bytes())
+    cache = _cache_root() / "kernels"
+    target = cache / f"outrider-cpu-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes starting together never load half a file.
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise Unavailable(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def build_variant() -> str:
+    """The build this CPU (and OUTRIDER_NATIVE_KERNELS) calls for."""
+    forced = os.environ.get(ENABLE_ENV) == "avx512f"
+    if not forced and all(f in cpu_flags() for f in BF16_CPU_FLAGS):
+        return "avx512_bf16"
+    return "avx512f"
+
+
+def _cache_root() -> Path:
+    """workers.model.gguf_loader.cache_root, which this lower layer may not import."""
+    if root := os.environ.get("OUTRIDER_CACHE_DIR"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "outrider"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
