@@ -82,7 +82,7 @@ class RuntimeBackend:
 
     def __init__(self, runtime: Any, shutdown_on_close: bool = True) -> None:
         self.runtime = runtime
-        self.groups = list(runtime.verifier_names)
+        self.groups = list(runtime.pools.verifier_names)
         self.shutdown_on_close = shutdown_on_close
 
     async def stream(
@@ -117,7 +117,7 @@ class RuntimeBackend:
     async def ready(self) -> bool:
         try:
             await asyncio.wait_for(
-                asyncio.gather(*(v.info.remote() for v in self.runtime.verifiers)), 2.0
+                asyncio.gather(*(v.info.remote() for v in self.runtime.pools.verifiers)), 2.0
             )
         except Exception:
             return False

@@ -120,7 +120,8 @@ def test_an_actor_given_a_gpu_runs_its_models_there(monkeypatch: pytest.MonkeyPa
 
 
 def test_unsatisfiable_placement_is_a_clear_error(multi_node) -> None:  # type: ignore[no-untyped-def]
-    from cluster.runtime import PlacementError, Runtime
+    from cluster.pools import PlacementError
+    from cluster.runtime import Runtime
 
     config = from_dict(
         {
@@ -154,15 +155,17 @@ def test_pools_started_for_a_joined_cluster_outlive_the_router_that_started_them
     address = ray.get_runtime_context().gcs_address
     first = Runtime.start(config, address=address)
     try:
-        assert first.detached and not first.attached
+        assert first.pools.detached and not first.pools.attached
         first.shutdown()  # the replica goes; its pools stay
         other = Runtime.attach(config)
-        assert other is not None and other.attached
-        assert other.verifier_names == first.verifier_names == ["verifier-g0-r0"]
+        assert other is not None and other.pools.attached
+        assert other.pools.verifier_names == first.pools.verifier_names == ["verifier-g0-r0"]
         params = SamplingParams(max_tokens=5, temperature=0)
         assert len([t for chunk in other.submit([1, 2, 3], params) for t in chunk]) == 5
         other.shutdown()
-        assert ray.get(first.verifiers[0].info.remote(), timeout=30)["name"] == "verifier-g0-r0"
+        assert (
+            ray.get(first.pools.verifiers[0].info.remote(), timeout=30)["name"] == "verifier-g0-r0"
+        )
         assert "other settings" not in caplog.text
         changed = config.with_overrides({"engine.max_num_seqs": 4, "router.max_queue": 9})
         with caplog.at_level(logging.WARNING, logger="cluster.runtime"):

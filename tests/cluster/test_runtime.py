@@ -144,7 +144,7 @@ def test_a_span_per_request_and_round_across_ray_calls(eagle_runtime, prompts, e
         and s["attributes"]["outrider.request_id"] == stream.request_id
     ]
     assert request["attributes"]["outrider.output_tokens"] == len(expected[0])
-    spans = ray.get(eagle_runtime.verifiers[0].finished_spans.remote())
+    spans = ray.get(eagle_runtime.pools.verifiers[0].finished_spans.remote())
     mine = [s for s in spans if s["attributes"].get("outrider.request_id") == stream.request_id]
     assert mine and all(
         s["trace_id"] == request["trace_id"] and s["parent_id"] == request["span_id"] for s in mine
@@ -167,7 +167,7 @@ def test_killing_a_drafter_mid_stream_keeps_the_output(eagle_runtime, prompts, e
     stream = eagle_runtime.submit(prompts[0], GREEDY, RequestSpec(method="eagle"))
     chunks = iter(stream)
     tokens = list(next(chunks))
-    for actor in eagle_runtime.drafters:
+    for actor in eagle_runtime.pools.drafters:
         ray.kill(actor, no_restart=False)  # Ray restarts them empty
     for chunk in chunks:
         tokens += chunk
@@ -232,7 +232,7 @@ def test_a_prefill_worker_that_dies_costs_no_request(  # type: ignore[no-untyped
 
     assert served(0) == "prefill-0"  # the link is up
     (before,) = eagle_runtime.verifier_stats()
-    (worker,) = eagle_runtime.prefills
+    (worker,) = eagle_runtime.pools.prefills
     ray.kill(worker, no_restart=False)
     assert served(1) is None  # prefilled on the verifier
     (mid,) = eagle_runtime.verifier_stats()
@@ -255,7 +255,7 @@ def test_a_verifier_that_dies_comes_back_to_its_pools(eagle_runtime, prompts, ex
     received = 0
     while received < 16:  # past its first token (sampled from the prefill): drafted for
         received += len(next(chunks))
-    (verifier,) = eagle_runtime.verifiers
+    (verifier,) = eagle_runtime.pools.verifiers
     before = ray.get(verifier.info.remote())["pid"]
     ray.kill(verifier, no_restart=False)
     with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
@@ -275,7 +275,7 @@ def test_a_verifier_that_dies_comes_back_to_its_pools(eagle_runtime, prompts, ex
     # A node lost with the verifier and its drafters on it: all restart at once, and the
     # verifier's constructor waits for drafters that are still loading.
     before = ray.get(verifier.info.remote())["pid"]
-    for actor in [*eagle_runtime.drafters, verifier]:
+    for actor in [*eagle_runtime.pools.drafters, verifier]:
         ray.kill(actor, no_restart=False)
     wait_restarted(verifier, before)
     assert run_all(eagle_runtime, prompts[:2], "eagle") == expected[:2]

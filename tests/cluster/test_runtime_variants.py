@@ -70,7 +70,7 @@ def test_tensor_parallel_verifier_is_exact(prompts, expected) -> None:  # type: 
         assert stats["prefill"]["remote"] == len(prompts) + 3 and stats["prefill"]["failures"] == 0
         # A rank that dies breaks the group: the next request fails with rank 0, which ends
         # itself; restarted, it restarts rank 1 and forms the group again.
-        (verifier,), (rank,) = runtime.verifiers, runtime.ranks
+        (verifier,), (rank,) = runtime.pools.verifiers, runtime.pools.ranks
         before = ray.get(verifier.info.remote())["pid"]
         ray.kill(rank, no_restart=False)
         with pytest.raises((ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):

@@ -238,7 +238,7 @@ def _routed(router: RunningRouter) -> dict[tuple[str, str], float]:
 
 
 def _idle(runtime) -> bool:  # type: ignore[no-untyped-def]
-    loads = ray.get([v.load.remote() for v in runtime.verifiers])
+    loads = ray.get([v.load.remote() for v in runtime.pools.verifiers])
     return all(x.queue_depth == 0 and x.kv_usage == 0 for x in loads)
 
 

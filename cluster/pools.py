@@ -1,0 +1,278 @@
+"""Starting the pools of a deployment on Ray, and finding pools already running: one placement
+group per pool and the named actors in it.
+
+- `drafter-<i>`: a drafter actor running the pool's drafting method (CPU, plus any custom
+  resource such as `grace_cpu` that the config names, so drafters land on the Grace CPU beside
+  a GPU on GB200 nodes). Restarted by Ray if it dies; its verifier re-adds its sequences.
+- `prefill-<i>`: a prefill worker computing prompts' K/V (and EAGLE features) and sending them
+  to the verifier over a tensor link.
+- `verifier-g<g>-r0` (and `-r1`... for tensor parallelism): the engine (continuous batching,
+  verification) with model-free drafters in-process and the drafter pool behind
+  `RemoteDrafter`s.
+
+The request path over them is cluster/runtime.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.actors import RAY_NAMESPACE, DrafterActor, PrefillActor, VerifierRankActor
+from cluster.config import DeploymentConfig, Resources, resolve_gpus, settings_differ
+from cluster.verifier import VerifierActor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Pools:
+    """A deployment's actors (Ray actor handles) by pool, with their names."""
+
+    verifiers: list[Any] = field(default_factory=list)  # rank 0 of each group
+    verifier_names: list[str] = field(default_factory=list)
+    drafters: list[Any] = field(default_factory=list)
+    drafter_names: list[str] = field(default_factory=list)
+    prefills: list[Any] = field(default_factory=list)
+    prefill_names: list[str] = field(default_factory=list)
+    ranks: list[Any] = field(default_factory=list)  # verifier ranks > 0
+    placement_groups: list[Any] = field(default_factory=list)
+    attached: bool = False  # found running, started by another process (which stops them)
+    # Started for a cluster this process joined (a router replica): Ray's detached actors,
+    # which outlive it, for the other replicas.
+    detached: bool = False
+
+    @property
+    def actors(self) -> list[Any]:
+        return [*self.verifiers, *self.ranks, *self.drafters, *self.prefills]
+
+    def stop(self) -> None:
+        """Kill the actors and free their placement groups."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+
+
+def connect_ray(config: DeploymentConfig, address: str | None, num_cpus: int | None) -> bool:
+    """Join the cluster at `address`, or start a local one (with the dashboard) when None;
+    whether this process started it (then it stops it too). A local cluster gets at least the
+    CPUs its pools ask for: on a small machine the actors share cores (logical CPUs), which is
+    what a laptop deployment wants."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is None and num_cpus is None:
+        num_cpus = max(os.cpu_count() or 1, math.ceil(_cpus_needed(config)))
+    for attempt in range(3):
+        try:
+            ray.init(
+                address=address,
+                namespace=RAY_NAMESPACE,
+                num_cpus=num_cpus if address is None else None,
+                include_dashboard=address is None,
+                dashboard_host=config.ray.dashboard_host,
+                dashboard_port=config.ray.dashboard_port,
+                log_to_driver=False,
+            )
+            return True
+        except ValueError as err:
+            # A cluster this process just shut down can hold the dashboard port for a moment.
+            if "already occupied" not in str(err) or attempt == 2:
+                raise
+            ray.shutdown()
+            time.sleep(3.0)
+    raise AssertionError("unreachable")
+
+
+def start_pools(
+    config: DeploymentConfig, detached: bool = False, placement_timeout_s: float = 120.0
+) -> Pools:
+    """Place the pools and start their actors; each verifier group drafts and prefills with
+    its share of the drafter and prefill pools. Pools started from a process that joined a
+    cluster (a router replica) must outlive it: `detached`. On failure, whatever started is
+    stopped before the error is raised."""
+    import ray
+
+    # Pools that leave `gpus` null get a GPU per actor where the cluster has enough.
+    config = resolve_gpus(config, ray.cluster_resources().get("GPU", 0.0))
+    started = Pools(detached=detached)
+    placer = _Placer("detached" if detached else None, placement_timeout_s, config.to_dict())
+    pools = config.pools
+    try:
+        # Drafters and prefill workers: one actor per bundle, spread over nodes.
+        for pool, body, actors, names, settings in (
+            ("drafter", DrafterActor, started.drafters, started.drafter_names, pools.drafter),
+            ("prefill", PrefillActor, started.prefills, started.prefill_names, pools.prefill),
+        ):
+            names += [f"{pool}-{i}" for i in range(settings.replicas)]
+            if names:
+                pg = placer.group(pool, len(names), settings.resources, "SPREAD")
+                started.placement_groups.append(pg)
+                actors += placer.actors(pg, body, names, settings.resources, max_restarts=-1)
+                ray.get([a.info.remote() for a in actors], timeout=300)
+        tp = pools.verifier.tensor_parallel_size
+        for g in range(pools.verifier.groups):
+            # One bundle per rank, packed: a group's ranks share a node where they fit.
+            pg = placer.group("verifier", tp, pools.verifier.resources, "PACK")
+            started.placement_groups.append(pg)
+            rank_names = [f"verifier-g{g}-r{r}" for r in range(1, tp)]
+            started.ranks += placer.actors(
+                pg,
+                VerifierRankActor,
+                rank_names,
+                pools.verifier.resources,
+                [(r, tp) for r in range(1, tp)],
+                first_bundle=1,
+                max_restarts=-1,  # their rank 0 restarts them (cluster/verifier.py)
+            )
+            name = f"verifier-g{g}-r0"
+            mine = started.drafter_names[g :: pools.verifier.groups]
+            my_prefills = started.prefill_names[g :: pools.verifier.groups]
+            started.verifiers += placer.actors(
+                pg,
+                VerifierActor,
+                [name],
+                pools.verifier.resources,
+                [(mine, my_prefills, rank_names)],
+                max_concurrency=1000,
+                max_restarts=-1,  # a group recovers as a whole (cluster/verifier.py)
+            )
+            started.verifier_names.append(name)
+        ray.get([v.info.remote() for v in started.verifiers], timeout=300)
+    except BaseException:
+        started.stop()
+        raise
+    return started
+
+
+def attach_pools(config: DeploymentConfig) -> Pools | None:
+    """The pools another process started on this Ray cluster (router replicas share one
+    deployment), or None when there are none yet."""
+    import ray
+
+    def lookup(name: str) -> Any:
+        return ray.get_actor(name, namespace=RAY_NAMESPACE)
+
+    pools = config.pools
+    verifier_names = [f"verifier-g{g}-r0" for g in range(pools.verifier.groups)]
+    try:
+        verifiers = [lookup(n) for n in verifier_names]
+    except ValueError:
+        return None
+    infos = ray.get([v.info.remote() for v in verifiers], timeout=60)
+    differ = settings_differ(config.pool_settings(), infos[0]["pool_settings"])
+    if differ:
+        log.warning(
+            "the running pools were started with other settings (%s) than this config; "
+            "they are served as they are. To apply the config, stop the pools (docs/"
+            "operations.md, Changing a running deployment).",
+            ", ".join(differ),
+        )
+    drafter_names = [n for i in infos for n in i["drafters"]]
+    prefill_names = [n for i in infos for n in i["prefill"]]
+    rank_names = [n for i in infos for n in i["ranks"]]
+    return Pools(
+        verifiers,
+        verifier_names,
+        [lookup(n) for n in drafter_names],
+        drafter_names,
+        [lookup(n) for n in prefill_names],
+        prefill_names,
+        [lookup(n) for n in rank_names],
+        attached=True,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Placer:
+    """Placement groups and the named actors in them, for one start-up. Every actor is
+    constructed with the deployment config and its name first, then its own arguments."""
+
+    lifetime: str | None  # "detached": the actors outlive the process that started them
+    timeout_s: float
+    config: dict[str, Any]  # the deployment config, as plain data
+
+    def group(self, pool: str, count: int, resources: Resources, strategy: str) -> Any:
+        from ray.util.placement_group import placement_group
+
+        bundles = [_bundle(resources)] * count
+        pg = placement_group(bundles, strategy=strategy, lifetime=self.lifetime)
+        _wait_placed(pg, pool, bundles, self.timeout_s)
+        return pg
+
+    def actors(
+        self,
+        pg: Any,
+        body: type,
+        names: list[str],
+        resources: Resources,
+        args: list[tuple[Any, ...]] | None = None,
+        first_bundle: int = 0,
+        **options: Any,
+    ) -> list[Any]:
+        """Named actors of `body`, one per bundle of `pg` from `first_bundle` on; actor i gets
+        `args[i]` after the config and its name."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor_cls: Any = ray.remote(body)
+        extra = args or [()] * len(names)
+        return [
+            actor_cls.options(
+                name=name,
+                namespace=RAY_NAMESPACE,
+                lifetime=self.lifetime,
+                num_cpus=resources.cpus,
+                num_gpus=resources.gpus,
+                resources=dict(resources.custom),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, first_bundle + i),
+                **options,
+            ).remote(self.config, name, *own)
+            for i, (name, own) in enumerate(zip(names, extra, strict=True))
+        ]
+
+
+class PlacementError(RuntimeError):
+    """A pool's placement group cannot be placed on this cluster."""
+
+
+def _wait_placed(pg: Any, pool: str, bundles: list[dict[str, float]], timeout_s: float) -> None:
+    import ray
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"the {pool} pool's placement group {bundles} could not be placed within "
+            f"{timeout_s:.0f} s; cluster resources: {ray.cluster_resources()}"
+        ) from None
+
+
+def _cpus_needed(config: DeploymentConfig) -> float:
+    pools = config.pools
+    return (
+        pools.prefill.replicas * pools.prefill.resources.cpus
+        + pools.verifier.groups
+        * pools.verifier.tensor_parallel_size
+        * pools.verifier.resources.cpus
+        + pools.drafter.replicas * pools.drafter.resources.cpus
+    )
+
+
+def _bundle(resources: Resources) -> dict[str, float]:
+    bundle = {"CPU": resources.cpus, **resources.custom}
+    if resources.gpus:
+        bundle["GPU"] = resources.gpus
+    return bundle
