@@ -43,7 +43,7 @@ NATIVE_MAX_QUERY_LEN = 32
 # The SDPA backends a CUDA call may use. Left to itself, torch 2.11 picks cuDNN's attention for
 # masked calls on an H100, which builds a graph for every new shape: a decode group's key length
 # grows each step, and the call cost ~0.45 ms of host time (all 30 layers: most of a step; see
-# docs/architecture.md, Devices). The others plan nothing per shape.
+# docs/design.md, Devices). The others plan nothing per shape.
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

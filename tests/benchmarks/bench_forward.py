@@ -331,7 +331,7 @@ def sampling_section(checkpoint: Checkpoint, runs: int, new_tokens: int, reps: i
         + table(["draw", "microseconds"], micro)
         + f"\n\n`SequentialEngine`, bf16, {new_tokens} tokens after the same prompt, {runs} "
         "interleaved runs; `vs greedy` is the median of per-run ratios. Sampling is host work "
-        "(docs/architecture.md, Devices): the logits come to the CPU, the transform and the draw "
+        "(docs/design.md, Devices): the logits come to the CPU, the transform and the draw "
         "run there.\n\n" + table(["decode", "tokens/s (median)", "vs greedy"], rows)
     )
 
