@@ -22,8 +22,12 @@ GENERATED := router/proto/generate_pb2.py
 serve: $(VENV)/.runtime $(GENERATED)
 	$(VENV)/bin/outrider serve --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
 
+# The fast tier first (unit tests: kernels, engine, configs, docs; about a minute), stopping at
+# its first failure; then the slow tier (the bundled model against transformers, real Ray
+# clusters, routers over real Redis, HTTP and gRPC), with its slowest tests listed at the end.
 test: $(VENV)/.dev $(GENERATED) lint typecheck
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -x -m "not slow"
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow --durations=15
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check cluster workers router kernels tests load_tests

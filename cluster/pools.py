@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.actors import RAY_NAMESPACE, DrafterActor, PrefillActor, VerifierRankActor
-from cluster.config import DeploymentConfig, Resources, resolve_gpus, settings_differ
+from cluster.config import DeploymentConfig, Resources, settings_differ
 from cluster.verifier import VerifierActor
 
 log = logging.getLogger(__name__)
@@ -96,14 +96,12 @@ def connect_ray(config: DeploymentConfig, address: str | None, num_cpus: int | N
 def start_pools(
     config: DeploymentConfig, detached: bool = False, placement_timeout_s: float = 120.0
 ) -> Pools:
-    """Place the pools and start their actors; each verifier group drafts and prefills with
-    its share of the drafter and prefill pools. Pools started from a process that joined a
-    cluster (a router replica) must outlive it: `detached`. On failure, whatever started is
-    stopped before the error is raised."""
+    """Place the pools and start their actors (`config`'s GPUs decided: `resolve_gpus`); each
+    verifier group drafts and prefills with its share of the drafter and prefill pools. Pools
+    started from a process that joined a cluster (a router replica) must outlive it:
+    `detached`. On failure, whatever started is stopped before the error is raised."""
     import ray
 
-    # Pools that leave `gpus` null get a GPU per actor where the cluster has enough.
-    config = resolve_gpus(config, ray.cluster_resources().get("GPU", 0.0))
     started = Pools(detached=detached)
     placer = _Placer("detached" if detached else None, placement_timeout_s, config.to_dict())
     pools = config.pools

@@ -19,7 +19,7 @@ from typing import Any
 
 from cluster import telemetry
 from cluster.actors import start_tracing
-from cluster.config import DeploymentConfig
+from cluster.config import DeploymentConfig, resolve_gpus
 from cluster.pools import Pools, attach_pools, connect_ray, start_pools
 from cluster.verifier import ServedBy, StreamedStep
 from workers.engine.config import RequestSpec
@@ -117,6 +117,8 @@ class Runtime:
         owns = connect_ray(config, address, num_cpus)
         pools = attach_pools(config) if address is not None else None
         if pools is None:
+            # Pools that leave `gpus` null get a GPU per actor where the cluster has enough.
+            config = resolve_gpus(config, ray.cluster_resources().get("GPU", 0.0))
             try:
                 pools = start_pools(config, address is not None, placement_timeout_s)
             except BaseException:
