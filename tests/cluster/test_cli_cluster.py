@@ -13,16 +13,29 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 
+ARGS = ["generate", "def add(a, b):", "--json", "--temperature", "0", "--max-tokens", "12"]
+ARGS += ["--dtype", "float32"]
+
+
 def run_generate(*flags: str) -> dict:  # type: ignore[type-arg]
-    cmd = [sys.executable, "-m", "router.cli", "generate", "def add(a, b):", "--json"]
-    cmd += ["--temperature", "0", "--max-tokens", "12", "--dtype", "float32", *flags]
+    """`outrider generate` in its own process (a cluster run starts and stops its own Ray)."""
+    cmd = [sys.executable, "-m", "router.cli", *ARGS, *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_generate_on_the_cluster_matches_in_process() -> None:
-    local = run_generate("--spec-method", "ngram")
+def run_in_process(capsys: pytest.CaptureFixture[str], *flags: str) -> dict:  # type: ignore[type-arg]
+    """The same command with its engine in this process (no Ray): no interpreter to start."""
+    from router.cli import main
+
+    capsys.readouterr()
+    assert main([*ARGS, *flags]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_generate_on_the_cluster_matches_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    local = run_in_process(capsys, "--spec-method", "ngram")
     remote = run_generate(
         "--cluster", "--spec-method", "draft_model", "--draft-layers", "6", "--drafters", "1"
     )
@@ -54,10 +67,12 @@ def test_tp_and_prefill_flags_set_the_pools() -> None:
     assert default.prefill.min_remote_prompt_tokens > 1  # the config's threshold stands
 
 
-def test_generate_on_a_tensor_parallel_group_with_remote_prefill() -> None:
+def test_generate_on_a_tensor_parallel_group_with_remote_prefill(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """`--tp 2 --prefill remote`: the prefill worker computes the prompt, rank 0 passes rank 1
     its KV heads, and the output is the in-process engine's."""
-    local = run_generate("--spec-method", "ngram")
+    local = run_in_process(capsys, "--spec-method", "ngram")
     remote = run_generate(
         "--tp", "2", "--prefill", "remote", "--spec-method", "draft_model", "--draft-layers", "6"
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -13,15 +13,25 @@ from tests.benchmarks.bench_spec import Run, paired_ratio
 from tests.benchmarks.report import write_section
 from workers.engine.outputs import Completion
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # runpy notes that this module imported bench_spec before it runs it as __main__.
+    pytest.mark.filterwarnings("ignore:.*found in sys.modules after import:RuntimeWarning"),
+]
+
+
+def run_script(script: str, *argv: str) -> None:
+    """`python -m tests.benchmarks.<script> ARGV`, run as __main__ in this process (no new
+    interpreter, and torch and transformers already imported)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [script, *argv])
+        runpy.run_module(f"tests.benchmarks.{script}", run_name="__main__", alter_sys=True)
 
 
 def quick_run(script: str, tmp_path: Path) -> str:
     """Run `tests.benchmarks.<script> --quick` into a scratch report; the report's text."""
     out = tmp_path / "benchmarks.md"
-    cmd = [sys.executable, "-m", f"tests.benchmarks.{script}", "--quick", "--output", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_script(script, "--quick", "--output", str(out))
     return out.read_text()
 
 
@@ -61,21 +71,14 @@ def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> Non
     """The GPU benchmark's engine parts run on the CPU (no graphs there), and its section
     renders from the stored H200 runs."""
     root = Path(__file__).resolve().parents[2]
-    script = [sys.executable, "-m", "tests.benchmarks.bench_gpu"]
     parts = ["--device", "cpu", "--quick", "--parts", "environment,engine,single"]
-    proc = subprocess.run(
-        [*script, *parts, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_script("bench_gpu", *parts, "--out", str(tmp_path))
     results = json.loads((tmp_path / "gpu.json").read_text())
     assert "error" not in results["engine"] and "error" not in results["single"]
     assert set(results["single"]["tokens_per_s"]["code edit"]) == {"none", "ngram", "eagle"}
     report = tmp_path / "benchmarks.md"
     runs = [str(root / "docs" / "bench_gpu" / name) for name in ("h200-k4.json", "h200-k8.json")]
-    proc = subprocess.run(
-        [*script, "--render", *runs, "--output", str(report)], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_script("bench_gpu", "--render", *runs, "--output", str(report))
     text = report.read_text()
     assert "<!-- bench_gpu:start -->" in text and "| goal | measured | target | met |" in text
     assert "With at most 8 draft tokens a step" in text

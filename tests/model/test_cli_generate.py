@@ -79,23 +79,19 @@ def test_generate_holds_the_answer_to_a_grammar() -> None:
     assert out["text"] in (" Paris", " Rome")
 
 
-def test_generate_rejects_bad_parameters() -> None:
-    proc = run_cli(PROMPT, "--top-p", "0", "--json")
-    assert proc.returncode == 2
-    assert "top_p must be in (0, 1]" in proc.stderr
-    proc = run_cli(PROMPT, "--logprobs", "21")
-    assert proc.returncode == 2
-    assert "logprobs must be in [0, 20]" in proc.stderr
-    proc = run_cli(PROMPT, "--regex", "(ab")
-    assert proc.returncode == 2
-    assert "invalid regex" in proc.stderr
-    proc = run_cli(PROMPT, "--spec-method", "draft_model")
-    assert proc.returncode == 2
-    assert "needs --draft-model or --draft-layers" in proc.stderr
-    proc = run_cli(PROMPT, "--cluster", "--device", "cpu")
-    assert proc.returncode == 2
-    assert "--device is for an in-process engine" in proc.stderr
+def test_generate_rejects_bad_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any model loads, so in this process (`main` returns the exit status)."""
+    from router.cli import main
+
+    def refused(*flags: str) -> str:
+        capsys.readouterr()
+        assert main(["generate", PROMPT, *flags]) == 2
+        return capsys.readouterr().err
+
+    assert "top_p must be in (0, 1]" in refused("--top-p", "0", "--json")
+    assert "logprobs must be in [0, 20]" in refused("--logprobs", "21")
+    assert "invalid regex" in refused("--regex", "(ab")
+    assert "needs --draft-model or --draft-layers" in refused("--spec-method", "draft_model")
+    assert "--device is for an in-process engine" in refused("--cluster", "--device", "cpu")
     if not torch.cuda.is_available():
-        proc = run_cli(PROMPT, "--device", "cuda")
-        assert proc.returncode == 2
-        assert "sees no CUDA device" in proc.stderr
+        assert "sees no CUDA device" in refused("--device", "cuda")

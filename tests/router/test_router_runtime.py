@@ -7,10 +7,7 @@ the verifier."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -86,17 +83,19 @@ def router_b(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # t
     running.stop()
 
 
-def outrider_generate(prompt: str, *flags: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "router.cli", "generate", prompt, "--json", *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+def outrider_generate(capsys: pytest.CaptureFixture[str], prompt: str, *flags: str) -> Any:
+    """`outrider generate --json` in this process (its engine is in-process too)."""
+    from router.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", prompt, "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
 
 
-def test_openai_client_matches_outrider_generate(router) -> None:  # type: ignore[no-untyped-def]
+def test_openai_client_matches_outrider_generate(router, capsys) -> None:  # type: ignore[no-untyped-def]
     greedy = ["--temperature", "0", "--max-tokens", "20", "--spec-method", "ngram"]
-    expected = outrider_generate(PROMPT, *greedy)["text"]
-    expected_chat = outrider_generate(QUESTION, "--chat", *greedy)["text"]
+    expected = outrider_generate(capsys, PROMPT, *greedy)["text"]
+    expected_chat = outrider_generate(capsys, QUESTION, "--chat", *greedy)["text"]
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused")
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
     assert whole.choices[0].text == expected
