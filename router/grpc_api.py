@@ -17,6 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from router.errors import RouterError
 from router.proto import codegen
+from router.protocol import GenerateRequest
 from router.schemas import ChatCompletionRequest, CompletionRequest, validate
 from router.service import REQUEST_API, RouterService
 from workers.engine.logprobs import TokenLogprob
@@ -117,10 +118,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             await self._authorize(context)
             body, chat = _body(request)
-            if chat:
-                generate = service.builder.chat(validate(ChatCompletionRequest, body))
-            else:
-                generate = service.builder.completion(validate(CompletionRequest, body))
+            generate = await service.offload(_build, service, body, chat)
             steps = service.generate(generate, request_id)
             async for step in steps:
                 response = generate_pb2.GenerateResponse(
@@ -145,6 +143,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             service.refused("grpc", exc)
             await _abort(context, exc)
         service.metrics.requests.labels("grpc", "ok").inc()
+
+
+def _build(service: RouterService, body: dict[str, Any], chat: bool) -> GenerateRequest:
+    """The request in the engine's terms (on the router's work threads: it tokenizes)."""
+    if chat:
+        return service.builder.chat(validate(ChatCompletionRequest, body))
+    return service.builder.completion(validate(CompletionRequest, body))
 
 
 def _token_logprob(logprob: TokenLogprob) -> Any:

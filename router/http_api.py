@@ -157,7 +157,10 @@ def create_app(service: RouterService) -> FastAPI:
     async def tokenize(request: Request) -> dict[str, Any]:
         """vLLM's: a prompt's (or a conversation's) token ids, as generation would see them."""
         await service.authorize(_bearer(request))
-        body = validate(TokenizeRequest, parse_json(await request.body()))
+        return await service.offload(_tokenize, await request.body())
+
+    def _tokenize(raw: bytes) -> dict[str, Any]:
+        body = validate(TokenizeRequest, parse_json(raw))
         tokens = service.builder.tokenize(body)
         tokenizer = service.builder.tokenizer
         strs = [tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None
@@ -173,7 +176,7 @@ def create_app(service: RouterService) -> FastAPI:
         """vLLM's: the text of token ids."""
         await service.authorize(_bearer(request))
         body = validate(DetokenizeRequest, parse_json(await request.body()))
-        return {"prompt": service.builder.detokenize(body)}
+        return {"prompt": await service.offload(service.builder.detokenize, body)}
 
     @app.get("/v1/requests/{request_id}", tags=["outrider"])
     async def request_status(request_id: str, request: Request) -> dict[str, Any]:
@@ -197,15 +200,18 @@ def create_app(service: RouterService) -> FastAPI:
         if not isinstance(stream, bool):
             raise errors.bad_request('body must be {"stream": <bool>} or empty', "stream")
         generate, committed = await service.resume(request_id, stream)
-        prefix = service.builder.tokenizer.decode(committed)
+        prefix = await service.offload(service.builder.tokenizer.decode, committed)
         resumed = {"from": request_id, "committed_tokens": len(committed)}
         return await _serve(request, [generate], prefix, resumed)
 
     @app.post("/v1/completions", tags=["openai"], openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
         await service.authorize(_bearer(request))
-        body = validate(CompletionRequest, parse_json(await request.body()))
-        return await _serve(request, service.builder.completions(body))
+        raw = await request.body()
+        return await _serve(request, await service.offload(_completions, raw))
+
+    def _completions(raw: bytes) -> list[GenerateRequest]:
+        return service.builder.completions(validate(CompletionRequest, parse_json(raw)))
 
     @app.post(
         "/v1/chat/completions",
@@ -214,20 +220,26 @@ def create_app(service: RouterService) -> FastAPI:
     )
     async def chat_completions(request: Request) -> Response:
         await service.authorize(_bearer(request))
-        body = validate(ChatCompletionRequest, parse_json(await request.body()))
-        return await _serve(request, [service.builder.chat(body)])
+        raw = await request.body()
+        return await _serve(request, [await service.offload(_chat, raw)])
+
+    def _chat(raw: bytes) -> GenerateRequest:
+        return service.builder.chat(validate(ChatCompletionRequest, parse_json(raw)))
 
     @app.post("/v1/responses", tags=["openai"], openapi_extra=_body_schema("ResponsesRequest"))
     async def create_response(request: Request) -> Response:
         """OpenAI's Responses API, served as a chat completion (router/responses.py)."""
         await service.authorize(_bearer(request))
-        body = validate(ResponsesRequest, parse_json(await request.body()))
+        raw = await request.body()
+        body = await service.offload(
+            validate, ResponsesRequest, await service.offload(parse_json, raw)
+        )
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             earlier = (await _stored(body.previous_response_id, "previous_response_id"))["items"]
         try:
             chat, own = chat_request(body, earlier)
-            generate = service.builder.chat(chat)
+            generate = await service.offload(service.builder.chat, chat)
         except RouterError as exc:
             raise in_our_terms(exc) from None
         response_id = f"resp_{uuid.uuid4().hex}"
@@ -251,6 +263,9 @@ def create_app(service: RouterService) -> FastAPI:
         await store_response(service, builder.response, items)
         service.metrics.requests.labels("responses", "ok").inc()
         return JSONResponse(builder.response, headers=headers)
+
+    def _responses_body(raw: bytes) -> ResponsesRequest:
+        return validate(ResponsesRequest, parse_json(raw))
 
     async def _stored(response_id: str, param: str | None = None) -> dict[str, Any]:
         try:

@@ -21,10 +21,11 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 # The API a request came in by (chat, completions, responses, grpc), set where it came in: the
 # request's log line names it.
 REQUEST_API: ContextVar[str] = ContextVar("outrider_request_api", default="")
+WORK_THREADS = 4  # requests being parsed and tokenized at once on one replica
+T = TypeVar("T")
 
 # A choice of a request: its first step, and its steps after that.
 Choice = tuple[Step, AsyncGenerator[Step, None]]
@@ -87,6 +90,14 @@ class RouterService:
         # between polls spreads out instead of all landing on the group that looked lightest.
         self._sent_since_poll: list[int] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Parsing, validating and tokenizing a request (chat templates, grammars) is CPU work
+        # that takes a second for a large prompt: it runs on these threads, so the event loop
+        # goes on answering probes and streaming other requests meanwhile.
+        self._work = ThreadPoolExecutor(WORK_THREADS, thread_name_prefix="router-work")
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the router's work threads (its exceptions raised here)."""
+        return await asyncio.get_running_loop().run_in_executor(self._work, fn, *args)
 
     @property
     def model_name(self) -> str:

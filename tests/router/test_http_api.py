@@ -1303,3 +1303,27 @@ def test_a_log_line_per_finished_request(server: str, caplog: pytest.LogCaptureF
     assert served["verify_steps"] >= 1 and served["group"] and served["routed_by"]
     assert refused["outcome"] == "refused" and refused["status"] == 400
     assert refused["api"] == "completions" and "max_tokens" in refused["error"]
+
+
+def test_probes_answer_while_large_prompts_are_tokenized(server: str) -> None:
+    """Two 2 MB prompts arrive together (refused once tokenized: far past the context). They
+    are parsed and tokenized off the event loop, so /health keeps answering meanwhile."""
+    big = {"model": MODEL, "prompt": "word " * 400_000, "max_tokens": 4}
+    answers: list[tuple[int, Any, str, dict[str, str]]] = []
+    senders = [
+        threading.Thread(target=lambda: answers.append(post(f"{server}/v1/completions", big)))
+        for _ in range(2)
+    ]
+    for sender in senders:
+        sender.start()
+    waits = []
+    while any(sender.is_alive() for sender in senders):
+        start = time.perf_counter()
+        assert get(f"{server}/health")[0] == 200
+        waits.append(time.perf_counter() - start)
+        time.sleep(0.01)
+    assert [code for code, *_ in answers] == [400, 400]
+    assert all("context" in body["error"]["message"] for _, body, *_ in answers)
+    assert len(waits) >= 10  # probed all along
+    # Under 50 ms on the 2-core VM; the loop held by the tokenizer made one probe wait 0.7 s.
+    assert sorted(waits)[len(waits) // 2] < 0.05 and max(waits) < 0.25, sorted(waits)[-3:]

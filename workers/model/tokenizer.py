@@ -55,6 +55,9 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+# Past this many characters a text is tokenized (past a quarter of it in ids, detokenized)
+# through the backend's batch call, which releases the GIL.
+LONG_TEXT_CHARS = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,14 +163,24 @@ class Tokenizer:
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are recognized."""
-        ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special tokens written in the text are recognized. A long text
+        goes through `encode_batch`, which gives the same ids and lets other Python threads run
+        meanwhile (`encode` holds the GIL: a router's event loop would stop for a second at a
+        2 MB prompt)."""
+        if len(text) > LONG_TEXT_CHARS:
+            encoded = self.backend.encode_batch([text], add_special_tokens=False)[0]
+        else:
+            encoded = self.backend.encode(text, add_special_tokens=False)
+        ids: list[int] = encoded.ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return str(self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+        ids = list(token_ids)
+        if len(ids) > LONG_TEXT_CHARS // 4:  # as `encode`: the batch call lets threads run
+            return str(self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
         self,
