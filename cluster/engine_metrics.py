@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -216,6 +218,9 @@ COMMON = (
     ),
 )
 
+# The verifier's prefill counts (cluster/verifier.py `prefill_stats`) by their metric's outcome.
+PREFILL_OUTCOMES = {"remote": "remote", "local": "local", "failures": "failed"}
+
 POOLS = {"verifier": VERIFIER + COMMON, "prefill": PREFILL + COMMON, "drafter": DRAFTER + COMMON}
 ALL = VERIFIER + PREFILL + DRAFTER + COMMON
 
@@ -310,13 +315,20 @@ class VerifierMetrics:
     counters), and `sample` for its gauges (a thread calls it every `interval_s`, so an idle
     engine's KV and queue read true, not what its last step left)."""
 
-    def __init__(self, metrics: ActorMetrics, engine: Any, remote_drafters: Any = None) -> None:
+    def __init__(
+        self,
+        metrics: ActorMetrics,
+        engine: Any,
+        remote_drafters: Any = None,
+        prefills: Mapping[str, float] | None = None,
+    ) -> None:
         self.metrics = metrics
         self.engine = engine
         self.remote_drafters = remote_drafters  # a ShardedDrafter, when drafting is remote
+        # The verifier's prefill counts by where each prompt went (remote, local, failures).
+        self.prefills = prefills
         self._delta = Delta()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
 
     def __call__(self, report: Any) -> None:  # a StepReport
         m = self.metrics
@@ -327,6 +339,12 @@ class VerifierMetrics:
         m.observe("outrider_engine_batch_size", len(report.rounds))
         tokens = prompt = features = 0
         ks: dict[str, int] = {}
+        # Summed over the step's rounds first: one increment per method (and position), not
+        # one per sequence, on the engine's thread.
+        drafts: Counter[str] = Counter()
+        drafted: Counter[str] = Counter()
+        accepted: Counter[str] = Counter()
+        at_position: Counter[tuple[str, int]] = Counter()
         for r in report.rounds:
             features += r.feature_bytes
             if r.prefill_tokens:
@@ -338,16 +356,22 @@ class VerifierMetrics:
                 ks[r.method] = max(ks.get(r.method, 0), r.drafted)
             if not r.drafted:
                 continue
-            m.inc("outrider_spec_decode_num_drafts", method=r.method)
-            m.inc("outrider_spec_decode_num_draft_tokens", r.drafted, method=r.method)
-            m.inc("outrider_spec_decode_num_accepted_tokens", r.accepted, method=r.method)
+            drafts[r.method] += 1
+            drafted[r.method] += r.drafted
+            accepted[r.method] += r.accepted
             m.observe("outrider_spec_decode_acceptance_length", r.accepted + 1, method=r.method)
-            for position in range(r.accepted):
-                m.inc(
-                    "outrider_spec_decode_num_accepted_tokens_per_pos",
-                    method=r.method,
-                    position=str(position),
-                )
+            at_position.update((r.method, position) for position in range(r.accepted))
+        for method in drafts:
+            m.inc("outrider_spec_decode_num_drafts", drafts[method], method=method)
+            m.inc("outrider_spec_decode_num_draft_tokens", drafted[method], method=method)
+            m.inc("outrider_spec_decode_num_accepted_tokens", accepted[method], method=method)
+        for (method, position), count in at_position.items():
+            m.inc(
+                "outrider_spec_decode_num_accepted_tokens_per_pos",
+                count,
+                method=method,
+                position=str(position),
+            )
         m.observe("outrider_engine_step_tokens", tokens)
         m.inc("outrider_prompt_tokens_computed", prompt)
         m.inc("outrider_drafter_feature_bytes", features)
@@ -357,7 +381,8 @@ class VerifierMetrics:
         self.sample()
 
     def _counted_elsewhere(self) -> None:
-        """Counters the scheduler, the speculator and the remote drafters keep."""
+        """Counters the scheduler, the speculator, the remote drafters and the verifier's
+        prefills keep."""
         m, grown = self.metrics, self._delta
         scheduler = self.engine.scheduler
         m.inc("outrider_num_preemptions", grown("preempted", scheduler.num_preemptions))
@@ -375,9 +400,10 @@ class VerifierMetrics:
         if self.remote_drafters is not None:
             late = grown("late", self.remote_drafters.stats.late)
             m.inc("outrider_spec_decode_late_drafts", late)
-
-    def count_prefill(self, outcome: str) -> None:
-        self.metrics.inc("outrider_remote_prefill_requests", outcome=outcome)
+        if self.prefills is not None:
+            for key, outcome in PREFILL_OUTCOMES.items():
+                count = grown(f"prefill/{key}", self.prefills[key])
+                m.inc("outrider_remote_prefill_requests", count, outcome=outcome)
 
     def sample(self) -> None:
         """Set the gauges from the engine now (read without the engine's lock: a hint, as the
@@ -393,13 +419,11 @@ class VerifierMetrics:
 
     def start_sampling(self, interval_s: float = 1.0) -> None:
         def run() -> None:
-            while not self._stop.wait(interval_s):
+            while True:
+                time.sleep(interval_s)
                 try:
                     self.sample()
                 except Exception:  # a metric must never take the verifier down
                     log.exception("sampling the engine's gauges failed")
 
         threading.Thread(target=run, name="engine-metrics", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()

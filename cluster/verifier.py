@@ -156,7 +156,18 @@ class VerifierActor:
         loaded.engine.step_listeners.append(self.rounds)
         self.step_times = StepTimes()
         loaded.engine.step_listeners.append(self.step_times)
-        self.metrics = VerifierMetrics(ActorMetrics("verifier", name), loaded.engine, self.drafters)
+        self.prefill_stats: dict[str, float] = {
+            "remote": 0,
+            "local": 0,
+            "failures": 0,
+            "bytes": 0,
+            "compute_s": 0.0,
+            "transfer_s": 0.0,
+            "reused_tokens": 0,  # prompt tokens a worker had from its previous prompt
+        }
+        self.metrics = VerifierMetrics(
+            ActorMetrics("verifier", name), loaded.engine, self.drafters, self.prefill_stats
+        )
         self.metrics.metrics.count_restart()
         loaded.engine.step_listeners.append(self.metrics)
         self.metrics.start_sampling()
@@ -169,15 +180,6 @@ class VerifierActor:
         ]
         self.prefill_links: list[TensorLink | None] = [None] * len(self.prefill_names)
         self.prefill_locks = [asyncio.Lock() for _ in self.prefill_names]
-        self.prefill_stats: dict[str, float] = {
-            "remote": 0,
-            "local": 0,
-            "failures": 0,
-            "bytes": 0,
-            "compute_s": 0.0,
-            "transfer_s": 0.0,
-            "reused_tokens": 0,  # prompt tokens a worker had from its previous prompt
-        }
         self._next_prefill = 0
         self._prefilled_by: dict[str, str] = {}
 
@@ -251,7 +253,6 @@ class VerifierActor:
         uncached = len(prompt_ids) - 1 - engine.cached_prefix_tokens(prompt_ids)
         if not self.prefill_actors or uncached < max(1, self.min_remote_prompt):
             self.prefill_stats["local"] += 1
-            self.metrics.count_prefill("local")
             return None
         try:
             method, _ = engine.speculator.resolve(spec)
@@ -280,7 +281,6 @@ class VerifierActor:
                 err,
             )
             self.prefill_stats["failures"] += 1
-            self.metrics.count_prefill("failed")
             self.prefill_links[index] = None
             span.end()
             return None
@@ -297,7 +297,6 @@ class VerifierActor:
         )
         span.end()
         self.prefill_stats["remote"] += 1
-        self.metrics.count_prefill("remote")
         self.prefill_stats["bytes"] += timing["bytes"]
         self.prefill_stats["compute_s"] += timing["compute_s"]
         self.prefill_stats["transfer_s"] += timing["transfer_s"]

@@ -87,6 +87,7 @@ def deployment_of(args: argparse.Namespace) -> DeploymentConfig:
         "pools.drafter.draft_layers": args.draft_layers,
         "pools.verifier.tensor_parallel_size": args.tp,
         "ray.address": args.address,
+        "router.log_format": getattr(args, "log_format", None),  # `serve`'s flag
     }
     if args.prefill == "remote":
         overrides["pools.prefill.replicas"] = max(1, config.pools.prefill.replicas)
@@ -224,9 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
     from workers.engine.engine_loop import EngineLoop
 
     config = deployment_of(args)
-    # The actors log as the router does: they read the same setting.
-    config = config.with_overrides({"router.log_format": args.log_format})
-    logs.configure(config.router.log_format)
+    logs.configure(config.router.log_format)  # the actors read the same setting
     keys = read_keys_file(args.api_keys_file) if args.api_keys_file else []
     embedded: EmbeddedRedis | None = None
     if args.redis_url is None and config.redis.url is None:

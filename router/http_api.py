@@ -231,9 +231,7 @@ def create_app(service: RouterService) -> FastAPI:
         """OpenAI's Responses API, served as a chat completion (router/responses.py)."""
         await service.authorize(_bearer(request))
         raw = await request.body()
-        body = await service.offload(
-            validate, ResponsesRequest, await service.offload(parse_json, raw)
-        )
+        body = await service.offload(_responses_body, raw)
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             earlier = (await _stored(body.previous_response_id, "previous_response_id"))["items"]

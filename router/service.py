@@ -327,17 +327,16 @@ class RouterService:
             }
             logs.request_line(line)
 
-    def refused(self, api: str, exc: Exception) -> None:
+    def refused(self, api: str, exc: errors.RouterError) -> None:
         """Count and log a request refused before it was served (its status in the line)."""
         self.metrics.requests.labels(api, "refused").inc()
-        status = getattr(exc, "status", None)
         logs.request_line(
             {
                 "request_id": logs.REQUEST_ID.get(),
                 "api": api,
                 "outcome": "refused",
-                "status": status,
-                "error": str(getattr(exc, "message", exc)),
+                "status": exc.status,
+                "error": exc.message,
             }
         )
 

@@ -67,7 +67,10 @@ def recorded() -> tuple[Kept, LLMEngine]:
     )
     engine = LLMEngine(model, config, drafters={"ngram": NgramDrafter(NgramConfig(1, 3))})
     kept = Kept()
-    metrics = VerifierMetrics(ActorMetrics("verifier", "verifier-g0-r0", kept.recorder), engine)
+    prefills = {"remote": 0, "local": 3, "failures": 1}  # as a verifier counts its prompts
+    metrics = VerifierMetrics(
+        ActorMetrics("verifier", "verifier-g0-r0", kept.recorder), engine, prefills=prefills
+    )
     engine.step_listeners.append(metrics)
     repeating = [5, 6, 7, 8, 9] * 6
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -115,6 +118,10 @@ def test_steps_kv_queue_and_cache_counters(recorded: tuple[Kept, LLMEngine]) -> 
     assert kept.last("outrider_kv_cache_blocks_free") == 12
     assert kept.last("outrider_num_requests_running") == 0
     assert kept.last("outrider_num_requests_waiting") == 0
+    # The verifier's prefill counts, exported as they grew, by outcome (none remote: no series).
+    assert kept.total("outrider_remote_prefill_requests", outcome="local") == 3
+    assert kept.total("outrider_remote_prefill_requests", outcome="failed") == 1
+    assert not kept.total("outrider_remote_prefill_requests", outcome="remote")
     used = kept.values[("outrider_kv_cache_blocks_used", ())]
     assert max(used) == 12  # under pressure, every block was held at some step
 
