@@ -97,7 +97,7 @@ class DrafterActor:
         import torch
 
         from workers.engine.factory import build_drafters, needs_target
-        from workers.model.loader import build_model, load_checkpoint, load_config, parse_dtype
+        from workers.model.loader import build_model, load_config, parse_dtype
 
         torch.set_num_threads(1)
         deployment = from_dict(config)
@@ -111,9 +111,8 @@ class DrafterActor:
             # a large target never loads the target's weights.
             checkpoint = target = None
             if needs_target(spec, method):
-                dtype = parse_dtype(deployment.dtype)
-                checkpoint = load_checkpoint(deployment.model, dtype=dtype)
-                target = build_model(checkpoint, dtype=dtype, device=self.device)
+                checkpoint = spec.load(deployment.model)
+                target = build_model(checkpoint, dtype=parse_dtype(spec.dtype), device=self.device)
             target_config = checkpoint.config if checkpoint else load_config(deployment.model)
             settings = deployment.engine_config()
             drafters, seconds = build_drafters(
@@ -158,16 +157,17 @@ class PrefillActor:
 
     def __init__(self, config: dict[str, Any], name: str) -> None:
 
-        from workers.model.loader import build_model, load_checkpoint, parse_dtype
+        from workers.model.loader import build_model, parse_dtype
 
         use_assigned_cpus()
         deployment = from_dict(config)
         logs.configure(deployment.router.log_format)
         self.name = name
         self.device = assigned_device()
-        dtype = parse_dtype(deployment.dtype)
-        checkpoint = load_checkpoint(deployment.model, dtype=dtype)
-        model = build_model(checkpoint, dtype=dtype, device=self.device)
+        spec = deployment.model_spec(self.device)
+        model = build_model(
+            spec.load(deployment.model), dtype=parse_dtype(spec.dtype), device=self.device
+        )
         self.worker = PrefillWorker(
             model, deployment.engine.max_model_len, deployment.engine.block_size
         )
@@ -303,15 +303,16 @@ class VerifierRankActor:
 
     def __init__(self, config: dict[str, Any], name: str, rank: int, world: int) -> None:
 
-        from workers.model.loader import load_checkpoint, parse_dtype
+        from workers.model.loader import parse_dtype
 
         use_assigned_cpus()
         deployment = from_dict(config)
         logs.configure(deployment.router.log_format)
         self.name, self.rank, self.world = name, rank, world
-        dtype = parse_dtype(deployment.dtype)
-        checkpoint = load_checkpoint(deployment.model, dtype=dtype)
-        model = build_sharded_model(checkpoint, rank, world, None, dtype, assigned_device())
+        device = assigned_device()
+        spec = deployment.model_spec(device)
+        checkpoint = spec.load(deployment.model)
+        model = build_sharded_model(checkpoint, rank, world, None, parse_dtype(spec.dtype), device)
         blocks = deployment.engine_config().kv_blocks
         block_size = deployment.engine.block_size
         cache = PagedKVCache(model.config, blocks, block_size, model.dtype, model.device)

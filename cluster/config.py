@@ -7,6 +7,7 @@ RayCluster). A config is checked as a whole when it is built, and every error na
 
     model: null                 # GGUF file, HF folder, fetched name, or null for the bundled model
     dtype: bfloat16
+    quantization: auto          # none, gguf (a GGUF file's blocks), int8; auto: gguf on CPUs
     engine: {max_model_len: 4096, max_num_seqs: 32, block_size: 16, max_num_batched_tokens: 512}
     speculative: {method: eagle, num_speculative_tokens: 4, adaptive: true,
                   eagle_prompt_lookup: true,    # EAGLE copies where the text repeats
@@ -47,6 +48,7 @@ from workers.engine.config import (
     EngineConfig,
     SpecConfig,
 )
+from workers.model.config import QUANTIZATIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -202,6 +204,7 @@ class RaySettings:
 class DeploymentConfig:
     model: str | None = None
     dtype: str = "bfloat16"
+    quantization: str = "auto"
     engine: EngineSettings = field(default_factory=EngineSettings)
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     pools: Pools = field(default_factory=Pools)
@@ -215,6 +218,11 @@ class DeploymentConfig:
 
     def validate(self) -> None:
         _check(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        _check(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {', '.join(QUANTIZATIONS)}",
+        )
         e = self.engine
         for name in ("max_model_len", "max_num_seqs", "block_size", "max_num_batched_tokens"):
             _check(getattr(e, name) >= 1, f"engine.{name}", "must be >= 1")
@@ -306,7 +314,8 @@ class DeploymentConfig:
     def pool_settings(self) -> dict[str, Any]:
         """What the pools' actors are built from (the rest configures routers and clients)."""
         raw = self.to_dict()
-        return {key: raw[key] for key in ("model", "dtype", "engine", "speculative", "pools")}
+        keys = ("model", "dtype", "quantization", "engine", "speculative", "pools")
+        return {key: raw[key] for key in keys}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -341,7 +350,13 @@ class DeploymentConfig:
 
         drafter = self.pools.drafter
         return ModelSpec(
-            self.model, self.dtype, drafter.draft_model, drafter.draft_layers, eagle_head, device
+            self.model,
+            self.dtype,
+            drafter.draft_model,
+            drafter.draft_layers,
+            eagle_head,
+            device,
+            self.quantization,
         )
 
     def with_overrides(self, overrides: dict[str, Any]) -> DeploymentConfig:

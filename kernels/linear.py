@@ -17,6 +17,10 @@ tests/benchmarks/bench_forward.py prints the comparison):
 - `torch.mv` (one row) and `W @ x^T` (the weight as the left operand: a GEMM with a small N,
   for 2..MAX_SMALL_ROWS rows), ~1.5x faster than `F.linear`.
 fp32 gains nothing and keeps `F.linear`, as do long prefill chunks.
+
+A weight kept in quantized blocks (`kernels.quant.QuantizedWeight`) goes to `quant.linear`
+whatever the rows: 4.5-8.5 bits a weight instead of 16, so a decode step streams a third to a
+half of the bytes (kernels/quant.py).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, quant
+from kernels.quant import QuantizedWeight, Weight
 
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 MAX_SMALL_ROWS = 32
@@ -84,7 +89,9 @@ class WeightPacks:
         self._packs: dict[str, PackedWeight | None] = {}
         self._unpackable: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
 
-    def get(self, name: str, weight: torch.Tensor) -> PackedWeight | None:
+    def get(self, name: str, weight: Weight) -> PackedWeight | None:
+        if isinstance(weight, QuantizedWeight):
+            return None  # read in its blocks
         packed = self._packs.get(name)
         if packed is not None and packed.fits(weight):
             return packed
@@ -101,7 +108,7 @@ class WeightPacks:
         self,
         name: str,
         x: torch.Tensor,  # [num_rows, in_features]
-        weight: torch.Tensor,  # [out_features, in_features]
+        weight: Weight,  # [out_features, in_features]
         bias: torch.Tensor | None = None,  # [out_features]
     ) -> torch.Tensor:  # [num_rows, out_features]
         """`linear` with the pack this holder keeps for `weight` under `name`."""
@@ -113,11 +120,13 @@ class WeightPacks:
 
 def linear(
     x: torch.Tensor,  # [num_rows, in_features]
-    weight: torch.Tensor,  # [out_features, in_features]
+    weight: Weight,  # [out_features, in_features]
     bias: torch.Tensor | None = None,  # [out_features]
     packed: PackedWeight | None = None,  # pack(weight), when the caller keeps one
     use_native: bool = True,
 ) -> torch.Tensor:  # [num_rows, out_features]
+    if isinstance(weight, QuantizedWeight):
+        return quant.linear(x, weight, bias, use_native)
     rows = x.shape[0]
     if x.dim() != 2 or x.device.type != "cpu" or x.dtype not in _FAST_DTYPES:
         return F.linear(x, weight, bias)

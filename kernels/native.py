@@ -7,6 +7,9 @@
   each weight it loads serves up to 8 rows, so 8 rows cost ~1.1x one row's time.
 - `linear_bf16` multiplies rows by an unpacked weight with AVX512 dot products: faster than
   torch's kernels for one row, but dearer per extra row.
+- `linear_quant` multiplies fp32 or bf16 rows by a weight kept in GGUF's quantized blocks
+  (Q4_0, Q4_1, Q8_0; kernels/quant.py): each row is quantized to int8 per block of 32 and the
+  dot products are exact integer ones (VNNI), so a step streams 4.5-8.5 bits a weight.
 - `rms_norm_bf16` is RMSNorm, optionally fused with the residual add before it, in one call
   instead of half a dozen torch ops.
 - `paged_attention_bf16` attends a few new tokens per sequence (decode, verification) over the
@@ -25,6 +28,7 @@ import contextlib
 import ctypes
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -168,6 +172,125 @@ def linear_bf16(
     if not weight.is_contiguous():
         raise ValueError("the weight must be contiguous")
     return _project(lib.outrider_linear_bf16, x, weight, bias, weight.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class QuantKernelArgs:
+    """A quantized weight as `linear_quant` passes it to the kernel: checked once, when made
+    (`quant_kernel_args`), so that each call costs little more than the kernel."""
+
+    codes: int  # pointers into tensors the weight keeps alive
+    scales: int
+    mins: int | None
+    min_per_scale: int
+    bits: int
+    in_features: int
+    out_features: int
+
+
+def quant_kernel_args(
+    codes: torch.Tensor,  # uint8 [out_features, in_features * bits / 8] (kernels/quant.py)
+    scales: torch.Tensor,  # fp16 [tiles of 4 outputs, groups of 4 blocks * 16] (quant.py)
+    mins: torch.Tensor | None,  # fp16 like scales (Q4_1), or None: m = min_per_scale d
+    min_per_scale: int,
+    bits: int,  # 4 or 8
+    in_features: int,
+) -> QuantKernelArgs:
+    """The kernel's view of a weight in quantized blocks; raises where the tensors do not fit.
+    The caller keeps the tensors alive while it uses the result."""
+    out_features = codes.shape[0]
+    tiled = (-(-out_features // 4), -(-in_features // 128) * 16)
+    tensors = [codes, scales] + ([] if mins is None else [mins])
+    if (
+        bits not in (4, 8)
+        or in_features <= 0
+        or in_features % 32
+        or codes.dtype != torch.uint8
+        or codes.shape != (out_features, in_features * bits // 8)
+        or scales.dtype != torch.float16
+        or scales.shape != tiled
+        or (mins is not None and (mins.shape != tiled or mins.dtype != torch.float16))
+        or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+    ):
+        raise ValueError(f"not a quantized weight of {out_features} x {in_features}")
+    return QuantKernelArgs(
+        codes.data_ptr(),
+        scales.data_ptr(),
+        None if mins is None else mins.data_ptr(),
+        int(min_per_scale),
+        bits,
+        in_features,
+        out_features,
+    )
+
+
+def linear_quant(
+    x: torch.Tensor,  # [rows, in_features] fp32 or bf16
+    weight: QuantKernelArgs,
+    bias: torch.Tensor | None = None,  # [out_features], x's dtype
+) -> torch.Tensor:  # [rows, out_features], x's dtype
+    """`x W^T + b` from a weight in quantized blocks (kernels/csrc/linear_quant.c): each block of
+    32 values of a row quantized to int8, exact integer dot products, fp32 sums, rounded once to
+    bf16 for bf16 rows. A row's result does not depend on the other rows nor on the thread
+    count. Call only when `available()`."""
+    lib = _lib()
+    if x.dtype not in _QUANT_ROWS or x.dim() != 2 or x.device.type != "cpu":
+        raise TypeError("linear_quant takes 2-D fp32 or bf16 CPU rows")
+    rows, out_features = x.shape[0], weight.out_features
+    if x.shape[1] != weight.in_features:
+        raise ValueError(f"x {tuple(x.shape)} does not fit {weight.in_features} in features")
+    if bias is not None and (
+        bias.dtype != x.dtype or bias.shape != (out_features,) or not bias.is_contiguous()
+    ):
+        raise ValueError("the bias must be a contiguous vector of out_features in x's dtype")
+    x = x.contiguous()
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    if rows and out_features:
+        code = lib.outrider_linear_quant(
+            x.data_ptr(),
+            _QUANT_ROWS[x.dtype],
+            weight.codes,
+            weight.scales,
+            weight.mins,
+            weight.min_per_scale,
+            weight.bits,
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            rows,
+            weight.in_features,
+            out_features,
+            torch.get_num_threads(),
+        )
+        if code:
+            raise MemoryError("linear_quant could not allocate its scratch")
+    return y
+
+
+_QUANT_ROWS = {torch.float32: 1, torch.bfloat16: 0}  # the dtypes linear_quant takes: x_f32
+
+
+def quantize_rows(
+    x: torch.Tensor,  # [rows, in_features] fp32 or bf16, in_features % 32 == 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q int8 [rows, in], dx, sx [rows, blocks]
+    """The rows as `linear_quant` quantizes them; q in its grouped layout (kernels/quant.py)."""
+    lib = _lib()
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] % 32:
+        raise ValueError("quantize_rows takes [rows, 32 k] fp32 or bf16 rows")
+    x = x.contiguous()
+    rows, in_features = x.shape
+    q = torch.empty(rows, in_features, dtype=torch.int8)
+    dx = torch.empty(rows, in_features // 32)
+    sx = torch.empty(rows, in_features // 32)
+    lib.outrider_quantize_rows(
+        x.data_ptr(),
+        int(x.dtype == torch.float32),
+        rows,
+        in_features,
+        q.data_ptr(),
+        dx.data_ptr(),
+        sx.data_ptr(),
+    )
+    return q, dx, sx
 
 
 def _project_packed(

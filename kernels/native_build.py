@@ -34,11 +34,12 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.c")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC")
-BF16_FLAGS = ("-mavx512bf16", "-mamx-tile", "-mamx-bf16")  # the "avx512_bf16" build adds these
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# The "avx512_bf16" build adds these (every AVX512-BF16 CPU has VNNI too).
+BF16_FLAGS = ("-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16")
 ENABLE_ENV = "OUTRIDER_NATIVE_KERNELS"
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
-BF16_CPU_FLAGS = ("avx512_bf16",)
+BF16_CPU_FLAGS = ("avx512_bf16", "avx512_vnni")
 AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 
 
@@ -79,6 +80,11 @@ def load_library() -> tuple[ctypes.CDLL | None, str | None]:
         long_ = ctypes.c_int64
         rotary.argtypes = [ptr, int_, int_, int_, int_, int_, ptr, ptr, ptr, long_, ptr, long_]
         rotary.argtypes += [ptr, ptr, int_]
+        quant = lib.outrider_linear_quant
+        quant.restype = int_
+        quant.argtypes = [ptr, int_, ptr, ptr, ptr, int_, int_, ptr, ptr, int_, int_, int_, int_]
+        lib.outrider_quantize_rows.restype = None
+        lib.outrider_quantize_rows.argtypes = [ptr, int_, int_, int_, ptr, ptr, ptr]
         silu = lib.outrider_silu_mul_bf16
         silu.restype = None
         silu.argtypes = [ptr, int_, int_, int_, ptr, int_]

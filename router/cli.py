@@ -49,9 +49,10 @@ def _uses_cluster(args: argparse.Namespace) -> bool:
     return bool(args.cluster or args.config or args.address or args.prefill) or args.tp is not None
 
 
-# An engine in this process (no --cluster, hence no config file) runs in float32 without
-# speculation unless the flags say otherwise; all else defaults as a deployment does.
-IN_PROCESS_DEFAULTS = {"dtype": "float32", "speculative.method": "none"}
+# An engine in this process (no --cluster, hence no config file) runs without speculation
+# unless the flags say otherwise; all else (bfloat16, a GGUF file's quantized blocks on CPUs)
+# defaults as a deployment does.
+IN_PROCESS_DEFAULTS = {"speculative.method": "none"}
 
 
 def deployment_of(args: argparse.Namespace) -> DeploymentConfig:
@@ -70,6 +71,7 @@ def deployment_of(args: argparse.Namespace) -> DeploymentConfig:
     overrides: dict[str, object] = {
         "model": args.model,
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "engine.max_model_len": args.max_model_len,
         "engine.max_num_seqs": args.max_num_seqs,
         "engine.enforce_eager": True if args.enforce_eager else None,

@@ -11,6 +11,7 @@ from workers.engine.config import (
     DEFAULT_MIN_DRAFT_CONFIDENCE,
     SPEC_METHODS,
 )
+from workers.model.config import QUANTIZATIONS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +19,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
     # Engine flags default to None: only the flags given apply, over a --config file or the
     # defaults (router/cli.py `deployment_of`).
-    model.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    model.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="activations and float weights (default bfloat16; float32 for exactness tests)",
+    )
+    model.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="how projection weights are held: auto (default: a GGUF file's blocks on CPUs), "
+        "none (floats), gguf (the file's Q4_0/Q4_1/Q8_0 blocks), int8 (quantized at load)",
+    )
     model.add_argument(
         "--device",
         default=None,

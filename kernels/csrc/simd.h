@@ -77,6 +77,22 @@ static inline __m256i bf16_round16(__m512 v) {
 }
 #endif
 
+/* acc[l] + the four products u[4l + i] s[4l + i] of unsigned bytes u and signed bytes s, exact
+ * in int32: VPDPBUSD where the build has AVX512-VNNI (every AVX512-BF16 CPU), else the bytes
+ * split into nibbles so that VPMADDUBSW's 16-bit pair sums cannot saturate. */
+static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    const __m512i nibble = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1);
+    const __m512i lo = _mm512_maddubs_epi16(_mm512_and_si512(u, nibble), s);
+    const __m512i hi = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(u, 4), nibble), s);
+    const __m512i sum = _mm512_add_epi32(_mm512_madd_epi16(lo, ones),
+                                         _mm512_slli_epi32(_mm512_madd_epi16(hi, ones), 4));
+    return _mm512_add_epi32(acc, sum);
+#endif
+}
+
 /* 32 fp32 (lo: elements 0-15, hi: 16-31) -> 32 bf16. */
 static inline __m512i bf16_round32(__m512 lo, __m512 hi) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_round16(lo)), bf16_round16(hi), 1);

@@ -26,6 +26,7 @@ from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.linear import WeightPacks
+from kernels.quant import QuantizedWeight, Weight
 from kernels.rotary import RotaryAngles, rope_cos_sin
 from workers.model.config import ModelConfig
 from workers.model.transformer import DecoderLayer, RMSNorm, TransformerLM
@@ -118,8 +119,10 @@ class EagleHead(nn.Module):
         self.layer = DecoderLayer(config.layer_config())
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.register_buffer("draft_vocab", draft_vocab.to(torch.int64))
-        self.embed: torch.Tensor | None = None  # [target vocab, hidden], the target's
-        self.lm_head: torch.Tensor | None = None  # [draft vocab, hidden], rows of the target's
+        # The target's token embedding, and the draft-vocabulary rows of its LM head: in their
+        # quantized blocks where the target keeps them so.
+        self.embed: Weight | None = None  # [target vocab, hidden]
+        self.lm_head: Weight | None = None  # [draft vocab, hidden]
         self.packs = WeightPacks()
         self._cos, self._sin = rope_cos_sin(
             config.head_dim, config.max_positions, config.rope_theta
@@ -141,10 +144,12 @@ class EagleHead(nn.Module):
             raise ValueError("the head's hidden size differs from the target's")
         if int(self.draft_vocab.max()) >= target.config.vocab_size:
             raise ValueError("the draft vocabulary has ids outside the target's vocabulary")
-        self.embed = target.embed_tokens.weight.detach()
-        weight = target.lm_head_weight().detach()
-        self.lm_head = weight.index_select(0, self.draft_vocab.to(weight.device))
-        self.lm_head = self.lm_head.to(self.fuse.weight.dtype)
+        embed, weight = target.embed_tokens.weight, target.lm_head_weight()
+        self.embed = embed if isinstance(embed, QuantizedWeight) else embed.detach()
+        rows = weight.index_select(0, self.draft_vocab.to(weight.device))
+        self.lm_head = (
+            rows if isinstance(rows, QuantizedWeight) else rows.detach().to(self.fuse.weight.dtype)
+        )
 
     # -- the pieces, shared by drafting (paged cache) and training (dense, unrolled) -----------
 
@@ -157,7 +162,10 @@ class EagleHead(nn.Module):
 
     def layer_input(self, g: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
         assert self.embed is not None, "attach() the target first"
-        e = self.embed.index_select(0, next_token_ids).to(g.dtype)
+        if isinstance(self.embed, QuantizedWeight):
+            e = self.embed.rows(next_token_ids, g.dtype).to(g.device)
+        else:
+            e = self.embed.index_select(0, next_token_ids).to(g.dtype)
         x = torch.cat([self.embed_norm(e), self.feature_norm(g)], dim=-1)
         return self.packs.linear("fc_in", x, self.fc_in.weight)
 

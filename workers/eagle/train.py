@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kernels.quant import QuantizedWeight, Weight
 from workers.eagle.data import (
     PROMPT_SOURCES,
     EagleData,
@@ -55,6 +56,11 @@ class StepStats:
     weight: float
     matches: list[torch.Tensor]  # per step [B, T] bool: head's top token == target's
     valid: list[torch.Tensor]  # per step [B, T] bool: rows that count
+
+
+def as_float(weight: Weight) -> torch.Tensor:
+    """A borrowed weight in fp32 for training (dequantized where the target keeps blocks)."""
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.float()
 
 
 def batch_loss(head: EagleHead, batch: Batch, depth: int) -> tuple[torch.Tensor, StepStats]:
@@ -167,8 +173,8 @@ def train(
     head.init_weights(seed)  # on the host, so a seed gives the same start on any device
     head.to(target.device)
     head.attach(target)
-    head.embed = head.embed.float() if head.embed is not None else None
-    head.lm_head = head.lm_head.float() if head.lm_head is not None else None
+    head.embed = None if head.embed is None else as_float(head.embed)
+    head.lm_head = None if head.lm_head is None else as_float(head.lm_head)
     to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
     to_draft[vocab] = torch.arange(len(vocab))
     coverage = float((to_draft[data.top_ids[:, 0]] >= 0).float().mean())

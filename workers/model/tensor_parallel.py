@@ -19,8 +19,9 @@ from dataclasses import replace
 
 import torch
 
+from kernels.quant import Weight
 from workers.model.config import ModelConfig
-from workers.model.loader import Checkpoint, attention_for
+from workers.model.loader import Checkpoint, attention_for, check_device, describe
 from workers.model.transformer import TransformerLM
 
 
@@ -47,16 +48,17 @@ def shard_config(config: ModelConfig, rank: int, world: int) -> ModelConfig:
 
 
 def shard_weights(
-    weights: dict[str, torch.Tensor], config: ModelConfig, rank: int, world: int
-) -> dict[str, torch.Tensor]:
-    """This rank's weights, under the same Hugging Face names, sliced for `shard_config`."""
+    weights: dict[str, Weight], config: ModelConfig, rank: int, world: int
+) -> dict[str, Weight]:
+    """This rank's weights, under the same Hugging Face names, sliced for `shard_config`
+    (a quantized row-parallel weight splits only at its blocks of 32 input features)."""
     kv = split_evenly(config.num_kv_heads, world)[rank]
     group, d = config.num_heads // config.num_kv_heads, config.head_dim
     q_rows = torch.arange(kv.start * group * d, kv.stop * group * d)
     kv_rows = torch.arange(kv.start * d, kv.stop * d)
     inter = split_evenly(config.intermediate_size, world)[rank]
     mlp_rows = torch.arange(inter.start, inter.stop)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Weight] = {}
     for name, w in weights.items():
         if ".self_attn.q_proj." in name:
             out[name] = w.index_select(0, q_rows)
@@ -83,6 +85,7 @@ def build_sharded_model(
 ) -> TransformerLM:
     """Rank `rank` of `world`: its slice of the weights, and `reduce` (a sum over the group)
     after the attention and MLP outputs. `reduce` may be set later (`model.reduce = ...`)."""
+    check_device(checkpoint, device)
     attention = attention_for(device, dtype)
     if world == 1:
         model = TransformerLM(checkpoint.config, attention)
@@ -91,6 +94,6 @@ def build_sharded_model(
         config = shard_config(checkpoint.config, rank, world)
         model = TransformerLM(config, attention)
         model.load_hf_weights(shard_weights(checkpoint.weights, checkpoint.config, rank, world))
-    model = model.to(device=device, dtype=dtype).eval()
+    model = describe(model.to(device=device, dtype=dtype).eval())
     model.reduce = reduce
     return model

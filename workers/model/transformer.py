@@ -4,6 +4,11 @@ Every sequence in a batch brings any number of new tokens at its own positions (
 one decode token, or the last token plus k draft tokens); their keys and values go into the
 cache slots the caller chose, and attention reads each sequence's context through its block table
 (kernels/attention.py). Q/K/V and gate/up projections are fused into one matmul each.
+
+A projection's weight (and the token embedding) may be kept in quantized blocks
+(kernels/quant.py): `load_hf_weights` then puts a `QuantizedLinear` (or `QuantizedEmbedding`)
+where the float module was, and the forward is the same code (kernels/linear.py dispatches on
+the weight). Those weights stay on the CPU and in their blocks whatever `.to()` is asked.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from kernels.activation import silu_and_mul
 from kernels.attention import AttentionBackend, AttentionMetadata, NativeCpuAttention
 from kernels.linear import WeightPacks
 from kernels.norm import rms_norm
+from kernels.quant import QuantizedWeight, Weight, cat_rows
 from kernels.rotary import RotaryAngles, rope_cos_sin, rotate_and_store
 from workers.model.config import ModelConfig
 
@@ -46,6 +52,28 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual), or (norm(x), x) without a residual: one kernel
         call in bf16 on the CPU and on CUDA."""
         return rms_norm(x, self.weight, self.eps, residual)
+
+
+class QuantizedLinear(nn.Module):
+    """A projection whose weight stays in quantized blocks: `weight` is a `QuantizedWeight`
+    (not a parameter, so `.to(dtype)` leaves it alone); the bias, if any, is a parameter."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding kept in quantized blocks: a lookup dequantizes the rows it reads, and a
+    tied LM head projects with the blocks."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden] fp32
+        return self.weight.rows(ids, torch.float32).to(ids.device)
 
 
 class Attention(nn.Module):
@@ -157,14 +185,17 @@ class TransformerLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Take weights under Hugging Face names, fusing q/k/v and gate/up."""
+    def load_hf_weights(self, weights: dict[str, Weight]) -> None:
+        """Take weights under Hugging Face names, fusing q/k/v and gate/up. Quantized weights
+        (`QuantizedWeight`) keep their blocks: their modules become `QuantizedLinear` or
+        `QuantizedEmbedding`; a fused projection whose parts are not all quantized alike is
+        dequantized."""
         expected = _hf_names(self.config)
         if self.config.tie_word_embeddings:  # some tied checkpoints still store a copy
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
@@ -174,7 +205,7 @@ class TransformerLM(nn.Module):
             raise ValueError(
                 f"weights do not fit the config: missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
-        state: dict[str, torch.Tensor] = {
+        state: dict[str, Weight] = {
             "embed_tokens.weight": weights["model.embed_tokens.weight"],
             "norm.weight": weights["model.norm.weight"],
         }
@@ -188,18 +219,57 @@ class TransformerLM(nn.Module):
                 hf + "post_attention_layernorm.weight"
             ]
             for kind in ("weight", "bias") if self.config.attention_bias else ("weight",):
-                state[ours + f"self_attn.qkv_proj.{kind}"] = torch.cat(
+                state[ours + f"self_attn.qkv_proj.{kind}"] = _stack(
                     [weights[attn + f"{p}_proj.{kind}"] for p in "qkv"]
                 )
             state[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
-            state[ours + "mlp.gate_up_proj.weight"] = torch.cat(
+            state[ours + "mlp.gate_up_proj.weight"] = _stack(
                 [weights[hf + "mlp.gate_proj.weight"], weights[hf + "mlp.up_proj.weight"]]
             )
             state[ours + "mlp.down_proj.weight"] = weights[hf + "mlp.down_proj.weight"]
-        self.load_state_dict(state, strict=True, assign=True)
+        for name, weight in list(state.items()):
+            if isinstance(weight, QuantizedWeight):
+                self._keep_quantized(name.removesuffix(".weight"), weight, state)
+        floats = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        self.load_state_dict(floats, strict=True, assign=True)
 
-    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+    def _keep_quantized(self, module_name: str, weight: QuantizedWeight, state: dict) -> None:
+        """Put a quantized module in place of the float one `module_name` names."""
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = self.get_submodule(parent_name) if parent_name else self
+        module: nn.Module
+        if attr == "embed_tokens":
+            module = QuantizedEmbedding(weight)
+        else:
+            bias = state.pop(f"{module_name}.bias", None)
+            module = QuantizedLinear(weight, None if bias is None else bias.float())
+        setattr(parent, attr, module)
+        del state[f"{module_name}.weight"]
+
+    def lm_head_weight(self) -> Weight:  # [vocab, hidden]
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def quantized_kinds(self) -> dict[str, int]:
+        """How many weights are kept in each quantized block type ({} for a float model)."""
+        kinds: dict[str, int] = {}
+        for module in self.modules():
+            if isinstance(module, QuantizedLinear | QuantizedEmbedding):
+                kinds[module.weight.kind] = kinds.get(module.weight.kind, 0) + 1
+        return kinds
+
+    def step_weight_bytes(self) -> int:
+        """The weight bytes one decode step streams: every projection and the LM head (the
+        embedding's lookup reads a few rows, the norms are small)."""
+        weights: list[Weight] = [self.lm_head_weight()]
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [attn.qkv_proj.weight, attn.o_proj.weight]
+            weights += [mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        return sum(
+            w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+            for w in weights
+        )
 
     def forward(
         self,
@@ -223,7 +293,7 @@ class TransformerLM(nn.Module):
         angles = self._angles(positions)
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
-        h, residual = self.embed_tokens(input_ids), None
+        h, residual = self.embed_tokens(input_ids).to(self.dtype), None
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, angles, kv_caches[i], meta, backend, plan, self.reduce)
             if i in wanted:
@@ -239,6 +309,16 @@ class TransformerLM(nn.Module):
         if self._cos.device != positions.device:
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
         return RotaryAngles(self._cos, self._sin, positions, self.dtype)
+
+
+def _stack(parts: list[Weight]) -> Weight:
+    """Fused projections' weights (or biases) stacked along their outputs: in their blocks when
+    all are quantized alike, else as floats."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+        if len({(p.kind, p.in_features) for p in quantized}) == 1:
+            return cat_rows(quantized)
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts])
 
 
 def _hf_names(config: ModelConfig) -> set[str]:

@@ -1,0 +1,363 @@
+"""Weights kept in GGUF's quantized blocks, and projections computed from them.
+
+A decode step on a CPU streams every weight once, so the bytes a weight takes set the speed.
+`QuantizedWeight` holds a `[out, in]` projection weight as GGUF stores it, blocks of 32 weights
+along `in` with an fp16 scale each:
+
+- Q4_0: 4-bit u per weight, w = d (u - 8): 4.5 bits a weight;
+- Q4_1: 4-bit u and an fp16 minimum m per block, w = d u + m: 5 bits;
+- Q8_0: 8-bit signed q, w = d q: 8.5 bits (held as u = q + 128, w = d (u - 128), so that all
+  three are `w = d u + m` with unsigned u, which is what the kernel multiplies).
+
+`linear` computes `x W^T + b` from them without widening the weight: on CPUs with our native
+kernels, `native.linear_quant` (kernels/csrc/linear_quant.c) quantizes each block of 32 values of
+a row to int8 with its own scale, as llama.cpp does, and takes exact integer dot products;
+elsewhere `reference_linear` does the same arithmetic in torch (same answer up to the order of
+fp32 sums, and slower). `dequantize` gives the weight back as floats: the plain reference the
+tests hold both against, and what an embedding lookup reads.
+
+Layout: the 4-bit codes are GGUF's own bytes (byte j of a block holds element j in its low
+nibble and element j + 16 in its high one). The 8-bit codes are re-laid in groups of four
+blocks: the blocks' first halves, then their second halves, which is how the kernel pairs the
+low and high nibbles of four 4-bit blocks with a row's values. The scales (and minimums) are
+re-laid by tiles of four outputs and groups of four blocks, `[tile][group][block][output]`, so
+that the kernel reads a tile's sixteen with one load (see linear_quant.c); `block_scales()`
+gives them back as `[out, blocks]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+
+BLOCK = 32  # weights per block
+GROUP = 4  # blocks per group of the 8-bit layout
+KINDS = {"q4_0": 4, "q4_1": 4, "q8_0": 8}  # kind -> bits of a weight's code
+_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # one GGUF block, scale(s) included
+_MIN_PER_SCALE = {"q4_0": -8, "q4_1": 0, "q8_0": -128}  # m = this * d, but for Q4_1
+TILE = 4  # outputs whose scales the kernel reads together
+_REFERENCE_ROWS = 8  # rows per chunk of reference_linear (its products are [rows, out, blocks])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class QuantizedWeight:
+    """A `[out_features, in_features]` weight in quantized blocks (see the module docstring)."""
+
+    kind: str  # "q4_0", "q4_1" or "q8_0"
+    codes: torch.Tensor  # uint8 [out, in * bits / 8]: 4-bit pairs (GGUF's), or 8-bit grouped
+    scales: torch.Tensor  # fp16 [tiles, groups * 16]: d of each block, tiled (module docstring)
+    mins: torch.Tensor | None  # fp16 like scales: m of each block (Q4_1); None otherwise
+    in_features: int
+    _kernel: native.QuantKernelArgs | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"quantized kind must be one of {', '.join(KINDS)}, not {self.kind}")
+        if self.in_features <= 0 or self.in_features % BLOCK:
+            raise ValueError(f"{self.in_features} in features are not blocks of {BLOCK}")
+        out = self.codes.shape[0]
+        if self.codes.dim() != 2 or self.codes.shape[1] != self.in_features * self.bits // 8:
+            raise ValueError(f"codes of shape {tuple(self.codes.shape)} do not fit {self.shape}")
+        if self.scales.shape != _tiled_shape(out, self.in_features // BLOCK):
+            raise ValueError(f"scales of shape {tuple(self.scales.shape)} do not fit {self.shape}")
+        if (self.mins is not None) != (self.kind == "q4_1"):
+            raise ValueError("Q4_1 weights, and they alone, carry a minimum per block")
+        tensors = [self.codes, self.scales] + ([] if self.mins is None else [self.mins])
+        if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            raise ValueError("quantized weights are contiguous CPU tensors")
+        if self.codes.dtype != torch.uint8 or self.scales.dtype != torch.float16:
+            raise TypeError("codes are uint8 and scales fp16")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.in_features)
+
+    def kernel_args(self) -> native.QuantKernelArgs:
+        """What `native.linear_quant` takes, checked once and kept."""
+        if self._kernel is None:
+            args = native.quant_kernel_args(
+                self.codes,
+                self.scales,
+                self.mins,
+                _MIN_PER_SCALE[self.kind],
+                self.bits,
+                self.in_features,
+            )
+            object.__setattr__(self, "_kernel", args)
+        assert self._kernel is not None
+        return self._kernel
+
+    @property
+    def bits(self) -> int:
+        return KINDS[self.kind]
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """What a projection streams: codes, scales and minimums (with the tiles' padding)."""
+        mins = 0 if self.mins is None else self.mins.numel() * 2
+        return self.codes.numel() + self.scales.numel() * 2 + mins
+
+    def block_scales(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp16 [out, in / 32] (or [len(rows), in / 32]): d of each block."""
+        return _untile(self.scales, self.shape[0], self.in_features, rows)
+
+    def unsigned_codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [out, in] (or [len(rows), in]): the codes u in natural order."""
+        codes = self.codes if rows is None else self.codes.index_select(0, rows)
+        if self.bits == 8:
+            return _ungroup(codes)
+        pairs = codes.view(codes.shape[0], -1, 16)  # [rows, blocks, 16]
+        return torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).reshape(codes.shape[0], -1)
+
+    def block_mins(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 [out, in / 32] (or [len(rows), in / 32]): m of each block."""
+        if self.mins is not None:
+            return _untile(self.mins, self.shape[0], self.in_features, rows).float()
+        return self.block_scales(rows).float() * _MIN_PER_SCALE[self.kind]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
+        """The weight as floats: d u + m per block, in fp32, then cast to `dtype`."""
+        codes, scales = self.unsigned_codes(), self.block_scales()
+        return self._dequantize_rows(codes, scales, self.block_mins(), dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), in]
+        """Rows `ids` dequantized (an embedding lookup), without widening the rest."""
+        ids = ids.to(device="cpu", dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
+            raise IndexError(f"row ids outside 0..{self.shape[0] - 1}")
+        codes, scales = self.unsigned_codes(ids), self.block_scales(ids)
+        return self._dequantize_rows(codes, scales, self.block_mins(ids), dtype)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> QuantizedWeight:
+        """Rows (dim 0) or whole blocks of input features (dim 1) picked by `index`, as
+        tensor parallelism slices a weight."""
+        mins = None if self.mins is None else self.block_mins().half()
+        if dim == 0:
+            index = index.to(device="cpu", dtype=torch.int64)
+            return from_codes(
+                self.kind,
+                self.unsigned_codes(index),
+                self.block_scales(index),
+                None if mins is None else mins.index_select(0, index),
+            )
+        if dim != 1:
+            raise ValueError("a weight has dims 0 and 1")
+        first = int(index[0]) if index.numel() else 0
+        if not torch.equal(index.cpu(), torch.arange(first, first + index.numel())) or (
+            first % BLOCK or index.numel() % BLOCK
+        ):
+            raise ValueError(f"a quantized weight's input features split only at blocks of {BLOCK}")
+        blocks = slice(first // BLOCK, (first + index.numel()) // BLOCK)
+        codes = self.unsigned_codes()[:, first : first + index.numel()]
+        return from_codes(
+            self.kind,
+            codes.contiguous(),
+            self.block_scales()[:, blocks],
+            None if mins is None else mins[:, blocks],
+        )
+
+    @staticmethod
+    def _dequantize_rows(
+        codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        out = codes.shape[0]
+        u = codes.view(out, -1, BLOCK).float()
+        w = u * scales.float()[..., None] + mins[..., None]
+        return w.reshape(out, -1).to(dtype)
+
+
+Weight = torch.Tensor | QuantizedWeight  # a projection's weight, as a model holds it
+
+
+def from_codes(
+    kind: str,
+    codes: torch.Tensor,  # uint8 [out, in]: unsigned codes in natural order
+    scales: torch.Tensor,  # fp16 [out, in / 32]
+    mins: torch.Tensor | None,  # fp16 [out, in / 32] for Q4_1
+) -> QuantizedWeight:
+    """A weight from its codes, scales and minimums in natural order (laid out here)."""
+    out, in_features = codes.shape
+    if KINDS[kind] == 8:
+        stored = _group(codes)
+    else:
+        halves = codes.reshape(out, -1, 2, 16)
+        stored = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out, in_features // 2)
+    tiled_mins = None if mins is None else _tile(mins)
+    return QuantizedWeight(kind, stored.contiguous(), _tile(scales), tiled_mins, in_features)
+
+
+def from_gguf_blocks(kind: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:
+    """A weight from a GGUF tensor's bytes (`[out, blocks * block bytes]` uint8)."""
+    if kind not in KINDS:
+        raise ValueError(f"no quantized weights of kind {kind}")
+    out = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(out, in_features // BLOCK, _BLOCK_BYTES[kind])
+    scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+    mins = None
+    if kind == "q4_1":
+        mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+    if kind == "q8_0":
+        codes = torch.from_numpy(blocks[..., 2:].copy()) ^ 0x80  # signed q -> q + 128
+        return from_codes(kind, codes.reshape(out, in_features), scales, mins)
+    packed = torch.from_numpy(blocks[..., blocks.shape[-1] - 16 :].copy())
+    tiled_mins = None if mins is None else _tile(mins)
+    codes = packed.reshape(out, in_features // 2)
+    return QuantizedWeight(kind, codes, _tile(scales), tiled_mins, in_features)
+
+
+def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
+    """A float `[out, in]` weight quantized as llama.cpp quantizes it (gguf's own quantizer)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    if kind not in KINDS:
+        raise ValueError(f"quantized kind must be one of {', '.join(KINDS)}, not {kind}")
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise ValueError(f"a weight's {tuple(weight.shape)} in features are not blocks of {BLOCK}")
+    qtype = GGMLQuantizationType[kind.upper()]
+    raw = gguf_quantize(weight.detach().float().cpu().numpy(), qtype)
+    return from_gguf_blocks(kind, raw, weight.shape[1])
+
+
+def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """The weights stacked along their outputs (q/k/v into one projection); one kind, one
+    input width."""
+    first = parts[0]
+    if any(p.kind != first.kind or p.in_features != first.in_features for p in parts):
+        raise ValueError("only weights of one kind and input width stack")
+    mins = None
+    if first.mins is not None:
+        mins = torch.cat([_untile(p.mins, *p.shape) for p in parts if p.mins is not None])
+    return from_codes(
+        first.kind,
+        torch.cat([p.unsigned_codes() for p in parts]),
+        torch.cat([p.block_scales() for p in parts]),
+        mins,
+    )
+
+
+def linear(
+    x: torch.Tensor,  # [rows, in_features] fp32 or bf16
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,  # [out_features]
+    use_native: bool = True,
+) -> torch.Tensor:  # [rows, out_features], x's dtype
+    """`x W^T + b` from the quantized blocks: our kernel where it runs, else the same arithmetic
+    in torch. Rows of another dtype are computed in fp32 and cast back."""
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {weight.shape}")
+    dtype = x.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        return linear(x.float().cpu(), weight, bias, use_native).to(dtype=dtype, device=x.device)
+    if bias is not None and bias.dtype != dtype:
+        bias = bias.to(dtype)
+    if use_native and native.available() and native.grad_free(x, bias):
+        return native.linear_quant(x, weight.kernel_args(), bias)
+    return reference_linear(x, weight, bias)
+
+
+def quantize_rows(
+    x: torch.Tensor,  # [rows, in] fp32 or bf16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [rows, in] int8, dx, sx [rows, blocks]
+    """The rows as the kernel quantizes them: per block of 32, dx = max|x| / 127, q = x / dx
+    rounded to nearest even, sx = dx sum(q); q in natural order."""
+    rows = x.shape[0]
+    blocks = x.float().view(rows, -1, BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    dx = amax / 127
+    # A true division, as the kernel's (`127 / tensor` is a reciprocal times 127 in torch).
+    inverse = torch.where(amax != 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse[..., None]).clamp(-128, 127)
+    sx = dx * q.sum(dim=-1)
+    return q.to(torch.int8).reshape(rows, -1), dx, sx
+
+
+def reference_linear(
+    x: torch.Tensor,  # [rows, in] fp32 or bf16
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [rows, out], x's dtype
+    """The kernel's arithmetic in torch: rows quantized per block, exact integer dot products
+    (small enough to be exact in fp32), d dx per block, then the m sx terms and the bias."""
+    u = weight.unsigned_codes().view(weight.shape[0], -1, BLOCK).float()  # [out, blocks, 32]
+    scales, mins = weight.block_scales().float(), weight.block_mins()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for start in range(0, x.shape[0], _REFERENCE_ROWS):
+        q, dx, sx = quantize_rows(x[start : start + _REFERENCE_ROWS])
+        q = q.float().view(q.shape[0], -1, BLOCK)
+        dots = torch.einsum("rbk,obk->rob", q, u)  # [rows, out, blocks]
+        main = (dots * (scales[None] * dx[:, None, :])).sum(dim=-1)
+        out[start : start + q.shape[0]] = main + sx @ mins.T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+def dequantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x W^T + b` with the weight dequantized and the rows as they are, in fp32: the plain
+    reference (it differs from `linear` by the rows' int8 rounding)."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.dequantize(torch.float32), b)
+
+
+def _tiled_shape(out: int, blocks: int) -> tuple[int, int]:
+    return (-(-out // TILE), -(-blocks // GROUP) * GROUP * TILE)
+
+
+def _tile(natural: torch.Tensor) -> torch.Tensor:  # fp16 [out, blocks] -> [tiles, groups * 16]
+    """Scales in the kernel's order, `[tile][group][block][output]`, zeros where padded."""
+    out, blocks = natural.shape
+    tiles, width = _tiled_shape(out, blocks)
+    padded = torch.zeros(tiles * TILE, width // TILE, dtype=natural.dtype)
+    padded[:out, :blocks] = natural
+    grid = padded.view(tiles, TILE, -1, GROUP)  # [tile, output, group, block]
+    return grid.permute(0, 2, 3, 1).reshape(tiles, width).contiguous()
+
+
+def _untile(
+    tiled: torch.Tensor, out: int, in_features: int, rows: torch.Tensor | None = None
+) -> torch.Tensor:  # -> [out, blocks], or [len(rows), blocks]
+    blocks = torch.arange(in_features // BLOCK)
+    columns = blocks // GROUP * GROUP * TILE + blocks % GROUP * TILE  # output 0 of each block
+    rows = torch.arange(out) if rows is None else rows
+    return tiled[(rows // TILE)[:, None], columns[None, :] + (rows % TILE)[:, None]]
+
+
+def _group(codes: torch.Tensor) -> torch.Tensor:  # uint8 [out, in] -> the 8-bit layout
+    out, in_features = codes.shape
+    blocks = in_features // BLOCK
+    full = blocks // GROUP * GROUP
+    parts = []
+    if full:
+        head = codes[:, : full * BLOCK].reshape(out, full // GROUP, GROUP, 2, 16)
+        parts.append(head.transpose(2, 3).reshape(out, -1))
+    if blocks > full:
+        tail = codes[:, full * BLOCK :].reshape(out, blocks - full, 2, 16)
+        parts.append(tail.transpose(1, 2).reshape(out, -1))
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def _ungroup(grouped: torch.Tensor) -> torch.Tensor:  # the 8-bit layout -> uint8 [out, in]
+    out, in_features = grouped.shape
+    blocks = in_features // BLOCK
+    full = blocks // GROUP * GROUP
+    parts = []
+    if full:
+        head = grouped[:, : full * BLOCK].reshape(out, full // GROUP, 2, GROUP, 16)
+        parts.append(head.transpose(2, 3).reshape(out, -1))
+    if blocks > full:
+        tail = grouped[:, full * BLOCK :].reshape(out, 2, blocks - full, 16)
+        parts.append(tail.transpose(1, 2).reshape(out, -1))
+    return torch.cat(parts, dim=1).contiguous()
