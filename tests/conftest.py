@@ -40,6 +40,14 @@ def model_fp32(checkpoint):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
+def quantized_checkpoint(_isolated_cache: Path):  # type: ignore[no-untyped-def]
+    """The bundled model as a deployment loads it on a CPU: its Q4_1/Q8_0 blocks kept."""
+    from workers.model.loader import load_checkpoint
+
+    return load_checkpoint(quantization="gguf")
+
+
+@pytest.fixture(scope="session")
 def hf_model():  # type: ignore[no-untyped-def]
     """transformers' own reading of the same GGUF, in fp32: the oracle."""
     transformers = pytest.importorskip("transformers")

@@ -22,6 +22,7 @@ def deployment(method: str, drafters: int, prefill: int = 0, **drafter: object) 
     return from_dict(
         {
             "dtype": "float32",
+            "quantization": "none",  # float weights: the fp32 oracle's own tokens
             "speculative": {"method": method, "num_speculative_tokens": 4, "adaptive": False},
             "pools": {
                 # Remote prefill for every prompt (no length threshold) when there is a worker.

@@ -43,6 +43,7 @@ def runtime() -> Iterator[Any]:
     config = from_dict(
         {
             "dtype": "float32",
+            "quantization": "none",  # float weights: the fp32 oracle's own tokens
             "engine": {"max_model_len": 512},
             "speculative": {"method": "ngram", "num_speculative_tokens": 4},
             "pools": {
@@ -84,11 +85,13 @@ def router_b(runtime, checkpoint, redis_server) -> Iterator[RunningRouter]:  # t
 
 
 def outrider_generate(capsys: pytest.CaptureFixture[str], prompt: str, *flags: str) -> Any:
-    """`outrider generate --json` in this process (its engine is in-process too)."""
+    """`outrider generate --json` in this process (its engine is in-process too), in the
+    runtime's dtype."""
     from router.cli import main
 
     capsys.readouterr()
-    assert main(["generate", prompt, "--json", *flags]) == 0
+    exact = ["--dtype", "float32", "--quantization", "none"]
+    assert main(["generate", prompt, "--json", *exact, *flags]) == 0
     return json.loads(capsys.readouterr().out)
 
 

@@ -187,8 +187,11 @@ def test_flags_become_engine_settings_in_one_place() -> None:
     def config(*flags: str) -> Any:
         return deployment_of(build_parser().parse_args(["generate", "hi", *flags]))
 
-    in_process = config()
-    assert (in_process.dtype, in_process.speculative.method) == ("float32", "none")
+    in_process = config()  # the fast path: bf16, a GGUF file's quantized blocks on CPUs
+    assert (in_process.dtype, in_process.quantization) == ("bfloat16", "auto")
+    assert in_process.speculative.method == "none"
+    exact = config("--dtype", "float32", "--quantization", "none").model_spec()
+    assert (exact.dtype, exact.quantization) == ("float32", "none")
     flags = ["--dtype", "bfloat16", "--spec-method", "ngram", "--num-spec-tokens", "6"]
     engine = config(*flags, "--max-num-seqs", "8", "--no-adaptive").engine_config()
     assert (engine.spec.method, engine.spec.num_speculative_tokens) == ("ngram", 6)

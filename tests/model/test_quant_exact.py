@@ -1,0 +1,93 @@
+"""Speculative decoding over a quantized target is lossless: with the bundled GGUF's Q4_1/Q8_0
+blocks kept (what a CPU deployment runs by default), greedy output is identical to the same
+quantized target decoding alone, for every drafter and batch size.
+
+In bf16 on our native kernels, where every op computes a token's row from its own inputs alone
+(tests/model/test_speculative_exact.py has the float model's case): the quantized projection
+rounds each row to int8 per block, so in fp32, whose torch attention and norms are not
+row-independent, a last-bit difference between a batched and a lone forward can move a rounding
+and then a near-tie between two tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.linear import row_independent_rows
+from tests.model.helpers import run_staggered
+from tests.model.test_speculative_exact import GREEDY, SPEC, TEXTS
+from workers.drafting.base import Drafter
+from workers.drafting.draft_model import DraftModelDrafter
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
+from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.engine.config import EngineConfig, RequestSpec
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sequential import SequentialEngine
+from workers.model.loader import build_model, truncate_layers
+from workers.model.transformer import QuantizedLinear
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        row_independent_rows() < 16 * (1 + SPEC.num_speculative_tokens),
+        reason="needs our native kernels for every row of a verification",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def target(quantized_checkpoint):  # type: ignore[no-untyped-def]
+    return build_model(quantized_checkpoint, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(checkpoint) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    texts = TEXTS + [f"Note {i}. {t}" for i, t in enumerate(TEXTS)]
+    return [checkpoint.tokenizer.encode(t) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def expected(target, checkpoint, prompt_ids) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    plain = SequentialEngine(
+        target, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
+    )
+    return [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+
+
+def drafter_for(method: str, target, quantized_checkpoint) -> Drafter:  # type: ignore[no-untyped-def]
+    if method == "ngram":
+        return NgramDrafter(NgramConfig(1, 4))
+    if method == "suffix":
+        return SuffixDrafter(NgramConfig(1, 4))
+    if method == "eagle":  # the head reads the target's quantized embedding and LM head rows
+        return EagleDrafter(EagleHead.load(BUNDLED_HEAD), target, num_blocks=1024)
+    # The target's first layers, in their blocks too: the draft model path over quantized weights.
+    draft = build_model(truncate_layers(quantized_checkpoint, 8), dtype=torch.bfloat16)
+    assert isinstance(draft.layers[0].mlp.down_proj, QuantizedLinear)
+    return DraftModelDrafter(draft, num_blocks=1024)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "eagle"])
+def test_greedy_identical_to_the_quantized_target_alone(
+    method: str,
+    batch: int,
+    target,
+    quantized_checkpoint,
+    checkpoint,
+    prompt_ids,
+    expected,  # type: ignore[no-untyped-def]
+) -> None:
+    assert isinstance(target.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    drafter = drafter_for(method, target, quantized_checkpoint)
+    engine = LLMEngine(
+        target,
+        EngineConfig(max_model_len=512, spec=SPEC),
+        eos_token_ids=checkpoint.config.eos_token_ids,
+        drafters={drafter.method: drafter},
+    )
+    got = run_staggered(engine, prompt_ids[:batch], GREEDY, RequestSpec(method=drafter.method))
+    assert got == expected[:batch]
+    assert engine.stats.drafted > 0
+    assert engine.allocator.num_free_blocks == engine.config.kv_blocks
