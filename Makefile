@@ -39,6 +39,7 @@ typecheck: $(VENV)/.dev $(GENERATED)
 bench: $(VENV)/.dev
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_forward
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_spec
+	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_quant
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_eagle
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_runtime
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_router
@@ -46,6 +47,7 @@ bench: $(VENV)/.dev
 # The Qwen2.5-Coder draft/target pair through the engine and the runtime (about 25 minutes).
 bench-qwen: $(VENV)/.dev models-qwen
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_spec --pair qwen --runs 2 --max-tokens 64
+	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_quant --pair qwen --runs 2
 	HF_HUB_OFFLINE=1 $(PY) -m tests.benchmarks.bench_runtime --pair qwen --runs 2 --max-tokens 64
 
 # Load levels against a running server (`make serve` in another terminal); the report lands in

@@ -349,6 +349,9 @@ class DeploymentConfig:
         from workers.engine.factory import ModelSpec
 
         drafter = self.pools.drafter
+        # Every pool holds the weights as the verifiers do (`quantization: auto` decided by
+        # their device): a prefill worker's KV cache must be what the verifier would compute.
+        verifier_device = "cuda" if self.pools.verifier.resources.gpus else "cpu"
         return ModelSpec(
             self.model,
             self.dtype,
@@ -357,6 +360,7 @@ class DeploymentConfig:
             eagle_head,
             device,
             self.quantization,
+            verifier_device if self.pools.verifier.resources.gpus is not None else None,
         )
 
     def with_overrides(self, overrides: dict[str, Any]) -> DeploymentConfig:

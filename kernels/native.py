@@ -8,8 +8,9 @@
 - `linear_bf16` multiplies rows by an unpacked weight with AVX512 dot products: faster than
   torch's kernels for one row, but dearer per extra row.
 - `linear_quant` multiplies fp32 or bf16 rows by a weight kept in GGUF's quantized blocks
-  (Q4_0, Q4_1, Q8_0; kernels/quant.py): each row is quantized to int8 per block of 32 and the
-  dot products are exact integer ones (VNNI), so a step streams 4.5-8.5 bits a weight.
+  (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; kernels/quant.py): each row is quantized to int8 per block
+  of 32 and the dot products are exact integer ones (VNNI), so a step streams 4.5-8.5 bits a
+  weight.
 - `rms_norm_bf16` is RMSNorm, optionally fused with the residual add before it, in one call
   instead of half a dozen torch ops.
 - `paged_attention_bf16` attends a few new tokens per sequence (decode, verification) over the
@@ -188,12 +189,22 @@ class QuantKernelArgs:
     out_features: int
 
 
+def quant_row_bytes(in_features: int, bits: int) -> int:
+    """Bytes of one weight row's codes in linear_quant.c's layout: 4 and 8 bits packed; 5 bits
+    as 4-bit pairs then two 64-bit masks of fifth bits per group of four blocks."""
+    blocks = in_features // 32
+    full, tail = divmod(blocks, 4)
+    if bits == 5:
+        return full * 80 + (16 * tail + 16 if tail else 0)
+    return blocks * 32 * bits // 8
+
+
 def quant_kernel_args(
-    codes: torch.Tensor,  # uint8 [out_features, in_features * bits / 8] (kernels/quant.py)
+    codes: torch.Tensor,  # uint8 [out_features, quant_row_bytes] (kernels/quant.py)
     scales: torch.Tensor,  # fp16 [tiles of 4 outputs, groups of 4 blocks * 16] (quant.py)
     mins: torch.Tensor | None,  # fp16 like scales (Q4_1), or None: m = min_per_scale d
     min_per_scale: int,
-    bits: int,  # 4 or 8
+    bits: int,  # 4, 5 or 8
     in_features: int,
 ) -> QuantKernelArgs:
     """The kernel's view of a weight in quantized blocks; raises where the tensors do not fit.
@@ -202,11 +213,11 @@ def quant_kernel_args(
     tiled = (-(-out_features // 4), -(-in_features // 128) * 16)
     tensors = [codes, scales] + ([] if mins is None else [mins])
     if (
-        bits not in (4, 8)
+        bits not in (4, 5, 8)
         or in_features <= 0
         or in_features % 32
         or codes.dtype != torch.uint8
-        or codes.shape != (out_features, in_features * bits // 8)
+        or codes.shape != (out_features, quant_row_bytes(in_features, bits))
         or scales.dtype != torch.float16
         or scales.shape != tiled
         or (mins is not None and (mins.shape != tiled or mins.dtype != torch.float16))
@@ -232,9 +243,10 @@ def linear_quant(
     """`x W^T + b` from a weight in quantized blocks (kernels/csrc/linear_quant.c): each block of
     32 values of a row quantized to int8, exact integer dot products, fp32 sums, rounded once to
     bf16 for bf16 rows. A row's result does not depend on the other rows nor on the thread
-    count. Call only when `available()`."""
-    lib = _lib()
-    if x.dtype not in _QUANT_ROWS or x.dim() != 2 or x.device.type != "cpu":
+    count. Call only when `available()`. (A decode step makes a hundred of these calls: the
+    checks are the few that keep the kernel inside its tensors.)"""
+    x_f32 = _QUANT_ROWS.get(x.dtype)
+    if x_f32 is None or x.dim() != 2 or not x.is_cpu:
         raise TypeError("linear_quant takes 2-D fp32 or bf16 CPU rows")
     rows, out_features = x.shape[0], weight.out_features
     if x.shape[1] != weight.in_features:
@@ -243,12 +255,13 @@ def linear_quant(
         bias.dtype != x.dtype or bias.shape != (out_features,) or not bias.is_contiguous()
     ):
         raise ValueError("the bias must be a contiguous vector of out_features in x's dtype")
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     y = torch.empty(rows, out_features, dtype=x.dtype)
     if rows and out_features:
-        code = lib.outrider_linear_quant(
+        code = _lib().outrider_linear_quant(
             x.data_ptr(),
-            _QUANT_ROWS[x.dtype],
+            x_f32,
             weight.codes,
             weight.scales,
             weight.mins,

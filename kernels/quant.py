@@ -6,8 +6,9 @@ along `in` with an fp16 scale each:
 
 - Q4_0: 4-bit u per weight, w = d (u - 8): 4.5 bits a weight;
 - Q4_1: 4-bit u and an fp16 minimum m per block, w = d u + m: 5 bits;
+- Q5_0: 5-bit u, w = d (u - 16): 5.5 bits; Q5_1: 5-bit u and a minimum, w = d u + m: 6 bits;
 - Q8_0: 8-bit signed q, w = d q: 8.5 bits (held as u = q + 128, w = d (u - 128), so that all
-  three are `w = d u + m` with unsigned u, which is what the kernel multiplies).
+  of them are `w = d u + m` with unsigned u, which is what the kernel multiplies).
 
 `linear` computes `x W^T + b` from them without widening the weight: on CPUs with our native
 kernels, `native.linear_quant` (kernels/csrc/linear_quant.c) quantizes each block of 32 values of
@@ -17,7 +18,9 @@ fp32 sums, and slower). `dequantize` gives the weight back as floats: the plain 
 tests hold both against, and what an embedding lookup reads.
 
 Layout: the 4-bit codes are GGUF's own bytes (byte j of a block holds element j in its low
-nibble and element j + 16 in its high one). The 8-bit codes are re-laid in groups of four
+nibble and element j + 16 in its high one). The 5-bit codes are the same pairs of their low
+four bits, each group of four blocks followed by its fifth bits as two 64-bit masks. The 8-bit
+codes are re-laid in groups of four
 blocks: the blocks' first halves, then their second halves, which is how the kernel pairs the
 low and high nibbles of four 4-bit blocks with a row's values. The scales (and minimums) are
 re-laid by tiles of four outputs and groups of four blocks, `[tile][group][block][output]`, so
@@ -38,9 +41,10 @@ from kernels import native
 
 BLOCK = 32  # weights per block
 GROUP = 4  # blocks per group of the 8-bit layout
-KINDS = {"q4_0": 4, "q4_1": 4, "q8_0": 8}  # kind -> bits of a weight's code
-_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}  # one GGUF block, scale(s) included
-_MIN_PER_SCALE = {"q4_0": -8, "q4_1": 0, "q8_0": -128}  # m = this * d, but for Q4_1
+KINDS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q8_0": 8}  # kind -> bits of a code
+_WITH_MINS = ("q4_1", "q5_1")
+_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}  # scales included
+_MIN_PER_SCALE = {"q4_0": -8, "q5_0": -16, "q8_0": -128}  # m = this * d, where no minimums
 TILE = 4  # outputs whose scales the kernel reads together
 _REFERENCE_ROWS = 8  # rows per chunk of reference_linear (its products are [rows, out, blocks])
 
@@ -49,10 +53,10 @@ _REFERENCE_ROWS = 8  # rows per chunk of reference_linear (its products are [row
 class QuantizedWeight:
     """A `[out_features, in_features]` weight in quantized blocks (see the module docstring)."""
 
-    kind: str  # "q4_0", "q4_1" or "q8_0"
-    codes: torch.Tensor  # uint8 [out, in * bits / 8]: 4-bit pairs (GGUF's), or 8-bit grouped
+    kind: str  # one of KINDS
+    codes: torch.Tensor  # uint8 [out, row bytes]: 4-bit pairs (GGUF's), 5-bit, 8-bit grouped
     scales: torch.Tensor  # fp16 [tiles, groups * 16]: d of each block, tiled (module docstring)
-    mins: torch.Tensor | None  # fp16 like scales: m of each block (Q4_1); None otherwise
+    mins: torch.Tensor | None  # fp16 like scales: m of each block (Q4_1, Q5_1); None otherwise
     in_features: int
     _kernel: native.QuantKernelArgs | None = field(default=None, init=False, repr=False)
 
@@ -62,12 +66,13 @@ class QuantizedWeight:
         if self.in_features <= 0 or self.in_features % BLOCK:
             raise ValueError(f"{self.in_features} in features are not blocks of {BLOCK}")
         out = self.codes.shape[0]
-        if self.codes.dim() != 2 or self.codes.shape[1] != self.in_features * self.bits // 8:
+        row_bytes = native.quant_row_bytes(self.in_features, self.bits)
+        if self.codes.dim() != 2 or self.codes.shape[1] != row_bytes:
             raise ValueError(f"codes of shape {tuple(self.codes.shape)} do not fit {self.shape}")
         if self.scales.shape != _tiled_shape(out, self.in_features // BLOCK):
             raise ValueError(f"scales of shape {tuple(self.scales.shape)} do not fit {self.shape}")
-        if (self.mins is not None) != (self.kind == "q4_1"):
-            raise ValueError("Q4_1 weights, and they alone, carry a minimum per block")
+        if (self.mins is not None) != (self.kind in _WITH_MINS):
+            raise ValueError("Q4_1 and Q5_1 weights, and they alone, carry a minimum per block")
         tensors = [self.codes, self.scales] + ([] if self.mins is None else [self.mins])
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
             raise ValueError("quantized weights are contiguous CPU tensors")
@@ -85,7 +90,7 @@ class QuantizedWeight:
                 self.codes,
                 self.scales,
                 self.mins,
-                _MIN_PER_SCALE[self.kind],
+                _MIN_PER_SCALE.get(self.kind, 0),
                 self.bits,
                 self.in_features,
             )
@@ -116,6 +121,8 @@ class QuantizedWeight:
         codes = self.codes if rows is None else self.codes.index_select(0, rows)
         if self.bits == 8:
             return _ungroup(codes)
+        if self.bits == 5:
+            return _unpack_5bit(codes, self.in_features)
         pairs = codes.view(codes.shape[0], -1, 16)  # [rows, blocks, 16]
         return torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).reshape(codes.shape[0], -1)
 
@@ -189,6 +196,8 @@ def from_codes(
     out, in_features = codes.shape
     if KINDS[kind] == 8:
         stored = _group(codes)
+    elif KINDS[kind] == 5:
+        stored = _pack_5bit(codes)
     else:
         halves = codes.reshape(out, -1, 2, 16)
         stored = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out, in_features // 2)
@@ -204,15 +213,77 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, in_features: int) -> QuantizedW
     blocks = np.ascontiguousarray(raw).reshape(out, in_features // BLOCK, _BLOCK_BYTES[kind])
     scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
     mins = None
-    if kind == "q4_1":
+    if kind in _WITH_MINS:
         mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
     if kind == "q8_0":
         codes = torch.from_numpy(blocks[..., 2:].copy()) ^ 0x80  # signed q -> q + 128
         return from_codes(kind, codes.reshape(out, in_features), scales, mins)
+    if KINDS[kind] == 5:  # [d, (m), fifth bits (32, little-endian), 16 bytes of pairs]
+        at = 4 if kind == "q5_1" else 2
+        fifth = torch.from_numpy(blocks[..., at : at + 4].copy()).to(torch.int64)
+        bits = (fifth[..., :, None] >> torch.arange(8)) & 1  # [out, blocks, 4 bytes, 8]
+        pairs = torch.from_numpy(blocks[..., at + 4 :].copy()).to(torch.int64)
+        low = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # elements 0-15, then 16-31
+        codes = low | (bits.reshape(out, -1, 32) << 4)
+        return from_codes(kind, codes.to(torch.uint8).reshape(out, in_features), scales, mins)
     packed = torch.from_numpy(blocks[..., blocks.shape[-1] - 16 :].copy())
     tiled_mins = None if mins is None else _tile(mins)
     codes = packed.reshape(out, in_features // 2)
     return QuantizedWeight(kind, codes, _tile(scales), tiled_mins, in_features)
+
+
+# GGUF block types held in the kernel's kinds: type -> kind. Q4_K and Q5_K keep their codes with
+# each sub-block of 32's scale d sc and minimum dmin m rounded to fp16 (within 2^-11 of
+# llama.cpp's fp32 products); Q6_K (sub-blocks of 16 with their own scales) is requantized to
+# 8-bit blocks of 32 from its values. Other types (Q2_K, Q3_K, IQ*) are dequantized to floats by
+# the loader.
+CONVERTED = {"q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_0"}
+_QK_K = 256  # weights per K-quant super-block
+
+
+def from_gguf_tensor(kind: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:
+    """A GGUF tensor's bytes (`[out, row bytes]` uint8) of block type `kind` (lower case: a
+    kernel kind or one of CONVERTED) as a weight in the kernel's kinds."""
+    if kind in KINDS:
+        return from_gguf_blocks(kind, raw, in_features)
+    out = raw.shape[0]
+    if kind == "q4_k":
+        return _from_k_quant(np.ascontiguousarray(raw).reshape(-1, 144), out, in_features)
+    if kind == "q5_k":
+        return _from_k_quant(np.ascontiguousarray(raw).reshape(-1, 176), out, in_features)
+    if kind == "q6_k":
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        values = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(out, in_features)
+        return quantize(torch.from_numpy(np.array(values, dtype=np.float32)), "q8_0")
+    raise ValueError(f"GGUF type {kind} is not held in quantized blocks here")
+
+
+def _from_k_quant(blocks: np.ndarray, out: int, in_features: int) -> QuantizedWeight:
+    """Q4_K (144 bytes a super-block) or Q5_K (176: the fifth bits before the pairs) in the
+    Q4_1 or Q5_1 kind: sub-blocks of 32 with their own scale and minimum."""
+    from gguf.quants import Q4_K
+
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [super-blocks, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [super-blocks, 8] each
+    scales = torch.from_numpy((d * sc.astype(np.float32)).astype(np.float16))
+    mins = torch.from_numpy((-dmin * m.astype(np.float32)).astype(np.float16))
+    five = blocks.shape[1] == 176
+    qs = torch.from_numpy(blocks[:, 48 if five else 16 :].copy()).view(-1, 4, 1, 32)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=2)  # [super-blocks, 4, 2, 32]: sub-block order
+    if five:  # bit 2c (2c + 1) of byte j: the fifth bit of element j of sub-block 2c (2c + 1)
+        high = torch.from_numpy(blocks[:, 16:48].copy())  # [super-blocks, 32]
+        shifts = torch.arange(8).view(1, 4, 2, 1)
+        codes = codes | (((high.view(-1, 1, 1, 32) >> shifts) & 1) << 4)
+    blocks_per_row = in_features // BLOCK
+    return from_codes(
+        "q5_1" if five else "q4_1",
+        codes.to(torch.uint8).reshape(out, in_features),
+        scales.reshape(out, blocks_per_row),
+        mins.reshape(out, blocks_per_row),
+    )
 
 
 def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
@@ -257,13 +328,16 @@ def linear(
     if x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {weight.shape}")
     dtype = x.dtype
-    if dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+    if dtype not in _ROW_DTYPES or not x.is_cpu:
         return linear(x.float().cpu(), weight, bias, use_native).to(dtype=dtype, device=x.device)
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
     if use_native and native.available() and native.grad_free(x, bias):
         return native.linear_quant(x, weight.kernel_args(), bias)
     return reference_linear(x, weight, bias)
+
+
+_ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def quantize_rows(
@@ -333,6 +407,40 @@ def _untile(
     columns = blocks // GROUP * GROUP * TILE + blocks % GROUP * TILE  # output 0 of each block
     rows = torch.arange(out) if rows is None else rows
     return tiled[(rows // TILE)[:, None], columns[None, :] + (rows % TILE)[:, None]]
+
+
+def _pack_5bit(codes: torch.Tensor) -> torch.Tensor:  # uint8 [out, in] -> the 5-bit layout
+    out, in_features = codes.shape
+    blocks = in_features // BLOCK
+    halves = codes.reshape(out, blocks, 2, 16)
+    pairs = halves[:, :, 0] & 0x0F | ((halves[:, :, 1] & 0x0F) << 4)  # [out, blocks, 16]
+    fifth = (halves >> 4).to(torch.int64)  # [out, blocks, 2, 16]
+    parts = []
+    for start in range(0, blocks, GROUP):
+        n = min(GROUP, blocks - start)
+        bits = fifth[:, start : start + n].transpose(1, 2).reshape(out, 2, 16 * n)
+        words = (bits << torch.arange(16 * n)).sum(dim=-1)  # [out, 2]: a 64-bit mask per half
+        masks = torch.zeros(out, 2, 8, dtype=torch.uint8)
+        for byte in range(8):
+            masks[:, :, byte] = (words >> (8 * byte)) & 0xFF
+        parts += [pairs[:, start : start + n].reshape(out, -1), masks.reshape(out, 16)]
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def _unpack_5bit(stored: torch.Tensor, in_features: int) -> torch.Tensor:  # -> uint8 [out, in]
+    out = stored.shape[0]
+    blocks = in_features // BLOCK
+    parts, at = [], 0
+    for start in range(0, blocks, GROUP):
+        n = min(GROUP, blocks - start)
+        pairs = stored[:, at : at + 16 * n].reshape(out, n, 16)
+        masks = stored[:, at + 16 * n : at + 16 * n + 16].reshape(out, 2, 8).to(torch.int64)
+        at += 16 * n + 16
+        bits = (masks[..., None] >> torch.arange(8)) & 1  # [out, 2, 8 bytes, 8]
+        fifth = bits.reshape(out, 2, 64)[:, :, : 16 * n].reshape(out, 2, n, 16).transpose(1, 2)
+        low = torch.stack([pairs & 0x0F, pairs >> 4], dim=2)  # [out, n, 2, 16]
+        parts.append((low | (fifth << 4)).reshape(out, -1))
+    return torch.cat(parts, dim=1).to(torch.uint8).contiguous()
 
 
 def _group(codes: torch.Tensor) -> torch.Tensor:  # uint8 [out, in] -> the 8-bit layout

@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=list(QUANTIZATIONS),
         help="how projection weights are held: auto (default: a GGUF file's blocks on CPUs), "
-        "none (floats), gguf (the file's Q4_0/Q4_1/Q8_0 blocks), int8 (quantized at load)",
+        "none (floats), gguf (the file's quantized blocks), int8 (quantized at load)",
     )
     model.add_argument(
         "--device",

@@ -5,8 +5,9 @@
  * for Q4_1, 8.5 for Q8_0, against 16 for bf16. The weights stay as loaded and are never widened
  * in memory; the rows are quantized instead, as llama.cpp does: each block of 32 values of a row
  * becomes 32 int8 q with a scale dx = max|x| / 127 and the sum sx = dx * sum(q). A weight block
- * is w = d * u + m with u unsigned (4 bits: Q4_0 and Q4_1, m = -8 d for Q4_0; 8 bits: Q8_0 with
- * its sign bit flipped at load, m = -128 d), so one block's dot product is
+ * is w = d * u + m with u unsigned (4 bits: Q4_0 and Q4_1, m = -8 d for Q4_0; 5 bits: Q5_0 and
+ * Q5_1, m = -16 d for Q5_0; 8 bits: Q8_0 with its sign bit flipped at load, m = -128 d), so one
+ * block's dot product is
  *
  *     sum w x = d dx sum(u q) + m sx
  *
@@ -14,12 +15,14 @@
  * signed ones and adds each four products into an int32 lane (simd.h's `dot_u8s8`, emulated
  * exactly where the CPU lacks it).
  *
- * For Q4_0 and Q8_0, m sx = c d dx sum(q) with c = -8 or -128, an integer correction to sum(u q)
+ * For Q4_0, Q5_0 and Q8_0, m sx = c d dx sum(q) with c = -8, -16 or -128, an integer correction to sum(u q)
  * before the scaling.
  *
  * Layout (kernels/quant.py). Blocks go in groups of four (the last group may hold fewer): for a
  * group of G blocks, 4-bit weights are GGUF's own 16 G bytes (byte j of a block holds element j
- * in its low nibble, element j + 16 in its high one), 8-bit weights are 16 G bytes of the
+ * in its low nibble, element j + 16 in its high one), 5-bit weights are those 16 G bytes of
+ * their low four bits followed by their fifth bits as two 64-bit masks (the first halves', then
+ * the second halves', 16 bits a block, zeros past the group's end), 8-bit weights are 16 G bytes of the
  * blocks' first halves then 16 G bytes of their second halves, and the quantized rows are laid
  * as the 8-bit weights are. So the low nibbles (or the first 16 G bytes) of a group meet the
  * rows' first halves, the high nibbles the second halves, and after two VPDPBUSD lanes 4t..4t+3
@@ -109,20 +112,47 @@ static void quantize_row(const void *x, int x_f32, int in, int c, int8_t *q, flo
     }
 }
 
+/* Bytes of a weight row's group g (from the row's start), and of the whole row. */
+static inline size_t group_offset(int bits, int g) {
+    return (size_t)g * (bits == 5 ? 80 : GROUP * BLOCK * bits / 8);
+}
+
+static inline size_t row_bytes_of(int in, int bits) {
+    const int blocks = in / BLOCK, tail = blocks % GROUP;
+    return group_offset(bits, blocks / GROUP) +
+           (tail ? (bits == 5 ? 16 * (size_t)tail + 16 : (size_t)tail * BLOCK * bits / 8) : 0);
+}
+
 /* Group g of a weight row as two vectors of unsigned bytes: the elements meeting the rows'
  * first halves, and those meeting the second halves (zeros past the group's end). */
 static inline __attribute__((always_inline)) void load_group(const uint8_t *row, int bits, int g,
                                                              __mmask64 m, int in_group,
                                                              __m512i *lo, __m512i *hi) {
-    if (bits == 4) {
-        const __m512i raw = _mm512_maskz_loadu_epi8(m, row + (size_t)g * GROUP * BLOCK / 2);
+    /* Whole groups take plain loads: masked ones keep the hardware prefetcher from following
+     * the rows on some CPUs (a third of the bandwidth on AMD Zen 5). */
+    if (bits != 8) {
+        const uint8_t *at = row + group_offset(bits, g);
+        const __m512i raw = in_group == GROUP ? _mm512_loadu_si512(at)
+                                              : _mm512_maskz_loadu_epi8(m, at);
         const __m512i nibble = _mm512_set1_epi8(0x0f);
         *lo = _mm512_and_si512(raw, nibble);
         *hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        if (bits == 5) { /* the fifth bits: + 16 where set */
+            __mmask64 fifth[2];
+            memcpy(fifth, at + 16 * in_group, sizeof fifth);
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            *lo = _mm512_mask_add_epi8(*lo, fifth[0], *lo, sixteen);
+            *hi = _mm512_mask_add_epi8(*hi, fifth[1], *hi, sixteen);
+        }
     } else {
         const uint8_t *at = row + (size_t)g * GROUP * BLOCK;
-        *lo = _mm512_maskz_loadu_epi8(m, at);
-        *hi = _mm512_maskz_loadu_epi8(m, at + 16 * in_group);
+        if (in_group == GROUP) {
+            *lo = _mm512_loadu_si512(at);
+            *hi = _mm512_loadu_si512(at + 64);
+        } else {
+            *lo = _mm512_maskz_loadu_epi8(m, at);
+            *hi = _mm512_maskz_loadu_epi8(m, at + 16 * in_group);
+        }
     }
 }
 
@@ -140,7 +170,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     const quantized_rows *xq, const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
     int bits, const void *bias, int x_f32, void *y, int in, int out, int tile, int nw, int r0,
     const int nx, int prefetch) {
-    const size_t row_bytes = (size_t)in * (size_t)bits / 8;
+    const size_t row_bytes = row_bytes_of(in, bits);
     const int groups = xq->groups, blocks = xq->blocks;
     const int o = tile * TILE;
     const uint8_t *wr[TILE];
@@ -166,9 +196,9 @@ static inline __attribute__((always_inline)) void tile_rows(
         for (int j = 0; j < TILE; j++) {
             if (prefetch) {
                 const char *ahead = (const char *)(wr[j] + PREFETCH_TILES * TILE * row_bytes) +
-                                    (size_t)g * GROUP * BLOCK * bits / 8;
+                                    group_offset(bits, g);
                 _mm_prefetch(ahead, _MM_HINT_T0);
-                if (bits == 8) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+                if (bits != 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
             }
             load_group(wr[j], bits, g, mk, in_group, &wlo[j], &whi[j]);
         }
@@ -180,8 +210,10 @@ static inline __attribute__((always_inline)) void tile_rows(
         for (int i = 0; i < nx; i++) {
             const size_t row = (size_t)(r0 + i);
             const int8_t *xg = xq->q + row * in + (size_t)g * GROUP * BLOCK;
-            const __m512i xlo = _mm512_maskz_loadu_epi8(mk, xg);
-            const __m512i xhi = _mm512_maskz_loadu_epi8(mk, xg + 16 * in_group);
+            const int whole = in_group == GROUP;
+            const __m512i xlo = whole ? _mm512_loadu_si512(xg) : _mm512_maskz_loadu_epi8(mk, xg);
+            const __m512i xhi = whole ? _mm512_loadu_si512(xg + 64)
+                                      : _mm512_maskz_loadu_epi8(mk, xg + 16 * in_group);
             __m512i s[TILE];
 #pragma GCC unroll 4
             for (int j = 0; j < TILE; j++)
@@ -222,6 +254,16 @@ static inline __attribute__((always_inline)) void tile_rows(
 static void tiles_range(const quantized_rows *xq, const uint8_t *codes, const uint16_t *scales,
                         const uint16_t *mins, int bits, const void *bias, int x_f32, void *y,
                         int rows, int in, int out, int first, int last) {
+    /* The first tiles' weights, which no earlier tile asked for. */
+    const size_t row_bytes = row_bytes_of(in, bits), lanes = (size_t)xq->groups * 16;
+    const int ahead_end = first + PREFETCH_TILES < last ? first + PREFETCH_TILES : last;
+    const size_t code_end = (size_t)(ahead_end * TILE < out ? ahead_end * TILE : out) * row_bytes;
+    for (size_t at = (size_t)first * TILE * row_bytes; at < code_end; at += 64)
+        _mm_prefetch((const char *)codes + at, _MM_HINT_T0);
+    for (size_t at = (size_t)first * lanes * 2; at < (size_t)ahead_end * lanes * 2; at += 64) {
+        _mm_prefetch((const char *)scales + at, _MM_HINT_T0);
+        if (mins) _mm_prefetch((const char *)mins + at, _MM_HINT_T0);
+    }
     for (int t = first; t < last; t++) {
         const int nw = out - t * TILE < TILE ? out - t * TILE : TILE;
         for (int r0 = 0; r0 < rows; r0 += X_ROWS) {
@@ -240,9 +282,9 @@ static void tiles_range(const quantized_rows *xq, const uint8_t *codes, const ui
     }
 }
 
-/* x [rows, in] (fp32 when x_f32, else bf16); codes [out][in * bits / 8] in the grouped layout;
+/* x [rows, in] (fp32 when x_f32, else bf16); codes [out][row bytes] in the grouped layout;
  * scales [tiles][groups][4][4] fp16 (kernels/quant.py); mins likewise (Q4_1) or NULL, then
- * min_per_scale (-8 or -128) says m = min_per_scale d; bias [out] in x's dtype or NULL; y
+ * min_per_scale (-8, -16 or -128) says m = min_per_scale d; bias [out] in x's dtype or NULL; y
  * [rows, out] in x's dtype. in % 32 == 0. Returns 0, or 1 when the rows' scratch could not be
  * allocated. Tiles are split between `threads` threads (the OpenMP runtime is torch's own). */
 int outrider_linear_quant(const void *x, int x_f32, const uint8_t *codes, const uint16_t *scales,

@@ -23,7 +23,7 @@ from workers.model.gguf_loader import unpermute_qk
 needs_native = pytest.mark.skipif(
     not native.available(), reason=f"native kernels unavailable: {native.unavailable_reason()}"
 )
-KINDS = ["q4_0", "q4_1", "q8_0"]
+KINDS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
 # (out, in): outputs not a multiple of the kernel's tile of 4; inputs of one block, of a last
 # group with fewer than four blocks (96: three; 576: 18 blocks, the bundled model's width), and
 # of whole groups only (1536).
@@ -58,7 +58,7 @@ def test_blocks_decode_as_gguf_decodes_them(kind: str, out: int, inn: int) -> No
     if inn >= 64:  # whole blocks of input features, as a row-parallel rank takes them
         cols = torch.arange(32, 64)
         assert torch.equal(q.index_select(1, cols).dequantize(), expected[:, 32:64])
-    bits = {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5}[kind]
+    bits = {"q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "q8_0": 8.5}[kind]
     assert q.nbytes >= out * inn * bits / 8  # what a step streams, scales' padding included
 
 
@@ -209,10 +209,48 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="not blocks of 32"):
         quant.quantize(torch.randn(4, 40), "q4_0")
     with pytest.raises(ValueError, match="kind"):
-        quant.quantize(torch.randn(4, 64), "q5_0")
+        quant.quantize(torch.randn(4, 64), "q3_k")
     with pytest.raises(IndexError):
         q.rows(torch.tensor([8]), torch.float32)
     with pytest.raises(ValueError, match="blocks of 32"):
         q.index_select(1, torch.arange(16))
     with pytest.raises(ValueError, match="one kind"):
         quant.cat_rows([q, quant.quantize(_weight(8, 64, seed=2), "q4_0")])
+
+
+def _random_blocks(
+    gen: np.random.Generator, out: int, blocks: int, size: int, scales_at: list[int]
+) -> np.ndarray:
+    """Random bytes of `blocks` GGUF blocks a row, with finite fp16 scales at `scales_at`."""
+    raw = gen.integers(0, 256, size=(out, blocks, size), dtype=np.uint8)
+    for at in scales_at:
+        scale = gen.uniform(0.001, 0.01, size=(out, blocks)).astype(np.float16)
+        raw[:, :, at : at + 2] = scale[..., None].view(np.uint8).reshape(out, blocks, 2)
+    return raw.reshape(out, blocks * size)
+
+
+@pytest.mark.parametrize(
+    ("kind", "held_as", "block_size", "size", "scales_at", "tolerance"),
+    [
+        ("q5_0", "q5_0", 32, 22, [0], 0.0),  # the file's blocks, random fifth bits included
+        ("q5_1", "q5_1", 32, 24, [0, 2], 0.0),
+        ("q4_k", "q4_1", 256, 144, [0, 2], 2**-10),  # sub-block scales rounded to fp16
+        ("q5_k", "q5_1", 256, 176, [0, 2], 2**-10),
+        ("q6_k", "q8_0", 256, 210, [208], 2**-7),  # requantized to 8 bits
+    ],
+)
+def test_gguf_types_are_held_in_the_kernels_kinds(
+    kind: str, held_as: str, block_size: int, size: int, scales_at: list[int], tolerance: float
+) -> None:
+    out, inn = 6, 512 + (32 if block_size == 32 else 0)  # 17 blocks: a last group of one
+    raw = _random_blocks(np.random.default_rng(0), out, inn // block_size, size, scales_at)
+    qtype = GGMLQuantizationType[kind.upper()]
+    expected = torch.from_numpy(np.array(gguf_dequantize(raw, qtype), dtype=np.float32))
+    held = quant.from_gguf_tensor(kind, raw, inn)
+    assert held.kind == held_as
+    got = held.dequantize()
+    assert got.shape == expected.shape == (out, inn)
+    assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+    x = torch.randn(3, inn).bfloat16()
+    error = (quant.linear(x, held).float() - x.float() @ expected.T).norm()
+    assert error / (x.float() @ expected.T).norm() < 0.03

@@ -24,6 +24,8 @@ from workers.model.loader import (
     build_model,
     load_checkpoint,
     parse_dtype,
+    resolve_model_path,
+    resolve_quantization,
     truncate_layers,
 )
 from workers.model.tokenizer import Tokenizer
@@ -39,14 +41,20 @@ class ModelSpec:
     eagle_head: str | None = None  # an EAGLE head file; the bundled model has one built in
     device: str = "cpu"  # where the models and KV caches live ("cuda": this process's GPU)
     quantization: str = "none"  # how projection weights are held (loader.QUANTIZATIONS)
+    # The device whose kind decides `quantization: auto` (None: `device`): a deployment's
+    # verifiers', so that a prefill worker computes the KV cache with the verifiers' weights.
+    auto_device: str | None = None
 
     def load(self, model: str | None, progress: bool = False) -> Checkpoint:
         """The checkpoint of `model` (the target's or a draft model's) as this spec holds it."""
+        quantization = resolve_quantization(
+            self.quantization, resolve_model_path(model), self.auto_device or self.device
+        )
         return load_checkpoint(
             model,
             progress=progress,
             dtype=parse_dtype(self.dtype),
-            quantization=self.quantization,
+            quantization=quantization,
             device=self.device,
         )
 

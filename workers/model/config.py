@@ -8,7 +8,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # How a model's projection weights are held (`--quantization`, the deployment's
 # `quantization`; workers/model/loader.py): auto: gguf for a GGUF file on a CPU that runs our
-# kernels, else none; none: floats of the model's dtype; gguf: the file's Q4_0/Q4_1/Q8_0 blocks
+# kernels, else none; none: floats of the model's dtype; gguf: the file's quantized blocks
 # as stored; int8: quantized at load to 8-bit blocks of 32 with an fp16 scale each (Q8_0).
 QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 

@@ -1,8 +1,9 @@
 """Read a GGUF file: config, weights under Hugging Face names, tokenizer.
 
-Weights are dequantized to floats, or, with `keep_quantized`, the projection weights (and the
-token embedding, which a tied LM head projects with) stored in a block type our kernels read
-(kernels/quant.py: Q4_0, Q4_1, Q8_0) are kept in their blocks; other types are dequantized.
+Weights are dequantized to floats, or, with `keep_quantized`, the 2-D weights (projections, and
+the token embedding a tied LM head projects with) stored in a block type our kernels read
+(kernels/quant.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are kept in their blocks, and those of Q4_K,
+Q5_K and Q6_K held in those kinds (`quant.CONVERTED`); other types are dequantized.
 
 llama.cpp's converter permutes the rows of llama Q and K weights so its interleaved rotary
 variant can run on them; we undo that so every model uses the rotate-half layout of
@@ -24,7 +25,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from kernels.quant import KINDS, QuantizedWeight, Weight, from_gguf_blocks
+from kernels.quant import CONVERTED, KINDS, QuantizedWeight, Weight, from_gguf_tensor
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import GGUFTokenizerSpec, Tokenizer
 
@@ -124,8 +125,9 @@ def read_weights(
         name = hf_name(tensor.name)
         kind = tensor.tensor_type.name.lower()
         weight: Weight
-        if keep_quantized and kind in KINDS and len(tensor.shape) == 2:
-            weight = from_gguf_blocks(kind, tensor.data, int(tensor.shape[0]))
+        held = kind in KINDS or kind in CONVERTED
+        if keep_quantized and held and len(tensor.shape) == 2:
+            weight = from_gguf_tensor(kind, tensor.data, int(tensor.shape[0]))
         else:
             weight = cast(_dequantize(tensor), dtype)
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):

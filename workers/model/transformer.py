@@ -58,10 +58,12 @@ class QuantizedLinear(nn.Module):
     """A projection whose weight stays in quantized blocks: `weight` is a `QuantizedWeight`
     (not a parameter, so `.to(dtype)` leaves it alone); the bias, if any, is a parameter."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: bool) -> None:
         super().__init__()
         self.weight = weight
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # Loaded with the float weights (`load_state_dict`); cast with the model.
+        empty = torch.empty(weight.shape[0], device="meta")
+        self.bias = nn.Parameter(empty, requires_grad=False) if bias else None
 
 
 class QuantizedEmbedding(nn.Module):
@@ -234,15 +236,15 @@ class TransformerLM(nn.Module):
         self.load_state_dict(floats, strict=True, assign=True)
 
     def _keep_quantized(self, module_name: str, weight: QuantizedWeight, state: dict) -> None:
-        """Put a quantized module in place of the float one `module_name` names."""
+        """Put a quantized module in place of the float one `module_name` names (its bias, if
+        any, stays in `state` for the new module's parameter)."""
         parent_name, _, attr = module_name.rpartition(".")
         parent = self.get_submodule(parent_name) if parent_name else self
         module: nn.Module
         if attr == "embed_tokens":
             module = QuantizedEmbedding(weight)
         else:
-            bias = state.pop(f"{module_name}.bias", None)
-            module = QuantizedLinear(weight, None if bias is None else bias.float())
+            module = QuantizedLinear(weight, bias=f"{module_name}.bias" in state)
         setattr(parent, attr, module)
         del state[f"{module_name}.weight"]
 
