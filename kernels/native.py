@@ -189,38 +189,33 @@ class QuantKernelArgs:
     out_features: int
 
 
-def quant_row_bytes(in_features: int, bits: int) -> int:
-    """Bytes of one weight row's codes in linear_quant.c's layout: 4 and 8 bits packed; 5 bits
-    as 4-bit pairs then two 64-bit masks of fifth bits per group of four blocks."""
-    blocks = in_features // 32
-    full, tail = divmod(blocks, 4)
-    if bits == 5:
-        return full * 80 + (16 * tail + 16 if tail else 0)
-    return blocks * 32 * bits // 8
+def quant_block_bytes(bits: int) -> int:
+    """Bytes of a block of 32 features of a panel of 16 outputs in linear_quant.c's layout."""
+    return {4: 256, 5: 320, 8: 512}[bits]
 
 
 def quant_kernel_args(
-    codes: torch.Tensor,  # uint8 [out_features, quant_row_bytes] (kernels/quant.py)
-    scales: torch.Tensor,  # fp16 [tiles of 4 outputs, groups of 4 blocks * 16] (quant.py)
+    codes: torch.Tensor,  # uint8 [panels of 16 outputs, blocks * quant_block_bytes]
+    scales: torch.Tensor,  # fp16 [panels, blocks * 16] (kernels/quant.py)
     mins: torch.Tensor | None,  # fp16 like scales (Q4_1), or None: m = min_per_scale d
     min_per_scale: int,
     bits: int,  # 4, 5 or 8
     in_features: int,
+    out_features: int,
 ) -> QuantKernelArgs:
     """The kernel's view of a weight in quantized blocks; raises where the tensors do not fit.
     The caller keeps the tensors alive while it uses the result."""
-    out_features = codes.shape[0]
-    tiled = (-(-out_features // 4), -(-in_features // 128) * 16)
+    panels, blocks = -(-out_features // 16), in_features // 32
     tensors = [codes, scales] + ([] if mins is None else [mins])
     if (
         bits not in (4, 5, 8)
         or in_features <= 0
         or in_features % 32
         or codes.dtype != torch.uint8
-        or codes.shape != (out_features, quant_row_bytes(in_features, bits))
+        or codes.shape != (panels, blocks * quant_block_bytes(bits))
         or scales.dtype != torch.float16
-        or scales.shape != tiled
-        or (mins is not None and (mins.shape != tiled or mins.dtype != torch.float16))
+        or scales.shape != (panels, blocks * 16)
+        or (mins is not None and (mins.shape != scales.shape or mins.dtype != torch.float16))
         or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
     ):
         raise ValueError(f"not a quantized weight of {out_features} x {in_features}")
@@ -285,7 +280,7 @@ _QUANT_ROWS = {torch.float32: 1, torch.bfloat16: 0}  # the dtypes linear_quant t
 def quantize_rows(
     x: torch.Tensor,  # [rows, in_features] fp32 or bf16, in_features % 32 == 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q int8 [rows, in], dx, sx [rows, blocks]
-    """The rows as `linear_quant` quantizes them; q in its grouped layout (kernels/quant.py)."""
+    """The rows as `linear_quant` quantizes them."""
     lib = _lib()
     if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] % 32:
         raise ValueError("quantize_rows takes [rows, 32 k] fp32 or bf16 rows")

@@ -17,15 +17,12 @@ elsewhere `reference_linear` does the same arithmetic in torch (same answer up t
 fp32 sums, and slower). `dequantize` gives the weight back as floats: the plain reference the
 tests hold both against, and what an embedding lookup reads.
 
-Layout: the 4-bit codes are GGUF's own bytes (byte j of a block holds element j in its low
-nibble and element j + 16 in its high one). The 5-bit codes are the same pairs of their low
-four bits, each group of four blocks followed by its fifth bits as two 64-bit masks. The 8-bit
-codes are re-laid in groups of four
-blocks: the blocks' first halves, then their second halves, which is how the kernel pairs the
-low and high nibbles of four 4-bit blocks with a row's values. The scales (and minimums) are
-re-laid by tiles of four outputs and groups of four blocks, `[tile][group][block][output]`, so
-that the kernel reads a tile's sixteen with one load (see linear_quant.c); `block_scales()`
-gives them back as `[out, blocks]`.
+Layout (linear_quant.c has the why): outputs go sixteen to a panel, and a panel's block of 32
+input features is eight vectors of 64 bytes, vector v holding features 4v..4v+3 of the sixteen
+outputs side by side. 8-bit codes are those 512 bytes; 4-bit codes pack vectors v and v + 4
+into the low and high nibbles of 256 bytes; 5-bit codes add eight 64-bit masks of fifth bits.
+Scales (and minimums) are `[panel][block][16]`. `unsigned_codes()`, `block_scales()` and
+`block_mins()` give them back in natural order, `[out, ...]`.
 """
 
 from __future__ import annotations
@@ -40,12 +37,12 @@ import torch.nn.functional as F
 from kernels import native
 
 BLOCK = 32  # weights per block
-GROUP = 4  # blocks per group of the 8-bit layout
+PANEL = 16  # outputs laid side by side
+_UNPACK_ROWS = 4096  # rows per chunk when codes are unpacked (bits widen to bytes on the way)
 KINDS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q8_0": 8}  # kind -> bits of a code
 _WITH_MINS = ("q4_1", "q5_1")
 _BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}  # scales included
 _MIN_PER_SCALE = {"q4_0": -8, "q5_0": -16, "q8_0": -128}  # m = this * d, where no minimums
-TILE = 4  # outputs whose scales the kernel reads together
 _REFERENCE_ROWS = 8  # rows per chunk of reference_linear (its products are [rows, out, blocks])
 
 
@@ -54,10 +51,11 @@ class QuantizedWeight:
     """A `[out_features, in_features]` weight in quantized blocks (see the module docstring)."""
 
     kind: str  # one of KINDS
-    codes: torch.Tensor  # uint8 [out, row bytes]: 4-bit pairs (GGUF's), 5-bit, 8-bit grouped
-    scales: torch.Tensor  # fp16 [tiles, groups * 16]: d of each block, tiled (module docstring)
+    codes: torch.Tensor  # uint8 [panels, blocks * block bytes] (module docstring)
+    scales: torch.Tensor  # fp16 [panels, blocks * 16]: d of each block
     mins: torch.Tensor | None  # fp16 like scales: m of each block (Q4_1, Q5_1); None otherwise
     in_features: int
+    out_features: int
     _kernel: native.QuantKernelArgs | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,11 +63,11 @@ class QuantizedWeight:
             raise ValueError(f"quantized kind must be one of {', '.join(KINDS)}, not {self.kind}")
         if self.in_features <= 0 or self.in_features % BLOCK:
             raise ValueError(f"{self.in_features} in features are not blocks of {BLOCK}")
-        out = self.codes.shape[0]
-        row_bytes = native.quant_row_bytes(self.in_features, self.bits)
-        if self.codes.dim() != 2 or self.codes.shape[1] != row_bytes:
+        panels, blocks = -(-self.out_features // PANEL), self.in_features // BLOCK
+        bytes_per_panel = blocks * native.quant_block_bytes(self.bits)
+        if self.codes.shape != (panels, bytes_per_panel):
             raise ValueError(f"codes of shape {tuple(self.codes.shape)} do not fit {self.shape}")
-        if self.scales.shape != _tiled_shape(out, self.in_features // BLOCK):
+        if self.scales.shape != (panels, blocks * PANEL):
             raise ValueError(f"scales of shape {tuple(self.scales.shape)} do not fit {self.shape}")
         if (self.mins is not None) != (self.kind in _WITH_MINS):
             raise ValueError("Q4_1 and Q5_1 weights, and they alone, carry a minimum per block")
@@ -81,7 +79,7 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.codes.shape[0], self.in_features)
+        return (self.out_features, self.in_features)
 
     def kernel_args(self) -> native.QuantKernelArgs:
         """What `native.linear_quant` takes, checked once and kept."""
@@ -93,6 +91,7 @@ class QuantizedWeight:
                 _MIN_PER_SCALE.get(self.kind, 0),
                 self.bits,
                 self.in_features,
+                self.out_features,
             )
             object.__setattr__(self, "_kernel", args)
         assert self._kernel is not None
@@ -108,28 +107,32 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """What a projection streams: codes, scales and minimums (with the tiles' padding)."""
+        """What a projection streams: codes, scales and minimums (with the panels' padding)."""
         mins = 0 if self.mins is None else self.mins.numel() * 2
         return self.codes.numel() + self.scales.numel() * 2 + mins
 
     def block_scales(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp16 [out, in / 32] (or [len(rows), in / 32]): d of each block."""
-        return _untile(self.scales, self.shape[0], self.in_features, rows)
+        return _unpanel_scales(self.scales, self._rows(rows))
 
     def unsigned_codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 [out, in] (or [len(rows), in]): the codes u in natural order."""
-        codes = self.codes if rows is None else self.codes.index_select(0, rows)
-        if self.bits == 8:
-            return _ungroup(codes)
-        if self.bits == 5:
-            return _unpack_5bit(codes, self.in_features)
-        pairs = codes.view(codes.shape[0], -1, 16)  # [rows, blocks, 16]
-        return torch.cat([pairs & 0x0F, pairs >> 4], dim=-1).reshape(codes.shape[0], -1)
+        picked = self._rows(rows)
+        parts = [
+            _unpack(self.codes, self.bits, self.in_features, picked[at : at + _UNPACK_ROWS])
+            for at in range(0, picked.numel(), _UNPACK_ROWS)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0, self.in_features, dtype=torch.uint8)
+
+    def _rows(self, rows: torch.Tensor | None) -> torch.Tensor:
+        if rows is None:
+            return torch.arange(self.out_features)
+        return rows.to(device="cpu", dtype=torch.int64)
 
     def block_mins(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 [out, in / 32] (or [len(rows), in / 32]): m of each block."""
         if self.mins is not None:
-            return _untile(self.mins, self.shape[0], self.in_features, rows).float()
+            return _unpanel_scales(self.mins, self._rows(rows)).float()
         return self.block_scales(rows).float() * _MIN_PER_SCALE[self.kind]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
@@ -190,19 +193,13 @@ def from_codes(
     kind: str,
     codes: torch.Tensor,  # uint8 [out, in]: unsigned codes in natural order
     scales: torch.Tensor,  # fp16 [out, in / 32]
-    mins: torch.Tensor | None,  # fp16 [out, in / 32] for Q4_1
+    mins: torch.Tensor | None,  # fp16 [out, in / 32] for Q4_1 and Q5_1
 ) -> QuantizedWeight:
     """A weight from its codes, scales and minimums in natural order (laid out here)."""
     out, in_features = codes.shape
-    if KINDS[kind] == 8:
-        stored = _group(codes)
-    elif KINDS[kind] == 5:
-        stored = _pack_5bit(codes)
-    else:
-        halves = codes.reshape(out, -1, 2, 16)
-        stored = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out, in_features // 2)
-    tiled_mins = None if mins is None else _tile(mins)
-    return QuantizedWeight(kind, stored.contiguous(), _tile(scales), tiled_mins, in_features)
+    panel_mins = None if mins is None else _panel_scales(mins)
+    stored = _pack(codes, KINDS[kind])
+    return QuantizedWeight(kind, stored, _panel_scales(scales), panel_mins, in_features, out)
 
 
 def from_gguf_blocks(kind: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:
@@ -226,10 +223,9 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, in_features: int) -> QuantizedW
         low = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # elements 0-15, then 16-31
         codes = low | (bits.reshape(out, -1, 32) << 4)
         return from_codes(kind, codes.to(torch.uint8).reshape(out, in_features), scales, mins)
-    packed = torch.from_numpy(blocks[..., blocks.shape[-1] - 16 :].copy())
-    tiled_mins = None if mins is None else _tile(mins)
-    codes = packed.reshape(out, in_features // 2)
-    return QuantizedWeight(kind, codes, _tile(scales), tiled_mins, in_features)
+    pairs = torch.from_numpy(blocks[..., blocks.shape[-1] - 16 :].copy())  # [out, blocks, 16]
+    codes = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # elements 0-15, then 16-31
+    return from_codes(kind, codes.reshape(out, in_features), scales, mins)
 
 
 # GGUF block types held in the kernel's kinds: type -> kind. Q4_K and Q5_K keep their codes with
@@ -308,7 +304,7 @@ def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
         raise ValueError("only weights of one kind and input width stack")
     mins = None
     if first.mins is not None:
-        mins = torch.cat([_untile(p.mins, *p.shape) for p in parts if p.mins is not None])
+        mins = torch.cat([p.block_mins().half() for p in parts])
     return from_codes(
         first.kind,
         torch.cat([p.unsigned_codes() for p in parts]),
@@ -386,86 +382,51 @@ def dequantized_linear(
     return F.linear(x.float(), weight.dequantize(torch.float32), b)
 
 
-def _tiled_shape(out: int, blocks: int) -> tuple[int, int]:
-    return (-(-out // TILE), -(-blocks // GROUP) * GROUP * TILE)
-
-
-def _tile(natural: torch.Tensor) -> torch.Tensor:  # fp16 [out, blocks] -> [tiles, groups * 16]
-    """Scales in the kernel's order, `[tile][group][block][output]`, zeros where padded."""
+def _panel_scales(natural: torch.Tensor) -> torch.Tensor:  # [out, blocks] -> [panels, b * 16]
     out, blocks = natural.shape
-    tiles, width = _tiled_shape(out, blocks)
-    padded = torch.zeros(tiles * TILE, width // TILE, dtype=natural.dtype)
-    padded[:out, :blocks] = natural
-    grid = padded.view(tiles, TILE, -1, GROUP)  # [tile, output, group, block]
-    return grid.permute(0, 2, 3, 1).reshape(tiles, width).contiguous()
+    panels = -(-out // PANEL)
+    padded = torch.zeros(panels * PANEL, blocks, dtype=natural.dtype)
+    padded[:out] = natural
+    return padded.view(panels, PANEL, blocks).transpose(1, 2).reshape(panels, -1).contiguous()
 
 
-def _untile(
-    tiled: torch.Tensor, out: int, in_features: int, rows: torch.Tensor | None = None
-) -> torch.Tensor:  # -> [out, blocks], or [len(rows), blocks]
-    blocks = torch.arange(in_features // BLOCK)
-    columns = blocks // GROUP * GROUP * TILE + blocks % GROUP * TILE  # output 0 of each block
-    rows = torch.arange(out) if rows is None else rows
-    return tiled[(rows // TILE)[:, None], columns[None, :] + (rows % TILE)[:, None]]
+def _unpanel_scales(panelled: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    grid = panelled.view(panelled.shape[0], -1, PANEL)  # [panel, block, output]
+    return grid[rows // PANEL, :, rows % PANEL]  # [rows, blocks]
 
 
-def _pack_5bit(codes: torch.Tensor) -> torch.Tensor:  # uint8 [out, in] -> the 5-bit layout
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:  # uint8 [out, in] -> panels
     out, in_features = codes.shape
-    blocks = in_features // BLOCK
-    halves = codes.reshape(out, blocks, 2, 16)
-    pairs = halves[:, :, 0] & 0x0F | ((halves[:, :, 1] & 0x0F) << 4)  # [out, blocks, 16]
-    fifth = (halves >> 4).to(torch.int64)  # [out, blocks, 2, 16]
-    parts = []
-    for start in range(0, blocks, GROUP):
-        n = min(GROUP, blocks - start)
-        bits = fifth[:, start : start + n].transpose(1, 2).reshape(out, 2, 16 * n)
-        words = (bits << torch.arange(16 * n)).sum(dim=-1)  # [out, 2]: a 64-bit mask per half
-        masks = torch.zeros(out, 2, 8, dtype=torch.uint8)
-        for byte in range(8):
-            masks[:, :, byte] = (words >> (8 * byte)) & 0xFF
-        parts += [pairs[:, start : start + n].reshape(out, -1), masks.reshape(out, 16)]
-    return torch.cat(parts, dim=1).contiguous()
+    blocks, panels = in_features // BLOCK, -(-out // PANEL)
+    padded = torch.zeros(panels * PANEL, in_features, dtype=torch.uint8)
+    padded[:out] = codes
+    # [panel, block, v, output, i]: vector v of a block holds features 4v + i of every output.
+    grid = padded.view(panels, PANEL, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+    if bits == 8:
+        return grid.reshape(panels, -1).contiguous()
+    low = grid & 0x0F
+    pairs = (low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(panels, blocks, 256)
+    if bits == 4:
+        return pairs.reshape(panels, -1).contiguous()
+    fifth = (grid >> 4).reshape(panels, blocks, 8, 8, 8)  # [..., v, byte, bit]: bit 4j + i
+    masks = (fifth << torch.arange(8, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)
+    return torch.cat([pairs, masks.reshape(panels, blocks, 64)], dim=2).reshape(panels, -1)
 
 
-def _unpack_5bit(stored: torch.Tensor, in_features: int) -> torch.Tensor:  # -> uint8 [out, in]
-    out = stored.shape[0]
-    blocks = in_features // BLOCK
-    parts, at = [], 0
-    for start in range(0, blocks, GROUP):
-        n = min(GROUP, blocks - start)
-        pairs = stored[:, at : at + 16 * n].reshape(out, n, 16)
-        masks = stored[:, at + 16 * n : at + 16 * n + 16].reshape(out, 2, 8).to(torch.int64)
-        at += 16 * n + 16
-        bits = (masks[..., None] >> torch.arange(8)) & 1  # [out, 2, 8 bytes, 8]
-        fifth = bits.reshape(out, 2, 64)[:, :, : 16 * n].reshape(out, 2, n, 16).transpose(1, 2)
-        low = torch.stack([pairs & 0x0F, pairs >> 4], dim=2)  # [out, n, 2, 16]
-        parts.append((low | (fifth << 4)).reshape(out, -1))
-    return torch.cat(parts, dim=1).to(torch.uint8).contiguous()
-
-
-def _group(codes: torch.Tensor) -> torch.Tensor:  # uint8 [out, in] -> the 8-bit layout
-    out, in_features = codes.shape
-    blocks = in_features // BLOCK
-    full = blocks // GROUP * GROUP
-    parts = []
-    if full:
-        head = codes[:, : full * BLOCK].reshape(out, full // GROUP, GROUP, 2, 16)
-        parts.append(head.transpose(2, 3).reshape(out, -1))
-    if blocks > full:
-        tail = codes[:, full * BLOCK :].reshape(out, blocks - full, 2, 16)
-        parts.append(tail.transpose(1, 2).reshape(out, -1))
-    return torch.cat(parts, dim=1).contiguous()
-
-
-def _ungroup(grouped: torch.Tensor) -> torch.Tensor:  # the 8-bit layout -> uint8 [out, in]
-    out, in_features = grouped.shape
-    blocks = in_features // BLOCK
-    full = blocks // GROUP * GROUP
-    parts = []
-    if full:
-        head = grouped[:, : full * BLOCK].reshape(out, full // GROUP, 2, GROUP, 16)
-        parts.append(head.transpose(2, 3).reshape(out, -1))
-    if blocks > full:
-        tail = grouped[:, full * BLOCK :].reshape(out, 2, blocks - full, 16)
-        parts.append(tail.transpose(1, 2).reshape(out, -1))
-    return torch.cat(parts, dim=1).contiguous()
+def _unpack(stored: torch.Tensor, bits: int, in_features: int, rows: torch.Tensor) -> torch.Tensor:
+    """uint8 [len(rows), in]: rows' codes out of the panels."""
+    panels, blocks = stored.shape[0], in_features // BLOCK
+    p, j = rows // PANEL, rows % PANEL
+    per_block = stored.view(panels, blocks, -1)
+    if bits == 8:
+        picked = per_block.view(panels, blocks, 8, PANEL, 4)[p, :, :, j]  # [rows, blocks, 8, 4]
+        return picked.reshape(-1, in_features)
+    pairs = per_block[:, :, :256].reshape(panels, blocks, 4, PANEL, 4)[p, :, :, j]
+    codes = torch.cat([pairs & 0x0F, pairs >> 4], dim=2)  # [rows, blocks, 8 (v), 4]
+    if bits == 5:
+        masks = per_block[p, :, 256:].reshape(-1, blocks, 8, 8)  # [rows, blocks, v, byte]
+        bits_ = (masks[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1  # bit 8 byte + k
+        fifth = bits_.reshape(-1, blocks, 8, PANEL, 4)  # bit 4 j + i
+        picked = fifth[torch.arange(rows.numel()), :, :, j]  # [rows, blocks, 8, 4]
+        codes = codes | (picked << 4)
+    return codes.reshape(-1, in_features).contiguous()
