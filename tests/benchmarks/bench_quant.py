@@ -6,11 +6,13 @@
 
 llama.cpp runs through llama-cpp-python (installed here with pip where missing: it builds
 llama.cpp for this CPU, a few minutes). Both engines get the same prompt tokens (the chat
-template applied by Outrider's tokenizer) and decode greedily until the end of the answer (the
-model's end-of-turn tokens) or `--max-tokens`; tokens/s is the answer's tokens over the time
-from the prompt to the last one, prefill included, on both sides. The prompts are bench_spec's:
-code edits that return the code, a summary that quotes its passage, an open chat question. All
-jobs of a table are interleaved, and a ratio is the median of the ratios within a round.
+template applied by Outrider's tokenizer) and decode greedily, each prompt for as many tokens as
+Outrider's answer to it takes (up to `--max-tokens`; llama.cpp's own answer, from other
+arithmetic, may end elsewhere, so it makes exactly that many): the same work on both sides, and
+tokens/s is those tokens over the time from the prompt to the last one, prefill included. The
+prompts are bench_spec's: code edits that return the code, a summary that quotes its passage, an
+open chat question. All jobs of a table are interleaved, and a ratio is the median of the
+ratios within a round.
 """
 
 from __future__ import annotations
@@ -67,18 +69,13 @@ def llama_cpp_module(install: bool) -> Any:
     return importlib.import_module("llama_cpp")
 
 
-class LlamaCpp:
-    """llama.cpp on a GGUF file: greedy, until an end token or `max_tokens` per prompt."""
+Job = Callable[[Sequence[list[int]], Sequence[int]], Run]  # (prompts, tokens each) -> a run
 
-    def __init__(
-        self,
-        module: Any,
-        path: Path,
-        threads: int,
-        stop: Sequence[int],
-        prompt_lookup: bool = False,
-    ):
-        self.stop = set(stop)
+
+class LlamaCpp:
+    """llama.cpp on a GGUF file: greedy, exactly the given number of tokens per prompt."""
+
+    def __init__(self, module: Any, path: Path, threads: int, prompt_lookup: bool = False):
         draft = None
         if prompt_lookup:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -94,16 +91,14 @@ class LlamaCpp:
             verbose=False,
         )
 
-    def run(self, prompts: Sequence[list[int]], max_tokens: int) -> Run:
+    def run(self, prompts: Sequence[list[int]], budgets: Sequence[int]) -> Run:
         seconds, completions = 0.0, []
-        for ids in prompts:
+        for ids, budget in zip(prompts, budgets, strict=True):
             tokens: list[int] = []
             start = time.perf_counter()
             for token in self.llm.generate(ids, top_k=1, temp=0.0, reset=True):
-                if token in self.stop:
-                    break
                 tokens.append(token)
-                if len(tokens) == max_tokens:
+                if len(tokens) == budget:
                     break
             seconds += time.perf_counter() - start
             completions.append(Completion("llama.cpp", list(ids), tokens))
@@ -117,12 +112,14 @@ def outrider(model: str | None, quantization: str, draft_model: str | None = Non
     return build_engine(model_spec, config, progress=False)
 
 
-def outrider_run(loaded: LoadedEngine, method: str) -> Callable[[Sequence[list[int]], int], Run]:
-    def run(prompts: Sequence[list[int]], max_tokens: int) -> Run:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+def outrider_run(loaded: LoadedEngine, method: str) -> Job:
+    """Greedy, up to the given tokens per prompt (its own answer ends there or before)."""
+
+    def run(prompts: Sequence[list[int]], budgets: Sequence[int]) -> Run:
         spec = RequestSpec(enabled=method != "none", method=None if method == "none" else method)
         seconds, completions = 0.0, []
-        for ids in prompts:  # one after another: single stream
+        for ids, budget in zip(prompts, budgets, strict=True):  # one after another
+            params = SamplingParams(max_tokens=budget, temperature=0)
             start = time.perf_counter()
             completions += loaded.engine.generate([ids], params, spec)
             seconds += time.perf_counter() - start
@@ -145,20 +142,21 @@ def llama_cpp_step_bytes(path: Path) -> int:
 
 
 def compare(
-    jobs: dict[str, Callable[[Sequence[list[int]], int], Run]],
+    jobs: dict[str, Job],
     base: str,
+    answers: Job,
     prompt_ids: dict[str, list[list[int]]],
     runs: int,
     max_tokens: int,
     step_mb: dict[str, float],
 ) -> tuple[list[list[str]], dict[tuple[str, str], float]]:
     """Rows (prompt, engine, tokens/s, vs `base`, mean acceptance length, MB a step) and the
-    ratios by (prompt, engine)."""
+    ratios by (prompt, engine); each prompt runs for as many tokens as `answers` gives it."""
     rows, ratios = [], {}
     for kind, ids in prompt_ids.items():
-        bound = {
-            name: (lambda job=job, ids=ids: job(ids, max_tokens)) for name, job in jobs.items()
-        }
+        first = answers(ids, [max_tokens] * len(ids))
+        budgets = [max(1, len(c.token_ids)) for c in first.completions]
+        bound = {name: (lambda job=job, i=ids, b=budgets: job(i, b)) for name, job in jobs.items()}
         results = interleaved(runs, bound, kind)
         for name, rs in results.items():
             ratio = paired_ratio(rs, results[base])
@@ -189,23 +187,23 @@ def bundled_section(args: argparse.Namespace, module: Any) -> str:
     prompt_ids = chat_prompts(blocks.tokenizer)
     if args.quick:
         prompt_ids = {"code edit": prompt_ids["code edit"][:1]}
-    jobs: dict[str, Callable[[Sequence[list[int]], int], Run]] = {}
+    jobs: dict[str, Job] = {}
     step_mb = {
         "Outrider plain, bf16 weights": floats.engine.runner.model.step_weight_bytes() / 1e6,
         "Outrider plain, GGUF blocks": blocks.engine.runner.model.step_weight_bytes() / 1e6,
     }
     if module is not None:
-        stop = blocks.tokenizer.eos_token_ids
-        jobs["llama.cpp plain"] = LlamaCpp(module, path, args.threads, stop).run
-        jobs["llama.cpp prompt lookup"] = LlamaCpp(module, path, args.threads, stop, True).run
+        jobs["llama.cpp plain"] = LlamaCpp(module, path, args.threads).run
+        jobs["llama.cpp prompt lookup"] = LlamaCpp(module, path, args.threads, True).run
         step_mb["llama.cpp plain"] = llama_cpp_step_bytes(path) / 1e6
     jobs["Outrider plain, bf16 weights"] = outrider_run(floats, "none")
     jobs["Outrider plain, GGUF blocks"] = outrider_run(blocks, "none")
     jobs["Outrider ngram, GGUF blocks"] = outrider_run(blocks, "ngram")
     jobs["Outrider eagle, GGUF blocks"] = outrider_run(blocks, "eagle")
     base = "llama.cpp plain" if module is not None else "Outrider plain, bf16 weights"
+    answers = jobs["Outrider plain, GGUF blocks"]
     with torch.inference_mode():
-        rows, ratios = compare(jobs, base, prompt_ids, args.runs, args.max_tokens, step_mb)
+        rows, ratios = compare(jobs, base, answers, prompt_ids, args.runs, args.max_tokens, step_mb)
     goals = []
     if module is not None:
         plain = min(ratios[(k, "Outrider plain, GGUF blocks")] for k in prompt_ids)
@@ -238,18 +236,19 @@ def pair_section(args: argparse.Namespace, module: Any) -> str:
     path = resolve_model_path(target)
     loaded = outrider(target, "auto", drafter)
     prompt_ids = chat_prompts(loaded.tokenizer)
-    jobs: dict[str, Callable[[Sequence[list[int]], int], Run]] = {}
+    jobs: dict[str, Job] = {}
     step_mb = {"Outrider plain": loaded.engine.runner.model.step_weight_bytes() / 1e6}
     if module is not None:
-        stop = loaded.tokenizer.eos_token_ids
-        jobs["llama.cpp plain"] = LlamaCpp(module, path, args.threads, stop).run
+        jobs["llama.cpp plain"] = LlamaCpp(module, path, args.threads).run
         step_mb["llama.cpp plain"] = llama_cpp_step_bytes(path) / 1e6
     jobs["Outrider plain"] = outrider_run(loaded, "none")
     jobs["Outrider draft_model (0.5B)"] = outrider_run(loaded, "draft_model")
     jobs["Outrider ngram"] = outrider_run(loaded, "ngram")
     base = "llama.cpp plain" if module is not None else "Outrider plain"
     with torch.inference_mode():
-        rows, ratios = compare(jobs, base, prompt_ids, args.runs, args.max_tokens, step_mb)
+        rows, ratios = compare(
+            jobs, base, jobs["Outrider plain"], prompt_ids, args.runs, args.max_tokens, step_mb
+        )
     kinds = loaded.engine.runner.model.quantized_kinds()
     held = ", ".join(f"{n} {k.upper()}" for k, n in sorted(kinds.items()))
     text = (
