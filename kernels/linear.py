@@ -112,6 +112,8 @@ class WeightPacks:
         bias: torch.Tensor | None = None,  # [out_features]
     ) -> torch.Tensor:  # [num_rows, out_features]
         """`linear` with the pack this holder keeps for `weight` under `name`."""
+        if type(weight) is QuantizedWeight:  # the hot path of a quantized model's step
+            return quant.linear(x, weight, bias)
         return linear(x, weight, bias, self.get(name, weight))
 
     def nbytes(self) -> int:

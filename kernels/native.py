@@ -274,6 +274,85 @@ def linear_quant(
     return y
 
 
+def linear_quant_after_norm(
+    x: torch.Tensor,  # [rows, in_features] bf16
+    residual: torch.Tensor | None,  # [rows, in_features] bf16
+    norm_weight: torch.Tensor,  # [in_features] bf16
+    eps: float,
+    weight: QuantKernelArgs,
+    bias: torch.Tensor | None = None,  # [out_features] bf16
+) -> tuple[torch.Tensor, torch.Tensor]:  # (projection of the norm, x + residual)
+    """`linear_quant(rms_norm_bf16(x, norm_weight, eps, residual)[0], weight, bias)` and the
+    sum, in one call, the same bits. Call only when `available()`."""
+    tensors = [x, norm_weight] + [t for t in (residual, bias) if t is not None]
+    if any(t.dtype != torch.bfloat16 or not t.is_cpu or not t.is_contiguous() for t in tensors):
+        raise TypeError("linear_quant_after_norm takes contiguous bf16 CPU tensors")
+    rows, in_features = x.shape
+    if (
+        in_features != weight.in_features
+        or norm_weight.shape != (in_features,)
+        or (residual is not None and residual.shape != x.shape)
+        or (bias is not None and bias.shape != (weight.out_features,))
+    ):
+        raise ValueError("x, residual, norm weight and bias do not fit the weight")
+    total = x if residual is None else torch.empty_like(x)
+    y = torch.empty(rows, weight.out_features, dtype=torch.bfloat16)
+    if rows:
+        sum_out = None if residual is None else total
+        _linear_quant_after(1, x, residual, norm_weight, eps, sum_out, weight, bias, y)
+    return y, total
+
+
+def linear_quant_after_silu(
+    gate_up: torch.Tensor,  # [rows, 2 in_features] bf16
+    weight: QuantKernelArgs,
+) -> torch.Tensor:  # [rows, out_features]
+    """`linear_quant(silu_mul_bf16(gate_up), weight)` in one call, the same bits. Call only when
+    `available()`."""
+    if gate_up.dtype != torch.bfloat16 or not gate_up.is_cpu or not gate_up.is_contiguous():
+        raise TypeError("linear_quant_after_silu takes contiguous bf16 CPU rows")
+    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * weight.in_features:
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} does not fit the weight")
+    y = torch.empty(gate_up.shape[0], weight.out_features, dtype=torch.bfloat16)
+    if gate_up.shape[0]:
+        _linear_quant_after(2, gate_up, None, None, 0.0, None, weight, None, y)
+    return y
+
+
+def _linear_quant_after(
+    prologue: int,  # 1: RMSNorm, 2: SwiGLU (linear_quant.c)
+    a: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    sum_out: torch.Tensor | None,
+    weight: QuantKernelArgs,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+) -> None:
+    code = _lib().outrider_linear_quant_after(
+        prologue,
+        a.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        None if norm_weight is None else norm_weight.data_ptr(),
+        eps,
+        None if sum_out is None else sum_out.data_ptr(),
+        weight.codes,
+        weight.scales,
+        weight.mins,
+        weight.min_per_scale,
+        weight.bits,
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        y.shape[0],
+        weight.in_features,
+        weight.out_features,
+        torch.get_num_threads(),
+    )
+    if code:
+        raise MemoryError("linear_quant could not allocate its scratch")
+
+
 _QUANT_ROWS = {torch.float32: 1, torch.bfloat16: 0}  # the dtypes linear_quant takes: x_f32
 
 

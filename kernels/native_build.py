@@ -83,6 +83,10 @@ def load_library() -> tuple[ctypes.CDLL | None, str | None]:
         quant = lib.outrider_linear_quant
         quant.restype = int_
         quant.argtypes = [ptr, int_, ptr, ptr, ptr, int_, int_, ptr, ptr, int_, int_, int_, int_]
+        after = lib.outrider_linear_quant_after
+        after.restype = int_
+        after.argtypes = [int_, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, int_, int_, ptr, ptr]
+        after.argtypes += [int_, int_, int_, int_]
         lib.outrider_quantize_rows.restype = None
         lib.outrider_quantize_rows.argtypes = [ptr, int_, int_, int_, ptr, ptr, ptr]
         silu = lib.outrider_silu_mul_bf16

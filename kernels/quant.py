@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.activation import silu_and_mul
+from kernels.norm import rms_norm
 
 BLOCK = 32  # weights per block
 PANEL = 16  # outputs laid side by side
@@ -321,6 +323,16 @@ def linear(
 ) -> torch.Tensor:  # [rows, out_features], x's dtype
     """`x W^T + b` from the quantized blocks: our kernel where it runs, else the same arithmetic
     in torch. Rows of another dtype are computed in fp32 and cast back."""
+    kernel = weight._kernel
+    if (  # the decode step's case, with as few checks as keep it right (native.linear_quant's)
+        kernel is not None
+        and bias is None
+        and use_native
+        and x.dtype in _ROW_DTYPES
+        and native.grad_free(x)
+        and native.available()
+    ):
+        return native.linear_quant(x, kernel)
     if x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {weight.shape}")
     dtype = x.dtype
@@ -334,6 +346,48 @@ def linear(
 
 
 _ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def norm_linear(
+    x: torch.Tensor,  # [rows, in_features]
+    residual: torch.Tensor | None,  # [rows, in_features]
+    norm_weight: torch.Tensor,  # [in_features]
+    eps: float,
+    weight: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (projection of norm(x + residual), x + residual)
+    """The projection of a layer's RMSNorm, which nothing else reads: one kernel call for bf16
+    rows on our kernels (the same bits as the norm and the projection apart), else the two."""
+    if (
+        _fusable(x)
+        and norm_weight.dtype == torch.bfloat16
+        and (residual is None or (residual.dtype == torch.bfloat16 and residual.is_contiguous()))
+    ):
+        kernel_bias = None if bias is None else bias.to(torch.bfloat16)
+        return native.linear_quant_after_norm(
+            x, residual, norm_weight, eps, weight.kernel_args(), kernel_bias
+        )
+    normed, total = rms_norm(x, norm_weight, eps, residual)
+    return linear(normed, weight, bias), total
+
+
+def silu_linear(gate_up: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """The projection of SwiGLU's `silu(gate) * up`: one kernel call for bf16 rows on our
+    kernels (the same bits as the two apart), else the two."""
+    if _fusable(gate_up):
+        return native.linear_quant_after_silu(gate_up, weight.kernel_args())
+    return linear(silu_and_mul(gate_up), weight)
+
+
+def _fusable(x: torch.Tensor) -> bool:
+    return (
+        x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.is_cpu
+        and x.is_contiguous()
+        and native.grad_free(x)
+        and native.available()
+    )
 
 
 def quantize_rows(

@@ -266,3 +266,33 @@ void outrider_quantize_rows(const void *x, int x_f32, int rows, int in, int8_t *
                      sx + (size_t)r * (in / BLOCK), cq);
     free(cq);
 }
+
+void outrider_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight,
+                            float eps, uint16_t *out, uint16_t *sum_out, int rows, int dim,
+                            int threads);
+void outrider_silu_mul_bf16(const uint16_t *gate_up, int in_stride, int rows, int inter,
+                            uint16_t *out, int threads);
+
+/* outrider_linear_quant of bf16 rows that another of our kernels makes first, in one call
+ * (a decode step makes ninety fewer): with `prologue` 1, the RMSNorm of a + residual
+ * (rms_norm_bf16.c: a [rows, in], residual [rows, in] or NULL, norm_weight [in]; the sum is
+ * written to sum_out unless residual is NULL); with 2, silu(gate) * up of a = [rows, 2 in]
+ * (silu_mul_bf16.c). The rows are the bits those kernels write, so the result is the same as
+ * calling them and then outrider_linear_quant. Returns 0, or 1 when scratch was not had. */
+int outrider_linear_quant_after(int prologue, const uint16_t *a, const uint16_t *residual,
+                                const uint16_t *norm_weight, float eps, uint16_t *sum_out,
+                                const uint8_t *codes, const uint16_t *scales,
+                                const uint16_t *mins, int min_per_scale, int bits,
+                                const void *bias, void *y, int rows, int in, int out,
+                                int threads) {
+    uint16_t *x = aligned_alloc(64, ((sizeof(uint16_t) * (size_t)rows * in) + 63) & ~(size_t)63);
+    if (!x) return 1;
+    if (prologue == 1)
+        outrider_rms_norm_bf16(a, residual, norm_weight, eps, x, sum_out, rows, in, threads);
+    else
+        outrider_silu_mul_bf16(a, 2 * in, rows, in, x, threads);
+    const int code = outrider_linear_quant(x, 0, codes, scales, mins, min_per_scale, bits, bias,
+                                           y, rows, in, out, threads);
+    free(x);
+    return code;
+}

@@ -121,3 +121,12 @@ def test_bench_prediction_quick_run(tmp_path: Path) -> None:
     assert "<!-- bench_prediction:start -->" in text
     assert "| chat, asked again | ngram | right |" in text
     assert "| code edit | eagle | none |" in text
+
+
+def test_bench_quant_quick_run(tmp_path: Path) -> None:
+    """Beside llama.cpp where llama-cpp-python is installed (the quick run installs nothing)."""
+    text = quick_run("bench_quant", tmp_path)
+    assert "<!-- bench_quant:start -->" in text or "<!-- bench_quant_avx512f:start -->" in text
+    assert "| code edit | Outrider plain, GGUF blocks |" in text
+    assert "| code edit | Outrider ngram, GGUF blocks |" in text
+    assert "| code edit | Outrider plain, bf16 weights |" in text

@@ -253,3 +253,26 @@ def test_gguf_types_are_held_in_the_kernels_kinds(
     x = torch.randn(3, inn).bfloat16()
     error = (quant.linear(x, held).float() - x.float() @ expected.T).norm()
     assert error / (x.float() @ expected.T).norm() < 0.03
+
+
+@needs_native
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_a_norm_or_swiglu_before_the_projection_gives_the_same_bits_in_one_call(
+    with_residual: bool,
+) -> None:
+    """What a quantized layer calls (`norm_linear`, `silu_linear`): one kernel call each, the
+    bits of the norm (or SwiGLU) and the projection called apart."""
+    from kernels.activation import silu_and_mul
+    from kernels.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(11)
+    q = quant.quantize(_weight(40, 96, seed=11), "q4_1")
+    x = torch.randn(5, 96, generator=gen).bfloat16()
+    residual = torch.randn(5, 96, generator=gen).bfloat16() if with_residual else None
+    norm_weight = (1 + 0.1 * torch.randn(96, generator=gen)).bfloat16()
+    bias = torch.randn(40, generator=gen).bfloat16()
+    y, total = quant.norm_linear(x, residual, norm_weight, 1e-5, q, bias)
+    normed, want_total = rms_norm(x, norm_weight, 1e-5, residual)
+    assert torch.equal(y, quant.linear(normed, q, bias)) and torch.equal(total, want_total)
+    gate_up = torch.randn(5, 192, generator=gen).bfloat16()
+    assert torch.equal(quant.silu_linear(gate_up, q), quant.linear(silu_and_mul(gate_up), q))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kernels import quant
 from kernels.activation import silu_and_mul
 from kernels.attention import AttentionBackend, AttentionMetadata, NativeCpuAttention
 from kernels.linear import WeightPacks
@@ -102,8 +103,19 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         plan: object,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        num_tokens = x.shape[0]
         qkv = self.packs.linear("qkv", x, self.qkv_proj.weight, self.qkv_proj.bias)
+        return self.attend(qkv, angles, kv_cache, meta, backend, plan)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q_size + 2 kv_size]: the QKV projection
+        angles: RotaryAngles,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        plan: object,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        num_tokens = qkv.shape[0]
         key_cache, value_cache = kv_cache
         q = rotate_and_store(qkv, self.num_heads, angles, key_cache, value_cache, meta.slot_mapping)
         out = backend.forward(q, key_cache, value_cache, plan, self.scale)
@@ -119,8 +131,13 @@ class MLP(nn.Module):
         self.packs = WeightPacks()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.packs.linear("gate_up", x, self.gate_up_proj.weight)
-        return self.packs.linear("down", silu_and_mul(gate_up), self.down_proj.weight)
+        return self.down(self.packs.linear("gate_up", x, self.gate_up_proj.weight))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 inter] -> hidden
+        weight = self.down_proj.weight
+        if isinstance(weight, QuantizedWeight):
+            return quant.silu_linear(gate_up, weight)
+        return self.packs.linear("down", silu_and_mul(gate_up), weight)
 
 
 class DecoderLayer(nn.Module):
@@ -145,13 +162,37 @@ class DecoderLayer(nn.Module):
         """The residual stream is `h + residual` (`h` alone for the first layer): the layer
         before left its MLP output unadded, so that the add and this layer's norm are one
         kernel. Returns this layer's MLP output and the stream before it, likewise."""
-        normed, residual = self.input_layernorm.add_forward(h, residual)
-        attn = self.self_attn(normed, angles, kv_cache, meta, backend, plan)
-        normed, residual = self.post_attention_layernorm.add_forward(
-            attn if reduce is None else reduce(attn), residual
+        attn_in, residual = self._project_norm(
+            self.input_layernorm, h, residual, self.self_attn.qkv_proj, self.self_attn.packs, "qkv"
         )
-        mlp = self.mlp(normed)
+        attn = self.self_attn.attend(attn_in, angles, kv_cache, meta, backend, plan)
+        gate_up, residual = self._project_norm(
+            self.post_attention_layernorm,
+            attn if reduce is None else reduce(attn),
+            residual,
+            self.mlp.gate_up_proj,
+            self.mlp.packs,
+            "gate_up",
+        )
+        mlp = self.mlp.down(gate_up)
         return (mlp if reduce is None else reduce(mlp)), residual
+
+    @staticmethod
+    def _project_norm(
+        norm: RMSNorm,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        proj: nn.Linear | QuantizedLinear,
+        packs: WeightPacks,
+        name: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(proj(norm(h + residual)), h + residual): one kernel call where the projection's
+        weight is quantized (kernels/quant.py `norm_linear`), as nothing else reads the norm."""
+        weight, bias = proj.weight, proj.bias
+        if isinstance(weight, QuantizedWeight):
+            return quant.norm_linear(h, residual, norm.weight, norm.eps, weight, bias)
+        normed, residual = norm.add_forward(h, residual)
+        return packs.linear(name, normed, weight, bias), residual
 
 
 class ForwardInterrupted(Exception):
