@@ -254,23 +254,9 @@ def linear_quant(
         x = x.contiguous()
     y = torch.empty(rows, out_features, dtype=x.dtype)
     if rows and out_features:
-        code = _lib().outrider_linear_quant(
-            x.data_ptr(),
-            x_f32,
-            weight.codes,
-            weight.scales,
-            weight.mins,
-            weight.min_per_scale,
-            weight.bits,
-            None if bias is None else bias.data_ptr(),
-            y.data_ptr(),
-            rows,
-            weight.in_features,
-            out_features,
-            torch.get_num_threads(),
+        _scratch_had(
+            _lib().outrider_linear_quant(x.data_ptr(), x_f32, *_weight_args(weight, bias, y))
         )
-        if code:
-            raise MemoryError("linear_quant could not allocate its scratch")
     return y
 
 
@@ -337,6 +323,16 @@ def _linear_quant_after(
         None if norm_weight is None else norm_weight.data_ptr(),
         eps,
         None if sum_out is None else sum_out.data_ptr(),
+        *_weight_args(weight, bias, y),
+    )
+    _scratch_had(code)
+
+
+def _weight_args(
+    weight: QuantKernelArgs, bias: torch.Tensor | None, y: torch.Tensor
+) -> tuple[object, ...]:
+    """The arguments both quantized entry points end with: the weight, bias, output, sizes."""
+    return (
         weight.codes,
         weight.scales,
         weight.mins,
@@ -349,6 +345,9 @@ def _linear_quant_after(
         weight.out_features,
         torch.get_num_threads(),
     )
+
+
+def _scratch_had(code: int) -> None:
     if code:
         raise MemoryError("linear_quant could not allocate its scratch")
 

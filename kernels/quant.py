@@ -153,14 +153,13 @@ class QuantizedWeight:
     def index_select(self, dim: int, index: torch.Tensor) -> QuantizedWeight:
         """Rows (dim 0) or whole blocks of input features (dim 1) picked by `index`, as
         tensor parallelism slices a weight."""
-        mins = None if self.mins is None else self.block_mins().half()
         if dim == 0:
             index = index.to(device="cpu", dtype=torch.int64)
             return from_codes(
                 self.kind,
                 self.unsigned_codes(index),
                 self.block_scales(index),
-                None if mins is None else mins.index_select(0, index),
+                None if self.mins is None else self.block_mins(index).half(),
             )
         if dim != 1:
             raise ValueError("a weight has dims 0 and 1")
@@ -170,6 +169,7 @@ class QuantizedWeight:
         ):
             raise ValueError(f"a quantized weight's input features split only at blocks of {BLOCK}")
         blocks = slice(first // BLOCK, (first + index.numel()) // BLOCK)
+        mins = None if self.mins is None else self.block_mins().half()
         codes = self.unsigned_codes()[:, first : first + index.numel()]
         return from_codes(
             self.kind,
@@ -236,7 +236,6 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, in_features: int) -> QuantizedW
 # 8-bit blocks of 32 from its values. Other types (Q2_K, Q3_K, IQ*) are dequantized to floats by
 # the loader.
 CONVERTED = {"q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_0"}
-_QK_K = 256  # weights per K-quant super-block
 
 
 def from_gguf_tensor(kind: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:

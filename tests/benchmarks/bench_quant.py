@@ -39,7 +39,8 @@ from tests.benchmarks.bench_spec import (
     paired_ratio,
 )
 from tests.benchmarks.report import (
-    DEFAULT_REPORT,
+    bench_args,
+    bench_parser,
     cpu_section,
     machine_line,
     table,
@@ -289,19 +290,9 @@ def llama_cpp_version() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="tiny run for smoke tests")
+    parser = bench_parser(__doc__)
     parser.add_argument("--pair", choices=["qwen"], help="the Qwen2.5-Coder pair instead")
-    parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
-    args = parser.parse_args()
-    if args.quick:
-        args.runs, args.max_tokens = 1, 8
-    torch.set_num_threads(args.threads)
+    args = bench_args(parser)
     module = llama_cpp_module(install=not args.quick)
     if args.pair:
         body = "## Quantized weights: a real draft/target pair\n\n" + pair_section(args, module)

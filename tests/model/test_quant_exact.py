@@ -15,7 +15,7 @@ import torch
 
 from kernels.linear import row_independent_rows
 from tests.model.helpers import run_staggered
-from tests.model.test_speculative_exact import GREEDY, SPEC, TEXTS
+from tests.model.test_speculative_exact import GREEDY, SPEC, prompt_texts
 from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
@@ -43,8 +43,7 @@ def target(quantized_checkpoint):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def prompt_ids(checkpoint) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    texts = TEXTS + [f"Note {i}. {t}" for i, t in enumerate(TEXTS)]
-    return [checkpoint.tokenizer.encode(t) for t in texts]
+    return [checkpoint.tokenizer.encode(t) for t in prompt_texts()]
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,12 @@ SPEC = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=6
 
 @pytest.fixture(scope="module")
 def prompt_ids(checkpoint) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    # 16 prompts of different lengths: the texts, and the texts with a prefix.
-    texts = TEXTS + [f"Note {i}. {t}" for i, t in enumerate(TEXTS)]
-    return [checkpoint.tokenizer.encode(t) for t in texts]
+    return [checkpoint.tokenizer.encode(t) for t in prompt_texts()]
+
+
+def prompt_texts() -> list[str]:
+    """16 prompts of different lengths: the texts, and the texts with a prefix."""
+    return TEXTS + [f"Note {i}. {t}" for i, t in enumerate(TEXTS)]
 
 
 @pytest.fixture(scope="module")

@@ -92,20 +92,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.packs = WeightPacks()
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        angles: RotaryAngles,
-        kv_cache: tuple[
-            torch.Tensor, torch.Tensor
-        ],  # 2 x [num_blocks, block_size, kv_heads, head_dim]
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        plan: object,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        qkv = self.packs.linear("qkv", x, self.qkv_proj.weight, self.qkv_proj.bias)
-        return self.attend(qkv, angles, kv_cache, meta, backend, plan)
-
     def attend(
         self,
         qkv: torch.Tensor,  # [num_tokens, q_size + 2 kv_size]: the QKV projection
@@ -129,9 +115,6 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.packs = WeightPacks()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.packs.linear("gate_up", x, self.gate_up_proj.weight))
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 inter] -> hidden
         weight = self.down_proj.weight
