@@ -24,7 +24,7 @@ from cluster.pools import Pools, attach_pools, connect_ray, start_pools
 from cluster.verifier import ServedBy, StreamedStep
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
-from workers.engine.outputs import RequestOutput
+from workers.engine.outputs import Continuation, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
 
@@ -141,9 +141,10 @@ class Runtime:
         spec: RequestSpec | None = None,
         request_id: str | None = None,
         group: int | None = None,
+        continuation: Continuation | None = None,
     ) -> RequestStream:
         """Start a request on verifier group `group` (round-robin when None; the router picks
-        by cached prefix and load)."""
+        by cached prefix and load); with `continuation`, one that moved from a failed group."""
         with self._lock:
             if group is None:
                 group = self._next % len(self.pools.verifiers)
@@ -159,11 +160,13 @@ class Runtime:
                 "outrider.prompt_tokens": len(prompt_ids),
             }
         )
+        if continuation is not None:  # moved here from a group that failed under it
+            span.set_attribute("outrider.continued_tokens", len(continuation.token_ids))
         carrier = telemetry.inject(span)
         generator = (
             self.pools.verifiers[index]
             .generate.options(num_returns="streaming")
-            .remote(request_id, list(prompt_ids), params, spec, carrier)
+            .remote(request_id, list(prompt_ids), params, spec, carrier, continuation)
         )
         return RequestStream(request_id, self.pools.verifier_names[index], generator, span)
 

@@ -39,7 +39,7 @@ from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
 from cluster.step_channel import ChannelAddress, StepClient
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
-from workers.engine.outputs import Prefilled, RequestOutput, StepReport
+from workers.engine.outputs import Continuation, Prefilled, RequestOutput, StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.model.tensor_parallel import build_sharded_model, split_evenly
 
@@ -328,14 +328,18 @@ class VerifierActor:
         params: SamplingParams,
         spec: RequestSpec,
         trace_carrier: dict[str, str] | None = None,
+        continuation: Continuation | None = None,
     ) -> AsyncIterator[StreamedStep]:
-        """Streams one message per engine step that produced something for the request."""
+        """Streams one message per engine step that produced something for the request (with
+        `continuation`, one that moved here from a failed group)."""
         logs.REQUEST_ID.set(request_id)  # this call's task: its log lines name the request
         self.rounds.start(request_id, trace_carrier)
         prefilled = None
-        if params.prompt_logprobs is None:  # a scored prompt is computed here, every position
+        # A scored prompt is computed here, every position; so is a continued request (its
+        # last token is verified with drafts, not sampled from a prefill's logits).
+        if params.prompt_logprobs is None and continuation is None:
             prefilled = await self._remote_prefill(request_id, prompt_ids, spec, trace_carrier)
-        outputs = self.loop.stream(request_id, prompt_ids, params, spec, prefilled)
+        outputs = self.loop.stream(request_id, prompt_ids, params, spec, prefilled, continuation)
         try:
             async for out in outputs:
                 served_by = self._served_by(request_id) if out.finished else None

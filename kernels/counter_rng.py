@@ -50,6 +50,21 @@ def key_of_seed(seed: int) -> int:
     return hash32_int((seed & MASK32) ^ hash32_int((seed >> 32) ^ 0x9E3779B9))
 
 
+MASK64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, position: int) -> int:
+    """A 64-bit seed for a host `torch.Generator` from a request's seed and a position
+    (splitmix64 of the pair). The host sampler seeds a seeded request's generator this way at
+    each step, from the position it samples at, so its draws depend on where it samples and
+    never on what it drew before: a request continued on another engine with its output draws
+    on as it would have (the device sampler's numbers are keyed the same way)."""
+    x = ((seed & MASK64) * 0x9E3779B97F4A7C15 + position + 1) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
 def uniform(
     keys: torch.Tensor,  # [num_rows] int64 in [0, 2^32)
     counters: torch.Tensor,  # [num_rows] int64 >= 0

@@ -4,6 +4,7 @@ sampling independent of what else is in the batch."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Sequence
 
@@ -19,7 +20,9 @@ from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import Continuation
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import SpecStats
 from workers.engine.sequential import SequentialEngine
 from workers.model.loader import build_model, truncate_layers
 
@@ -326,3 +329,56 @@ def test_a_predicted_output_drafts_and_changes_nothing(  # type: ignore[no-untyp
     right = [got[i].spec.mean_acceptance_length for i in (0, 2, 4)]
     assert min(right) > 3.0, right  # four drafts a step, nearly all accepted
     assert got[1].spec.mean_acceptance_length > 2.0  # picked up again after the edit
+
+
+def _steps(engine: LLMEngine, request_id: str) -> list[tuple[list[int], str, SpecStats]]:
+    """A lone request's steps to its end: (new tokens, new text, its statistics after)."""
+    steps = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and (out.new_token_ids or out.text):
+                steps.append((out.new_token_ids, out.text, copy.deepcopy(out.spec)))
+    return steps
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_request_continued_on_another_engine_goes_on_as_in_one_run(  # type: ignore[no-untyped-def]
+    method: str, temperature: float, model_fp32, checkpoint, draft_net, prompt_ids
+) -> None:
+    """A request cut after a few steps and continued on a fresh engine with its output and
+    statistics (`Continuation`, what the router migrates) gives the tokens, text and
+    statistics of one uninterrupted run: greedy, and seeded sampled (its draws keyed by
+    position), with a stop string watched across the seam."""
+    params = SamplingParams(
+        max_tokens=28, temperature=temperature, seed=7, stop=("never said",), ignore_eos=True
+    )
+    spec = RequestSpec(method=method)
+
+    def fresh() -> LLMEngine:
+        drafter = make_drafter(method, draft_net, model_fp32)
+        return LLMEngine(
+            model_fp32,
+            EngineConfig(max_model_len=512, spec=SPEC),
+            tokenizer=checkpoint.tokenizer,
+            eos_token_ids=checkpoint.config.eos_token_ids,
+            drafters={drafter.method: drafter},
+        )
+
+    one_run = fresh()
+    one_run.add_request("r", prompt_ids[0], params, spec)
+    steps = _steps(one_run, "r")
+    tokens = [t for new, _, _ in steps for t in new]
+    assert len(tokens) == 28
+    cut = next(i for i in range(len(steps)) if sum(len(s[0]) for s in steps[: i + 1]) >= 9)
+    before = [t for new, _, _ in steps[: cut + 1] for t in new]
+    moved = fresh()
+    moved.add_request(
+        "r", prompt_ids[0], params, spec, continuation=Continuation(tuple(before), steps[cut][2])
+    )
+    rest = _steps(moved, "r")
+    assert before + [t for new, _, _ in rest for t in new] == tokens
+    text = "".join(piece for _, piece, _ in steps)
+    assert "".join(p for _, p, _ in steps[: cut + 1]) + "".join(p for _, p, _ in rest) == text
+    assert rest[-1][2] == steps[-1][2]  # the statistics of one run, each step counted once
+    assert steps[-1][2].drafted > 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.counter_rng import step_seed
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -169,12 +170,31 @@ def greedy_probability(logits: torch.Tensor, index: int, needed: bool) -> float:
     return float(torch.softmax(logits[0].float(), dim=-1)[index])
 
 
-def draft_generator(params: SamplingParams, offset: int) -> torch.Generator | None:
-    """A seeded request's generator for a drafter's own draws: seeded from the request's seed
-    plus a per-drafter offset, so it never shares a stream with the verifier's draws."""
-    if params.seed is None:
-        return None
-    return torch.Generator().manual_seed(params.seed + offset)
+class DraftRandom:
+    """A seeded request's numbers for a drafter's own draws. Each draw seeds the generator
+    afresh from the request's seed (plus the drafter's offset, so it never shares a stream
+    with the verifier's draws), the number of tokens committed so far and the draw's index
+    since then. No number is drawn twice for a sequence (the committed count only grows), and
+    a request continued on another engine with its output drafts what it would have drafted."""
+
+    __slots__ = ("committed", "generator", "index", "seed")
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.generator = seed, torch.Generator()
+        self.committed, self.index = -1, 0
+
+    def next(self, committed: int) -> torch.Generator:
+        """The generator for the next draw, `committed` tokens into the sequence."""
+        if committed != self.committed:
+            self.committed, self.index = committed, 0
+        self.generator.manual_seed(step_seed(step_seed(self.seed, committed), self.index))
+        self.index += 1
+        return self.generator
+
+
+def draft_generator(params: SamplingParams, offset: int) -> DraftRandom | None:
+    """A seeded request's numbers for a drafter's draws (None for an unseeded one)."""
+    return None if params.seed is None else DraftRandom(params.seed + offset)
 
 
 class DraftStateError(RuntimeError):

@@ -32,6 +32,7 @@ from workers.drafting.ahead import AheadState, DraftsAhead
 from workers.drafting.base import (
     ConfidenceStop,
     Draft,
+    DraftRandom,
     DraftRequest,
     draft_generator,
     greedy_probability,
@@ -49,7 +50,7 @@ _DRAFT_SEED_OFFSET = 0x5EED
 class _DraftSeq:
     params: SamplingParams
     table: BlockTable
-    generator: torch.Generator | None
+    random: DraftRandom | None  # a seeded request's numbers
     tokens: list[int] = field(default_factory=list)  # committed
     cached: list[int] = field(default_factory=list)  # tokens whose K/V the draft cache holds
     ahead: AheadState = field(default_factory=AheadState)
@@ -288,7 +289,8 @@ class DraftModelDrafter(DraftsAhead):
             token = int(logits[0].argmax())
             return token, None, greedy_probability(logits, token, self.min_confidence > 0)
         q = params.probs(logits)
-        token = int(sample_from_probs(q, [seq.generator])[0])
+        draws = None if seq.random is None else seq.random.next(len(seq.tokens))
+        token = int(sample_from_probs(q, [draws])[0])
         return token, q, float(q[0, token])
 
     @staticmethod

@@ -41,6 +41,7 @@ from workers.drafting.ahead import AheadState, DraftsAhead
 from workers.drafting.base import (
     ConfidenceStop,
     Draft,
+    DraftRandom,
     DraftRequest,
     draft_generator,
     greedy_probability,
@@ -62,7 +63,7 @@ MAX_PENDING_ROWS = 1024
 class _EagleSeq:
     params: SamplingParams
     table: BlockTable
-    generator: torch.Generator | None
+    random: DraftRandom | None  # a seeded request's numbers
     tokens: list[int]  # committed
     base: int | None = None  # position of cache row 0
     features_end: int = 0  # features received for positions < features_end
@@ -382,5 +383,6 @@ class EagleDrafter(DraftsAhead):
         full = torch.full((1, self.full_vocab_size), -torch.inf)
         full[0, self.vocab] = logits[0].float().cpu()
         q = params.probs(full)
-        token = int(sample_from_probs(q, [seq.generator])[0])
+        draws = None if seq.random is None else seq.random.next(len(seq.tokens))
+        token = int(sample_from_probs(q, [draws])[0])
         return token, q, float(q[0, token])

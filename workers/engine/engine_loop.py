@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from workers.engine.config import RequestSpec
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.outputs import Prefilled, RequestOutput
+from workers.engine.outputs import Continuation, Prefilled, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class _Submit:
     spec: RequestSpec | None
     outputs: _Sink
     prefilled: Prefilled | None = None
+    continuation: Continuation | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +97,12 @@ class EngineLoop:
         params: SamplingParams,
         spec: RequestSpec | None = None,
         prefilled: Prefilled | None = None,
+        continuation: Continuation | None = None,
     ) -> Iterator[RequestOutput]:
         """Outputs of the request as the engine produces them; raises ValueError if rejected."""
         outputs: queue.Queue[RequestOutput | Exception] = queue.Queue()
-        self._enqueue(_Submit(request_id, prompt_token_ids, params, spec, outputs, prefilled))
+        item = _Submit(request_id, prompt_token_ids, params, spec, outputs, prefilled, continuation)
+        self._enqueue(item)
         return self._iterate(outputs)
 
     async def stream(
@@ -109,11 +112,13 @@ class EngineLoop:
         params: SamplingParams,
         spec: RequestSpec | None = None,
         prefilled: Prefilled | None = None,
+        continuation: Continuation | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """`submit` for asyncio callers. Leaving the iteration early (the consumer was cancelled
         or closed it) aborts the request and frees its blocks."""
         sink = _AsyncSink()
-        self._enqueue(_Submit(request_id, prompt_token_ids, params, spec, sink, prefilled))
+        submit = _Submit(request_id, prompt_token_ids, params, spec, sink, prefilled, continuation)
+        self._enqueue(submit)
         finished = False
         try:
             while not finished:
@@ -211,7 +216,12 @@ class EngineLoop:
                 continue
             try:
                 self.engine.add_request(
-                    item.request_id, item.prompt_token_ids, item.params, item.spec, item.prefilled
+                    item.request_id,
+                    item.prompt_token_ids,
+                    item.params,
+                    item.spec,
+                    item.prefilled,
+                    item.continuation,
                 )
             except ValueError as exc:
                 with contextlib.suppress(ReaderGone):

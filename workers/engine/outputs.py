@@ -39,6 +39,19 @@ class RequestOutput:
     accepted_prediction_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """A request moved from another engine (its verifier failed), with the output it
+    generated there. It goes on as if it had never left: those tokens are its output (counted
+    against `max_tokens` and `min_tokens`, read by its grammar and its detokenizer, so a
+    character or stop string across the seam comes out as in one run), its speculation
+    statistics go on from `stats`, and its next token is verified with drafts as its next step
+    there would have been (a seeded request draws what it would have drawn)."""
+
+    token_ids: tuple[int, ...]
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
 @dataclass(slots=True)
 class Prefilled:
     """A prompt computed elsewhere (a prefill worker): the K/V of its first n tokens,

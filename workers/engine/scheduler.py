@@ -5,8 +5,9 @@ cache; a step brings each scheduled sequence's uncomputed tokens (a prefill chun
 token when decoding) plus, when decoding, its draft. Prefill, chunked prefill, decode and
 verification are one mechanism under one token budget (as vLLM's v1 scheduler does it).
 Running sequences go first, oldest first; when the cache runs out of blocks the newest running
-sequence is preempted (its blocks freed, to be recomputed later). Waiting sequences are admitted
-after that, reusing cached prefix blocks.
+sequence is preempted (its blocks freed, to be recomputed later: all but its last token, which
+a decode step then verifies with drafts, so a seeded request draws as if never preempted).
+Waiting sequences are admitted after that, reusing cached prefix blocks.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_tokens_to_compute, budget)
             draft = seq.draft.truncated(budget - num_new) if seq.is_decoding else EMPTY_DRAFT
             start = seq.num_computed_tokens
             try:
@@ -113,13 +114,16 @@ class Scheduler:
             seq = self.waiting[0]
             cache = self.config.enable_prefix_caching and not seq.scores_prompt
             if cache and seq.num_computed_tokens == 0:
-                # Leave at least the last token to compute: its logits are needed.
-                seq.num_computed_tokens = seq.block_table.use_cached_prefix(seq.token_ids[:-1])
+                # Leave at least the last token to compute: its logits are needed. A sequence
+                # with output leaves the one before too: this step computes it, and the next
+                # verifies the last with drafts (only running sequences draft).
+                keep = 2 if seq.output_token_ids else 1
+                seq.num_computed_tokens = seq.block_table.use_cached_prefix(seq.token_ids[:-keep])
                 if not seq.output_token_ids:  # its first admission (not after preemption)
                     seq.num_cached_tokens = seq.num_computed_tokens
                     self.prefix_queried_tokens += len(seq.token_ids) - 1
                     self.prefix_hit_tokens += seq.num_computed_tokens
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_tokens_to_compute, budget)
             start = seq.num_computed_tokens
             try:
                 copies = seq.block_table.prepare_write(start, start + num_new)

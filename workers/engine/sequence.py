@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.counter_rng import step_seed
 from workers.drafting.base import EMPTY_DRAFT, Draft
 from workers.engine.logprobs import TokenLogprob
 from workers.engine.sampling_params import SamplingParams
@@ -107,6 +108,12 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
 
+    def reseed(self) -> None:
+        """Restart a seeded request's generator for this step's draws (its drafts' and its
+        verification's), from its seed and the position it samples at."""
+        if self.generator is not None and self.params.seed is not None:
+            self.generator.manual_seed(step_seed(self.params.seed, len(self.token_ids)))
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
@@ -118,6 +125,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """What the next forward may take: every uncomputed token, except that a sequence
+        with output to recompute (preempted, or continued from another engine) leaves its last
+        token for a decode step, which verifies drafts with it as its step would have."""
+        n = self.num_uncomputed_tokens
+        return n - 1 if n > 1 and len(self.token_ids) > self.num_prompt_tokens else n
 
     @property
     def is_decoding(self) -> bool:

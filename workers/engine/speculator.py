@@ -195,7 +195,10 @@ class Speculator:
     def add(self, seq: Sequence) -> None:
         if seq.spec_method != "none":
             try:
-                self.drafters[seq.spec_method].add(seq.request_id, seq.prompt_token_ids, seq.params)
+                drafter = self.drafters[seq.spec_method]
+                drafter.add(seq.request_id, seq.prompt_token_ids, seq.params)
+                if seq.output_token_ids:  # continued from another engine with its output
+                    drafter.commit(seq.request_id, seq.output_token_ids)
             except Exception as exc:
                 self._drop(seq.spec_method, [seq], "add", exc)
 
