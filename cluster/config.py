@@ -24,7 +24,8 @@ RayCluster). A config is checked as a whole when it is built, and every error na
     router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256,
              requests_per_s: 0, burst: 0,                 # per-key token bucket, 0: none
              shutdown_grace_s: 30,    # on SIGTERM, how long requests in flight may finish
-             log_format: text}        # or json: a JSON object per log line (router and actors)
+             log_format: text,        # or json: a JSON object per log line (router and actors)
+             migration: {max_wait_s: 90, max_attempts: 3}}  # a failed group's requests go on
     redis: {url: null, tls: false, password_env: null}   # url null: embedded redis-server
     telemetry: {otlp_endpoint: null, service_name: outrider}
     ray: {address: null, dashboard_host: 127.0.0.1, dashboard_port: 8265}
@@ -154,6 +155,17 @@ class SpeculativeSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class MigrationSettings:
+    """A request whose verifier group fails mid-way (its actor dies, a rank of it restarts)
+    goes on from its committed tokens on a healthy group, or on the same one once it is back
+    (router/service.py): within `max_wait_s` of each failure, at most `max_attempts` times a
+    request; past either, the client gets the 503 as before. 0 attempts: never migrate."""
+
+    max_wait_s: float = 90.0
+    max_attempts: int = 3
+
+
+@dataclass(frozen=True, slots=True)
 class RouterSettings:
     host: str = "0.0.0.0"
     port: int = 8000
@@ -167,6 +179,7 @@ class RouterSettings:
     shutdown_grace_s: float = 30.0
     # How the router and the pools' actors log (cluster/logs.py): text, or json (a line each).
     log_format: str = "text"
+    migration: MigrationSettings = field(default_factory=MigrationSettings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +304,9 @@ class DeploymentConfig:
         _check(self.router.requests_per_s >= 0, "router.requests_per_s", "must be >= 0")
         _check(self.router.burst >= 0, "router.burst", "must be >= 0")
         _check(self.router.shutdown_grace_s >= 0, "router.shutdown_grace_s", "must be >= 0")
+        migration = self.router.migration
+        _check(migration.max_wait_s >= 0, "router.migration.max_wait_s", "must be >= 0")
+        _check(migration.max_attempts >= 0, "router.migration.max_attempts", "must be >= 0")
         _check(
             self.router.log_format in ("text", "json"),
             "router.log_format",

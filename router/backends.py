@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from router import errors
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import EngineLoop, LoopLoad
-from workers.engine.outputs import RequestOutput
+from workers.engine.outputs import Continuation, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
 # What one engine step produced for one request: the engine's own output, whichever backend.
@@ -32,11 +32,19 @@ class Backend(Protocol):
         prompt_ids: list[int],
         params: SamplingParams,
         spec: RequestSpec | None,
-    ) -> AsyncGenerator[Step, None]: ...
+        continuation: Continuation | None = None,
+    ) -> AsyncGenerator[Step, None]:
+        """The request's steps on group `group`; raises `errors.GroupFailed` when the group
+        fails under it (the request may go on elsewhere with `continuation`)."""
+        ...
 
     async def load(self) -> list[LoopLoad]: ...
 
     async def ready(self) -> bool: ...
+
+    async def healthy(self, group: int) -> bool:
+        """Whether group `group` answers now (a failed one is restarting until it does)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -55,8 +63,9 @@ class LocalBackend:
         prompt_ids: list[int],
         params: SamplingParams,
         spec: RequestSpec | None,
+        continuation: Continuation | None = None,
     ) -> AsyncGenerator[Step, None]:
-        outputs = self.loop.stream(request_id, prompt_ids, params, spec)
+        outputs = self.loop.stream(request_id, prompt_ids, params, spec, None, continuation)
         try:
             async for out in outputs:
                 yield out
@@ -71,6 +80,9 @@ class LocalBackend:
         return [self.loop.load()]
 
     async def ready(self) -> bool:
+        return self.loop.ready()
+
+    async def healthy(self, group: int) -> bool:
         return self.loop.ready()
 
     async def close(self) -> None:
@@ -92,10 +104,11 @@ class RuntimeBackend:
         prompt_ids: list[int],
         params: SamplingParams,
         spec: RequestSpec | None,
+        continuation: Continuation | None = None,
     ) -> AsyncGenerator[Step, None]:
         import ray
 
-        stream = self.runtime.submit(prompt_ids, params, spec, request_id, group)
+        stream = self.runtime.submit(prompt_ids, params, spec, request_id, group, continuation)
         finished = False
         try:
             async for message in stream.items_async():
@@ -104,7 +117,7 @@ class RuntimeBackend:
         except ValueError as exc:  # RayTaskError subclasses the actor's own exception type
             raise errors.bad_request(_cause(exc)) from exc
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise errors.overloaded(f"verifier {self.groups[group]} is unavailable") from exc
+            raise errors.GroupFailed(f"verifier {self.groups[group]} is unavailable") from exc
         except ray.exceptions.RayError as exc:
             raise errors.server_error(_cause(exc)) from exc
         finally:
@@ -119,6 +132,13 @@ class RuntimeBackend:
             await asyncio.wait_for(
                 asyncio.gather(*(v.info.remote() for v in self.runtime.pools.verifiers)), 2.0
             )
+        except Exception:
+            return False
+        return True
+
+    async def healthy(self, group: int) -> bool:
+        try:
+            await asyncio.wait_for(self.runtime.pools.verifiers[group].info.remote(), 2.0)
         except Exception:
             return False
         return True

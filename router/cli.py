@@ -278,6 +278,7 @@ def _serve(args: argparse.Namespace) -> int:
         requests_per_s=config.router.requests_per_s,
         burst=config.router.burst,
         api_keys=keys,
+        migration=config.router.migration,
         shutdown_grace_s=(
             config.router.shutdown_grace_s
             if args.shutdown_grace_s is None

@@ -72,6 +72,14 @@ def overloaded(message: str, retry_after_s: float = 1.0) -> RouterError:
     )
 
 
+class GroupFailed(RouterError):
+    """A verifier group failed under a request (its actor died, or a rank of it restarted):
+    503, and the router may move the request to a healthy group (router/service.py)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, "service_unavailable", "UNAVAILABLE", retry_after_s=1.0)
+
+
 def shared_state_down(exc: Exception) -> RouterError:
     """Redis did not answer: 503, the request can be retried."""
     return overloaded(f"shared state (Redis) is unavailable: {exc}")

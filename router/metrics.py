@@ -63,5 +63,34 @@ class RouterMetrics:
             "outrider_routed", "Routing decisions by reason", ["group", "reason"], registry=r
         )
 
+        self.migrations = Counter(
+            "outrider_migrations",
+            "Requests moved on from a verifier group that failed under them",
+            ["from_group", "to_group"],
+            registry=r,
+        )
+
+        self.redis_up = Gauge(
+            "outrider_redis_up", "Whether Redis answered this replica's last call", registry=r
+        )
+        self.redis_outages = Counter(
+            "outrider_redis_outages", "Times Redis stopped answering this replica", registry=r
+        )
+        self.degraded_requests = Counter(
+            "outrider_degraded_requests",
+            "Requests served while Redis was down (no registry, prefix hints or key checks)",
+            registry=r,
+        )
+        self.registry_held = Gauge(
+            "outrider_registry_held_requests",
+            "Requests whose registry writes wait for Redis to come back",
+            registry=r,
+        )
+        self.registry_dropped = Counter(
+            "outrider_registry_dropped_requests",
+            "Requests whose held registry writes were dropped (too many held)",
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from cluster.config import MigrationSettings
 from router.backends import Backend
 from router.protocol import RequestBuilder
 from router.service import RouterService, RoutingPolicy
@@ -58,6 +59,9 @@ def read_keys_file(path: str | Path) -> list[KeyLine]:
     return keys
 
 
+REDIS_TIMEOUT_S = 2.0
+
+
 @dataclass(slots=True)
 class RouterOptions:
     host: str = "127.0.0.1"
@@ -73,6 +77,7 @@ class RouterOptions:
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     # How long a drain lets the requests in flight run before it cuts them.
     shutdown_grace_s: float = 30.0
+    migration: MigrationSettings = field(default_factory=MigrationSettings)
 
 
 class _DrainingServer(uvicorn.Server):
@@ -108,18 +113,36 @@ class Router:
         from router.http_api import create_app
 
         opts = self.options
-        client = aioredis.Redis.from_url(opts.redis_url, password=opts.redis_password)
-        state = SharedState(client)
-        for line in opts.api_keys:
-            await state.add_key(
-                line.key,
-                line.name,
-                opts.requests_per_s if line.requests_per_s is None else line.requests_per_s,
-                opts.burst if line.burst is None else line.burst,
-            )
-        service = RouterService(
-            self.backend, self.builder, state, opts.block_size, opts.max_queue, opts.policy
+        # Bounded waits: a Redis that stops answering is an outage (router/registry.py), not
+        # a request that hangs.
+        client = aioredis.Redis.from_url(
+            opts.redis_url,
+            password=opts.redis_password,
+            socket_connect_timeout=REDIS_TIMEOUT_S,
+            socket_timeout=REDIS_TIMEOUT_S,
         )
+        state = SharedState(client)
+
+        async def add_keys() -> None:
+            for line in opts.api_keys:
+                await state.add_key(
+                    line.key,
+                    line.name,
+                    opts.requests_per_s if line.requests_per_s is None else line.requests_per_s,
+                    opts.burst if line.burst is None else line.burst,
+                )
+
+        await add_keys()
+        service = RouterService(
+            self.backend,
+            self.builder,
+            state,
+            opts.block_size,
+            opts.max_queue,
+            opts.policy,
+            migration=opts.migration,
+        )
+        service.redis.on_back.append(add_keys)
         self.service = service
         config = uvicorn.Config(
             create_app(service),

@@ -7,6 +7,13 @@ the lighter of two random groups by queue depth and KV usage), register the requ
 stream its steps, and on the way record metrics, committed tokens and the blocks the group now
 holds. Leaving the stream early (client gone) aborts the request in its verifier.
 
+A verifier group that fails under a request (its actor dies, a rank of it restarts) does not
+end it: the request goes on from its committed tokens on a healthy group, or on the same one
+once Ray has it back (`router.migration`), as a `Continuation` the engine takes up as if the
+request had never left (its text, statistics and a seeded request's draws go on as in one
+run). The client's stream only pauses; the move is counted (`outrider_migrations`) and named in
+the request's log line and its new span.
+
 Conditional disaggregation is decided in the verifier, which knows what its prefix cache holds:
 prompts with fewer than `pools.prefill.min_remote_prompt_tokens` uncached tokens skip the
 prefill pool.
@@ -15,6 +22,7 @@ prefill pool.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import random
@@ -30,14 +38,17 @@ from typing import Any, TypeVar
 from redis.exceptions import RedisError
 
 from cluster import logs
+from cluster.config import MigrationSettings
 from router import errors
 from router.backends import Backend, Step
 from router.metrics import RouterMetrics
 from router.protocol import GenerateRequest, RequestBuilder
+from router.registry import RedisWatch
 from router.state import ApiKey, SharedState
 from router.tools import ToolCalling
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
+from workers.engine.outputs import Continuation
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
 from workers.engine.structured import StructuredOutput
@@ -54,6 +65,7 @@ Choice = tuple[Step, AsyncGenerator[Step, None]]
 
 LOAD_TTL_S = 0.1  # how long one poll of the verifiers' load is reused
 REGISTRY_FLUSH_S = 0.25  # committed tokens reach the registry at least this often
+MIGRATION_POLL_S = 0.5  # how often a migrating request asks whether a group is back
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +86,15 @@ class RouterService:
         max_queue: int = 256,
         policy: RoutingPolicy | None = None,
         replica: str | None = None,
+        migration: MigrationSettings | None = None,
     ) -> None:
         self.backend, self.builder, self.state = backend, builder, state
         self.block_size, self.max_queue = block_size, max_queue
         self.policy = policy or RoutingPolicy()
+        self.migration = migration or MigrationSettings()
         self.replica = replica or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.metrics = RouterMetrics()
+        self.redis = RedisWatch(state, self.metrics)  # its outages, and the writes they held
         self.in_flight = 0
         self.draining = False  # shutting down: new requests are refused (Router.drain)
         self.cut = False  # the drain's grace is over: requests in flight end at their next step
@@ -111,7 +126,7 @@ class RouterService:
             raise errors.shared_state_down(exc) from exc
 
     async def _authorize(self, api_key: str | None) -> ApiKey | None:
-        if not await self.state.auth_required():
+        if not await self.redis.auth_required():
             return None
         if not api_key:
             raise errors.unauthorized("missing API key (Authorization: Bearer <key>)")
@@ -123,8 +138,15 @@ class RouterService:
             raise errors.rate_limited(decision.retry_after_s)
         return key
 
-    async def ready(self) -> bool:
-        return await self.state.ping() and await self.backend.ready()
+    async def ready(self) -> str | None:
+        """ "ready"; "degraded" while Redis is down and requests are served without it; None
+        when requests cannot be served (a verifier group or Redis with API keys is down)."""
+        if not await self.backend.ready():
+            return None
+        if await self.state.ping():
+            return "ready"
+        self.redis.down(ConnectionError("no answer to PING"))
+        return "degraded" if self.redis.serving_without_redis else None
 
     async def load(self) -> list[LoopLoad]:
         now = time.monotonic()
@@ -148,10 +170,12 @@ class RouterService:
         if len(groups) == 1:
             return 0, "only"
         loads = await self.load()
-        try:
-            cached = await self.state.cached_blocks(prompt_ids, self.block_size, groups)
-        except RedisError:  # no prefix hints: route by load alone
-            cached = dict.fromkeys(groups, 0)
+        cached = dict.fromkeys(groups, 0)  # without prefix hints, routed by load alone
+        if self.redis.up:
+            try:
+                cached = await self.state.cached_blocks(prompt_ids, self.block_size, groups)
+            except RedisError as exc:
+                self.redis.down(exc)
         score = [
             (g.queue_depth + sent, g.kv_usage)
             for g, sent in zip(loads, self._sent_since_poll, strict=True)
@@ -257,12 +281,11 @@ class RouterService:
         group, reason = routed or await self.choose_group(request.prompt_ids)
         name = self.backend.groups[group]
         self.metrics.routed.labels(name, reason).inc()
-        try:
-            await self.state.register(
-                request_id, name, self.replica, request.prompt_ids, _settings(request)
-            )
-        except RedisError as exc:
-            raise errors.shared_state_down(exc) from exc
+        await self.redis.register(
+            request_id, name, self.replica, request.prompt_ids, _settings(request)
+        )
+        if not self.redis.up:
+            self.metrics.degraded_requests.inc()
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         output_ids: list[int] = []
         num_registered = 0  # of output_ids, already in the registry
@@ -271,45 +294,80 @@ class RouterService:
         final: Step | None = None
         finish_reason = "abort"
         error: Exception | None = None
+        moves: list[str] = []  # the groups this request left, failed under it
+        continuation: Continuation | None = None
+        cached = 0  # prompt tokens its first group found cached
+        latest: Step | None = None
         try:
-            async for step in self.backend.stream(
-                group, request_id, request.prompt_ids, request.params, request.spec
-            ):
-                if self.cut:  # the committed tokens reach the registry below
-                    raise errors.overloaded(
-                        f"this replica shut down before request {request_id} finished; "
-                        f"POST /v1/requests/{request_id}/resume to any replica goes on with it"
+            while final is None:
+                steps = self.backend.stream(
+                    group,
+                    request_id,
+                    request.prompt_ids,
+                    _continued(request.params, continuation),
+                    request.spec,
+                    continuation,
+                )
+                try:
+                    async for step in steps:
+                        if self.cut:  # the committed tokens reach the registry below
+                            raise errors.overloaded(
+                                f"this replica shut down before request {request_id} finished; "
+                                f"POST /v1/requests/{request_id}/resume to any replica goes on "
+                                "with it"
+                            )
+                        latest = step
+                        if continuation is None:
+                            cached = step.num_cached_tokens
+                        else:  # its new group computed what the first one found cached
+                            step.num_cached_tokens = cached
+                        now = time.perf_counter()
+                        if step.new_token_ids:
+                            if not output_ids:
+                                first = now
+                                self.metrics.ttft.observe(now - start)
+                                self._record_prefix(request.prompt_ids, name)
+                            else:
+                                per_token = (now - last) / len(step.new_token_ids)
+                                for _ in step.new_token_ids:
+                                    self.metrics.itl.observe(per_token)
+                            last = now
+                            output_ids += step.new_token_ids
+                            self.metrics.generation_tokens.inc(len(step.new_token_ids))
+                        if step.finished:
+                            final = step
+                            finish_reason = step.finish_reason or "stop"
+                            self._finished(request, step, start, name, output_ids)
+                        elif len(output_ids) > num_registered and now - flushed >= REGISTRY_FLUSH_S:
+                            await self.redis.commit(request_id, output_ids[num_registered:])
+                            num_registered, flushed = len(output_ids), now
+                        yield step
+                except errors.GroupFailed as exc:
+                    if len(moves) >= self.migration.max_attempts:
+                        raise
+                    moves.append(name)
+                    group = await self._group_after_failure(group, exc)
+                    name = self.backend.groups[group]
+                    if output_ids:  # else it simply starts again
+                        assert latest is not None
+                        stats = copy.deepcopy(latest.spec)
+                        continuation = Continuation(tuple(output_ids), stats)
+                    self.metrics.migrations.labels(moves[-1], name).inc()
+                    log.warning(
+                        "verifier %s failed under request %s after %d tokens: it goes on on %s",
+                        moves[-1],
+                        request_id,
+                        len(output_ids),
+                        name,
                     )
-                now = time.perf_counter()
-                if step.new_token_ids:
-                    if not output_ids:
-                        first = now
-                        self.metrics.ttft.observe(now - start)
-                        self._background(
-                            self.state.record_prefix(request.prompt_ids, self.block_size, name)
-                        )
-                    else:
-                        per_token = (now - last) / len(step.new_token_ids)
-                        for _ in step.new_token_ids:
-                            self.metrics.itl.observe(per_token)
-                    last = now
-                    output_ids += step.new_token_ids
-                    self.metrics.generation_tokens.inc(len(step.new_token_ids))
-                if step.finished:
-                    final = step
-                    finish_reason = step.finish_reason or "stop"
-                    self._finished(request, step, start, name, output_ids)
-                elif len(output_ids) > num_registered and now - flushed >= REGISTRY_FLUSH_S:
-                    await self.state.commit(request_id, output_ids[num_registered:])
-                    num_registered, flushed = len(output_ids), now
-                yield step
+                    self._background(self.redis.move(request_id, name))
         except Exception as exc:
             error = exc
             raise
         finally:
             usage = None if finish_reason == "abort" else {"finish_reason": finish_reason}
             rest = output_ids[num_registered:]
-            self._background(self.state.commit(request_id, rest, finish_reason, usage))
+            self._background(self.redis.commit(request_id, rest, finish_reason, usage))
             line = {
                 "request_id": request_id,
                 "api": REQUEST_API.get(),
@@ -322,10 +380,29 @@ class RouterService:
                 "group": name,
                 "routed_by": reason,
                 **({} if final is None else _spec_fields(final)),
+                **({"migrated_from": moves} if moves else {}),
                 **({"resumed_tokens": request.resumed_tokens} if request.resumed_tokens else {}),
                 **({"error": str(error)} if error else {}),
             }
             logs.request_line(line)
+
+    async def _group_after_failure(self, failed: int, exc: errors.GroupFailed) -> int:
+        """A group to go on with after `failed` failed: a healthy other one (the lighter of
+        two by load), else `failed` itself once it is back; raises `exc` if none answers within
+        `migration.max_wait_s`."""
+        deadline = time.monotonic() + self.migration.max_wait_s
+        groups = range(len(self.backend.groups))
+        while True:
+            answers = await asyncio.gather(*(self.backend.healthy(g) for g in groups))
+            healthy = [g for g in groups if answers[g]]
+            others = [g for g in healthy if g != failed]
+            if others or healthy:
+                loads = await self.load()
+                score = [(load.queue_depth, load.kv_usage) for load in loads]
+                return self._two_choices(others or healthy, score)
+            if time.monotonic() >= deadline:
+                raise exc
+            await asyncio.sleep(MIGRATION_POLL_S)
 
     def refused(self, api: str, exc: errors.RouterError) -> None:
         """Count and log a request refused before it was served (its status in the line)."""
@@ -411,9 +488,15 @@ class RouterService:
             self.metrics.acceptance_length.observe(spec.mean_acceptance_length)
         # The conversation so far is cached in that group now: the next turn should go there.
         tokens = [*request.prompt_ids, *output_ids]
-        self._background(self.state.record_prefix(tokens, self.block_size, group))
+        self._record_prefix(tokens, group)
         if output_ids:
-            self._background(self.state.share_sequence(tokens))
+            self._background(self.redis.shared(lambda: self.state.share_sequence(tokens)))
+
+    def _record_prefix(self, token_ids: list[int], group: str) -> None:
+        """Note in the prefix index that `group` holds these tokens' blocks."""
+        self._background(
+            self.redis.shared(lambda: self.state.record_prefix(token_ids, self.block_size, group))
+        )
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
         """Bookkeeping that must not delay tokens or fail the request."""
@@ -430,6 +513,13 @@ class RouterService:
     async def drain(self) -> None:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _continued(params: SamplingParams, continuation: Continuation | None) -> SamplingParams:
+    """A request's settings on the group it moved to: its prompt was scored already."""
+    if continuation is None or params.prompt_logprobs is None:
+        return params
+    return replace(params, prompt_logprobs=None)
 
 
 def _spec_fields(step: Step) -> dict[str, Any]:

@@ -182,6 +182,10 @@ class SharedState:
                 pipe.hset(key, mapping=fields)
             await pipe.execute()
 
+    async def move(self, request_id: str, group: str) -> None:
+        """The request goes on on `group` (its first one failed under it)."""
+        await self.redis.hset(self._k("request", request_id), "group", group)
+
     async def lookup_request(self, request_id: str) -> dict[str, Any] | None:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(self._k("request", request_id))

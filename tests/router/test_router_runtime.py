@@ -2,18 +2,21 @@
 cluster), real Redis and real HTTP/gRPC servers on loopback: the official `openai` client gets
 exactly what `outrider generate` prints, gRPC streams the same tokens, a repeated prefix goes
 back to the group that cached it, and a client that leaves mid-stream frees its KV blocks in
-the verifier."""
+the verifier, and a stream whose verifier dies goes on on the other group without the client
+seeing it."""
 
 from __future__ import annotations
 
 import json
 import re
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.cluster.common import wait_restarted
 from tests.router.helpers import (
     MODEL,
     RunningRouter,
@@ -45,7 +48,9 @@ def runtime() -> Iterator[Any]:
             "dtype": "float32",
             "quantization": "none",  # float weights: the fp32 oracle's own tokens
             "engine": {"max_model_len": 512},
-            "speculative": {"method": "ngram", "num_speculative_tokens": 4},
+            # A fixed k: a seeded sampled request then draws the same on either group (adaptive
+            # k follows each group's own measured costs), which the migration tests compare.
+            "speculative": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
             "pools": {
                 "prefill": {"replicas": 1, "min_remote_prompt_tokens": 24},
                 "verifier": {"groups": 2, "resources": {"cpus": 1}},
@@ -410,3 +415,77 @@ def test_a_load_test_over_the_runtime(router, tmp_path) -> None:  # type: ignore
     assert view.counters["generated"] == summary.output_tokens > 0
     assert len(view.max_queue) == 2  # both verifier groups reported their queues
     assert sum(view.routed.values()) == 4  # every request was routed, for a reason it names
+
+
+# Long enough that the stream is still going when its verifier is killed a few tokens in.
+MOVING = {"prompt": PROMPT, "max_tokens": 96, "extra_body": {"ignore_eos": True}}
+
+
+def _kill_group_of(router: RunningRouter, runtime: Any, request_id: str) -> tuple[Any, int]:
+    """Kill the verifier serving `request_id` (Ray restarts it); the actor and its old pid."""
+    _, record = get(f"{router.url}/v1/requests/{request_id}")
+    actor = runtime.pools.verifiers[runtime.pools.verifier_names.index(record["group"])]
+    pid = ray.get(actor.info.remote())["pid"]
+    ray.kill(actor, no_restart=False)
+    return actor, pid
+
+
+def _migrations(router: RunningRouter) -> float:
+    text = urllib.request.urlopen(router.url + "/metrics").read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("outrider_migrations_total")
+    )
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 11}])
+def test_a_stream_whose_verifier_dies_goes_on_on_another_group(  # type: ignore[no-untyped-def]
+    router, runtime, sampling
+) -> None:
+    """The official client streams a greedy, then a seeded sampled completion; its verifier is
+    killed a few tokens in. The router moves it to the other group with what it committed: the
+    client sees no error and the text, usage and finish reason of an uninterrupted run."""
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    whole = client.completions.create(model=MODEL, **MOVING, **sampling)
+    before = _migrations(router)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, stream=True, stream_options={"include_usage": True}, **MOVING, **sampling
+    )
+    pieces, killed, usage, finish = [], None, None, None
+    for chunk in raw.parse():
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+        if killed is None and len(pieces) >= 4:
+            killed = _kill_group_of(router, runtime, raw.headers["x-request-id"])
+    assert killed is not None
+    assert "".join(pieces) == whole.choices[0].text
+    assert finish == whole.choices[0].finish_reason == "length"
+    assert usage.completion_tokens == whole.usage.completion_tokens == 96
+    assert _migrations(router) == before + 1
+    wait_restarted(*killed)  # back in its pool for what follows
+
+
+def test_a_grpc_stream_whose_verifier_dies_goes_on(router, runtime) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from router.proto import generate_pb2, generate_pb2_grpc
+
+    request = generate_pb2.GenerateRequest(
+        prompt=PROMPT, max_tokens=96, temperature=0.0, ignore_eos=True
+    )
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        whole = list(stub.Generate(request))
+        responses, killed = [], None
+        for response in stub.Generate(request):
+            responses.append(response)
+            if killed is None and len(responses) >= 4:
+                killed = _kill_group_of(router, runtime, response.request_id)
+    assert killed is not None
+    assert [t for r in responses for t in r.token_ids] == [t for r in whole for t in r.token_ids]
+    assert "".join(r.text for r in responses) == "".join(r.text for r in whole)
+    assert responses[-1].usage.completion_tokens == 96
+    wait_restarted(*killed)

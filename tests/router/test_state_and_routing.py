@@ -263,3 +263,121 @@ def test_a_burst_between_load_polls_spreads_over_equal_groups(state) -> None:  #
         return [picks.count(g) for g in range(3)]
 
     assert run(scenario()) == [10, 10, 10]
+
+
+class FailingBackend:
+    """Two groups; group 0 fails after two tokens of any request (`errors.GroupFailed`, as a
+    dead actor surfaces), group 1 answers until `max_tokens`, one token a step. Whether group
+    0 answers a health check is set by the test."""
+
+    def __init__(self, group0_healthy: bool = False) -> None:
+        self.groups = ["g0", "g1"]
+        self.group0_healthy = group0_healthy
+        self.calls: list[tuple[int, Any]] = []
+
+    async def stream(
+        self,
+        group: int,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Any,
+        spec: Any,
+        continuation: Any = None,
+    ) -> AsyncGenerator[Step, None]:
+        self.calls.append((group, continuation))
+        done = [] if continuation is None else list(continuation.token_ids)
+        stats = SpecStats() if continuation is None else continuation.stats
+        while len(done) < params.max_tokens:
+            if group == 0 and len(done) == 2:
+                raise errors.GroupFailed("verifier g0 is unavailable")
+            done.append(100 + len(done))
+            stats.record(1, 1)
+            last = len(done) == params.max_tokens
+            yield Step(
+                request_id,
+                [done[-1]],
+                f"<{done[-1]}>",
+                last,
+                "length" if last else None,
+                len(prompt_ids),
+                len(done),
+                stats,
+            )
+            await asyncio.sleep(0)
+
+    async def load(self) -> list[LoopLoad]:
+        return [LoopLoad(0, 0, 0.0), LoopLoad(0, 0, 0.0)]
+
+    async def healthy(self, group: int) -> bool:
+        return group == 1 or self.group0_healthy
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_request_whose_group_fails_goes_on_on_another(state) -> None:  # type: ignore[no-untyped-def]
+    """Group 0 fails two tokens in: the request goes on on group 1 with those two tokens and
+    its statistics, the caller sees one unbroken run, and the registry and metrics say so.
+    With no healthy group within `max_wait_s`, or no attempts allowed, the caller gets the
+    503 as before."""
+    from cluster.config import MigrationSettings
+
+    async def scenario() -> tuple[Any, ...]:
+        s = await state()
+        backend = FailingBackend()
+        service = _service(s, backend)
+        request = GenerateRequest(
+            [1, 2, 3], SamplingParams(max_tokens=6), None, False, False, False
+        )
+        steps = [st async for st in service.generate(request, "moved", (0, "test"))]
+        await service.drain()
+        record = await s.lookup_request("moved")
+        moved = service.metrics.migrations.labels("g0", "g1")._value.get()
+        refusals = []
+        for migration in (MigrationSettings(max_attempts=0), MigrationSettings(max_wait_s=0.0)):
+            down = FailingBackend()
+            down.healthy = _never  # type: ignore[method-assign]
+            refusing = _service(s, down, migration=migration)
+            with pytest.raises(errors.GroupFailed) as failed:
+                async for _ in refusing.generate(request, f"stuck-{len(refusals)}", (0, "test")):
+                    pass
+            refusals.append(failed.value.status)
+        await s.close()
+        return steps, backend.calls, record, moved, refusals
+
+    steps, calls, record, moved, refusals = run(scenario())
+    assert [t for st in steps for t in st.new_token_ids] == [100, 101, 102, 103, 104, 105]
+    assert "".join(st.text for st in steps) == "<100><101><102><103><104><105>"
+    assert steps[-1].finished and steps[-1].num_output_tokens == 6
+    assert steps[-1].spec.verify_steps == 6  # each step counted once, across the move
+    assert [g for g, _ in calls] == [0, 1] and calls[1][1].token_ids == (100, 101)
+    assert record["group"] == "g1" and record["token_ids"] == [100, 101, 102, 103, 104, 105]
+    assert record["finish_reason"] == "length" and moved == 1
+    assert refusals == [503, 503]
+
+
+async def _never(group: int) -> bool:
+    return False
+
+
+def test_the_embedded_redis_comes_back_with_what_it_held() -> None:
+    """Killed, the embedded redis-server is started again on its port by its watcher, and
+    reloads its append-only file (API keys among what it held)."""
+    import os
+    import signal
+
+    import redis as redis_sync
+
+    with EmbeddedRedis() as server:
+        client = redis_sync.Redis.from_url(server.url)
+        client.set("outrider:probe", "kept")
+        time.sleep(1.2)  # the append-only file is synced each second
+        before = server.pid
+        assert before is not None
+        os.kill(before, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and (server.pid == before or server.restarts == 0):
+            time.sleep(0.1)
+        assert server.restarts == 1 and server.pid != before
+        assert client.get("outrider:probe") == b"kept"
+        client.close()
