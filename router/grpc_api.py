@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from router import errors
 from router.errors import RouterError
 from router.proto import codegen
 from router.protocol import GenerateRequest
@@ -106,6 +108,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def ListModels(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            _check_decoded(request)
             await self._authorize(context)
         except RouterError as exc:
             await _abort(context, exc)
@@ -116,6 +119,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         request_id = f"grpc-{uuid.uuid4().hex}"
         REQUEST_API.set("grpc")
         try:
+            _check_decoded(request)
             await self._authorize(context)
             body, chat = _body(request)
             generate = await service.offload(_build, service, body, chat)
@@ -172,10 +176,49 @@ async def _abort(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
     await context.abort(getattr(grpc.StatusCode, exc.grpc_code), exc.message)
 
 
+class _Undecodable:
+    """Bytes that are not the method's request message (what `_lenient` decodes them to)."""
+
+    def __init__(self, message: str, error: str) -> None:
+        self.message, self.error = message, error
+
+
+def _lenient(message: Any) -> Any:
+    """A request deserializer that hands undecodable bytes to the method (as `_Undecodable`),
+    which refuses them with INVALID_ARGUMENT; grpcio itself would answer UNKNOWN and log a
+    traceback for each."""
+
+    def decode(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(message.DESCRIPTOR.full_name, str(exc))
+
+    return decode
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        raise errors.bad_request(f"the request is not a valid {request.message}: {request.error}")
+
+
 async def start_grpc(service: RouterService, host: str, port: int) -> tuple[Any, Any]:
     """A started grpc.aio server with the Generation and Health services."""
     server = grpc.aio.server()
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(service), server)
+    servicer = GenerationServicer(service)
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_lenient(generate_pb2.GenerateRequest),
+            response_serializer=generate_pb2.GenerateResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            request_deserializer=_lenient(generate_pb2.ListModelsRequest),
+            response_serializer=generate_pb2.ListModelsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")

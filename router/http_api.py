@@ -101,6 +101,12 @@ def create_app(service: RouterService) -> FastAPI:
         error = RouterError(exc.status_code, str(exc.detail), kind, "INVALID_ARGUMENT")
         return _error(error)
 
+    @app.exception_handler(RedisError)
+    async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
+        # What needs Redis itself (the registry, stored responses) while it is down: 503.
+        service.redis.down(exc)
+        return _error(errors.shared_state_down(exc))
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
@@ -113,11 +119,13 @@ def create_app(service: RouterService) -> FastAPI:
 
     @app.get("/ready", tags=["operations"], responses={503: {"description": "not ready"}})
     async def ready() -> Response:
-        """Redis and every verifier group answer, and the replica is not shutting down."""
+        """Every verifier group answers, and Redis (or, without API keys, it may be down: the
+        status says degraded), and the replica is not shutting down."""
         if service.draining:
             return _error(errors.overloaded("this replica is shutting down"))
-        if await service.ready():
-            return JSONResponse({"status": "ready"})
+        status = await service.ready()
+        if status is not None:  # "degraded": Redis is down, requests are served without it
+            return JSONResponse({"status": status, "redis": service.redis.up})
         return _error(errors.overloaded("the pools or Redis are not reachable"))
 
     @app.get("/metrics", tags=["operations"])

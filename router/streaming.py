@@ -13,8 +13,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from router.backends import Step
 from router.errors import RouterError
 from router.logprobs import LogprobFormatter
@@ -274,10 +272,8 @@ async def store_response(
     if not response["store"]:
         return
     record = {"response": response, "items": stored_items(items, response)}
-    try:
-        await service.state.save_response(response["id"], record)
-    except RedisError as exc:
-        log.warning("response %s not stored: %r", response["id"], exc)
+    # Not stored while Redis is down (the outage is logged once, by the watch).
+    await service.redis.shared(lambda: service.state.save_response(response["id"], record))
 
 
 def parsed_calls(parser: ToolCallParser, step: Step) -> tuple[str, list[dict[str, Any]]]:

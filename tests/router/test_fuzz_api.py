@@ -191,3 +191,143 @@ def test_no_input_gets_a_server_error(server: str, path: str) -> None:
         server + "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
     )
     assert status == 200 and parsed["choices"][0]["text"], parsed
+
+
+# The gRPC service, fuzzed from its proto: messages built field by field from the descriptors
+# (every field's type over its whole range, nested messages, oneofs, repeated and map fields),
+# and bytes that are no message at all.
+GRPC_SMALL = {"max_tokens": st.integers(0, 3) | st.integers(2**20, 2**32 - 1)}
+INT_RANGES = {
+    "TYPE_INT32": (-(2**31), 2**31 - 1),
+    "TYPE_INT64": (-(2**63), 2**63 - 1),
+    "TYPE_UINT32": (0, 2**32 - 1),
+    "TYPE_UINT64": (0, 2**64 - 1),
+}
+WORDS = ["", "user", "assistant", "system", "ngram", "eagle", "suffix", "draft_model", "none"]
+
+
+def field_values(field: Any, depth: int) -> st.SearchStrategy[Any]:
+    """Any value of one field's type (a list or dict for repeated and map fields)."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        key, value = (
+            field.message_type.fields_by_name["key"],
+            field.message_type.fields_by_name["value"],
+        )
+        return st.dictionaries(scalar_values(key), scalar_values(value), max_size=3)
+    one = (
+        message_values(field.message_type, depth + 1)
+        if field.type == FieldDescriptor.TYPE_MESSAGE
+        else GRPC_SMALL[field.name]
+        if field.name in GRPC_SMALL
+        else scalar_values(field)
+    )
+    if field.is_repeated:
+        return st.lists(one, max_size=4)
+    return one
+
+
+def scalar_values(field: Any) -> st.SearchStrategy[Any]:
+    from google.protobuf.descriptor import FieldDescriptor
+
+    kind = next(
+        n
+        for n in dir(FieldDescriptor)
+        if n.startswith("TYPE_") and getattr(FieldDescriptor, n) == field.type
+    )
+    if kind in INT_RANGES:
+        lo, hi = INT_RANGES[kind]
+        return st.integers(max(lo, -3), min(hi, 60)) | st.integers(lo, hi)
+    if kind in ("TYPE_FLOAT", "TYPE_DOUBLE"):
+        return st.floats(
+            allow_nan=True, allow_infinity=True, width=32 if kind == "TYPE_FLOAT" else 64
+        )
+    if kind == "TYPE_BOOL":
+        return st.booleans()
+    if kind == "TYPE_STRING":
+        return st.text(max_size=40) | st.sampled_from(WORDS)
+    return st.binary(max_size=20)
+
+
+def message_values(descriptor: Any, depth: int = 0) -> st.SearchStrategy[Any]:
+    """A message of `descriptor`'s type with any subset of its fields set to any values."""
+    from google.protobuf import message_factory
+
+    cls = message_factory.GetMessageClass(descriptor)
+    if depth > 3:
+        return st.just(cls())
+    required = (
+        {"max_tokens": GRPC_SMALL["max_tokens"]} if descriptor.name == "GenerateRequest" else {}
+    )
+    optional = {f.name: field_values(f, depth) for f in descriptor.fields if f.name not in required}
+    return st.fixed_dictionaries(required, optional=optional).map(lambda kw: cls(**kw))
+
+
+def grpc_requests() -> st.SearchStrategy[Any]:
+    """Valid requests; valid ones with one field of any value of its type; any message; bytes."""
+    from router.proto import generate_pb2
+
+    descriptor = generate_pb2.GenerateRequest.DESCRIPTOR
+    cls = generate_pb2.GenerateRequest
+    good_fields = {
+        "temperature": st.floats(0, 2, width=32),
+        "top_p": st.floats(0, 1, width=32, exclude_min=True),
+        "top_k": st.integers(-1, 50),
+        "seed": st.integers(0, 2**31),
+        "stop": st.lists(TEXT, max_size=2),
+        "ignore_eos": st.booleans(),
+        "logprobs": st.integers(0, 5),
+        "min_tokens": st.integers(0, 2),
+    }
+    good = st.fixed_dictionaries(
+        {"prompt": TEXT, "max_tokens": st.integers(1, 3)}, optional=good_fields
+    )
+    one_field = st.sampled_from(list(descriptor.fields)).flatmap(
+        lambda f: st.tuples(st.just(f.name), field_values(f, 1))
+    )
+    bent = st.builds(lambda kw, nv: {**kw, nv[0]: nv[1]}, good, one_field)
+    messages = (good | good | bent | bent).map(lambda kw: cls(**kw))
+    return messages | message_values(descriptor) | st.binary(max_size=60)
+
+
+def test_no_grpc_request_gets_an_internal_error(open_router) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from router.proto import generate_pb2, generate_pb2_grpc
+
+    seen: Counter[str] = Counter()
+    with grpc.insecure_channel(f"127.0.0.1:{open_router.grpc_port}") as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        raw = channel.unary_stream("/outrider.v1.Generation/Generate")
+
+        @settings(
+            max_examples=EXAMPLES * 2,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+        )
+        @given(request=grpc_requests())
+        def fuzz(request: Any) -> None:
+            call = (
+                raw(request, timeout=60)
+                if isinstance(request, bytes)
+                else stub.Generate(request, timeout=60)
+            )
+            try:
+                for _ in call:
+                    pass
+            except grpc.RpcError as err:
+                code = err.code()
+                seen[code.name] += 1
+                wrong = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+                assert code not in (*wrong, grpc.StatusCode.DEADLINE_EXCEEDED), err
+                assert err.details(), err
+                return
+            seen["OK"] += 1
+
+        fuzz()
+        print(f"gRPC Generate: {sum(seen.values())} requests, statuses {dict(seen)}")
+        request = generate_pb2.GenerateRequest(prompt="Hello", max_tokens=2, temperature=0.0)
+        assert "".join(r.text for r in stub.Generate(request))

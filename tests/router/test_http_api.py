@@ -10,6 +10,7 @@ import json
 import re
 import threading
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -1327,3 +1328,67 @@ def test_probes_answer_while_large_prompts_are_tokenized(server: str) -> None:
     assert len(waits) >= 10  # probed all along
     # Under 50 ms on the 2-core VM; the loop held by the tokenizer made one probe wait 0.7 s.
     assert sorted(waits)[len(waits) // 2] < 0.05 and max(waits) < 0.25, sorted(waits)[-3:]
+
+
+def test_without_api_keys_requests_are_served_through_a_redis_outage(
+    local_engine, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
+    """Redis dies: a router without API keys goes on serving (ready says degraded, the
+    registry is out of reach, metrics count it), one with keys refuses as before; Redis
+    comes back: the registry catches up on what was served meanwhile."""
+    import os
+    import signal
+
+    from router.backends import LocalBackend
+    from router.redis_server import EmbeddedRedis
+    from router.server import KeyLine
+    from tests.router.helpers import start_router
+
+    redis = EmbeddedRedis(restart=False).start()
+    backend = LocalBackend(local_engine)
+    routers = [
+        start_router(backend, checkpoint.tokenizer, redis, db=0),
+        start_router(
+            backend, checkpoint.tokenizer, redis, db=1, keys=[KeyLine("k1", "a", None, None)]
+        ),
+    ]
+    open_, keyed = routers
+    back: EmbeddedRedis | None = None
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    try:
+        code, before, _, _ = post(open_.url + "/v1/completions", body)
+        assert code == 200 and post(keyed.url + "/v1/completions", body, key="k1")[0] == 200
+        assert redis.pid is not None
+        os.kill(redis.pid, signal.SIGKILL)
+        code, during, _, headers = post(open_.url + "/v1/completions", body)
+        assert code == 200, during
+        assert during["choices"][0]["text"] == before["choices"][0]["text"]
+        request_id = headers["x-request-id"]
+        assert get(open_.url + "/ready") == (200, {"status": "degraded", "redis": False})
+        assert get(f"{open_.url}/v1/requests/{request_id}")[0] == 503  # the registry is out
+        code, refused, _, _ = post(keyed.url + "/v1/completions", body, key="k1")
+        assert code == 503 and "Redis" in refused["error"]["message"]
+        metrics = urllib.request.urlopen(open_.url + "/metrics").read().decode()
+        assert "outrider_degraded_requests_total 1.0" in metrics
+        assert "outrider_redis_up 0.0" in metrics
+        back = EmbeddedRedis(port=redis.port, restart=False).start()
+        deadline = time.monotonic() + 20
+        record: Any = {}
+        while time.monotonic() < deadline and record.get("state") != "finished":
+            time.sleep(0.2)
+            code, record = get(f"{open_.url}/v1/requests/{request_id}")
+        assert record["state"] == "finished" and record["finish_reason"] == "length"
+        assert len(record["token_ids"]) == 8  # caught up: what was served while Redis was out
+        assert get(open_.url + "/ready") == (200, {"status": "ready", "redis": True})
+        # The keyed router put its keys back into the new (empty) Redis once it answered.
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and post(keyed.url + "/v1/completions", body)[0] != 401:
+            time.sleep(0.2)
+        assert post(keyed.url + "/v1/completions", body)[0] == 401
+        assert post(keyed.url + "/v1/completions", body, key="k1")[0] == 200
+    finally:
+        for running in routers:
+            running.stop()
+        for server in (back, redis):
+            if server is not None:
+                server.stop()

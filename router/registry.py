@@ -1,0 +1,194 @@
+"""What a router replica writes to Redis about its requests, through Redis outages.
+
+Redis is a dependency that can fail. While it is down, a deployment without API keys goes on
+serving: requests are not refused, they simply go unregistered (no registry, prefix hints,
+shared n-gram pool or stored responses meanwhile), and what the registry should have received
+(each request's registration, committed tokens, moves and end) is held here, then written once
+Redis answers again, so the registry catches up. A deployment with API keys refuses requests
+while it cannot check them, as before (and so does a replica that has never seen Redis, which
+cannot know whether keys exist).
+
+`RedisWatch` keeps that state: whether Redis is up, whether keys were configured when it last
+answered, the held writes, and a task that pings Redis while it is down and writes them back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from router.metrics import RouterMetrics
+from router.state import SharedState
+
+log = logging.getLogger(__name__)
+
+PING_EVERY_S = 1.0  # while Redis is down, how often it is asked whether it is back
+MAX_HELD = 10_000  # requests whose registry writes are held; beyond, the oldest finished go
+
+
+@dataclass(slots=True)
+class _Held:
+    """One request's registry writes that Redis did not take."""
+
+    registration: tuple[str, str, list[int], str] | None  # group, replica, prompt, settings
+    token_ids: list[int] = field(default_factory=list)
+    group: str | None = None  # where it moved since
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class RedisWatch:
+    def __init__(self, state: SharedState, metrics: RouterMetrics) -> None:
+        self.state, self.metrics = state, metrics
+        self.up = True
+        # Whether API keys were configured when Redis last answered (None: never asked).
+        self.keys_configured: bool | None = None
+        self._held: dict[str, _Held] = {}
+        self._watch: asyncio.Task[None] | None = None
+        # Run when Redis answers again, before anything else: a Redis that came back empty
+        # gets the replica's configured API keys back (router/server.py).
+        self.on_back: list[Callable[[], Awaitable[Any]]] = []
+        metrics.redis_up.set(1)
+
+    @property
+    def serving_without_redis(self) -> bool:
+        """Requests are served while Redis is down (no API keys were configured)."""
+        return self.keys_configured is False
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def down(self, exc: BaseException) -> None:
+        """Redis failed a call: note the outage and start watching for its end."""
+        if self.up:
+            self.up = False
+            self.metrics.redis_up.set(0)
+            self.metrics.redis_outages.inc()
+            what = "serving without it" if self.serving_without_redis else "refusing requests"
+            log.warning("Redis is unavailable (%r): %s until it is back", exc, what)
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.ensure_future(self._wait_until_back())
+
+    async def auth_required(self) -> bool:
+        """Whether requests need an API key; raises RedisError when Redis cannot say and keys
+        were configured (or were never seen)."""
+        if not self.up and self.serving_without_redis:
+            return False
+        try:
+            required = await self.state.auth_required()
+        except RedisError as exc:
+            self.down(exc)
+            if self.serving_without_redis:
+                return False
+            raise
+        self.keys_configured = required
+        return required
+
+    async def shared(self, work: Callable[[], Awaitable[Any]]) -> None:
+        """Bookkeeping only worth doing while Redis is up (prefix hints, the n-gram pool)."""
+        if not self.up:
+            return
+        try:
+            await work()
+        except RedisError as exc:
+            self.down(exc)
+
+    async def register(
+        self, request_id: str, group: str, replica: str, prompt_ids: Sequence[int], settings: str
+    ) -> None:
+        registration = (group, replica, list(prompt_ids), settings)
+        if self.up:
+            try:
+                await self.state.register(request_id, *registration)
+                return
+            except RedisError as exc:
+                self.down(exc)
+        self._hold(request_id, _Held(registration))
+
+    async def commit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        finish_reason: str | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
+        held = self._held.get(request_id)
+        if held is None and self.up:
+            try:
+                await self.state.commit(request_id, token_ids, finish_reason, usage)
+                return
+            except RedisError as exc:
+                self.down(exc)
+        if held is None:
+            held = self._hold(request_id, _Held(None))
+        held.token_ids += token_ids
+        if finish_reason is not None:
+            held.finish_reason, held.usage = finish_reason, usage
+
+    async def move(self, request_id: str, group: str) -> None:
+        held = self._held.get(request_id)
+        if held is None and self.up:
+            try:
+                await self.state.move(request_id, group)
+                return
+            except RedisError as exc:
+                self.down(exc)
+        if held is None:
+            held = self._hold(request_id, _Held(None))
+        held.group = group
+
+    def _hold(self, request_id: str, held: _Held) -> _Held:
+        if len(self._held) >= MAX_HELD:
+            finished = [rid for rid, h in self._held.items() if h.finish_reason is not None]
+            for rid in (finished or list(self._held))[: len(self._held) - MAX_HELD + 1]:
+                del self._held[rid]
+                self.metrics.registry_dropped.inc()
+        self._held[request_id] = held
+        self.metrics.registry_held.set(len(self._held))
+        return held
+
+    async def _wait_until_back(self) -> None:
+        while True:
+            await asyncio.sleep(PING_EVERY_S)
+            if not await self.state.ping():
+                continue
+            try:
+                for hook in self.on_back:
+                    await hook()
+                self.keys_configured = await self.state.auth_required()
+                caught_up = await self._catch_up()
+            except RedisError as exc:
+                log.warning("Redis answered, then failed again: %r", exc)
+                continue
+            # Nothing is held now, and nothing awaited since: writes go straight to Redis.
+            self.up = True
+            self.metrics.redis_up.set(1)
+            log.warning("Redis is back: the registry caught up on %d requests", caught_up)
+            return
+
+    async def _catch_up(self) -> int:
+        """Write every held request's writes, in order; how many requests."""
+        done = 0
+        while self._held:
+            request_id, held = next(iter(self._held.items()))
+            if held.registration is not None:
+                await self.state.register(request_id, *held.registration)
+                held.registration = None
+            if held.group is not None:
+                await self.state.move(request_id, held.group)
+                held.group = None
+            # A request still running adds tokens meanwhile: written until none are left.
+            while held.token_ids or held.finish_reason is not None:
+                token_ids, held.token_ids = held.token_ids, []
+                finish, held.finish_reason = held.finish_reason, None
+                await self.state.commit(request_id, token_ids, finish, held.usage)
+            del self._held[request_id]
+            done += 1
+            self.metrics.registry_held.set(len(self._held))
+        return done
