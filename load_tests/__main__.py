@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import logging
 import os
 import platform
 import shlex
@@ -24,6 +26,8 @@ from load_tests.server_metrics import MetricsPoller
 from load_tests.workload import DEFAULT_WORKLOAD, RandomWorkload, Workload, load_workload
 
 REPORTS = Path(__file__).resolve().parent / "reports"
+CHAOS_PARTS = ("drafter", "verifier", "rank", "prefill", "redis")
+READY_TIMEOUT_S = 300.0
 
 
 def _numbers(kind: Callable[[str], float]) -> Callable[[str], list[float]]:
@@ -117,6 +121,30 @@ def parser() -> argparse.ArgumentParser:
         help="exit with status 1 when more requests than this did not succeed (a smoke test)",
     )
     out.add_argument("--out", type=Path, help=f"folder (default {REPORTS}/<time>)")
+    chaos = commands.add_parser(
+        "chaos",
+        help="kill parts of a running `outrider serve --cluster` under load; report what the "
+        "clients lost",
+    )
+    chaos.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP URL")
+    chaos.add_argument("--api-key", default=os.environ.get("OUTRIDER_API_KEY"))
+    chaos.add_argument("--address", default="auto", help="the Ray cluster the server runs on")
+    chaos.add_argument("--redis-url", help="the server's Redis (for the redis fault)")
+    chaos.add_argument(
+        "--faults",
+        default=",".join(CHAOS_PARTS),
+        help=f"parts to kill, comma-separated, from {','.join(CHAOS_PARTS)}",
+    )
+    chaos.add_argument("--users", type=int, default=16, help="concurrent streams")
+    chaos.add_argument("--requests", type=int, default=32, help="requests a phase")
+    chaos.add_argument("--max-tokens", type=int, default=64)
+    chaos.add_argument("--kill-after", type=float, default=3.0, help="seconds into a phase")
+    chaos.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    chaos.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    chaos.add_argument("--out", type=Path, help=f"folder (default {REPORTS}/chaos-<time>)")
+    chaos.add_argument(
+        "--docs", type=Path, help="also write the table into this benchmarks page's chaos section"
+    )
     rep = commands.add_parser("report", help="rebuild report.md and report.html from run folders")
     rep.add_argument("folders", type=Path, nargs="+")
     rep.add_argument(
@@ -297,6 +325,79 @@ def make_client(args: argparse.Namespace, sampling: Sampling) -> Client:
     return HttpClient(args.url, sampling, args.api_key)
 
 
+async def chaos(args: argparse.Namespace, command: str) -> Path:
+    import ray
+
+    from load_tests import chaos as chaos_test
+
+    parts = [p.strip() for p in args.faults.split(",") if p.strip()]
+    if unknown := set(parts) - set(CHAOS_PARTS):
+        raise ValueError(f"unknown faults {sorted(unknown)}; choose from {CHAOS_PARTS}")
+    ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
+    faults = chaos_test.ray_faults(p for p in parts if p != "redis")
+    if "redis" in parts:
+        if args.redis_url is None:
+            raise ValueError("the redis fault needs --redis-url")
+        faults["redis"] = chaos_test.redis_fault(args.redis_url)
+    missing = [p for p in parts if p not in faults]
+    items = list(itertools.islice(load_workload(args.workload).stream(0), args.requests))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        model = await served_model(session, args.url)
+        sampling = Sampling(
+            model=model, max_tokens=args.max_tokens, ignore_eos=True, timeout_s=args.timeout
+        )
+        client = HttpClient(args.url, sampling, args.api_key)
+        phases: list[tuple[str, list[chaos_test.Fault]]] = [("no fault", [])]
+        phases += [(f"kill {name}", [fault]) for name, fault in faults.items()]
+        if len(faults) > 1:
+            phases.append(("kill all at once", list(faults.values())))
+        phases.append(("no fault, after", []))
+        results, expected = [], None
+        try:
+            for name, killed in phases:
+                await _until_ready(session, args.url)
+                print(f"phase {name}: {len(items)} requests, {args.users} users", flush=True)
+                result, outputs, _ = await chaos_test.run_phase(
+                    name, client, items, args.users, killed, args.kill_after, expected
+                )
+                expected = expected or outputs
+                results.append(result)
+        finally:
+            await client.close()
+    info = {
+        "command": command,
+        "server": f"{model} at {args.url}, actors killed by name on its Ray cluster"
+        + (f" (not deployed: {', '.join(missing)})" if missing else ""),
+        "users": args.users,
+        "requests": len(items),
+        "max_tokens": args.max_tokens,
+        "kill_after_s": args.kill_after,
+        "client": client_line(),
+    }
+    folder = args.out or REPORTS / time.strftime("chaos-%Y%m%d-%H%M%S")
+    path = chaos_test.save(folder, results, info)
+    print(chaos_test.render(results, info))
+    if args.docs is not None:
+        chaos_test.write_docs(args.docs, results, info)
+        print(f"wrote the chaos section of {args.docs}")
+    return path
+
+
+async def _until_ready(session: aiohttp.ClientSession, url: str) -> None:
+    """Wait until the router says every part is back (after a phase's faults)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(url.rstrip("/") + "/ready") as resp:
+                if resp.status == 200 and (await resp.json()).get("status") == "ready":
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"{url} was not ready within {READY_TIMEOUT_S:g} s")
+
+
 def rebuild(folders: list[Path], compare: Path | None) -> None:
     runs = []
     for folder in folders:
@@ -319,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
             rebuild(args.folders, args.compare)
             return 0
         command = "python -m load_tests " + shlex.join(sys.argv[1:] if argv is None else argv)
+        if args.command == "chaos":
+            print(f"report: {asyncio.run(chaos(args, command))}")
+            return 0
         folder, result = asyncio.run(run(args, command))
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -75,6 +75,11 @@ class RedisWatch:
         if self._watch is None or self._watch.done():
             self._watch = asyncio.ensure_future(self._wait_until_back())
 
+    def close(self) -> None:
+        """Stop watching for Redis (the replica is shutting down)."""
+        if self._watch is not None:
+            self._watch.cancel()
+
     async def auth_required(self) -> bool:
         """Whether requests need an API key; raises RedisError when Redis cannot say and keys
         were configured (or were never seen)."""

@@ -169,6 +169,7 @@ class Router:
             if grpc_server is not None:
                 await grpc_server.stop(grace=2)
             await service.drain()
+            service.redis.close()
             await state.close()
             self.started.set()  # a failed start must not leave a waiter hanging
 

@@ -187,6 +187,7 @@ def test_router_probes_service_and_secrets(chart) -> None:  # type: ignore[no-un
     assert config.ray.address == "ray://demo-outrider-ray-head-svc:10001"
     # A rollout lets a router drain: Kubernetes waits past the router's own grace period.
     assert config.router.shutdown_grace_s == 30
+    assert (config.router.migration.max_wait_s, config.router.migration.max_attempts) == (90, 3)
     assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 45
     service = one(objects, "Service", "demo-outrider")
     assert service["spec"]["type"] == "ClusterIP"
@@ -267,6 +268,7 @@ def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> N
         ({"verifier": {"tensorParallelSize": 3}}, "/verifier/tensorParallelSize"),
         ({"router": {"service": {"type": "Ingress"}}}, "/router/service/type"),
         ({"router": {"shutdownGraceSeconds": -5}}, "/router/shutdownGraceSeconds"),
+        ({"router": {"migration": {"maxAttempts": -1}}}, "/router/migration/maxAttempts"),
         ({"drafter": {"replicas": -1}}, "/drafter/replicas"),
         ({"drafter": {"draftAhead": "yes"}}, "/drafter/draftAhead"),
         ({"speculative": {"method": "medusa"}}, "/speculative/method"),

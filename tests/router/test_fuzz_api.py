@@ -1,5 +1,6 @@
-"""A property-based fuzz (hypothesis) of the HTTP API over a real router and engine: valid
-bodies of the fields each endpoint reads, the same with one field of any JSON value (wrong
+"""A property-based fuzz (hypothesis) of the HTTP API over a real router and engine: bodies
+valid under each endpoint's schema in the router's own OpenAPI document (drawn from it),
+valid bodies of the fields each endpoint reads, the same with one field of any JSON value (wrong
 type, out of range, nested, unknown), any JSON at all, and bytes that are not JSON. No input may
 get a 5xx or hang; every refusal is in OpenAI's error format; the router serves a normal
 request after each endpoint's batch. `OUTRIDER_FUZZ_EXAMPLES` (default 25 bodies an endpoint,
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.router.helpers import MODEL, post
+from tests.router.helpers import MODEL, get, post
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +135,108 @@ GOOD: dict[str, st.SearchStrategy[Any]] = {
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     "tokens": st.lists(st.integers(0, 49151), max_size=8),
 }
-NEVER_LONG = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "min_tokens")
+NEVER_LONG = (
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "n",
+    "best_of",
+    "min_tokens",
+)
 
 
-def bodies(path: str) -> st.SearchStrategy[Any]:
-    """Valid bodies; valid bodies with one field of any value (any field the endpoint reads,
-    or an unknown one); any JSON; bytes."""
+def schema_bodies(openapi: dict[str, Any], path: str) -> st.SearchStrategy[Any]:
+    """Bodies valid under the endpoint's request schema in the router's own OpenAPI document,
+    with the fields that set how long an answer runs capped at 3."""
+    body = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+    valid = from_json_schema(body["schema"], _capped(openapi))
+    # The schema cannot say which model is served: a body naming another is a 404.
+    return valid.map(lambda b: {**b, "model": MODEL} if "model" in b else b)
+
+
+def from_json_schema(schema: dict[str, Any], root: dict[str, Any], depth: int = 0) -> Any:
+    """Values valid under `schema` (the JSON Schema pydantic writes: refs into `root`, anyOf,
+    enum, const, typed scalars with bounds, arrays, objects with required and optional keys)."""
+    if depth > 24:  # a recursive schema: cut it off (with a value it may refuse)
+        return st.none()
+    if "$ref" in schema:
+        target: Any = root
+        for part in schema["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        return from_json_schema(target, root, depth + 1)
+    if "anyOf" in schema or "oneOf" in schema:
+        branches = schema.get("anyOf") or schema["oneOf"]
+        return st.one_of([from_json_schema(b, root, depth + 1) for b in branches])
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    kind = schema.get("type")
+    if kind is None:
+        return VALUES
+    if kind == "null":
+        return st.none()
+    if kind == "boolean":
+        return st.booleans()
+    if kind == "integer":
+        low = schema.get("minimum", schema.get("exclusiveMinimum", -(2**31) - 1) + 1)
+        high = schema.get("maximum", schema.get("exclusiveMaximum", 2**31 + 1) - 1)
+        return st.integers(low, high)
+    if kind == "number":
+        return st.floats(
+            schema.get("minimum", schema.get("exclusiveMinimum")),
+            schema.get("maximum", schema.get("exclusiveMaximum")),
+            allow_nan=False,
+            allow_infinity=False,
+            exclude_min="exclusiveMinimum" in schema,
+            exclude_max="exclusiveMaximum" in schema,
+        )
+    if kind == "string":
+        return st.text(
+            min_size=schema.get("minLength", 0), max_size=min(40, schema.get("maxLength", 40))
+        )
+    if kind == "array":
+        items = from_json_schema(schema.get("items", {}), root, depth + 1)
+        low = schema.get("minItems", 0)
+        return st.lists(items, min_size=low, max_size=max(low, min(4, schema.get("maxItems", 4))))
+    properties = {
+        name: from_json_schema(prop, root, depth + 1)
+        for name, prop in schema.get("properties", {}).items()
+    }
+    required = {name: properties.pop(name) for name in schema.get("required", [])}
+    extra = schema.get("additionalProperties")
+    if not properties and not required and isinstance(extra, dict):
+        return st.dictionaries(
+            st.text(max_size=8), from_json_schema(extra, root, depth + 1), max_size=3
+        )
+    return st.fixed_dictionaries(required, optional=properties)
+
+
+def _capped(schema: Any) -> Any:
+    """`schema` with every integer property named in NEVER_LONG at most 3."""
+    if isinstance(schema, list):
+        return [_capped(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _capped(v) for k, v in schema.items()}
+    properties = out.get("properties")
+    if isinstance(properties, dict):
+        for name, prop in properties.items():
+            if name in NEVER_LONG and isinstance(prop, dict):
+                properties[name] = _cap(prop)
+    return out
+
+
+def _cap(prop: dict[str, Any]) -> dict[str, Any]:
+    if prop.get("type") == "integer":
+        return {**prop, "maximum": min(3, prop.get("maximum", 3))}
+    return {**prop, **{k: [_cap(b) for b in prop[k]] for k in ("anyOf", "oneOf") if k in prop}}
+
+
+def bodies(path: str, openapi: dict[str, Any]) -> st.SearchStrategy[Any]:
+    """Bodies valid under the endpoint's OpenAPI schema; valid bodies of the fields it reads;
+    those with one field of any value (any field the endpoint reads, or an unknown one); any
+    JSON; bytes."""
     fields = FIELDS[path]
     required = {f: GOOD[f] for f in ("prompt", "messages", "input", "tokens") if f in fields}
     if path == "/tokenize":
@@ -156,7 +253,8 @@ def bodies(path: str) -> st.SearchStrategy[Any]:
         )
     )
     bent = st.builds(lambda b, nv: one_wrong(b, *nv), good, wrong_value)
-    return good | good | bent | bent | VALUES | st.binary(max_size=60)
+    valid = schema_bodies(openapi, path)
+    return good | valid | bent | good | VALUES | st.binary(max_size=60)
 
 
 def check(server: str, path: str, body: Any) -> None:
@@ -172,8 +270,16 @@ def check(server: str, path: str, body: Any) -> None:
         assert error["type"] and "code" in error, parsed
 
 
+@pytest.fixture(scope="module")
+def openapi(server: str) -> dict[str, Any]:
+    """The router's own OpenAPI document, as it serves it."""
+    status, document = get(server + "/openapi.json")
+    assert status == 200
+    return dict(document)
+
+
 @pytest.mark.parametrize("path", list(FIELDS))
-def test_no_input_gets_a_server_error(server: str, path: str) -> None:
+def test_no_input_gets_a_server_error(server: str, openapi: dict[str, Any], path: str) -> None:
     @settings(
         max_examples=EXAMPLES,
         deadline=None,
@@ -181,7 +287,7 @@ def test_no_input_gets_a_server_error(server: str, path: str) -> None:
         derandomize=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )
-    @given(body=bodies(path))
+    @given(body=bodies(path, openapi))
     def fuzz(body: Any) -> None:
         check(server, path, body)
 

@@ -1170,7 +1170,7 @@ def test_operations_endpoints(server: str) -> None:
     assert client.models.list().data == [card]
     code, out = get(server + "/v1/models/gpt-4")
     assert (code, out["error"]["param"]) == (404, "model")
-    assert get(server + "/ready") == (200, {"status": "ready"})
+    assert get(server + "/ready") == (200, {"status": "ready", "redis": True})
     code, text = get(server + "/metrics")
     assert code == 200
     for name in (
@@ -1251,35 +1251,6 @@ def test_ngram_drafting_learns_from_earlier_requests_through_redis(server, local
     assert after["accepted"] >= 12 and after["accepted"] > before["accepted"]
 
 
-def test_without_redis_requests_get_503_unavailable_and_readiness_fails(
-    local_engine, checkpoint
-) -> None:  # type: ignore[no-untyped-def]
-    from router.backends import LocalBackend
-    from router.redis_server import EmbeddedRedis
-    from tests.router.helpers import start_router
-
-    redis = EmbeddedRedis().start()
-    running = start_router(LocalBackend(local_engine), checkpoint.tokenizer, redis)
-    try:
-        assert post(running.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})[0] == 200
-        redis.stop()
-        code, out, _, _ = post(running.url + "/v1/completions", {"prompt": PROMPT})
-        assert code == 503 and "Redis" in out["error"]["message"]
-        assert get(running.url + "/ready")[0] == 503
-        assert get(running.url + "/health") == (200, {"status": "ok"})
-        import grpc
-
-        from router.proto import generate_pb2, generate_pb2_grpc
-
-        with grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
-            stub = generate_pb2_grpc.GenerationStub(channel)
-            with pytest.raises(grpc.RpcError) as err:
-                list(stub.Generate(generate_pb2.GenerateRequest(prompt=PROMPT)))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        running.stop()
-
-
 def test_a_log_line_per_finished_request(server: str, caplog: pytest.LogCaptureFixture) -> None:
     """One structured line for each request the router finished (numbers as fields), and for a
     refused one; each names the request's id, which the client saw in X-Request-Id."""
@@ -1334,28 +1305,30 @@ def test_without_api_keys_requests_are_served_through_a_redis_outage(
     local_engine, checkpoint
 ) -> None:  # type: ignore[no-untyped-def]
     """Redis dies: a router without API keys goes on serving (ready says degraded, the
-    registry is out of reach, metrics count it), one with keys refuses as before; Redis
-    comes back: the registry catches up on what was served meanwhile."""
+    registry is out of reach, metrics count it), one with keys refuses as before (HTTP 503,
+    gRPC UNAVAILABLE, not ready); Redis comes back: the registry catches up on what was served
+    meanwhile, and the keyed router puts its keys back into the new, empty Redis."""
     import os
     import signal
 
+    import grpc
+
     from router.backends import LocalBackend
+    from router.proto import generate_pb2, generate_pb2_grpc
     from router.redis_server import EmbeddedRedis
     from router.server import KeyLine
     from tests.router.helpers import start_router
 
     redis = EmbeddedRedis(restart=False).start()
     backend = LocalBackend(local_engine)
-    routers = [
-        start_router(backend, checkpoint.tokenizer, redis, db=0),
-        start_router(
-            backend, checkpoint.tokenizer, redis, db=1, keys=[KeyLine("k1", "a", None, None)]
-        ),
-    ]
-    open_, keyed = routers
+    routers: list[Any] = []
     back: EmbeddedRedis | None = None
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
     try:
+        routers.append(start_router(backend, checkpoint.tokenizer, redis, db=0))
+        key = KeyLine("k1", "a", None, None)
+        routers.append(start_router(backend, checkpoint.tokenizer, redis, db=1, keys=[key]))
+        open_, keyed = routers
         code, before, _, _ = post(open_.url + "/v1/completions", body)
         assert code == 200 and post(keyed.url + "/v1/completions", body, key="k1")[0] == 200
         assert redis.pid is not None
@@ -1368,6 +1341,13 @@ def test_without_api_keys_requests_are_served_through_a_redis_outage(
         assert get(f"{open_.url}/v1/requests/{request_id}")[0] == 503  # the registry is out
         code, refused, _, _ = post(keyed.url + "/v1/completions", body, key="k1")
         assert code == 503 and "Redis" in refused["error"]["message"]
+        assert get(keyed.url + "/ready")[0] == 503 and get(keyed.url + "/health")[0] == 200
+        with grpc.insecure_channel(f"127.0.0.1:{keyed.grpc_port}") as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            with pytest.raises(grpc.RpcError) as err:
+                request = generate_pb2.GenerateRequest(prompt=PROMPT, max_tokens=2)
+                list(stub.Generate(request, metadata=[("authorization", "Bearer k1")]))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         metrics = urllib.request.urlopen(open_.url + "/metrics").read().decode()
         assert "outrider_degraded_requests_total 1.0" in metrics
         assert "outrider_redis_up 0.0" in metrics

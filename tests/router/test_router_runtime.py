@@ -260,7 +260,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_kv_blocks(router, runtime) ->
     while not _idle(runtime) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _idle(runtime)
-    assert get(router.url + "/ready") == (200, {"status": "ready"})
+    assert get(router.url + "/ready") == (200, {"status": "ready", "redis": True})
 
 
 KEY = "sk-runtime-shared"

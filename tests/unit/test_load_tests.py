@@ -399,3 +399,49 @@ def test_conversations_send_each_answer_back_with_a_follow_up() -> None:
     assert "## By turn of a conversation" in text and "| 1 user, 3 turns | 3 | 1 / 1 |" in text
     with pytest.raises(ValueError):
         Level(3, concurrency=1, turns=0)
+
+
+def test_a_chaos_phase_counts_what_clients_lost_and_how_long_parts_took(tmp_path: Path) -> None:
+    """A phase's summary: refusals are not accepted, an error event after the stream started
+    is, outputs are compared with the fault-free run's character by character, and the longest
+    pause is the largest gap between streamed pieces; the report renders and saves."""
+    from load_tests import chaos
+
+    def record(status: str, chunks: list[float]) -> RequestRecord:
+        return RequestRecord(
+            "kill verifier", "http", "completion", 0.0, status=status, chunks=chunks
+        )
+
+    records = [
+        record("ok", [0.1, 0.2, 1.7, 1.8]),  # a 1.5 s pause: a migration
+        record("ok", [0.1, 0.3]),
+        record("failed", [0.1]),  # an error event mid-stream
+        record("503", []),  # refused
+    ]
+    expected = ["one two three", "four five", "six", "seven"]
+    got = ["one two three", "four fivefive", "", ""]
+    result = chaos.summarize("kill verifier", records, got, expected, {"verifier": 12.5})
+    assert (result.requests, result.accepted, result.completed, result.failed) == (4, 3, 2, 2)
+    assert (result.differing, result.chars_lost, result.chars_repeated) == (1, 0, 4)
+    assert result.max_pause_s == pytest.approx(1.5)
+    info = {
+        "command": "python -m load_tests chaos",
+        "server": "s",
+        "users": 2,
+        "requests": 4,
+        "max_tokens": 8,
+        "kill_after_s": 3.0,
+        "client": "c",
+    }
+    text = chaos.save(tmp_path, [result], info).read_text()
+    assert (
+        "| kill verifier | 3/4 | 2 | 2 | 1 (0 / 4) | 1.50 s" in text and "verifier 12.5 s" in text
+    )
+    assert json.loads((tmp_path / "chaos.json").read_text())["phases"][0]["accepted"] == 3
+
+
+def test_the_chaos_command_refuses_unknown_faults(capsys: pytest.CaptureFixture[str]) -> None:
+    from load_tests.__main__ import main
+
+    assert main(["chaos", "--faults", "drafter,gremlin"]) == 2
+    assert "unknown faults ['gremlin']" in capsys.readouterr().err
