@@ -359,7 +359,14 @@ async def chaos(args: argparse.Namespace, command: str) -> Path:
                 await _until_ready(session, args.url)
                 print(f"phase {name}: {len(items)} requests, {args.users} users", flush=True)
                 result, outputs, _ = await chaos_test.run_phase(
-                    name, client, items, args.users, killed, args.kill_after, expected
+                    name,
+                    client,
+                    items,
+                    args.users,
+                    killed,
+                    args.kill_after,
+                    expected,
+                    lambda: _is_ready(session, args.url),
                 )
                 expected = expected or outputs
                 results.append(result)
@@ -384,16 +391,21 @@ async def chaos(args: argparse.Namespace, command: str) -> Path:
     return path
 
 
+async def _is_ready(session: aiohttp.ClientSession, url: str) -> bool:
+    """Whether the router says every part is up (Redis included)."""
+    try:
+        async with session.get(url.rstrip("/") + "/ready") as resp:
+            return resp.status == 200 and (await resp.json()).get("status") == "ready"
+    except aiohttp.ClientError:
+        return False
+
+
 async def _until_ready(session: aiohttp.ClientSession, url: str) -> None:
     """Wait until the router says every part is back (after a phase's faults)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        try:
-            async with session.get(url.rstrip("/") + "/ready") as resp:
-                if resp.status == 200 and (await resp.json()).get("status") == "ready":
-                    return
-        except aiohttp.ClientError:
-            pass
+        if await _is_ready(session, url):
+            return
         await asyncio.sleep(0.5)
     raise RuntimeError(f"{url} was not ready within {READY_TIMEOUT_S:g} s")
 

@@ -15,8 +15,9 @@ number of users:
 Per phase the report gives requests accepted (their stream started), completed and failed;
 outputs that differ from the fault-free run's, with the characters lost or repeated; the
 longest pause a client saw (its largest gap between streamed pieces, against the fault-free
-run's); and how long each killed part took to answer again. The tool joins the Ray cluster the
-server runs on (it finds the actors by name) and needs `--redis-url` for the Redis fault.
+run's); how long each killed part took to answer again, and the server to say it is ready. The
+tool joins the Ray cluster the server runs on (it finds the actors by name) and needs
+`--redis-url` for the Redis fault.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import contextlib
 import difflib
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,9 +141,11 @@ async def run_phase(
     faults: list[Fault],
     kill_after_s: float,
     expected: list[str] | None,
+    ready: Callable[[], Awaitable[bool]] | None = None,
 ) -> tuple[PhaseResult, list[str], list[RequestRecord]]:
     """One phase: `users` streams at a time over `items`, `faults` injected together
-    `kill_after_s` in; the result, the outputs and the records."""
+    `kill_after_s` in; the result, the outputs and the records. With `ready` (whether the
+    server says every part is up), how long after the faults it said so again."""
     records = [RequestRecord(name, client.api, item.kind, 0.0, item=item.index) for item in items]
     outputs = [""] * len(items)
     pending = iter(range(len(items)))
@@ -159,15 +162,25 @@ async def run_phase(
         loop = asyncio.get_running_loop()
         for fault in faults:
             await loop.run_in_executor(None, fault.kill)
-        recovery: dict[str, float | None] = {}
-        for fault in faults:
-            recovery[fault.name] = await _time_until(fault.back, killed_at)
-        return recovery
+        names = [fault.name for fault in faults] + (["ready"] if ready is not None else [])
+        waits = [_time_until(fault.back, killed_at) for fault in faults]
+        if ready is not None:
+            waits.append(_time_until_ready(ready, killed_at))
+        return dict(zip(names, await asyncio.gather(*waits), strict=True))
 
     injector = asyncio.ensure_future(inject()) if faults else None
     await asyncio.gather(*(user() for _ in range(users)))
     recovery = await injector if injector is not None else {}
     return summarize(name, records, outputs, expected, recovery), outputs, records
+
+
+async def _time_until_ready(ready: Callable[[], Awaitable[bool]], since: float) -> float | None:
+    await asyncio.sleep(0.5)  # the server's own view of a part lags the kill a little
+    while time.monotonic() - since < RECOVERY_TIMEOUT_S:
+        if await ready():
+            return time.monotonic() - since
+        await asyncio.sleep(0.25)
+    return None
 
 
 async def _time_until(back: Callable[[], bool], since: float) -> float | None:
@@ -225,7 +238,7 @@ def render(results: list[PhaseResult], info: dict[str, Any]) -> str:
         f"Client: {info['client']}.",
         "",
         "| phase | accepted | completed | failed | outputs differing (chars lost / repeated) "
-        "| longest pause (p99 of requests') | back after |",
+        "| longest pause (p99 of requests') | back after (ready: the server's /ready) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
