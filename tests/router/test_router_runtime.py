@@ -465,16 +465,32 @@ def test_a_stream_whose_verifier_dies_goes_on_on_another_group(  # type: ignore[
     assert finish == whole.choices[0].finish_reason == "length"
     assert usage.completion_tokens == whole.usage.completion_tokens == 96
     assert _migrations(router) == before + 1
+    # The request's span on its new group says it continued from the committed tokens.
+    from cluster import telemetry
+
+    def continued() -> list[int]:  # the span ends with its stream, just after the last event
+        return [
+            s["attributes"]["outrider.continued_tokens"]
+            for s in telemetry.finished_spans()
+            if s["attributes"].get("outrider.request_id") == raw.headers["x-request-id"]
+            and "outrider.continued_tokens" in s["attributes"]
+        ]
+
+    deadline = time.monotonic() + 10
+    while not continued() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(continued()) == 1 and 0 < continued()[0] < 96
     wait_restarted(*killed)  # back in its pool for what follows
 
 
-def test_a_grpc_stream_whose_verifier_dies_goes_on(router, runtime) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 11}])
+def test_a_grpc_stream_whose_verifier_dies_goes_on(router, runtime, sampling) -> None:  # type: ignore[no-untyped-def]
     import grpc
 
     from router.proto import generate_pb2, generate_pb2_grpc
 
     request = generate_pb2.GenerateRequest(
-        prompt=PROMPT, max_tokens=96, temperature=0.0, ignore_eos=True
+        prompt=PROMPT, max_tokens=96, ignore_eos=True, **sampling
     )
     with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
