@@ -29,6 +29,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -162,11 +163,13 @@ async def run_phase(
         loop = asyncio.get_running_loop()
         for fault in faults:
             await loop.run_in_executor(None, fault.kill)
-        names = [fault.name for fault in faults] + (["ready"] if ready is not None else [])
-        waits = [_time_until(fault.back, killed_at) for fault in faults]
+        checks: dict[str, Callable[[], Awaitable[bool]]] = {
+            fault.name: partial(loop.run_in_executor, None, fault.back) for fault in faults
+        }
         if ready is not None:
-            waits.append(_time_until_ready(ready, killed_at))
-        return dict(zip(names, await asyncio.gather(*waits), strict=True))
+            checks["ready"] = ready
+        waits = [_time_until(check, killed_at) for check in checks.values()]
+        return dict(zip(checks, await asyncio.gather(*waits), strict=True))
 
     injector = asyncio.ensure_future(inject()) if faults else None
     await asyncio.gather(*(user() for _ in range(users)))
@@ -174,19 +177,11 @@ async def run_phase(
     return summarize(name, records, outputs, expected, recovery), outputs, records
 
 
-async def _time_until_ready(ready: Callable[[], Awaitable[bool]], since: float) -> float | None:
+async def _time_until(check: Callable[[], Awaitable[bool]], since: float) -> float | None:
+    """Seconds from `since` until `check` says yes (None: not within the recovery timeout)."""
     await asyncio.sleep(0.5)  # the server's own view of a part lags the kill a little
     while time.monotonic() - since < RECOVERY_TIMEOUT_S:
-        if await ready():
-            return time.monotonic() - since
-        await asyncio.sleep(0.25)
-    return None
-
-
-async def _time_until(back: Callable[[], bool], since: float) -> float | None:
-    loop = asyncio.get_running_loop()
-    while time.monotonic() - since < RECOVERY_TIMEOUT_S:
-        if await loop.run_in_executor(None, back):
+        if await check():
             return time.monotonic() - since
         await asyncio.sleep(0.25)
     return None

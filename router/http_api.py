@@ -105,7 +105,7 @@ def create_app(service: RouterService) -> FastAPI:
     async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
         # What needs Redis itself (the registry, stored responses) while it is down: 503.
         service.redis.down(exc)
-        return _error(errors.shared_state_down(exc))
+        return await _router_error(request, errors.shared_state_down(exc))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -274,10 +274,7 @@ def create_app(service: RouterService) -> FastAPI:
         return validate(ResponsesRequest, parse_json(raw))
 
     async def _stored(response_id: str, param: str | None = None) -> dict[str, Any]:
-        try:
-            record = await service.state.load_response(response_id)
-        except RedisError as exc:
-            raise errors.shared_state_down(exc) from exc
+        record = await service.state.load_response(response_id)  # Redis down: 503 (above)
         if record is None:
             raise errors.not_found(f"no stored response {response_id!r}", param)
         return record
@@ -292,11 +289,7 @@ def create_app(service: RouterService) -> FastAPI:
     @app.delete("/v1/responses/{response_id}", tags=["openai"])
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
         await service.authorize(_bearer(request))
-        try:
-            deleted = await service.state.delete_response(response_id)
-        except RedisError as exc:
-            raise errors.shared_state_down(exc) from exc
-        if not deleted:
+        if not await service.state.delete_response(response_id):
             raise errors.not_found(f"no stored response {response_id!r}")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 

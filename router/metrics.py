@@ -62,14 +62,12 @@ class RouterMetrics:
         self.routed = Counter(
             "outrider_routed", "Routing decisions by reason", ["group", "reason"], registry=r
         )
-
         self.migrations = Counter(
             "outrider_migrations",
             "Requests moved on from a verifier group that failed under them",
             ["from_group", "to_group"],
             registry=r,
         )
-
         self.redis_up = Gauge(
             "outrider_redis_up", "Whether Redis answered this replica's last call", registry=r
         )

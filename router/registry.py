@@ -108,13 +108,9 @@ class RedisWatch:
         self, request_id: str, group: str, replica: str, prompt_ids: Sequence[int], settings: str
     ) -> None:
         registration = (group, replica, list(prompt_ids), settings)
-        if self.up:
-            try:
-                await self.state.register(request_id, *registration)
-                return
-            except RedisError as exc:
-                self.down(exc)
-        self._hold(request_id, _Held(registration))
+        held = await self._write(request_id, lambda: self.state.register(request_id, *registration))
+        if held is not None:
+            held.registration = registration
 
     async def commit(
         self,
@@ -123,30 +119,31 @@ class RedisWatch:
         finish_reason: str | None = None,
         usage: dict[str, Any] | None = None,
     ) -> None:
-        held = self._held.get(request_id)
-        if held is None and self.up:
-            try:
-                await self.state.commit(request_id, token_ids, finish_reason, usage)
-                return
-            except RedisError as exc:
-                self.down(exc)
-        if held is None:
-            held = self._hold(request_id, _Held(None))
-        held.token_ids += token_ids
-        if finish_reason is not None:
-            held.finish_reason, held.usage = finish_reason, usage
+        held = await self._write(
+            request_id, lambda: self.state.commit(request_id, token_ids, finish_reason, usage)
+        )
+        if held is not None:
+            held.token_ids += token_ids
+            if finish_reason is not None:
+                held.finish_reason, held.usage = finish_reason, usage
 
     async def move(self, request_id: str, group: str) -> None:
+        held = await self._write(request_id, lambda: self.state.move(request_id, group))
+        if held is not None:
+            held.group = group
+
+    async def _write(self, request_id: str, write: Callable[[], Awaitable[Any]]) -> _Held | None:
+        """Do `write` when Redis is up and nothing of the request is held (so its writes stay
+        in order): None. Else, or should it fail, the request's held writes (new ones if it had
+        none), for the caller to add this write to."""
         held = self._held.get(request_id)
         if held is None and self.up:
             try:
-                await self.state.move(request_id, group)
-                return
+                await write()
+                return None
             except RedisError as exc:
                 self.down(exc)
-        if held is None:
-            held = self._hold(request_id, _Held(None))
-        held.group = group
+        return held if held is not None else self._hold(request_id, _Held(None))
 
     def _hold(self, request_id: str, held: _Held) -> _Held:
         if len(self._held) >= MAX_HELD:

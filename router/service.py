@@ -396,7 +396,7 @@ class RouterService:
             answers = await asyncio.gather(*(self.backend.healthy(g) for g in groups))
             healthy = [g for g in groups if answers[g]]
             others = [g for g in healthy if g != failed]
-            if others or healthy:
+            if healthy:
                 loads = await self.load()
                 score = [(load.queue_depth, load.kv_usage) for load in loads]
                 return self._two_choices(others or healthy, score)

@@ -192,7 +192,7 @@ class DraftRandom:
         return self.generator
 
 
-def draft_generator(params: SamplingParams, offset: int) -> DraftRandom | None:
+def draft_random(params: SamplingParams, offset: int) -> DraftRandom | None:
     """A seeded request's numbers for a drafter's draws (None for an unseeded one)."""
     return None if params.seed is None else DraftRandom(params.seed + offset)
 

@@ -34,7 +34,7 @@ from workers.drafting.base import (
     Draft,
     DraftRandom,
     DraftRequest,
-    draft_generator,
+    draft_random,
     greedy_probability,
 )
 from workers.engine.model_runner import ModelRunner, SeqForward
@@ -79,8 +79,8 @@ class DraftModelDrafter(DraftsAhead):
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         table = BlockTable(self.allocator, self.runner.block_size)
-        generator = draft_generator(params, _DRAFT_SEED_OFFSET)
-        self._seqs[request_id] = _DraftSeq(params, table, generator, list(prompt_token_ids))
+        draws = draft_random(params, _DRAFT_SEED_OFFSET)
+        self._seqs[request_id] = _DraftSeq(params, table, draws, list(prompt_token_ids))
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
         seq = self._seqs[request_id]

@@ -43,7 +43,7 @@ from workers.drafting.base import (
     Draft,
     DraftRandom,
     DraftRequest,
-    draft_generator,
+    draft_random,
     greedy_probability,
 )
 from workers.drafting.ngram import NgramConfig, Prediction, prompt_lookup
@@ -127,7 +127,7 @@ class EagleDrafter(DraftsAhead):
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         table = BlockTable(self.allocator, self.cache.block_size)
-        generator = draft_generator(params, _DRAFT_SEED_OFFSET)
+        draws = draft_random(params, _DRAFT_SEED_OFFSET)
         grammar = None
         if params.structured is not None and self.grammars is not None:
             try:
@@ -137,7 +137,7 @@ class EagleDrafter(DraftsAhead):
         self._seqs[request_id] = _EagleSeq(
             params,
             table,
-            generator,
+            draws,
             list(prompt_token_ids),
             grammar=grammar,
             prediction=Prediction.of(params, len(prompt_token_ids)),

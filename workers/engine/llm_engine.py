@@ -277,8 +277,10 @@ class LLMEngine:
         drafted = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.seqs:
+            # Those that drew nothing yet this step: a prompt's last chunk, or a sequence admitted
+            # already decoding (its prompt prefilled elsewhere), which `decoding` did not hold.
             drew = {id(seq) for seq in decoding}
-            for scheduled in batch.seqs:  # a prompt's last chunk samples its first token
+            for scheduled in batch.seqs:
                 if id(scheduled.seq) not in drew:
                     scheduled.seq.reseed()
             self.runner.copy_blocks(batch.block_copies)
