@@ -23,6 +23,9 @@ RayCluster). A config is checked as a whole when it is built, and every error na
                  resources: {cpus: 1, custom: {grace_cpu: 1}}}
     router: {host: 0.0.0.0, port: 8000, grpc_port: 50051, max_queue: 256,
              requests_per_s: 0, burst: 0,                 # per-key token bucket, 0: none
+             max_concurrent_per_key: 0, tokens_per_s: 0, token_burst: 0,   # per key, 0: none
+             tls: {cert_file: null, key_file: null},   # both: HTTPS and gRPC over TLS only
+             docs: true,              # false: no /docs, /redoc or /openapi.json
              shutdown_grace_s: 30,    # on SIGTERM, how long requests in flight may finish
              log_format: text,        # or json: a JSON object per log line (router and actors)
              migration: {max_wait_s: 90, max_attempts: 3}}  # a failed group's requests go on
@@ -43,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from cluster.router_settings import MigrationSettings, RouterSettings, TlsSettings
 from workers.engine.config import (
     DEFAULT_MIN_DRAFT_CONFIDENCE,
     SPEC_METHODS,
@@ -50,6 +54,8 @@ from workers.engine.config import (
     SpecConfig,
 )
 from workers.model.config import QUANTIZATIONS
+
+__all__ = ["DeploymentConfig", "MigrationSettings", "RouterSettings", "TlsSettings"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -152,34 +158,6 @@ class SpeculativeSettings:
     # A model drafter ends a draft once its own probability of the draft so far falls below
     # this (0: it always drafts k).
     min_draft_confidence: float = DEFAULT_MIN_DRAFT_CONFIDENCE
-
-
-@dataclass(frozen=True, slots=True)
-class MigrationSettings:
-    """A request whose verifier group fails mid-way (its actor dies, a rank of it restarts)
-    goes on from its committed tokens on a healthy group, or on the same one once it is back
-    (router/service.py): within `max_wait_s` of each failure, at most `max_attempts` times a
-    request; past either, the client gets the 503 as before. 0 attempts: never migrate."""
-
-    max_wait_s: float = 90.0
-    max_attempts: int = 3
-
-
-@dataclass(frozen=True, slots=True)
-class RouterSettings:
-    host: str = "0.0.0.0"
-    port: int = 8000
-    grpc_port: int = 50051
-    max_queue: int = 256  # admitted but unfinished requests before 503
-    # Every API key's token bucket unless its line in the keys file says otherwise; 0: no limit.
-    requests_per_s: float = 0.0
-    burst: int = 0  # bucket size (0: one second's worth)
-    # On SIGTERM (or SIGINT), how long the requests in flight may run before they are cut; new
-    # ones are refused meanwhile (router/server.py `Router.drain`).
-    shutdown_grace_s: float = 30.0
-    # How the router and the pools' actors log (cluster/logs.py): text, or json (a line each).
-    log_format: str = "text"
-    migration: MigrationSettings = field(default_factory=MigrationSettings)
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +280,14 @@ class DeploymentConfig:
         )
         _check(self.router.max_queue >= 1, "router.max_queue", "must be >= 1")
         _check(self.router.requests_per_s >= 0, "router.requests_per_s", "must be >= 0")
-        _check(self.router.burst >= 0, "router.burst", "must be >= 0")
+        for name in ("burst", "max_concurrent_per_key", "tokens_per_s", "token_burst"):
+            _check(getattr(self.router, name) >= 0, f"router.{name}", "must be >= 0")
+        tls = self.router.tls
+        _check(
+            (tls.cert_file is None) == (tls.key_file is None),
+            "router.tls",
+            "cert_file and key_file go together",
+        )
         _check(self.router.shutdown_grace_s >= 0, "router.shutdown_grace_s", "must be >= 0")
         migration = self.router.migration
         _check(migration.max_wait_s >= 0, "router.migration.max_wait_s", "must be >= 0")

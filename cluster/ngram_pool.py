@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 STREAM = "outrider:ngram"
 MAX_SEQUENCES = 10_000  # the stream keeps about this many recent sequences
 MAX_TOKENS = 4096  # longest sequence shared
+STREAM_TTL_S = 3600  # the stream goes an hour after the last sequence was shared
 
 
 def encode(tokens: Sequence[int]) -> bytes:
@@ -36,7 +37,10 @@ def decode(payload: bytes) -> list[int]:
 
 async def publish(client: Any, tokens: Sequence[int]) -> None:
     """Append one finished sequence (asyncio client: the router)."""
-    await client.xadd(STREAM, {"tokens": encode(tokens)}, maxlen=MAX_SEQUENCES, approximate=True)
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.xadd(STREAM, {"tokens": encode(tokens)}, maxlen=MAX_SEQUENCES, approximate=True)
+        pipe.expire(STREAM, STREAM_TTL_S)
+        await pipe.execute()
 
 
 def follow(drafters: dict[str, Any], url: str | None, password: str | None) -> PoolFollower | None:

@@ -195,7 +195,7 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
 
 def first_key(path: Path) -> str:
     """The first key of an API keys file, in the router's format."""
-    from router.server import read_keys_file
+    from router.keys import read_keys_file
 
     keys = read_keys_file(path)
     if not keys:

@@ -221,14 +221,16 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from cluster.ngram_pool import PoolFollower, follow
     from router.backends import Backend, LocalBackend, RuntimeBackend
+    from router.keys import KeyLimits, read_keys_file
     from router.protocol import RequestBuilder
     from router.redis_server import EmbeddedRedis
-    from router.server import Router, RouterOptions, read_keys_file
+    from router.server import Router, RouterOptions
     from workers.engine.engine_loop import EngineLoop
 
     config = deployment_of(args)
     logs.configure(config.router.log_format)  # the actors read the same setting
-    keys = read_keys_file(args.api_keys_file) if args.api_keys_file else []
+    if args.api_keys_file:
+        read_keys_file(args.api_keys_file)  # a bad file stops the start, naming its line
     embedded: EmbeddedRedis | None = None
     if args.redis_url is None and config.redis.url is None:
         embedded = EmbeddedRedis().start()
@@ -265,6 +267,7 @@ def _serve(args: argparse.Namespace) -> int:
         block_size = loaded.engine.config.block_size
         max_model_len = loaded.engine.config.max_model_len
     configured = args.config is not None
+    router = config.router
     host = args.host or (config.router.host if configured else "127.0.0.1")
     port = args.port or config.router.port
     options = RouterOptions(
@@ -275,9 +278,17 @@ def _serve(args: argparse.Namespace) -> int:
         redis_password=config.redis.password(),
         max_queue=args.max_queue or config.router.max_queue,
         block_size=block_size,
-        requests_per_s=config.router.requests_per_s,
-        burst=config.router.burst,
-        api_keys=keys,
+        key_limits=KeyLimits(
+            requests_per_s=router.requests_per_s,
+            burst=router.burst,
+            max_concurrent=router.max_concurrent_per_key,
+            tokens_per_s=router.tokens_per_s,
+            token_burst=router.token_burst,
+        ),
+        api_keys_file=args.api_keys_file,
+        tls_cert_file=args.tls_cert_file or router.tls.cert_file,
+        tls_key_file=args.tls_key_file or router.tls.key_file,
+        docs=router.docs,
         migration=config.router.migration,
         shutdown_grace_s=(
             config.router.shutdown_grace_s
@@ -285,13 +296,14 @@ def _serve(args: argparse.Namespace) -> int:
             else args.shutdown_grace_s
         ),
     )
-    router = Router(backend, RequestBuilder(tokenizer, name, max_model_len), options)
-    print(f"Outrider is serving {name} on http://{host}:{port} (OpenAI API)", flush=True)
+    server = Router(backend, RequestBuilder(tokenizer, name, max_model_len), options)
+    scheme = "https" if options.tls_cert_file else "http"
+    print(f"Outrider is serving {name} on {scheme}://{host}:{port} (OpenAI API)", flush=True)
     if options.grpc_port is not None:
         print(f"  gRPC outrider.v1.Generation on {host}:{options.grpc_port}", flush=True)
-    auth = " -H 'Authorization: Bearer <key>'" if keys else ""
+    auth = " -H 'Authorization: Bearer <key>'" if args.api_keys_file else ""
     print(
-        f"  try: curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json'"
+        f"  try: curl {scheme}://{host}:{port}/v1/completions -H 'Content-Type: application/json'"
         f"{auth} "
         '-d \'{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}\'',
         flush=True,
@@ -301,7 +313,7 @@ def _serve(args: argparse.Namespace) -> int:
     # rather than end the process.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        asyncio.run(router.serve())
+        asyncio.run(server.serve())
     except KeyboardInterrupt:
         pass
     finally:

@@ -180,8 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument(
         "--api-keys-file",
         default=os.environ.get("OUTRIDER_API_KEYS_FILE"),
-        help="API keys, one per line: <key> [name] [requests/s] [burst] "
-        "(default $OUTRIDER_API_KEYS_FILE; none: the API is open)",
+        help="API keys, one per line: <key> [name] [requests/s] [burst] [option=value ...] "
+        "(default $OUTRIDER_API_KEYS_FILE; none: the API is open); read again when it changes",
+    )
+    api.add_argument(
+        "--tls-cert-file",
+        default=os.environ.get("OUTRIDER_TLS_CERT_FILE"),
+        help="PEM certificate (with --tls-key-file: HTTPS and gRPC over TLS only; "
+        "default $OUTRIDER_TLS_CERT_FILE, else the config's router.tls)",
+    )
+    api.add_argument(
+        "--tls-key-file",
+        default=os.environ.get("OUTRIDER_TLS_KEY_FILE"),
+        help="PEM private key of --tls-cert-file (default $OUTRIDER_TLS_KEY_FILE)",
     )
     api.add_argument("--max-queue", type=int, default=None, help="requests in flight before 503")
     api.add_argument(

@@ -66,6 +66,27 @@ def rate_limited(retry_after_s: float) -> RouterError:
     )
 
 
+def token_rate_limited(retry_after_s: float) -> RouterError:
+    return RouterError(
+        429,
+        f"token rate limit reached for this API key; retry in {retry_after_s:.1f} s",
+        "rate_limit_error",
+        "RESOURCE_EXHAUSTED",
+        retry_after_s=retry_after_s,
+    )
+
+
+def too_many_concurrent(limit: int) -> RouterError:
+    return RouterError(
+        429,
+        f"this API key has {limit} requests in flight on this replica, its limit; retry when "
+        "one has finished",
+        "rate_limit_error",
+        "RESOURCE_EXHAUSTED",
+        retry_after_s=1.0,
+    )
+
+
 def overloaded(message: str, retry_after_s: float = 1.0) -> RouterError:
     return RouterError(
         503, message, "service_unavailable", "UNAVAILABLE", retry_after_s=retry_after_s

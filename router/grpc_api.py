@@ -202,8 +202,11 @@ def _check_decoded(request: Any) -> None:
         raise errors.bad_request(f"the request is not a valid {request.message}: {request.error}")
 
 
-async def start_grpc(service: RouterService, host: str, port: int) -> tuple[Any, Any]:
-    """A started grpc.aio server with the Generation and Health services."""
+async def start_grpc(
+    service: RouterService, host: str, port: int, credentials: Any = None
+) -> tuple[Any, Any]:
+    """A started grpc.aio server with the Generation and Health services; over TLS only when
+    given server `credentials`."""
     server = grpc.aio.server()
     servicer = GenerationServicer(service)
     handlers = {
@@ -221,7 +224,11 @@ async def start_grpc(service: RouterService, host: str, port: int) -> tuple[Any,
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot bind the gRPC port {host}:{port}")
     await server.start()

@@ -4,7 +4,9 @@ or not, models, health, readiness, Prometheus metrics, and the request registry.
 Every error, including FastAPI's own (unknown route, wrong method), is an OpenAI error object
 with its status. Bodies are parsed here rather than by FastAPI so that invalid UTF-8, invalid
 JSON and wrong types all get a 400 naming the problem; the OpenAPI document still shows the
-request schemas. How each answer goes out (choices, streamed events) is router/streaming.py.
+request schemas. A body is read as it streams in and refused (413) once it passes
+`MAX_BODY_BYTES`, so a huge one never sits in the router's memory. How each answer goes out
+(choices, streamed events) is router/streaming.py.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from router import errors
 from router.errors import RouterError
 from router.logprobs import LogprobFormatter
 from router.protocol import GenerateRequest
+from router.registry import is_outage
 from router.responses import (
     ResponseBuilder,
     ResponsesRequest,
@@ -32,6 +35,7 @@ from router.responses import (
     in_our_terms,
 )
 from router.schemas import (
+    MAX_BODY_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -39,7 +43,7 @@ from router.schemas import (
     parse_json,
     validate,
 )
-from router.service import REQUEST_API, RouterService, usage
+from router.service import REQUEST_API, RouterService
 from router.streaming import (
     answer_choice,
     api_name,
@@ -49,9 +53,11 @@ from router.streaming import (
     response_events,
     store_response,
 )
+from router.usage import usage
 from workers.engine.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
+MAX_DRAINED_BYTES = 16 << 20  # past this, a refused body is no longer read
 
 try:
     _VERSION = importlib.metadata.version("outrider")
@@ -74,15 +80,42 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+async def _body(request: Request) -> bytes:
+    """The request's body, refused (413) once it is known to pass `MAX_BODY_BYTES`. What comes
+    past the limit is read and dropped, up to `MAX_DRAINED_BYTES` (so that a client still
+    sending reads the 413 rather than a reset connection); a larger body is refused at once."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_DRAINED_BYTES:
+        raise errors.too_large(f"request body over {MAX_BODY_BYTES} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_DRAINED_BYTES:
+            break
+        if size <= MAX_BODY_BYTES:
+            chunks.append(chunk)
+        elif chunks:
+            chunks = []  # refused: the rest is only read
+    if size > MAX_BODY_BYTES:
+        raise errors.too_large(f"request body over {MAX_BODY_BYTES} bytes")
+    return b"".join(chunks)
+
+
 def _error(exc: RouterError) -> JSONResponse:
     return JSONResponse(exc.body(), exc.status, headers=exc.headers())
 
 
-def create_app(service: RouterService) -> FastAPI:
+def create_app(service: RouterService, docs: bool = True) -> FastAPI:
+    """The API over `service`; `docs`: serve the OpenAPI document and its pages (/docs,
+    /redoc, /openapi.json)."""
     app = FastAPI(
         title="Outrider",
         version="0.1.0",
         summary="OpenAI-compatible API of a disaggregated speculative-decoding server",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
     # Log-probabilities naming tokens by their text, or by id (return_tokens_as_token_ids).
     formatters = {ids: LogprobFormatter(service.builder.tokenizer, ids) for ids in (False, True)}
@@ -103,9 +136,12 @@ def create_app(service: RouterService) -> FastAPI:
 
     @app.exception_handler(RedisError)
     async def _redis_down(request: Request, exc: RedisError) -> JSONResponse:
-        # What needs Redis itself (the registry, stored responses) while it is down: 503.
-        service.redis.down(exc)
-        return await _router_error(request, errors.shared_state_down(exc))
+        # What needs Redis itself (the registry, stored responses) while it is down: 503; a
+        # command Redis refused fails this call alone.
+        service.redis.failed(exc)
+        if is_outage(exc):
+            return await _router_error(request, errors.shared_state_down(exc))
+        return await _router_error(request, errors.server_error("the shared state refused a call"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -165,7 +201,7 @@ def create_app(service: RouterService) -> FastAPI:
     async def tokenize(request: Request) -> dict[str, Any]:
         """vLLM's: a prompt's (or a conversation's) token ids, as generation would see them."""
         await service.authorize(_bearer(request))
-        return await service.offload(_tokenize, await request.body())
+        return await service.offload(_tokenize, await _body(request))
 
     def _tokenize(raw: bytes) -> dict[str, Any]:
         body = validate(TokenizeRequest, parse_json(raw))
@@ -183,7 +219,7 @@ def create_app(service: RouterService) -> FastAPI:
     async def detokenize(request: Request) -> dict[str, str]:
         """vLLM's: the text of token ids."""
         await service.authorize(_bearer(request))
-        body = validate(DetokenizeRequest, parse_json(await request.body()))
+        body = validate(DetokenizeRequest, parse_json(await _body(request)))
         return {"prompt": await service.offload(service.builder.detokenize, body)}
 
     @app.get("/v1/requests/{request_id}", tags=["outrider"])
@@ -191,10 +227,8 @@ def create_app(service: RouterService) -> FastAPI:
         """A request's registry entry (any replica can answer): its verifier group, state and
         committed token ids."""
         await service.authorize(_bearer(request))
-        record = await service.state.lookup_request(request_id)
-        if record is None:
-            raise errors.not_found(f"no request {request_id!r}")
-        return {"id": request_id, **record}
+        record = await service.lookup_request(request_id)  # another key's: 404
+        return {"id": request_id, **{k: v for k, v in record.items() if k != "owner"}}
 
     @app.post("/v1/requests/{request_id}/resume", tags=["outrider"])
     async def resume(request_id: str, request: Request) -> Response:
@@ -202,7 +236,7 @@ def create_app(service: RouterService) -> FastAPI:
         the answer, in the original API's format, carries the whole text: the tokens already
         committed, then the rest. Body (optional): `{"stream": true}`."""
         await service.authorize(_bearer(request))
-        raw = await request.body()
+        raw = await _body(request)
         body = parse_json(raw) if raw.strip() else {}
         stream = body.get("stream", False) if isinstance(body, dict) else None
         if not isinstance(stream, bool):
@@ -215,7 +249,7 @@ def create_app(service: RouterService) -> FastAPI:
     @app.post("/v1/completions", tags=["openai"], openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
         await service.authorize(_bearer(request))
-        raw = await request.body()
+        raw = await _body(request)
         return await _serve(request, await service.offload(_completions, raw))
 
     def _completions(raw: bytes) -> list[GenerateRequest]:
@@ -228,7 +262,7 @@ def create_app(service: RouterService) -> FastAPI:
     )
     async def chat_completions(request: Request) -> Response:
         await service.authorize(_bearer(request))
-        raw = await request.body()
+        raw = await _body(request)
         return await _serve(request, [await service.offload(_chat, raw)])
 
     def _chat(raw: bytes) -> GenerateRequest:
@@ -238,7 +272,7 @@ def create_app(service: RouterService) -> FastAPI:
     async def create_response(request: Request) -> Response:
         """OpenAI's Responses API, served as a chat completion (router/responses.py)."""
         await service.authorize(_bearer(request))
-        raw = await request.body()
+        raw = await _body(request)
         body = await service.offload(_responses_body, raw)
         earlier: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
@@ -275,7 +309,7 @@ def create_app(service: RouterService) -> FastAPI:
 
     async def _stored(response_id: str, param: str | None = None) -> dict[str, Any]:
         record = await service.state.load_response(response_id)  # Redis down: 503 (above)
-        if record is None:
+        if record is None or record.get("owner", "") != service.owner():  # another key's: 404
             raise errors.not_found(f"no stored response {response_id!r}", param)
         return record
 
@@ -289,6 +323,7 @@ def create_app(service: RouterService) -> FastAPI:
     @app.delete("/v1/responses/{response_id}", tags=["openai"])
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
         await service.authorize(_bearer(request))
+        await _stored(response_id)  # the caller's own, or 404
         if not await service.state.delete_response(response_id):
             raise errors.not_found(f"no stored response {response_id!r}")
         return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -54,6 +54,12 @@ class GenerateRequest:
     score_only: bool = False  # `max_tokens` 0: the prompt is scored, no answer is returned
     tools: ToolCalling | None = None  # chat: the answer's tool calls are parsed against these
     resumed_tokens: int = 0  # a resumed request: the tokens committed before (in the prompt)
+    # False (`store: false`): the registry forgets the request once it has finished; an
+    # aborted one is kept for resuming.
+    store: bool = True
+    # The request's `cache_salt` (router/admission.py `cache_salt` turns it, and the key where
+    # the key is isolated, into the engine's `SamplingParams.cache_salt`).
+    cache_salt: str | None = None
 
 
 _TEMPLATE_VARIABLES = frozenset(
@@ -421,4 +427,6 @@ class RequestBuilder:
             body.n,
             continuous_usage=include_usage and bool(options and options.continuous_usage_stats),
             tokens_as_ids=body.return_tokens_as_token_ids,
+            store=body.store is not False,
+            cache_salt=body.cache_salt,
         )

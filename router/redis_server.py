@@ -4,7 +4,10 @@ The binary is Debian's (`redis-server` on PATH) when installed, else the one the
 wheel ships (Redis 6.2, statically usable on manylinux). It listens on loopback only, on a
 free port, and dies with its parent's `stop()` (or the process). Should it die before that, a
 watcher thread starts it again on the same port within a second; it keeps an append-only file
-in its temporary directory, so it comes back with what it held (API keys among it).
+in its temporary directory, so it comes back with what it held. Its memory is bounded
+(`MAX_MEMORY`, least recently used of what expires evicted first, as the chart's Redis is):
+everything the router writes expires, so a flood of requests evicts old registry entries
+rather than make Redis refuse writes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 WATCH_EVERY_S = 0.5
+MAX_MEMORY = "256mb"
 
 
 class RedisNotFound(RuntimeError):
@@ -87,6 +91,8 @@ class EmbeddedRedis:
             "--appendfsync", "everysec",
             "--dir", self._dir.name,
             "--loglevel", "warning",
+            "--maxmemory", MAX_MEMORY,
+            "--maxmemory-policy", "volatile-lru",
         ]  # fmt: skip
         proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True

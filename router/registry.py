@@ -1,15 +1,18 @@
 """What a router replica writes to Redis about its requests, through Redis outages.
 
-Redis is a dependency that can fail. While it is down, a deployment without API keys goes on
+Redis is a dependency that can fail. While it is down, a replica without API keys goes on
 serving: requests are not refused, they simply go unregistered (no registry, prefix hints,
 shared n-gram pool or stored responses meanwhile), and what the registry should have received
 (each request's registration, committed tokens, moves and end) is held here, then written once
-Redis answers again, so the registry catches up. A deployment with API keys refuses requests
-while it cannot check them, as before (and so does a replica that has never seen Redis, which
-cannot know whether keys exist).
+Redis answers again, so the registry catches up. A replica with API keys refuses requests while
+Redis is down: its keys' rate limits and token budgets are shared through Redis.
 
-`RedisWatch` keeps that state: whether Redis is up, whether keys were configured when it last
-answered, the held writes, and a task that pings Redis while it is down and writes them back.
+Only a failure to reach Redis is an outage (a connection refused or lost, a timeout, a Redis
+still loading its data). Redis refusing one command (a wrong type, a script error) fails that
+call alone: it is logged and the replica stays as it was.
+
+`RedisWatch` keeps that state: whether Redis is up, the held writes, and a task that pings
+Redis while it is down and writes them back.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.metrics import RouterMetrics
-from router.state import SharedState
+from router.state import Registration, SharedState
 
 log = logging.getLogger(__name__)
 
@@ -31,41 +36,53 @@ PING_EVERY_S = 1.0  # while Redis is down, how often it is asked whether it is b
 MAX_HELD = 10_000  # requests whose registry writes are held; beyond, the oldest finished go
 
 
+def is_outage(exc: BaseException) -> bool:
+    """Whether a Redis error means Redis cannot be reached (rather than a refused command)."""
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError))
+
+
 @dataclass(slots=True)
 class _Held:
     """One request's registry writes that Redis did not take."""
 
-    registration: tuple[str, str, list[int], str] | None  # group, replica, prompt, settings
+    registration: Registration | None
     token_ids: list[int] = field(default_factory=list)
     group: str | None = None  # where it moved since
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
+    forget: bool = False  # `store: false`: deleted from the registry once finished
 
 
 class RedisWatch:
-    def __init__(self, state: SharedState, metrics: RouterMetrics) -> None:
+    def __init__(self, state: SharedState, metrics: RouterMetrics, keyed: bool) -> None:
         self.state, self.metrics = state, metrics
         self.up = True
-        # Whether API keys were configured when Redis last answered (None: never asked).
-        self.keys_configured: bool | None = None
+        self.keyed = keyed  # the replica has API keys: it refuses requests while Redis is down
         self._held: dict[str, _Held] = {}
         self._watch: asyncio.Task[None] | None = None
         # Run when Redis answers again, before anything else: a Redis that came back empty
-        # gets the replica's configured API keys back (router/server.py).
+        # gets the replica's key mirror back (router/server.py).
         self.on_back: list[Callable[[], Awaitable[Any]]] = []
         metrics.redis_up.set(1)
 
     @property
     def serving_without_redis(self) -> bool:
-        """Requests are served while Redis is down (no API keys were configured)."""
-        return self.keys_configured is False
+        """Requests are served while Redis is down (the replica has no API keys)."""
+        return not self.keyed
 
     @property
     def held(self) -> int:
         return len(self._held)
 
+    def failed(self, exc: RedisError) -> None:
+        """Redis failed a call: an outage (`down`) if it could not be reached, else logged."""
+        if is_outage(exc):
+            self.down(exc)
+        else:
+            log.warning("Redis refused a call: %r", exc)
+
     def down(self, exc: BaseException) -> None:
-        """Redis failed a call: note the outage and start watching for its end."""
+        """Redis cannot be reached: note the outage and start watching for its end."""
         if self.up:
             self.up = False
             self.metrics.redis_up.set(0)
@@ -80,21 +97,6 @@ class RedisWatch:
         if self._watch is not None:
             self._watch.cancel()
 
-    async def auth_required(self) -> bool:
-        """Whether requests need an API key; raises RedisError when Redis cannot say and keys
-        were configured (or were never seen)."""
-        if not self.up and self.serving_without_redis:
-            return False
-        try:
-            required = await self.state.auth_required()
-        except RedisError as exc:
-            self.down(exc)
-            if self.serving_without_redis:
-                return False
-            raise
-        self.keys_configured = required
-        return required
-
     async def shared(self, work: Callable[[], Awaitable[Any]]) -> None:
         """Bookkeeping only worth doing while Redis is up (prefix hints, the n-gram pool)."""
         if not self.up:
@@ -102,15 +104,12 @@ class RedisWatch:
         try:
             await work()
         except RedisError as exc:
-            self.down(exc)
+            self.failed(exc)
 
-    async def register(
-        self, request_id: str, group: str, replica: str, prompt_ids: Sequence[int], settings: str
-    ) -> None:
-        registration = (group, replica, list(prompt_ids), settings)
-        held = await self._write(request_id, lambda: self.state.register(request_id, *registration))
+    async def register(self, request_id: str, entry: Registration) -> None:
+        held = await self._write(request_id, lambda: self.state.register(request_id, entry))
         if held is not None:
-            held.registration = registration
+            held.registration = entry
 
     async def commit(
         self,
@@ -118,14 +117,16 @@ class RedisWatch:
         token_ids: Sequence[int],
         finish_reason: str | None = None,
         usage: dict[str, Any] | None = None,
+        forget: bool = False,
     ) -> None:
         held = await self._write(
-            request_id, lambda: self.state.commit(request_id, token_ids, finish_reason, usage)
+            request_id,
+            lambda: self.state.commit(request_id, token_ids, finish_reason, usage, forget),
         )
         if held is not None:
             held.token_ids += token_ids
             if finish_reason is not None:
-                held.finish_reason, held.usage = finish_reason, usage
+                held.finish_reason, held.usage, held.forget = finish_reason, usage, forget
 
     async def move(self, request_id: str, group: str) -> None:
         held = await self._write(request_id, lambda: self.state.move(request_id, group))
@@ -142,6 +143,10 @@ class RedisWatch:
                 await write()
                 return None
             except RedisError as exc:
+                if not is_outage(exc):  # refused: that write is lost, the next ones go on
+                    self.failed(exc)
+                    self.metrics.registry_dropped.inc()
+                    return None
                 self.down(exc)
         return held if held is not None else self._hold(request_id, _Held(None))
 
@@ -163,7 +168,6 @@ class RedisWatch:
             try:
                 for hook in self.on_back:
                     await hook()
-                self.keys_configured = await self.state.auth_required()
                 caught_up = await self._catch_up()
             except RedisError as exc:
                 log.warning("Redis answered, then failed again: %r", exc)
@@ -180,7 +184,7 @@ class RedisWatch:
         while self._held:
             request_id, held = next(iter(self._held.items()))
             if held.registration is not None:
-                await self.state.register(request_id, *held.registration)
+                await self.state.register(request_id, held.registration)
                 held.registration = None
             if held.group is not None:
                 await self.state.move(request_id, held.group)
@@ -189,7 +193,7 @@ class RedisWatch:
             while held.token_ids or held.finish_reason is not None:
                 token_ids, held.token_ids = held.token_ids, []
                 finish, held.finish_reason = held.finish_reason, None
-                await self.state.commit(request_id, token_ids, finish, held.usage)
+                await self.state.commit(request_id, token_ids, finish, held.usage, held.forget)
             del self._held[request_id]
             done += 1
             self.metrics.registry_held.set(len(self._held))

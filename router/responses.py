@@ -128,6 +128,7 @@ def chat_request(
     if body.instructions:
         history.insert(0, {"role": "system", "content": body.instructions})
     chat: dict[str, Any] = {"messages": history + messages, "stream": body.stream}
+    chat["store"] = body.store  # false: the registry forgets the request too
     if body.model is not None:
         chat["model"] = body.model
     if body.stream:

@@ -128,6 +128,15 @@ class SamplingFields(Strict):
         None, description="Outrider's extension: per-request speculation"
     )
     user: str | None = Field(None, description="an end-user id (accepted, not used)")
+    store: bool | None = Field(
+        None, description="false: the request registry forgets the request once it finishes"
+    )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="vLLM's: requests share prefix-cache blocks only with the same salt",
+    )
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object or json_schema (structured output)"
     )

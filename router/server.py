@@ -4,8 +4,9 @@ backend (the Ray runtime, or one in-process engine) and Redis.
 `Router.serve()` runs until `stop()`, or until `drain()` has let the requests in flight finish:
 the first SIGTERM or SIGINT drains (Kubernetes stopping a pod, Ctrl-C), a second one stops at
 once. `RouterThread` runs a router on a background thread (tests, benchmarks). API keys come
-from a file (one per line: `<key> [name] [requests/s] [burst]`, `#` comments), are stored
-hashed in Redis, and switch authentication on; without any key in Redis the API is open.
+from the replica's own configuration (router/keys.py: a keys file, read again when it changes,
+or a list) and switch authentication on; a replica without keys serves an open API. With a
+certificate and key file both APIs speak TLS only (router/tls.py).
 """
 
 from __future__ import annotations
@@ -15,48 +16,24 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
+from redis.exceptions import RedisError
 
 from cluster.config import MigrationSettings
+from router import keys as api_keys
 from router.backends import Backend
+from router.keys import KeyLimits, KeyLine, KeyRing
 from router.protocol import RequestBuilder
 from router.service import RouterService, RoutingPolicy
-from router.state import SharedState
+from router.state import KEYS_TTL_S, SharedState
+from router.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 # After a drain's grace period, how long the requests it cut get to send their error and close.
 CUT_WAIT_S = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class KeyLine:
-    key: str
-    name: str
-    requests_per_s: float | None
-    burst: int | None
-
-
-def read_keys_file(path: str | Path) -> list[KeyLine]:
-    """Parse an API keys file; raises ValueError naming the bad line."""
-    keys = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        fields = line.split("#", 1)[0].split()
-        if not fields:
-            continue
-        if len(fields) > 4:
-            raise ValueError(f"{path}:{number}: expected '<key> [name] [requests/s] [burst]'")
-        try:
-            rate = float(fields[2]) if len(fields) > 2 else None
-            burst = int(fields[3]) if len(fields) > 3 else None
-        except ValueError:
-            raise ValueError(f"{path}:{number}: requests/s and burst must be numbers") from None
-        name = fields[1] if len(fields) > 1 else f"key-{number}"
-        keys.append(KeyLine(fields[0], name, rate, burst))
-    return keys
 
 
 REDIS_TIMEOUT_S = 2.0
@@ -71,9 +48,13 @@ class RouterOptions:
     redis_password: str | None = None
     max_queue: int = 256
     block_size: int = 16
-    requests_per_s: float = 0.0  # default bucket for keys that do not set their own
-    burst: int = 0
+    # What keys get unless their line says otherwise (requests/s, concurrency, tokens/s ...).
+    key_limits: KeyLimits = field(default_factory=KeyLimits)
     api_keys: list[KeyLine] = field(default_factory=list)
+    api_keys_file: str | None = None  # read again when it changes; keys gone from it are revoked
+    tls_cert_file: str | None = None  # with tls_key_file: HTTPS and gRPC over TLS only
+    tls_key_file: str | None = None
+    docs: bool = True  # the OpenAPI document and its pages (/docs, /redoc, /openapi.json)
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     # How long a drain lets the requests in flight run before it cuts them.
     shutdown_grace_s: float = 30.0
@@ -122,17 +103,12 @@ class Router:
             socket_timeout=REDIS_TIMEOUT_S,
         )
         state = SharedState(client)
-
-        async def add_keys() -> None:
-            for line in opts.api_keys:
-                await state.add_key(
-                    line.key,
-                    line.name,
-                    opts.requests_per_s if line.requests_per_s is None else line.requests_per_s,
-                    opts.burst if line.burst is None else line.burst,
-                )
-
-        await add_keys()
+        keys = KeyRing(opts.api_keys, opts.api_keys_file, opts.key_limits)
+        tls = None
+        if opts.tls_cert_file or opts.tls_key_file:
+            if not (opts.tls_cert_file and opts.tls_key_file):
+                raise ValueError("TLS needs both a certificate file and a key file")
+            tls = TlsFiles(opts.tls_cert_file, opts.tls_key_file)
         service = RouterService(
             self.backend,
             self.builder,
@@ -141,24 +117,28 @@ class Router:
             opts.max_queue,
             opts.policy,
             migration=opts.migration,
+            keys=keys,
         )
-        service.redis.on_back.append(add_keys)
+        service.redis.on_back.append(lambda: state.sync_keys(keys.keys))
         self.service = service
         config = uvicorn.Config(
-            create_app(service),
+            create_app(service, opts.docs),
             host=opts.host,
             port=opts.port,
             log_level="warning",
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=5,
+            ssl_context_factory=None if tls is None else (lambda *_: tls.ssl_context),
         )
         self._http = _DrainingServer(config, self.drain)
         self._loop = asyncio.get_running_loop()
         grpc_server: Any = None
+        watch = asyncio.create_task(_watch_files(service, keys, tls))
         try:
             if opts.grpc_port is not None:
-                grpc_server, _ = await start_grpc(service, opts.host, opts.grpc_port)
+                credentials = None if tls is None else tls.grpc_credentials()
+                grpc_server, _ = await start_grpc(service, opts.host, opts.grpc_port, credentials)
             http = asyncio.create_task(self._http.serve())
             while not self._http.started and not http.done():
                 await asyncio.sleep(0.02)
@@ -166,6 +146,7 @@ class Router:
                 self.started.set()
             await http
         finally:
+            watch.cancel()
             if grpc_server is not None:
                 await grpc_server.stop(grace=2)
             await service.drain()
@@ -207,6 +188,29 @@ class Router:
             service.cut = True
             await _until_idle(service, self._loop.time() + CUT_WAIT_S)
         self.stop()
+
+
+async def _watch_files(service: RouterService, keys: KeyRing, tls: TlsFiles | None) -> None:
+    """Read the keys file and the TLS files again when they change, and keep Redis's key
+    mirror what the keys are: rewritten when they change or the mirror differs (Redis lost it,
+    or someone wrote into it), else well within its TTL."""
+    every = min(api_keys.RELOAD_EVERY_S, KEYS_TTL_S / 10)
+    synced_at: float | None = None
+    loop = asyncio.get_running_loop()
+    while True:
+        changed = keys.reload_if_changed()
+        if tls is not None:
+            tls.reload_if_changed()
+        if service.redis.up:
+            try:
+                due = synced_at is None or loop.time() - synced_at >= KEYS_TTL_S / 4
+                mirrored = set(await service.state.mirrored_keys())
+                if changed or due or mirrored != {key.digest for key in keys.keys}:
+                    await service.state.sync_keys(keys.keys)
+                    synced_at = loop.time()
+            except RedisError as exc:
+                service.redis.failed(exc)
+        await asyncio.sleep(every)
 
 
 async def _until_idle(service: RouterService, deadline: float) -> None:

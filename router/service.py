@@ -1,11 +1,14 @@
 """The router's core, shared by the HTTP and gRPC front ends.
 
-Per request: authenticate (API key, hashed, in Redis), take from the key's rate-limit bucket
-(Redis, shared by every replica), admit (a bounded number of unfinished requests per replica,
-503 beyond it), pick a verifier group (longest cached prefix from the Redis prefix index, then
-the lighter of two random groups by queue depth and KV usage), register the request in Redis,
-stream its steps, and on the way record metrics, committed tokens and the blocks the group now
-holds. Leaving the stream early (client gone) aborts the request in its verifier.
+Per request: authenticate (the replica's own API keys, router/keys.py), take from the key's
+rate-limit bucket (Redis, shared by every replica), admit (a bounded number of unfinished
+requests per replica, 503 beyond it, and per key, 429 beyond its `concurrency`; its prompt and
+most tokens taken from its token bucket, 429 when empty, what went unused given back at the
+end), pick a verifier group (longest cached prefix from the Redis prefix index, then the
+lighter of two random groups by queue depth and KV usage), register the request in Redis (owned
+by its key: other keys are told it does not exist), stream its steps, and on the way record
+metrics, committed tokens and the blocks the group now holds.
+Leaving the stream early (client gone) aborts the request in its verifier.
 
 A verifier group that fails under a request (its actor dies, a rank of it restarts) does not
 end it: the request goes on from its committed tokens on a healthy group, or on the same one
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import logging
 import random
 import socket
@@ -32,7 +34,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
@@ -40,18 +42,17 @@ from redis.exceptions import RedisError
 from cluster import logs
 from cluster.config import MigrationSettings
 from router import errors
+from router.admission import CALLER, Admission, owner, salted
 from router.backends import Backend, Step
+from router.keys import ApiKey, KeyRing
 from router.metrics import RouterMetrics
 from router.protocol import GenerateRequest, RequestBuilder
 from router.registry import RedisWatch
-from router.state import ApiKey, SharedState
-from router.tools import ToolCalling
-from workers.engine.config import RequestSpec
+from router.resume import resumed_request, settings_json
+from router.state import Registration, SharedState
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.outputs import Continuation
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import SpecStats
-from workers.engine.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
 # The API a request came in by (chat, completions, responses, grpc), set where it came in: the
@@ -87,15 +88,19 @@ class RouterService:
         policy: RoutingPolicy | None = None,
         replica: str | None = None,
         migration: MigrationSettings | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self.backend, self.builder, self.state = backend, builder, state
+        self.keys = keys or KeyRing()
         self.block_size, self.max_queue = block_size, max_queue
         self.policy = policy or RoutingPolicy()
         self.migration = migration or MigrationSettings()
         self.replica = replica or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.metrics = RouterMetrics()
-        self.redis = RedisWatch(state, self.metrics)  # its outages, and the writes they held
+        # Redis's outages, and the writes they held.
+        self.redis = RedisWatch(state, self.metrics, self.keys.configured)
         self.in_flight = 0
+        self.admission = Admission(self.keys, state, self.redis)
         self.draining = False  # shutting down: new requests are refused (Router.drain)
         self.cut = False  # the drain's grace is over: requests in flight end at their next step
         self._random = random.Random(self.policy.seed)
@@ -119,24 +124,11 @@ class RouterService:
         return self.builder.model_name
 
     async def authorize(self, api_key: str | None) -> ApiKey | None:
-        """The caller's key (None when the deployment has no keys), its bucket drawn from."""
-        try:
-            return await self._authorize(api_key)
-        except RedisError as exc:
-            raise errors.shared_state_down(exc) from exc
+        return await self.admission.authorize(api_key)
 
-    async def _authorize(self, api_key: str | None) -> ApiKey | None:
-        if not await self.redis.auth_required():
-            return None
-        if not api_key:
-            raise errors.unauthorized("missing API key (Authorization: Bearer <key>)")
-        key = await self.state.lookup_key(api_key)
-        if key is None:
-            raise errors.unauthorized("invalid API key")
-        decision = await self.state.take(key)
-        if not decision.allowed:
-            raise errors.rate_limited(decision.retry_after_s)
-        return key
+    @staticmethod
+    def owner() -> str:
+        return owner()
 
     async def ready(self) -> str | None:
         """ "ready"; "degraded" while Redis is down and requests are served without it; None
@@ -164,8 +156,9 @@ class RouterService:
                 self.metrics.kv_usage.labels(name).set(load.kv_usage)
         return self._load
 
-    async def choose_group(self, prompt_ids: Sequence[int]) -> tuple[int, str]:
-        """(group index, why): longest cached prefix, then power of two choices by load."""
+    async def choose_group(self, prompt_ids: Sequence[int], salt: int = 0) -> tuple[int, str]:
+        """(group index, why): longest cached prefix (of the prompt's blocks under cache
+        salt `salt`), then power of two choices by load."""
         groups = self.backend.groups
         if len(groups) == 1:
             return 0, "only"
@@ -173,9 +166,9 @@ class RouterService:
         cached = dict.fromkeys(groups, 0)  # without prefix hints, routed by load alone
         if self.redis.up:
             try:
-                cached = await self.state.cached_blocks(prompt_ids, self.block_size, groups)
+                cached = await self.state.cached_blocks(prompt_ids, self.block_size, groups, salt)
             except RedisError as exc:
-                self.redis.down(exc)
+                self.redis.failed(exc)
         score = [
             (g.queue_depth + sent, g.kv_usage)
             for g, sent in zip(loads, self._sent_since_poll, strict=True)
@@ -234,8 +227,12 @@ class RouterService:
 
     async def _start_choices(self, request: GenerateRequest, ids: list[str]) -> list[Choice]:
         """One prompt's choices, on one verifier group, the first one first."""
-        routed = await self.choose_group(request.prompt_ids)
-        gens = [self.generate(_choice(request, i), rid, routed) for i, rid in enumerate(ids)]
+        request = salted(request)
+        routed = await self.choose_group(request.prompt_ids, request.params.cache_salt)
+        gens = [
+            self.generate(_choice(request, i), rid, routed, (ids[0], i) if i else None)
+            for i, rid in enumerate(ids)
+        ]
         firsts: list[Step | BaseException] = []
         try:
             firsts.append(await anext(gens[0]))
@@ -255,35 +252,50 @@ class RouterService:
         request: GenerateRequest,
         request_id: str,
         routed: tuple[int, str] | None = None,
+        shared: tuple[str, int] | None = None,
     ) -> AsyncGenerator[Step, None]:
         """The request's steps; raises `RouterError` before the first one when refused.
-        `routed`: the verifier group (and why) when the caller chose it."""
+        `routed`: the verifier group (and why) when the caller chose it; `shared`: (request
+        id, index) of a choice after the first of its prompt, which keeps the prompt and the
+        settings for resuming it."""
         if self.draining:
             raise errors.overloaded("this replica is shutting down; another one will answer")
         if self.in_flight >= self.max_queue:
             raise errors.overloaded(
                 f"the server has {self.in_flight} requests in flight (limit {self.max_queue})"
             )
+        request = salted(request)
+        ticket = await self.admission.admit(request)
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
-            async for step in self._generate(request, request_id, routed):
+            async for step in self._generate(request, request_id, routed, shared):
+                ticket.used += len(step.new_token_ids)
                 yield step
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
+            ticket.release()
 
     async def _generate(
-        self, request: GenerateRequest, request_id: str, routed: tuple[int, str] | None
+        self,
+        request: GenerateRequest,
+        request_id: str,
+        routed: tuple[int, str] | None,
+        shared: tuple[str, int] | None,
     ) -> AsyncGenerator[Step, None]:
         logs.REQUEST_ID.set(request_id)  # this request's task: every line it logs names it
         start = time.perf_counter()
-        group, reason = routed or await self.choose_group(request.prompt_ids)
+        salt = request.params.cache_salt
+        group, reason = routed or await self.choose_group(request.prompt_ids, salt)
         name = self.backend.groups[group]
         self.metrics.routed.labels(name, reason).inc()
-        await self.redis.register(
-            request_id, name, self.replica, request.prompt_ids, _settings(request)
+        source, index = shared or (None, 0)
+        settings = "" if source is not None else settings_json(request)
+        entry = Registration(
+            name, self.replica, self.owner(), request.prompt_ids, settings, source, index
         )
+        await self.redis.register(request_id, entry)
         if not self.redis.up:
             self.metrics.degraded_requests.inc()
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
@@ -326,7 +338,7 @@ class RouterService:
                             if not output_ids:
                                 first = now
                                 self.metrics.ttft.observe(now - start)
-                                self._record_prefix(request.prompt_ids, name)
+                                self._record_prefix(request.prompt_ids, name, salt)
                             else:
                                 per_token = (now - last) / len(step.new_token_ids)
                                 for _ in step.new_token_ids:
@@ -367,10 +379,13 @@ class RouterService:
         finally:
             usage = None if finish_reason == "abort" else {"finish_reason": finish_reason}
             rest = output_ids[num_registered:]
-            self._background(self.redis.commit(request_id, rest, finish_reason, usage))
+            forget = not request.store and final is not None  # an aborted one may be resumed
+            self._background(self.redis.commit(request_id, rest, finish_reason, usage, forget))
+            caller = CALLER.get()  # the key's name in the line, never the key
             line = {
                 "request_id": request_id,
                 "api": REQUEST_API.get(),
+                **({} if caller is None else {"key": caller.name}),
                 "outcome": "ok" if final else "failed" if error else "aborted",
                 "finish_reason": None if final is None else finish_reason,
                 "prompt_tokens": len(request.prompt_ids),
@@ -404,6 +419,14 @@ class RouterService:
                 raise exc
             await asyncio.sleep(MIGRATION_POLL_S)
 
+    async def lookup_request(self, request_id: str) -> dict[str, Any]:
+        """A request's registry entry, if the caller's key made it; else 404, as for one
+        that does not exist."""
+        record = await self.state.lookup_request(request_id)
+        if record is None or record.get("owner", "") != self.owner():
+            raise errors.not_found(f"no request {request_id!r} in the registry")
+        return record
+
     def refused(self, api: str, exc: errors.RouterError) -> None:
         """Count and log a request refused before it was served (its status in the line)."""
         self.metrics.requests.labels(api, "refused").inc()
@@ -421,55 +444,23 @@ class RouterService:
         """The rest of a request another replica started and did not finish (its replica died,
         or its client left): the same settings over its prompt plus the tokens it committed,
         and those tokens. Greedy requests resume exactly where they stopped."""
-        record = await self.state.lookup_request(request_id)
-        prompt_ids = await self.state.lookup_prompt(request_id)
-        if record is None or prompt_ids is None:
-            raise errors.not_found(f"no request {request_id!r} in the registry")
+        record = await self.lookup_request(request_id)
         reason = record.get("finish_reason")
         if record["state"] == "finished" and reason != "abort":
             raise errors.bad_request(
                 f"request {request_id!r} finished ({reason}): nothing to resume"
             )
-        settings = record["settings"]
-        raw = settings["params"]
-        committed = record["token_ids"]
-        structured = raw.get("structured")
-        if structured is not None:  # the grammar reads the answer so far first
-            structured = StructuredOutput(
-                structured["grammar"], (*structured["committed"], *committed)
+        kept = await self.state.lookup_resume(request_id, record)
+        if kept is None:
+            raise errors.bad_request(
+                f"request {request_id!r} cannot be resumed: its prompt and settings were over "
+                "the registry's size limit, or have expired"
             )
-        params = SamplingParams(
-            **{
-                **raw,
-                "stop": tuple(raw["stop"]),
-                "stop_token_ids": tuple(raw["stop_token_ids"]),
-                "logit_bias": tuple((t, b) for t, b in raw.get("logit_bias", ())),
-                "allowed_token_ids": tuple(raw.get("allowed_token_ids", ())),
-                "bad_words": tuple(tuple(word) for word in raw.get("bad_words", ())),
-                "prediction": tuple(raw.get("prediction", ())),
-                # The committed tokens are part of the resumed prompt now.
-                "min_tokens": max(0, raw.get("min_tokens", 0) - len(committed)),
-                "structured": structured,
-            }
-        )
-        left = params.max_tokens - len(committed)
-        if left < 1:
+        prompt_ids, settings = kept
+        committed = record["token_ids"]
+        resumed = resumed_request(settings, record.get("choice", 0), prompt_ids, committed, stream)
+        if resumed is None:
             raise errors.bad_request(f"request {request_id!r} has no tokens left to generate")
-        spec = None if settings["spec"] is None else RequestSpec(**settings["spec"])
-        resumed = GenerateRequest(
-            [*prompt_ids, *committed],
-            replace(params, max_tokens=left),
-            spec,
-            stream,
-            settings["include_usage"],
-            settings["chat"],
-            continuous_usage=settings.get("continuous_usage", False),
-            tokens_as_ids=settings.get("tokens_as_ids", False),
-            resumed_tokens=len(committed),
-        )
-        if tools := settings.get("tools"):  # the answer's tool calls are read as they were
-            calling = ToolCalling(tuple(tools["names"]), tools["named"], tools.get("forced", False))
-            resumed = replace(resumed, tools=calling)
         return resumed, committed
 
     def _finished(
@@ -488,14 +479,17 @@ class RouterService:
             self.metrics.acceptance_length.observe(spec.mean_acceptance_length)
         # The conversation so far is cached in that group now: the next turn should go there.
         tokens = [*request.prompt_ids, *output_ids]
-        self._record_prefix(tokens, group)
-        if output_ids:
+        salt = request.params.cache_salt
+        self._record_prefix(tokens, group, salt)
+        if output_ids and not salt:  # an isolated request shares no n-grams either
             self._background(self.redis.shared(lambda: self.state.share_sequence(tokens)))
 
-    def _record_prefix(self, token_ids: list[int], group: str) -> None:
+    def _record_prefix(self, token_ids: list[int], group: str, salt: int) -> None:
         """Note in the prefix index that `group` holds these tokens' blocks."""
         self._background(
-            self.redis.shared(lambda: self.state.record_prefix(token_ids, self.block_size, group))
+            self.redis.shared(
+                lambda: self.state.record_prefix(token_ids, self.block_size, group, salt)
+            )
         )
 
     def _background(self, work: Coroutine[Any, Any, Any]) -> None:
@@ -532,22 +526,6 @@ def _spec_fields(step: Step) -> dict[str, Any]:
     }
 
 
-def _settings(request: GenerateRequest) -> str:
-    """What a replica needs besides the prompt to resume `request`."""
-    spec = None if request.spec is None else asdict(request.spec)
-    return json.dumps(
-        {
-            "params": asdict(request.params),
-            "spec": spec,
-            "chat": request.chat,
-            "include_usage": request.include_usage,
-            "continuous_usage": request.continuous_usage,
-            "tokens_as_ids": request.tokens_as_ids,
-            "tools": None if request.tools is None else asdict(request.tools),
-        }
-    )
-
-
 async def _close(started: list[asyncio.Task[list[Choice]]]) -> None:
     """Abort the choices these prompts started."""
     for task in started:
@@ -560,38 +538,3 @@ def _choice(request: GenerateRequest, index: int) -> GenerateRequest:
     seed = request.params.seed
     params = request.params if seed is None else replace(request.params, seed=seed + index)
     return replace(request, params=params, n=1)
-
-
-def usage(
-    requests: Sequence[GenerateRequest], last_steps: Sequence[Step | None]
-) -> dict[str, object]:
-    """OpenAI's usage object over a request's prompts and choices (their last steps, in choice
-    order; None for a choice with none yet), with Outrider's speculative statistics: each
-    prompt counted once, the choices' tokens and drafts summed."""
-    steps = [step for step in last_steps if step is not None]
-    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
-    if requests[0].score_only:  # the token the engine generated is not part of the answer
-        completion_tokens = 0
-    else:
-        completion_tokens = sum(step.num_output_tokens for step in steps)
-    spec = SpecStats()
-    for step in steps:
-        spec.merge(step.spec)
-    # Each prompt's own cache hits: its first choice's (the others start from its blocks).
-    n = requests[0].n
-    cached = sum(step.num_cached_tokens for step in last_steps[::n] if step is not None)
-    answer: dict[str, object] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "speculative": spec.as_dict(),
-    }
-    done = [step for step in steps if step.finished]  # counted once a choice is over
-    if (predicted := len(requests[0].params.prediction)) and done:  # OpenAI's Predicted Outputs
-        accepted = sum(step.accepted_prediction_tokens for step in done)
-        answer["completion_tokens_details"] = {
-            "accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": predicted * len(done) - accepted,
-        }
-    return answer

@@ -1,14 +1,19 @@
 """What router replicas share, kept in Redis (redis-py's asyncio client).
 
-- API keys, stored as SHA-256 digests (a leaked Redis dump gives no usable key), each with its
-  own token-bucket rate limit. The bucket lives in Redis and is updated by one Lua script that
-  reads Redis's clock, so every replica draws from the same bucket atomically.
-- The request registry: request id -> verifier group, replica, state, committed token ids, so
-  any replica can report on (or resume from) a request another one is serving.
+- A mirror of the API keys (SHA-256 digests, a leaked Redis dump gives no usable key), which
+  each replica rewrites from its own configuration (router/keys.py): Redis never decides who
+  gets in. Each key's token buckets (requests, and prompt plus completion tokens) live in Redis
+  and are updated by one Lua script that reads Redis's clock, so every replica draws from the
+  same buckets atomically.
+- The request registry: request id -> owner (its key's digest), verifier group, replica, state,
+  committed token ids, and what resuming it takes (prompt and settings, once a prompt, up to
+  `MAX_RESUME_BYTES`), so any replica can report on (or resume from) a request another one is
+  serving, for the key that made it.
 - The shared n-gram pool: finished sequences appended to a capped stream that engines with an
   `ngram` drafter follow (cluster/ngram_pool.py), so drafting learns across requests.
-- Stored responses (the Responses API's `store`): response id -> the response and the input
-  items that led to it, for `GET /v1/responses/{id}` and `previous_response_id` on any replica.
+- Stored responses (the Responses API's `store`): response id -> its owner, the response and
+  the input items that led to it, for `GET /v1/responses/{id}` and `previous_response_id` on
+  any replica.
 - The prefix index: KV block hash -> verifier groups that computed that block recently. Hashes
   are the engine's own chained block hashes, so the router asks "who holds the longest prefix of
   this prompt" without talking to the verifiers. Entries expire: it is a hint, never a promise
@@ -17,24 +22,40 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from cluster import ngram_pool
+from router.keys import ApiKey
 from workers.kv_cache.block_allocator import block_hashes
 
 NAMESPACE = "outrider"
 REGISTRY_TTL_S = 3600
 RESPONSE_TTL_S = 3600
 PREFIX_TTL_S = 600
+KEYS_TTL_S = 600  # the key mirror's; each replica rewrites it more often (router/server.py)
 MAX_INDEXED_BLOCKS = 512  # longest prefix the index tracks, in blocks
+# A request's prompt and settings are kept for resuming up to this size (its stop strings,
+# grammar, logit bias and prompt); a larger one is served, but cannot be resumed.
+MAX_RESUME_BYTES = 1 << 20
+# The ids clients may name (ours are `cmpl-<hex>`, `resp_<hex>`, `grpc-<hex>`, and `-<k>` for
+# a choice); anything else is not an id, and never reaches a Redis key.
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
-# A token bucket per API key: refills at `rate` per second up to `burst`; takes `cost`.
-# Returns {allowed (0/1), seconds to wait (string, Lua numbers would truncate)}.
+
+def valid_id(object_id: str) -> bool:
+    return _ID.fullmatch(object_id) is not None
+
+
+# A token bucket per API key: refills at `rate` per second up to `burst`; takes `cost` (a
+# negative cost gives back what a request took and did not use). Returns {allowed (0/1),
+# seconds to wait (string, Lua numbers would truncate)}.
 _TOKEN_BUCKET = """
 local rate, burst, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
@@ -44,7 +65,10 @@ local tokens = tonumber(held[1]) or burst
 local ts = tonumber(held[2]) or now
 tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
 local allowed, wait = 0, 0
-if tokens >= cost then
+if cost <= 0 then
+  tokens = math.min(burst, tokens - cost)
+  allowed = 1
+elseif tokens >= cost then
   tokens = tokens - cost
   allowed = 1
 else
@@ -54,18 +78,6 @@ redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
 return {allowed, tostring(wait)}
 """
-
-
-def key_digest(api_key: str) -> str:
-    return hashlib.sha256(api_key.encode()).hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class ApiKey:
-    name: str
-    digest: str
-    requests_per_s: float  # 0: unlimited
-    burst: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,72 +106,68 @@ class SharedState:
 
     # API keys and rate limits.
 
-    async def add_key(
-        self, api_key: str, name: str, requests_per_s: float = 0.0, burst: int = 0
-    ) -> ApiKey:
-        if not api_key:
-            raise ValueError("an API key must not be empty")
-        if requests_per_s < 0 or burst < 0:
-            raise ValueError("rate limits must be >= 0")
-        record = ApiKey(
-            name, key_digest(api_key), requests_per_s, burst or max(1, int(requests_per_s))
-        )
-        value = {"name": name, "requests_per_s": requests_per_s, "burst": record.burst}
-        await self.redis.hset(self._k("keys"), record.digest, json.dumps(value))
-        return record
+    async def sync_keys(self, keys: Sequence[ApiKey]) -> None:
+        """Make the key mirror exactly `keys` (digest -> name and limits): keys taken out of a
+        replica's configuration leave it, and a mirror Redis lost comes back."""
+        name = self._k("keys")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(name)
+            if keys:
+                pipe.hset(name, mapping={k.digest: _key_record(k) for k in keys})
+                pipe.expire(name, KEYS_TTL_S)
+            await pipe.execute()
 
-    async def remove_key(self, api_key: str) -> bool:
-        return bool(await self.redis.hdel(self._k("keys"), key_digest(api_key)))
-
-    async def auth_required(self) -> bool:
-        return bool(await self.redis.hlen(self._k("keys")))
-
-    async def lookup_key(self, api_key: str) -> ApiKey | None:
-        digest = key_digest(api_key)
-        raw = await self.redis.hget(self._k("keys"), digest)
-        if raw is None:
-            return None
-        value = json.loads(raw)
-        return ApiKey(value["name"], digest, float(value["requests_per_s"]), int(value["burst"]))
+    async def mirrored_keys(self) -> dict[str, dict[str, Any]]:
+        """The key mirror: digest -> name and limits."""
+        raw = await self.redis.hgetall(self._k("keys"))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
 
     async def take(self, key: ApiKey, cost: float = 1.0) -> RateDecision:
-        """One request's worth from the key's bucket, shared by every replica."""
+        """One request's worth from the key's request bucket, shared by every replica."""
         if key.requests_per_s <= 0:
             return RateDecision(True, 0.0)
+        return await self._draw("bucket", key, key.requests_per_s, key.burst, cost)
+
+    async def take_tokens(self, key: ApiKey, tokens: int) -> RateDecision:
+        """`tokens` from the key's token bucket (negative: give back what went unused)."""
+        limits = key.limits
+        if limits.tokens_per_s <= 0 or tokens == 0:
+            return RateDecision(True, 0.0)
+        return await self._draw("tokens", key, limits.tokens_per_s, limits.tokens_burst, tokens)
+
+    async def _draw(
+        self, bucket: str, key: ApiKey, rate: float, burst: int, cost: float
+    ) -> RateDecision:
         allowed, wait = await self._bucket(
-            keys=[self._k("bucket", key.digest)], args=[key.requests_per_s, key.burst, cost]
+            keys=[self._k(bucket, key.digest)], args=[rate, burst, cost]
         )
         return RateDecision(bool(int(allowed)), float(wait))
 
     # The request registry.
 
-    async def register(
-        self,
-        request_id: str,
-        group: str,
-        replica: str,
-        prompt_ids: Sequence[int],
-        settings: str,
-    ) -> None:
-        """A new request: where it runs, and what it takes to resume it (its prompt and its
-        settings as JSON) on another replica."""
+    async def register(self, request_id: str, entry: Registration) -> None:
+        """A new request: where it runs, whose it is, and what it takes to resume it (its
+        prompt and its settings as JSON) on another replica, unless it shares them."""
         key = self._k("request", request_id)
+        fields: dict[str, Any] = {
+            "owner": entry.owner,
+            "group": entry.group,
+            "replica": entry.replica,
+            "state": "running",
+            "prompt_tokens": len(entry.prompt_ids),
+            "started": time.time(),
+        }
+        prompt = _pack(entry.prompt_ids)
+        if entry.resume_from is not None:
+            fields["resume_from"], fields["choice"] = entry.resume_from, entry.choice
+        elif len(prompt) + len(entry.settings) <= MAX_RESUME_BYTES:
+            fields["settings"] = entry.settings
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                key,
-                mapping={
-                    "group": group,
-                    "replica": replica,
-                    "state": "running",
-                    "prompt_tokens": len(prompt_ids),
-                    "started": time.time(),
-                    "settings": settings,
-                },
-            )
-            prompt_key = self._k("request", request_id, "prompt")
-            pipe.set(prompt_key, ngram_pool.encode(prompt_ids))
-            for name in (key, prompt_key):
-                pipe.expire(name, REGISTRY_TTL_S)
+            pipe.hset(key, mapping=fields)
+            pipe.expire(key, REGISTRY_TTL_S)
+            if "settings" in fields:
+                prompt_key = self._k("request", request_id, "prompt")
+                pipe.set(prompt_key, prompt, ex=REGISTRY_TTL_S)
             await pipe.execute()
 
     async def commit(
@@ -168,13 +176,20 @@ class SharedState:
         token_ids: Sequence[int],
         finish_reason: str | None = None,
         usage: dict[str, Any] | None = None,
+        forget: bool = False,
     ) -> None:
-        """Append committed tokens; with `finish_reason`, mark the request finished."""
+        """Append committed tokens; with `finish_reason`, mark the request finished, or with
+        `forget` too (`store: false`) delete all the registry holds of it."""
         key = self._k("request", request_id)
+        names = [key, *(self._k("request", request_id, part) for part in ("tokens", "prompt"))]
         async with self.redis.pipeline(transaction=True) as pipe:
+            if finish_reason is not None and forget:
+                pipe.delete(*names)
+                await pipe.execute()
+                return
             if token_ids:
-                pipe.rpush(self._k("request", request_id, "tokens"), *token_ids)
-                pipe.expire(self._k("request", request_id, "tokens"), REGISTRY_TTL_S)
+                pipe.rpush(names[1], *token_ids)
+                pipe.expire(names[1], REGISTRY_TTL_S)
             if finish_reason is not None:
                 fields: dict[str, Any] = {"state": "finished", "finish_reason": finish_reason}
                 if usage is not None:
@@ -184,9 +199,15 @@ class SharedState:
 
     async def move(self, request_id: str, group: str) -> None:
         """The request goes on on `group` (its first one failed under it)."""
-        await self.redis.hset(self._k("request", request_id), "group", group)
+        key = self._k("request", request_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, "group", group)
+            pipe.expire(key, REGISTRY_TTL_S)
+            await pipe.execute()
 
     async def lookup_request(self, request_id: str) -> dict[str, Any] | None:
+        if not valid_id(request_id):
+            return None
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hgetall(self._k("request", request_id))
             pipe.lrange(self._k("request", request_id, "tokens"), 0, -1)
@@ -199,12 +220,26 @@ class SharedState:
         for name in ("usage", "settings"):
             if name in record:
                 record[name] = json.loads(record[name])
+        if "choice" in record:
+            record["choice"] = int(record["choice"])
         record["token_ids"] = [int(t) for t in tokens]
         return record
 
-    async def lookup_prompt(self, request_id: str) -> list[int] | None:
+    async def lookup_resume(
+        self, request_id: str, record: dict[str, Any]
+    ) -> tuple[list[int], dict[str, Any]] | None:
+        """What resuming request `request_id` (its registry `record`) takes: its prompt and
+        settings, from the choice it shares them with where it does; None when not kept."""
+        source = record.get("resume_from")
+        if source is not None:
+            shared = await self.lookup_request(source)
+            if shared is None or shared.get("owner") != record.get("owner"):
+                return None
+            request_id, record = source, shared
+        if "settings" not in record:
+            return None
         raw = await self.redis.get(self._k("request", request_id, "prompt"))
-        return None if raw is None else ngram_pool.decode(raw)
+        return None if raw is None else (_unpack(raw), record["settings"])
 
     # Stored responses.
 
@@ -213,11 +248,20 @@ class SharedState:
         await self.redis.set(key, json.dumps(record), ex=RESPONSE_TTL_S)
 
     async def load_response(self, response_id: str) -> dict[str, Any] | None:
+        if not valid_id(response_id):
+            return None
         raw = await self.redis.get(self._k("response", response_id))
         return None if raw is None else dict(json.loads(raw))
 
     async def delete_response(self, response_id: str) -> bool:
-        return bool(await self.redis.delete(self._k("response", response_id)))
+        """The stored response and the registry's entry of the request that made it."""
+        names = [self._k("request", response_id, part) for part in ("tokens", "prompt")]
+        names.append(self._k("request", response_id))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._k("response", response_id))
+            pipe.delete(*names)
+            deleted, _ = await pipe.execute()
+        return bool(deleted)
 
     async def share_sequence(self, token_ids: Sequence[int]) -> None:
         """Offer a finished sequence to every engine's shared n-gram pool."""
@@ -225,9 +269,12 @@ class SharedState:
 
     # The prefix index.
 
-    async def record_prefix(self, token_ids: Sequence[int], block_size: int, group: str) -> int:
-        """Note that `group` now holds the KV blocks of `token_ids`; how many blocks."""
-        hashes = block_hashes(token_ids, block_size)[:MAX_INDEXED_BLOCKS]
+    async def record_prefix(
+        self, token_ids: Sequence[int], block_size: int, group: str, salt: int = 0
+    ) -> int:
+        """Note that `group` now holds the KV blocks of `token_ids` (under cache salt `salt`);
+        how many blocks."""
+        hashes = block_hashes(token_ids, block_size, salt)[:MAX_INDEXED_BLOCKS]
         if not hashes:
             return 0
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -238,10 +285,11 @@ class SharedState:
         return len(hashes)
 
     async def cached_blocks(
-        self, token_ids: Sequence[int], block_size: int, groups: Sequence[str]
+        self, token_ids: Sequence[int], block_size: int, groups: Sequence[str], salt: int = 0
     ) -> dict[str, int]:
-        """For each group, how many leading blocks of `token_ids` the index says it holds."""
-        hashes = block_hashes(token_ids, block_size)[:MAX_INDEXED_BLOCKS]
+        """For each group, how many leading blocks of `token_ids` (under cache salt `salt`)
+        the index says it holds."""
+        hashes = block_hashes(token_ids, block_size, salt)[:MAX_INDEXED_BLOCKS]
         found = dict.fromkeys(groups, 0)
         if not hashes:
             return found
@@ -257,3 +305,41 @@ class SharedState:
             for group in alive:
                 found[group] = depth + 1
         return found
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What the registry keeps of a new request (router/service.py writes it)."""
+
+    group: str
+    replica: str
+    owner: str  # the digest of the API key that made it; "" where keys are not configured
+    prompt_ids: list[int]
+    settings: str  # what a replica needs besides the prompt to resume it, as JSON
+    # Choice `choice` of a request whose other choices share prompt and settings: they are
+    # kept once, with the choice named here.
+    resume_from: str | None = None
+    choice: int = 0
+
+
+def _key_record(key: ApiKey) -> str:
+    limits = key.limits
+    return json.dumps(
+        {
+            "name": key.name,
+            "requests_per_s": limits.requests_per_s,
+            "burst": key.burst,
+            "max_concurrent": limits.max_concurrent,
+            "tokens_per_s": limits.tokens_per_s,
+            "token_burst": limits.tokens_burst if limits.tokens_per_s else 0,
+            "isolate_cache": limits.isolate_cache,
+        }
+    )
+
+
+def _pack(token_ids: Sequence[int]) -> bytes:
+    return np.asarray(token_ids, dtype="<u4").tobytes()
+
+
+def _unpack(payload: bytes) -> list[int]:
+    return np.frombuffer(payload, dtype="<u4").astype(np.int64).tolist()

@@ -21,8 +21,9 @@ from router.responses import (
     ResponseBuilder,
     stored_items,
 )
-from router.service import Choice, RouterService, usage
+from router.service import Choice, RouterService
 from router.tools import ToolCallParser, finish_reason, read_answer
+from router.usage import usage
 from workers.engine.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -271,7 +272,11 @@ async def store_response(
     that fails is logged, never the request's failure."""
     if not response["store"]:
         return
-    record = {"response": response, "items": stored_items(items, response)}
+    record = {
+        "owner": service.owner(),  # only the key that made it reads, continues or deletes it
+        "response": response,
+        "items": stored_items(items, response),
+    }
     # Not stored while Redis is down (the outage is logged once, by the watch).
     await service.redis.shared(lambda: service.state.save_response(response["id"], record))
 

@@ -189,9 +189,10 @@ def main() -> None:
     import openai
 
     from router.backends import LocalBackend
+    from router.keys import KeyLine
     from router.protocol import RequestBuilder
     from router.redis_server import EmbeddedRedis, free_port
-    from router.server import KeyLine, Router, RouterOptions, RouterThread
+    from router.server import Router, RouterOptions, RouterThread
     from workers.engine.config import EngineConfig, SpecConfig
     from workers.engine.engine_loop import EngineLoop
     from workers.engine.factory import ModelSpec, build_engine

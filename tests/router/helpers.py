@@ -11,8 +11,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from router.keys import KeyLine
 from router.redis_server import EmbeddedRedis, free_port
-from router.server import KeyLine, Router, RouterOptions, RouterThread
+from router.server import Router, RouterOptions, RouterThread
 
 MODEL = "smol"
 PROMPT = "The capital of France is"
@@ -47,7 +48,11 @@ def start_router(
     max_model_len: int = 256,
     block_size: int = 16,
     shutdown_grace_s: float = 30.0,
+    keys_file: str | None = None,
+    tls: tuple[str, str] | None = None,
+    docs: bool = True,
 ) -> RunningRouter:
+    """A router on free ports; `tls`: (certificate file, key file)."""
     from router.protocol import RequestBuilder
 
     port, grpc_port = free_port(), free_port()
@@ -59,7 +64,11 @@ def start_router(
         max_queue=max_queue,
         block_size=block_size,
         api_keys=keys or [],
+        api_keys_file=keys_file,
         shutdown_grace_s=shutdown_grace_s,
+        tls_cert_file=None if tls is None else tls[0],
+        tls_key_file=None if tls is None else tls[1],
+        docs=docs,
     )
     router = Router(backend, RequestBuilder(tokenizer, MODEL, max_model_len), options)
     return RunningRouter(RouterThread(router).start(), port, grpc_port, url)
@@ -103,14 +112,16 @@ def get(url: str, key: str | None = None) -> tuple[int, Any]:
 
 @contextmanager
 def raw_completion_stream(
-    port: int, body: dict[str, Any], path: str = "/v1/completions"
+    port: int, body: dict[str, Any], path: str = "/v1/completions", key: str | None = None
 ) -> Iterator[socket.socket]:
     """A streaming completion (or chat completion) posted over a bare socket, which the caller
     reads from and then drops (closing it is the client leaving mid-stream)."""
     payload = json.dumps({**body, "stream": True}).encode()
     with socket.create_connection(("127.0.0.1", port)) as sock:
+        auth = "" if key is None else f"Authorization: Bearer {key}\r\n"
         sock.sendall(
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+            + auth.encode()
             + f"Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )

@@ -1307,16 +1307,16 @@ def test_without_api_keys_requests_are_served_through_a_redis_outage(
     """Redis dies: a router without API keys goes on serving (ready says degraded, the
     registry is out of reach, metrics count it), one with keys refuses as before (HTTP 503,
     gRPC UNAVAILABLE, not ready); Redis comes back: the registry catches up on what was served
-    meanwhile, and the keyed router puts its keys back into the new, empty Redis."""
+    meanwhile, and the keyed router writes its key mirror back into the new, empty Redis."""
     import os
     import signal
 
     import grpc
 
     from router.backends import LocalBackend
+    from router.keys import KeyLine, key_digest
     from router.proto import generate_pb2, generate_pb2_grpc
     from router.redis_server import EmbeddedRedis
-    from router.server import KeyLine
     from tests.router.helpers import start_router
 
     redis = EmbeddedRedis(restart=False).start()
@@ -1360,10 +1360,14 @@ def test_without_api_keys_requests_are_served_through_a_redis_outage(
         assert record["state"] == "finished" and record["finish_reason"] == "length"
         assert len(record["token_ids"]) == 8  # caught up: what was served while Redis was out
         assert get(open_.url + "/ready") == (200, {"status": "ready", "redis": True})
-        # The keyed router put its keys back into the new (empty) Redis once it answered.
+        # The keyed router wrote its key mirror back into the new (empty) Redis.
+        import redis as redis_sync
+
+        mirror = redis_sync.Redis(port=redis.port, db=1)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and post(keyed.url + "/v1/completions", body)[0] != 401:
+        while time.monotonic() < deadline and not mirror.hkeys("outrider:keys"):
             time.sleep(0.2)
+        assert mirror.hkeys("outrider:keys") == [key_digest("k1").encode()]
         assert post(keyed.url + "/v1/completions", body)[0] == 401
         assert post(keyed.url + "/v1/completions", body, key="k1")[0] == 200
     finally:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from router.server import KeyLine
+from router.keys import KeyLine
 from tests.router.helpers import MODEL, PROMPT, RunningRouter, get, post, start_router
 
 grpc = pytest.importorskip("grpc")

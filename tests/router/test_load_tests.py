@@ -14,7 +14,7 @@ import pytest
 
 from load_tests import report
 from load_tests.__main__ import main
-from router.server import KeyLine
+from router.keys import KeyLine
 from tests.router.helpers import MODEL, RunningRouter, small_workload, start_router
 
 pytestmark = pytest.mark.slow

@@ -270,7 +270,7 @@ KEY = "sk-runtime-shared"
 def keyed_replicas(runtime, checkpoint, redis_server) -> Iterator[list[RunningRouter]]:  # type: ignore[no-untyped-def]
     """Two more router replicas over the same pools, sharing one Redis database with one key
     limited to 3 requests (then 0.5 per second)."""
-    from router.server import KeyLine
+    from router.keys import KeyLine
 
     keys = [KeyLine(KEY, "shared", 0.5, 3)]
     replicas = [

@@ -12,10 +12,11 @@ import pytest
 
 from router import errors
 from router.backends import Step
+from router.keys import ApiKey, KeyLimits, key_digest
 from router.protocol import GenerateRequest
 from router.redis_server import EmbeddedRedis
 from router.service import RouterService, RoutingPolicy
-from router.state import SharedState, key_digest
+from router.state import MAX_RESUME_BYTES, Registration, SharedState
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
@@ -42,59 +43,106 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def test_token_bucket_refills_at_its_rate(state) -> None:  # type: ignore[no-untyped-def]
+def _key(secret: str, name: str, **limits: Any) -> ApiKey:
+    return ApiKey(name, key_digest(secret), KeyLimits(**limits))
+
+
+def test_token_buckets_refill_at_their_rate_and_take_refunds(state) -> None:  # type: ignore[no-untyped-def]
     async def scenario() -> list[Any]:
         s = await state()
-        key = await s.add_key("sk-1", "one", requests_per_s=20.0, burst=2)
+        key = _key("sk-1", "one", requests_per_s=20.0, burst=2)
         first = [(await s.take(key)).allowed for _ in range(3)]
         refused = await s.take(key)
         await asyncio.sleep(0.06)  # 1.2 tokens back
         again = (await s.take(key)).allowed
-        unlimited = await s.add_key("sk-2", "two")
+        unlimited = _key("sk-2", "two")
         free = [(await s.take(unlimited)).allowed for _ in range(50)]
+        tokens = _key("sk-3", "three", tokens_per_s=1.0, token_burst=100)
+        drawn = [(await s.take_tokens(tokens, 60)).allowed for _ in range(2)]
+        await s.take_tokens(tokens, -50)  # a request used 10 of its 60
+        refunded = (await s.take_tokens(tokens, 80)).allowed
         await s.close()
-        return [first, refused, again, all(free)]
+        return [first, refused, again, all(free), drawn, refunded]
 
-    first, refused, again, free = run(scenario())
+    first, refused, again, free, drawn, refunded = run(scenario())
     assert first == [True, True, False]
     assert not refused.allowed and 0 < refused.retry_after_s <= 0.05 + 1e-6
     assert again and free
+    assert drawn == [True, False] and refunded  # 40 left, 50 back (capped at the burst): 90
 
 
-def test_keys_lookup_by_digest_only(state) -> None:  # type: ignore[no-untyped-def]
+def test_the_key_mirror_is_rewritten_whole_and_holds_digests_only(state) -> None:  # type: ignore[no-untyped-def]
     async def scenario() -> tuple[Any, ...]:
         s = await state()
-        assert not await s.auth_required()
-        await s.add_key("sk-secret", "svc", 5.0, 10)
-        found = await s.lookup_key("sk-secret")
-        missing = await s.lookup_key("sk-other")
-        stored = await s.redis.hkeys("outrider:keys")
-        removed = await s.remove_key("sk-secret")
+        await s.sync_keys([_key("sk-secret", "svc", requests_per_s=5.0, burst=10)])
+        first = await s.mirrored_keys()
+        await s.sync_keys([_key("sk-other", "new")])  # sk-secret revoked
+        second = await s.mirrored_keys()
+        ttl = await s.redis.ttl("outrider:keys")
         await s.close()
-        return found, missing, stored, removed
+        return first, second, ttl
 
-    found, missing, stored, removed = run(scenario())
-    assert (found.name, found.requests_per_s, found.burst) == ("svc", 5.0, 10)
-    assert missing is None and removed
-    assert stored == [key_digest("sk-secret").encode()]
+    first, second, ttl = run(scenario())
+    assert list(first) == [key_digest("sk-secret")] and "sk-secret" not in str(first)
+    assert first[key_digest("sk-secret")]["name"] == "svc"
+    assert list(second) == [key_digest("sk-other")] and 0 < ttl <= 600
+
+
+def _entry(prompt: list[int], settings: str = "{}", **kw: Any) -> Registration:
+    return Registration("verifier-g1-r0", "replica-a", "owner-a", prompt, settings, **kw)
 
 
 def test_registry_appends_committed_tokens(state) -> None:  # type: ignore[no-untyped-def]
     async def scenario() -> Any:
         s = await state()
-        await s.register("r1", "verifier-g1-r0", "replica-a", [1, 2, 3, 4, 5, 6, 7], "{}")
+        await s.register("r1", _entry([1, 2, 3, 4, 5, 6, 7]))
         await s.commit("r1", [5, 6])
         await s.commit("r1", [7], "stop", {"finish_reason": "stop"})
         record = await s.lookup_request("r1")
-        prompt = await s.lookup_prompt("r1")
+        prompt, _ = await s.lookup_resume("r1", record)
         await s.close()
         return record, prompt
 
     record, prompt = run(scenario())
     assert prompt == [1, 2, 3, 4, 5, 6, 7] and record["settings"] == {}
+    assert record["owner"] == "owner-a"
     assert record["group"] == "verifier-g1-r0" and record["replica"] == "replica-a"
     assert record["token_ids"] == [5, 6, 7] and record["state"] == "finished"
     assert record["prompt_tokens"] == 7 and record["usage"] == {"finish_reason": "stop"}
+
+
+def test_resume_data_is_kept_once_a_prompt_and_within_its_cap(state) -> None:  # type: ignore[no-untyped-def]
+    """Choices after the first share its prompt and settings; a request whose prompt and
+    settings pass the cap is registered without them; `forget` deletes all of a request."""
+
+    async def scenario() -> tuple[Any, ...]:
+        s = await state()
+        long_prompt = list(range(70_000))  # past 4096 tokens: kept whole
+        await s.register("r-0", _entry(long_prompt, '{"a": 1}'))
+        await s.register("r-1", _entry(long_prompt, "", resume_from="r-0", choice=1))
+        shared = await s.lookup_resume("r-1", await s.lookup_request("r-1"))
+        keys_of_r1 = await s.redis.keys("outrider:request:r-1*")
+        big = "x" * MAX_RESUME_BYTES
+        await s.register("big", _entry([1, 2], json_string(big)))
+        huge = await s.lookup_request("big")
+        kept = await s.lookup_resume("big", huge)
+        size = await s.redis.memory_usage("outrider:request:big")
+        await s.commit("r-0", [1, 2], "stop", None, forget=True)
+        gone = await s.redis.keys("outrider:request:r-0*")
+        await s.close()
+        return shared, keys_of_r1, huge, kept, size, gone
+
+    shared, keys_of_r1, huge, kept, size, gone = run(scenario())
+    assert shared == (list(range(70_000)), {"a": 1})
+    assert keys_of_r1 == [b"outrider:request:r-1"]  # no prompt of its own
+    assert huge["state"] == "running" and "settings" not in huge and kept is None
+    assert size < 4096 and gone == []
+
+
+def json_string(text: str) -> str:
+    import json
+
+    return json.dumps({"stop": [text]})
 
 
 def test_prefix_index_finds_the_longest_cached_prefix_per_group(state) -> None:  # type: ignore[no-untyped-def]

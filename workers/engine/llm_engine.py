@@ -197,7 +197,7 @@ class LLMEngine:
             params=params,
             spec_method=method,
             max_spec_tokens=max_spec_tokens,
-            block_table=BlockTable(self.allocator, self.config.block_size),
+            block_table=BlockTable(self.allocator, self.config.block_size, params.cache_salt),
             generator=None if params.seed is None else torch.Generator().manual_seed(params.seed),
             arrival=next(self._arrivals),
             eos_token_ids=self.eos_token_ids,
@@ -251,11 +251,11 @@ class LLMEngine:
             self.speculator.observe_hidden(seq, 0, prefilled.hidden)
         return prefilled.logits
 
-    def cached_prefix_tokens(self, prompt_token_ids: Seq[int]) -> int:
+    def cached_prefix_tokens(self, prompt_token_ids: Seq[int], cache_salt: int = 0) -> int:
         """Prompt tokens a new request would find in the prefix cache now (a hint)."""
         if not self.config.enable_prefix_caching:
             return 0
-        hashes = block_hashes(prompt_token_ids[:-1], self.config.block_size)
+        hashes = block_hashes(prompt_token_ids[:-1], self.config.block_size, cache_salt)
         return self.allocator.num_cached(hashes) * self.config.block_size
 
     def abort_request(self, request_id: str) -> None:

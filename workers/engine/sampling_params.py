@@ -57,6 +57,9 @@ class SamplingParams:
     # text also copy from it, workers/drafting/ngram.py `Prediction`); what is sampled never
     # depends on it
     prediction: tuple[int, ...] = ()
+    # The root of the request's prefix-cache hash chain (vLLM's `cache_salt`, as a number):
+    # requests share cached KV blocks only with requests of the same salt (0: the common one)
+    cache_salt: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

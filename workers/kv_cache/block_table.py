@@ -13,13 +13,18 @@ class BlockTable:
     Blocks may be shared with other sequences (refcount > 1); before new tokens are written into
     a shared block, `prepare_write` swaps it for a private copy (copy-on-write) and reports the
     copy the cache must make.
+
+    `salt` roots the chain of block hashes (a request's `cache_salt`): tables of different
+    salts never share cached blocks, so one tenant's prompts cannot be probed through another's
+    cache hits.
     """
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, salt: int = 0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.allocator = allocator
         self.block_size = block_size
+        self.salt = salt
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # of the leading full blocks registered for reuse
 
@@ -59,7 +64,7 @@ class BlockTable:
         table only); returns how many tokens they hold."""
         if self.block_ids:
             raise ValueError("a cached prefix can only start an empty block table")
-        hashes = block_hashes(token_ids, self.block_size)
+        hashes = block_hashes(token_ids, self.block_size, self.salt)
         self.block_ids = self.allocator.lookup(hashes)
         self.block_hashes = hashes[: len(self.block_ids)]
         return len(self.block_ids) * self.block_size
@@ -70,7 +75,7 @@ class BlockTable:
         done, full = len(self.block_hashes), num_computed_tokens // bs
         if full <= done:
             return
-        parent = self.block_hashes[-1] if self.block_hashes else 0
+        parent = self.block_hashes[-1] if self.block_hashes else self.salt
         new = block_hashes(token_ids[done * bs : full * bs], bs, parent)
         for index, block_hash in enumerate(new, start=done):
             self.allocator.register(self.block_ids[index], block_hash)
@@ -90,7 +95,7 @@ class BlockTable:
 
     def fork(self) -> BlockTable:
         """A new table sharing every block of this one."""
-        other = BlockTable(self.allocator, self.block_size)
+        other = BlockTable(self.allocator, self.block_size, self.salt)
         self.allocator.share(self.block_ids)
         other.block_ids = list(self.block_ids)
         other.block_hashes = list(self.block_hashes)
