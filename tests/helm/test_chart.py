@@ -139,7 +139,8 @@ def test_grace_drafters_select_arm64_nodes_and_advertise_the_resource(chart) -> 
     assert config.pools.drafter.keep_drafting_ahead
     values = load_values(CHART / "ci" / "grace-values.yaml")
     values["drafter"] = {**values["drafter"], "draftAhead": False, "keepDraftingAhead": False}
-    rendered = one(render(chart, values), "ConfigMap")["data"]["outrider.yaml"]
+    objects = render(chart, values)
+    rendered = one(objects, "ConfigMap", "demo-outrider-config")["data"]["outrider.yaml"]
     off = from_dict(yaml.safe_load(rendered))
     assert not off.pools.drafter.draft_ahead and not off.pools.drafter.keep_drafting_ahead
     # over the chart's defaults
@@ -149,7 +150,7 @@ def test_grace_drafters_select_arm64_nodes_and_advertise_the_resource(chart) -> 
         "ngramFallbackTokens": 2,
         "minDraftConfidence": 0.25,
     }
-    sized = one(render(chart, values), "ConfigMap")["data"]["outrider.yaml"]
+    sized = one(render(chart, values), "ConfigMap", "demo-outrider-config")["data"]["outrider.yaml"]
     speculative = from_dict(yaml.safe_load(sized)).speculative
     assert (speculative.ngram_min, speculative.ngram_max) == (3, 5)
     assert speculative.ngram_fallback_tokens == 2
@@ -222,9 +223,9 @@ def test_helm_test_pod_sends_a_load_through_the_router_service(chart) -> None:  
     # The key comes from the Secret the routers read their keys from.
     router_spec = one(objects, "Deployment")["spec"]["template"]["spec"]
     (router_keys,) = [v for v in router_spec["volumes"] if "secret" in v]
-    (pod_keys,) = pod["spec"]["volumes"]
+    (pod_keys,) = [v for v in pod["spec"]["volumes"] if "secret" in v]
     assert pod_keys["secret"] == router_keys["secret"]
-    (mount,) = c["volumeMounts"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "api-keys"]
     assert str(args.api_keys_file).startswith(mount["mountPath"] + "/")
     open_router = render(chart, {"router": {"apiKeys": {"enabled": False}}})
     command = container(one(open_router, "Pod"))["command"]
@@ -245,21 +246,101 @@ def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> N
     env = {e["name"]: e for e in container(one(objects, "Deployment")["spec"]["template"])["env"]}
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "outrider-redis"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == config.telemetry.otlp_endpoint
+    # Exposed through a load balancer: over TLS only, without the API's docs.
     assert one(objects, "Service", "demo-outrider")["spec"]["type"] == "LoadBalancer"
+    assert config.router.tls.cert_file == "/etc/outrider-tls/tls.crt" and not config.router.docs
     hpa = one(objects, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == "demo-outrider-router"
     monitor = one(objects, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
     policy = one(objects, "NetworkPolicy", "demo-outrider-ray")
-    sources = policy["spec"]["ingress"][0]["from"]
-    assert {"ray.io/cluster": "demo-outrider-ray"} in [
-        s["podSelector"]["matchLabels"] for s in sources
-    ]
-    assert any(
-        s["podSelector"]["matchLabels"].get("app.kubernetes.io/component") == "router"
-        for s in sources
+    pods, routers, monitoring = policy["spec"]["ingress"]
+    ray_pods = {"podSelector": {"matchLabels": {"ray.io/cluster": "demo-outrider-ray"}}}
+    assert pods == {"from": [ray_pods]}
+    (router,) = routers["from"]
+    assert router["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert routers["ports"] == [{"port": 10001, "protocol": "TCP"}]  # Ray's client port only
+    assert {p["port"] for p in monitoring["ports"]} == {8265, 8080}
+
+
+def _pod_specs(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every pod spec the chart renders, by where it comes from."""
+    specs = {}
+    for o in objects:
+        name = f"{o['kind']}/{o['metadata']['name']}"
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            specs[name] = o["spec"]["template"]["spec"]
+        elif o["kind"] == "Pod":
+            specs[name] = o["spec"]
+        elif o["kind"] == "RayCluster":
+            specs[name + "/head"] = o["spec"]["headGroupSpec"]["template"]["spec"]
+            for group in o["spec"]["workerGroupSpecs"]:
+                specs[f"{name}/{group['groupName']}"] = group["template"]["spec"]
+    return specs
+
+
+def test_default_values_lock_every_pod_down(chart) -> None:  # type: ignore[no-untyped-def]
+    """helm template with the defaults: every pod non-root under seccomp's default, every
+    container without capabilities or privilege escalation, read-only roots where they can
+    be; Redis as its own user, its password in no command line, its memory bounded; network
+    policies on; the API behind a ClusterIP Service without its docs."""
+    objects = render(chart, {})
+    specs = _pod_specs(objects)
+    assert len(specs) == 7  # router, Redis, the test pod, Ray's head and three worker groups
+    for name, spec in specs.items():
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] and pod["runAsUser"] > 0, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in spec["containers"]:
+            context = c["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, name
+            assert context["capabilities"] == {"drop": ["ALL"]}, name
+    for name in ("Deployment/demo-outrider-router", "StatefulSet/demo-outrider-redis"):
+        assert container({"spec": specs[name]})["securityContext"]["readOnlyRootFilesystem"]
+    redis = container({"spec": specs["StatefulSet/demo-outrider-redis"]})
+    assert specs["StatefulSet/demo-outrider-redis"]["securityContext"]["runAsUser"] == 999
+    assert "requirepass" not in redis["command"][-1].split("printf")[0]
+    assert redis["command"][-1].endswith("exec redis-server /etc/redis/redis.conf")
+    conf = one(objects, "ConfigMap", "demo-outrider-redis")["data"]["redis.conf"].splitlines()
+    assert {"maxmemory 384mb", "maxmemory-policy volatile-lru"} <= set(conf)
+    assert "include /run/redis/auth.conf" in conf
+    probe = redis["readinessProbe"]["exec"]["command"]
+    assert "-a" not in " ".join(probe).split()  # the password comes from REDISCLI_AUTH
+    policies = {p["metadata"]["name"]: p for p in by_kind(objects, "NetworkPolicy")}
+    assert set(policies) == {"demo-outrider-ray", "demo-outrider-redis"}
+    (redis_from,) = policies["demo-outrider-redis"]["spec"]["ingress"]
+    selectors = [s["podSelector"]["matchLabels"] for s in redis_from["from"]]
+    assert {"ray.io/cluster": "demo-outrider-ray"} in selectors  # the n-gram pool's followers
+    assert one(objects, "Service", "demo-outrider")["spec"]["type"] == "ClusterIP"
+    config = deployment_of(objects)
+    assert not config.router.docs and config.router.tls.cert_file is None
+    digest = "sha256:" + "ab" * 32
+    pinned = render(chart, {"image": {"digest": digest}})
+    images = {c["image"] for spec in _pod_specs(pinned).values() for c in spec["containers"]}
+    assert f"ghcr.io/outrider-project/outrider@{digest}" in images
+    assert not any(i.startswith("ghcr.io/outrider-project/outrider:") for i in images)
+
+
+def test_tls_from_a_secret_reaches_router_probes_and_the_test_pod(chart) -> None:  # type: ignore[no-untyped-def]
+    values = {"router": {"tls": {"enabled": True, "secretName": "outrider-tls"}}}
+    objects = render(chart, values)
+    router = one(objects, "Deployment")["spec"]["template"]["spec"]
+    (tls,) = [v for v in router["volumes"] if v["name"] == "tls"]
+    assert tls["secret"]["secretName"] == "outrider-tls"
+    c = container({"spec": router})
+    assert {"name": "tls", "mountPath": "/etc/outrider-tls", "readOnly": True} in c["volumeMounts"]
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    config = deployment_of(objects)
+    assert (config.router.tls.cert_file, config.router.tls.key_file) == (
+        "/etc/outrider-tls/tls.crt",
+        "/etc/outrider-tls/tls.key",
     )
+    pod = container(one(objects, "Pod"))
+    assert pod["command"][pod["command"].index("--url") + 1].startswith("https://")
+    assert {"name": "SSL_CERT_FILE", "value": "/etc/outrider-tls/ca.crt"} in pod["env"]
+    with pytest.raises(Exception, match="secretName"):
+        render(chart, {"router": {"tls": {"enabled": True}}})
 
 
 @pytest.mark.parametrize(
@@ -335,7 +416,8 @@ def test_dashboard_configmap_and_pod_monitor_render_when_switched_on(chart) -> N
 
     assert not by_kind(render(chart, {}), "PodMonitor")
     assert [o["metadata"]["name"] for o in by_kind(render(chart, {}), "ConfigMap")] == [
-        "demo-outrider-config"
+        "demo-outrider-config",
+        "demo-outrider-redis",
     ]
     objects = render(chart, load_values(CHART / "ci" / "gpu-values.yaml"))
     board = one(objects, "ConfigMap", "demo-outrider-grafana-dashboard")

@@ -31,7 +31,30 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "outrider.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
 {{ .Values.image.repository }}:{{ default .Chart.AppVersion .Values.image.tag }}
+{{- end -}}
+{{- end -}}
+
+{{/* Security contexts: every Outrider pod's, and every container's (`readOnly`: a read-only
+root filesystem too). */}}
+{{- define "outrider.podSecurityContext" -}}
+{{- with .Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+{{- define "outrider.securityContext" -}}
+{{- $context := deepCopy .root.Values.securityContext -}}
+{{- if .readOnly -}}
+{{- $_ := set $context "readOnlyRootFilesystem" true -}}
+{{- end -}}
+{{- with $context }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{/* The RayCluster and the Service KubeRay makes for its head (<cluster>-head-svc). */}}
