@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import logging
 import os
-import platform
 import shlex
 import sys
 import time
@@ -20,12 +19,12 @@ import aiohttp
 from tqdm import tqdm
 
 from load_tests import report
-from load_tests.clients import Client, GrpcClient, HttpClient, Sampling
+from load_tests.clients import Client, GrpcClient, HttpClient, Sampling, served_model
+from load_tests.report import REPORTS, client_line
 from load_tests.runner import Level, measure_level
 from load_tests.server_metrics import MetricsPoller
 from load_tests.workload import DEFAULT_WORKLOAD, RandomWorkload, Workload, load_workload
 
-REPORTS = Path(__file__).resolve().parent / "reports"
 CHAOS_PARTS = ("drafter", "verifier", "rank", "prefill", "redis")
 READY_TIMEOUT_S = 300.0
 
@@ -145,6 +144,38 @@ def parser() -> argparse.ArgumentParser:
     chaos.add_argument(
         "--docs", type=Path, help="also write the table into this benchmarks page's chaos section"
     )
+    fair = commands.add_parser(
+        "fairness",
+        help="one API key floods a running server at its limits: how much slower is another's "
+        "time to first token",
+    )
+    fair.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP URL")
+    fair.add_argument("--victim-key", help="the key whose requests are timed")
+    fair.add_argument("--flood-key", help="the key that floods")
+    fair.add_argument(
+        "--api-keys-file", type=Path, help="else: the first two keys of this file (victim, flood)"
+    )
+    fair.add_argument("--users", type=int, default=1, help="the victim's concurrent users")
+    fair.add_argument(
+        "--flood-users",
+        type=_numbers(int),
+        default=[2, 16],
+        help="the flooder's users, a phase for each (comma-separated)",
+    )
+    fair.add_argument(
+        "--flood-retry-s",
+        type=float,
+        default=0.05,
+        help="a refused flood request is sent again this long after (1: as Retry-After says)",
+    )
+    fair.add_argument("--requests", type=int, default=16, help="the victim's requests a phase")
+    fair.add_argument("--max-tokens", type=int, default=32)
+    fair.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    fair.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    fair.add_argument("--out", type=Path, help=f"folder (default {REPORTS}/fairness-<time>)")
+    fair.add_argument(
+        "--docs", type=Path, help="also write the table into this benchmarks page's section"
+    )
     rep = commands.add_parser("report", help="rebuild report.md and report.html from run folders")
     rep.add_argument("folders", type=Path, nargs="+")
     rep.add_argument(
@@ -179,18 +210,6 @@ def levels_from(args: argparse.Namespace) -> list[Level]:
         Level(max(16, 4 * c) if count is None else count, concurrency=c, turns=args.turns)
         for c in users
     ]
-
-
-def client_line() -> str:
-    node, cpu, cores = platform.node(), report.cpu_name(), os.cpu_count()
-    return f"{node}, {cpu}, {cores} cores, Python {platform.python_version()}"
-
-
-async def served_model(session: aiohttp.ClientSession, url: str) -> str:
-    async with session.get(url.rstrip("/") + "/v1/models") as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url}/v1/models answered {resp.status}: {await resp.text()}")
-        return str((await resp.json())["data"][0]["id"])
 
 
 def first_key(path: Path) -> str:
@@ -434,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
         command = "python -m load_tests " + shlex.join(sys.argv[1:] if argv is None else argv)
         if args.command == "chaos":
             print(f"report: {asyncio.run(chaos(args, command))}")
+            return 0
+        if args.command == "fairness":
+            from load_tests.fairness import run_fairness
+
+            print(f"report: {asyncio.run(run_fairness(args, command))}")
             return 0
         folder, result = asyncio.run(run(args, command))
     except (ValueError, RuntimeError, OSError) as exc:

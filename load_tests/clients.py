@@ -109,6 +109,14 @@ class SseParser:
         return events
 
 
+async def served_model(session: aiohttp.ClientSession, url: str) -> str:
+    """The model id a server serves (its `/v1/models`)."""
+    async with session.get(url.rstrip("/") + "/v1/models") as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}/v1/models answered {resp.status}: {await resp.text()}")
+        return str((await resp.json())["data"][0]["id"])
+
+
 class HttpClient:
     """Streams each request from `/v1/chat/completions` or `/v1/completions` with usage."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import re
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from load_tests import html_report
 from load_tests.clients import RequestRecord
 from load_tests.server_metrics import ServerView
 from load_tests.stats import LevelSummary, Slo, percentile, summarize
+
+REPORTS = Path(__file__).resolve().parent / "reports"  # where runs are written by default
 
 SUMMARY = "summary.json"
 RESULTS = "results.jsonl"
@@ -104,6 +107,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def client_line() -> str:
+    """The machine a load generator ran on, as a report names it."""
+    node, cpu, cores = platform.node(), cpu_name(), os.cpu_count()
+    return f"{node}, {cpu}, {cores} cores, Python {platform.python_version()}"
 
 
 def cpu_name() -> str:

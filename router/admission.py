@@ -89,6 +89,12 @@ class Admission:
         CALLER.set(key)
         if key is None:
             return None
+        # A key at its concurrency is refused here already, before its body is parsed and
+        # tokenized: a client flooding past its limit costs the replica little (`admit` is
+        # the check that counts).
+        limit = key.limits.max_concurrent
+        if 0 < limit <= self.in_flight.get(key.digest, 0):
+            raise errors.too_many_concurrent(limit)
         if not self.redis.up:  # the key's limits are shared through Redis
             raise errors.shared_state_down(ConnectionError("Redis is unavailable"))
         try:

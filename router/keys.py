@@ -126,17 +126,20 @@ def read_keys_file(path: str | Path) -> list[KeyLine]:
         try:
             rate = float(positional[2]) if len(positional) > 2 else None
             burst = int(positional[3]) if len(positional) > 3 else None
-            options = tuple((_OPTIONS[name], value) for name, value in named)
-            for option, value in options:
-                _option_value(option, value)
+        except ValueError:
+            raise ValueError(f"{path}:{number}: requests/s and burst must be numbers") from None
+        name = positional[1] if len(positional) > 1 else f"key-{number}"
+        try:
+            options = tuple((_OPTIONS[option], value) for option, value in named)
+            parsed = KeyLine(fields[0], name, rate, burst, options)
+            parsed.api_key(KeyLimits())  # its values checked here, where the line is known
         except KeyError as exc:
             raise ValueError(
                 f"{path}:{number}: unknown option {exc.args[0]!r} (known: {', '.join(_OPTIONS)})"
             ) from None
         except ValueError as exc:
             raise ValueError(f"{path}:{number}: {exc}") from None
-        name = positional[1] if len(positional) > 1 else f"key-{number}"
-        keys.append(KeyLine(fields[0], name, rate, burst, options))
+        keys.append(parsed)
     return keys
 
 

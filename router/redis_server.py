@@ -53,8 +53,11 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, port: int | None = None, restart: bool = True) -> None:
+    def __init__(
+        self, port: int | None = None, restart: bool = True, max_memory: str = MAX_MEMORY
+    ) -> None:
         self.port = port or free_port()
+        self.max_memory = max_memory
         self.restart = restart  # start it again should it die before stop()
         self.restarts = 0
         self._dir = tempfile.TemporaryDirectory(prefix="outrider-redis-")
@@ -91,7 +94,7 @@ class EmbeddedRedis:
             "--appendfsync", "everysec",
             "--dir", self._dir.name,
             "--loglevel", "warning",
-            "--maxmemory", MAX_MEMORY,
+            "--maxmemory", self.max_memory,
             "--maxmemory-policy", "volatile-lru",
         ]  # fmt: skip
         proc = subprocess.Popen(

@@ -257,6 +257,30 @@ def test_per_key_concurrency_and_token_budget(keyed: RunningRouter) -> None:
     assert code == 400 and out["error"]["param"] == "max_tokens"
 
 
+def test_the_fairness_load_test_floods_one_key_and_times_another(
+    keyed: RunningRouter, tmp_path: Path
+) -> None:
+    """`python -m load_tests fairness`: one user of the single-stream key is served and never
+    refused; four of them are refused (429) past its limit, while every victim request is
+    served."""
+    from load_tests.__main__ import main
+    from tests.router.helpers import small_workload
+
+    argv = ["fairness", "--url", keyed.url, "--victim-key", A, "--flood-key", ONE_AT_A_TIME]
+    argv += ["--requests", "3", "--max-tokens", "4", "--flood-users", "1,4"]
+    argv += ["--workload", small_workload(tmp_path), "--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "run" / "fairness.json").read_text())
+    phases = {p["name"]: p for p in data["phases"]}
+    assert list(phases) == ["alone", "flood, 1 user", "flood, 4 users", "alone, after"]
+    assert all(p["completed"] == 3 for p in phases.values())
+    assert phases["flood, 1 user"]["flood_served"] > 0
+    assert phases["flood, 1 user"]["refusals"] == {}
+    assert phases["flood, 4 users"]["refusals"].get("429", 0) > 0
+    assert data["slowdown"] > 0
+    assert "heaviest flood" in (tmp_path / "run" / "fairness.md").read_text()
+
+
 def test_an_isolated_key_shares_no_cache(keyed: RunningRouter) -> None:
     prompt = "Once upon a time, in a land of many rivers and hills, there lived a"
     for key in (A, A):
@@ -387,6 +411,38 @@ def _served_certificate(port: int) -> bytes:
         context.wrap_socket(raw, server_hostname="localhost") as tls,
     ):
         return tls.getpeercert(binary_form=True) or b""
+
+
+def test_requests_of_the_largest_settings_keep_redis_within_its_memory(
+    local_engine, checkpoint
+) -> None:  # type: ignore[no-untyped-def]
+    """Requests whose settings are as large as the registry keeps (~0.8 MB each), five times
+    the memory of a Redis bounded at 16 MB: Redis evicts the oldest entries, never refuses a
+    write, and the router serves every request and stays ready."""
+    import redis
+
+    from router.backends import LocalBackend
+    from tests.router.helpers import start_router
+
+    server = EmbeddedRedis(restart=False, max_memory="16mb").start()
+    running = start_router(LocalBackend(local_engine), checkpoint.tokenizer, server, keys=None)
+    stops = ["\x00" + "s" * 200_000 + str(i) for i in range(4)]
+    try:
+        codes = [
+            post(running.url + "/v1/completions", {**BODY, "stop": stops, "max_tokens": 1})[0]
+            for _ in range(100)
+        ]
+        client = redis.Redis(port=server.port)
+        memory = client.info("memory")
+        stats = client.info("stats")
+        ready = get(running.url + "/ready")
+    finally:
+        running.stop()
+        server.stop()
+    assert codes == [200] * 100
+    assert memory["used_memory"] <= memory["maxmemory"] * 1.05
+    assert stats["evicted_keys"] > 0
+    assert ready == (200, {"status": "ready", "redis": True})
 
 
 def test_redis_keeps_a_memory_bound_when_embedded() -> None:

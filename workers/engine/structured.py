@@ -44,6 +44,20 @@ JSON_DEFAULTS: JsonCompileOptions = {
 }
 
 
+# What one request's grammar may cost, which its client controls: the per-step caps (a mask
+# is computed for the sequence every step, on the engine's thread) at about half llguidance's
+# defaults (~7 ms of lexer and ~1 ms of parser work a step at most), the lexer's states (1-2 kB
+# each) and the grammar's size; errors name no part of the grammar or its state (they reach
+# logs). A grammar past them is refused (400) or, mid-answer, ends it.
+PARSER_LIMITS = llguidance.LLParserLimits(
+    step_lexer_fuel=100_000,
+    step_max_items=25_000,
+    max_lexer_states=100_000,
+    max_grammar_size=200_000,
+    verbose_errors=False,
+)
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """A request's grammar, compiled from what the client asked for (`compile_grammar`)."""
@@ -91,7 +105,7 @@ def compile_grammar(kind: Kind, value: Any) -> StructuredOutput:
         grammar = llguidance.LLMatcher.grammar_from_lark(value)
     else:
         raise ValueError(f"unknown structured output kind {kind!r}; one of {', '.join(KINDS)}")
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=PARSER_LIMITS)
     if error:
         raise ValueError(f"invalid {kind}: {error.strip()}")
     return StructuredOutput(grammar)
@@ -113,7 +127,9 @@ class Grammars:
             self._ll_tokenizer = llguidance.LLTokenizer(
                 self._tokenizer.backend.to_str(), n_vocab=self._vocab_size, eos_token=self._eos
             )
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, structured.grammar, log_level=0)
+        matcher = llguidance.LLMatcher(
+            self._ll_tokenizer, structured.grammar, log_level=0, limits=PARSER_LIMITS
+        )
         if matcher.is_error():
             raise ValueError(f"invalid grammar: {matcher.get_error()}")
         state = GrammarState(matcher, self._vocab_size)
