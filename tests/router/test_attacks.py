@@ -100,6 +100,26 @@ def test_keys_hold_whatever_redis_holds(keyed: RunningRouter) -> None:
     assert _wait_for(lambda: set(client.hkeys("outrider:keys")) == configured)
     assert client.ttl("outrider:keys") > 0
     assert get(keyed.url + "/v1/models")[0] == 401
+    assert _grpc_code(keyed, None) == "UNAUTHENTICATED"
+    assert _grpc_code(keyed, "sk-written-into-redis") == "UNAUTHENTICATED"
+    assert _grpc_code(keyed, A) == "OK"
+
+
+def _grpc_code(router: RunningRouter, key: str | None) -> str:
+    """The status of a short gRPC generation with `key`."""
+    import grpc
+
+    from router.proto import generate_pb2, generate_pb2_grpc
+
+    metadata = [] if key is None else [("authorization", f"Bearer {key}")]
+    with grpc.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        request = generate_pb2.GenerateRequest(prompt=PROMPT, max_tokens=2)
+        try:
+            list(stub.Generate(request, metadata=metadata, timeout=60))
+        except grpc.RpcError as err:
+            return str(err.code().name)
+    return "OK"
 
 
 def test_a_key_removed_from_the_file_is_revoked(keyed: RunningRouter, keys_file: Path) -> None:
