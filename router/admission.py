@@ -145,7 +145,7 @@ class Admission:
             self.redis.failed(exc)
             raise errors.shared_state_down(exc) from exc
         if not decision.allowed:
-            raise errors.token_rate_limited(decision.retry_after_s)
+            raise errors.rate_limited(decision.retry_after_s, "token rate limit")
         ticket.taken, ticket.num_prompt_tokens = cost, len(request.prompt_ids)
 
     def release(self, ticket: Ticket) -> None:

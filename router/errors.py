@@ -56,20 +56,11 @@ def not_found(message: str, param: str | None = None) -> RouterError:
     return RouterError(404, message, "not_found_error", "NOT_FOUND", param)
 
 
-def rate_limited(retry_after_s: float) -> RouterError:
+def rate_limited(retry_after_s: float, limit: str = "rate limit") -> RouterError:
+    """429 for one of the key's buckets (`limit`: "rate limit", "token rate limit")."""
     return RouterError(
         429,
-        f"rate limit reached for this API key; retry in {retry_after_s:.1f} s",
-        "rate_limit_error",
-        "RESOURCE_EXHAUSTED",
-        retry_after_s=retry_after_s,
-    )
-
-
-def token_rate_limited(retry_after_s: float) -> RouterError:
-    return RouterError(
-        429,
-        f"token rate limit reached for this API key; retry in {retry_after_s:.1f} s",
+        f"{limit} reached for this API key; retry in {retry_after_s:.1f} s",
         "rate_limit_error",
         "RESOURCE_EXHAUSTED",
         retry_after_s=retry_after_s,

@@ -48,20 +48,19 @@ def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def keyed(local_engine, checkpoint, redis_server, keys_file) -> Iterator[RunningRouter]:  # type: ignore[no-untyped-def]
     """A router whose keys come from `keys_file` (its own Redis database)."""
+    running = _watchful_router(local_engine, checkpoint, redis_server, 7, keys_file=str(keys_file))
+    yield running
+    running.stop()
+
+
+def _watchful_router(engine: Any, checkpoint: Any, redis: Any, db: int, **kw: Any) -> RunningRouter:
+    """A router that looks at its keys and TLS files every 0.2 s."""
     from router.backends import LocalBackend
     from tests.router.helpers import start_router
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(api_keys, "RELOAD_EVERY_S", 0.2)
-        running = start_router(
-            LocalBackend(local_engine),
-            checkpoint.tokenizer,
-            redis_server,
-            db=7,
-            keys_file=str(keys_file),
-        )
-        yield running
-        running.stop()
+        return start_router(LocalBackend(engine), checkpoint.tokenizer, redis, db=db, **kw)
 
 
 def _redis(router: RunningRouter) -> Any:
@@ -334,22 +333,12 @@ def test_tls_for_http_and_grpc_with_renewed_certificates(
 
     import grpc
 
-    from router.backends import LocalBackend
     from router.proto import generate_pb2, generate_pb2_grpc
-    from tests.router.helpers import start_router
 
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     first = _self_signed(cert, key, "first")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(api_keys, "RELOAD_EVERY_S", 0.2)
-        running = start_router(
-            LocalBackend(local_engine),
-            checkpoint.tokenizer,
-            redis_server,
-            db=8,
-            tls=(str(cert), str(key)),
-            docs=False,
-        )
+    tls = (str(cert), str(key))
+    running = _watchful_router(local_engine, checkpoint, redis_server, 8, tls=tls, docs=False)
     try:
         url = f"https://localhost:{running.port}"
         context = ssl.create_default_context(cadata=first.decode())
