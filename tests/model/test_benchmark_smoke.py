@@ -45,6 +45,15 @@ def test_write_section_replaces_only_its_own_block(tmp_path: Path) -> None:
     assert text.index("second") < text.index("other")
 
 
+def test_bench_host_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = quick_run("bench_host", tmp_path)
+    assert "<!-- bench_host:start -->" in text and "| greedy | 64 |" in text
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for mode in ("greedy", "sampled"):
+        assert set(last[mode]) == {"16", "64"}
+        assert all(row["us_per_seq"] > 0 for row in last[mode].values())
+
+
 def test_bench_forward_quick_run(tmp_path: Path) -> None:
     text = quick_run("bench_forward", tmp_path)
     # Its own section on a CPU without AVX512-BF16 (see the script's main).

@@ -128,3 +128,27 @@ def test_allowed_tokens_and_bad_words_row_by_row() -> None:
 def test_out_of_range_bias_and_min_tokens_are_refused(fields: dict[str, object]) -> None:
     with pytest.raises(ValueError, match=r"logit_bias|min_tokens"):
         SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+def test_counts_kept_across_steps_equal_counts_made_afresh() -> None:
+    """A sequence's penalty counts, brought up to date step by step (and rebuilt should its
+    output ever be shorter than what was counted), adjust logits exactly as counting the whole
+    output again does."""
+    from workers.engine.sampling_params import PenaltyCounts
+
+    params = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.4, presence_penalty=0.3)
+    gen = torch.Generator().manual_seed(0)
+    vocab, prompt = 40, [3, 7, 7, 11]
+    kept = PenaltyCounts()
+    output: list[int] = []
+    for step in range(12):
+        output = output[:5] if step == 8 else output  # shorter than counted: counted again
+        output += torch.randint(
+            vocab, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen
+        ).tolist()
+        drafts = torch.randint(vocab, (3,), generator=gen).tolist()
+        logits = torch.randn(4, vocab, generator=gen)
+        cached = params.adjust(logits, prompt, output, drafts, counts=kept)
+        fresh = params.adjust(logits, prompt, output, drafts)
+        assert torch.equal(cached, fresh), step
+    assert kept.num_counted == len(output)

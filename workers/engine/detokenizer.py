@@ -54,7 +54,7 @@ class IncrementalDetokenizer:
         self.text += after[len(before) :]
         self._read_offset = len(self._token_ids)
         self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
-        if len(self._token_ids) >= self.min_tokens and self._find_stop():
+        if self.stop and len(self._token_ids) >= self.min_tokens and self._find_stop():
             return self._emit(len(self.text))
         return self._emit(len(self.text) - self._hold)
 

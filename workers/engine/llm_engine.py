@@ -440,7 +440,7 @@ class LLMEngine:
                 not params.ignore_eos and token in self.eos_token_ids
             ):
                 return tokens[:n], "stop"
-            num_output = len(seq.output_token_ids) + n
+            num_output = seq.num_output_tokens + n
             if num_output >= params.max_tokens or len(seq.token_ids) + n >= self.max_model_len:
                 return tokens[:n], "length"
         return tokens, None
@@ -457,10 +457,11 @@ class LLMEngine:
         out.new_token_ids += tokens
         out.text += text
         out.logprobs += logprobs
-        first = bool(tokens) and len(seq.output_token_ids) == len(tokens)
+        num_output = seq.num_output_tokens
+        first = bool(tokens) and num_output == len(tokens)
         if first and seq.params.prompt_logprobs is not None:
             out.prompt_logprobs = list(seq.prompt_logprobs)
-        out.num_output_tokens = len(seq.output_token_ids)
+        out.num_output_tokens = num_output
         out.num_cached_tokens = seq.num_cached_tokens
 
     def _finish(self, seq: Sequence, reason: str) -> None:

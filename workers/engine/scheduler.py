@@ -117,9 +117,9 @@ class Scheduler:
                 # Leave at least the last token to compute: its logits are needed. A sequence
                 # with output leaves the one before too: this step computes it, and the next
                 # verifies the last with drafts (only running sequences draft).
-                keep = 2 if seq.output_token_ids else 1
+                keep = 2 if seq.num_output_tokens else 1
                 seq.num_computed_tokens = seq.block_table.use_cached_prefix(seq.token_ids[:-keep])
-                if not seq.output_token_ids:  # its first admission (not after preemption)
+                if not seq.num_output_tokens:  # its first admission (not after preemption)
                     seq.num_cached_tokens = seq.num_computed_tokens
                     self.prefix_queried_tokens += len(seq.token_ids) - 1
                     self.prefix_hit_tokens += seq.num_computed_tokens

@@ -10,7 +10,7 @@ import torch
 from kernels.counter_rng import step_seed
 from workers.drafting.base import EMPTY_DRAFT, Draft
 from workers.engine.logprobs import TokenLogprob
-from workers.engine.sampling_params import SamplingParams
+from workers.engine.sampling_params import PenaltyCounts, SamplingParams
 from workers.engine.structured import GrammarState
 from workers.kv_cache import BlockTable
 
@@ -21,6 +21,14 @@ def _add_counts(into: list[int], counts: list[int]) -> None:
         into += [0] * (len(counts) - len(into))
     for i, n in enumerate(counts):
         into[i] += n
+
+
+def _add_ones(into: list[int], n: int) -> None:
+    """Add 1 at positions 0..n-1, growing `into` as needed."""
+    if len(into) < n:
+        into += [0] * (n - len(into))
+    for i in range(n):
+        into[i] += 1
 
 
 class SeqStatus(enum.Enum):
@@ -53,13 +61,15 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.verify_steps += 1
+        if not num_drafted:  # a plain decode step: nothing per position
+            return
         self.drafted += num_drafted
         self.accepted += num_accepted
-        self.verify_steps += 1
         self.verify_steps_with_rejection += num_accepted < num_drafted
-        _add_counts(self.accepted_per_position, [1] * num_accepted)
-        _add_counts(self.drafted_per_position, [1] * num_drafted)
-        _add_counts(self.reached_per_position, [1] * min(num_accepted + 1, num_drafted))
+        _add_ones(self.accepted_per_position, num_accepted)
+        _add_ones(self.drafted_per_position, num_drafted)
+        _add_ones(self.reached_per_position, min(num_accepted + 1, num_drafted))
 
     def merge(self, other: SpecStats) -> None:
         self.drafted += other.drafted
@@ -103,6 +113,8 @@ class Sequence:
     # The device sampler's random numbers are keyed by this (kernels/counter_rng.py): from the
     # seed when the request has one, else drawn at random
     rng_key: int = 0
+    # Its penalties' token counts, kept up to date as it commits (when its params penalize)
+    penalty_counts: PenaltyCounts = field(default_factory=PenaltyCounts)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -120,7 +132,12 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """A copy: `num_output_tokens` where only the count is wanted."""
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -123,7 +123,7 @@ class Speculator:
         return max(
             0,
             min(
-                seq.params.max_tokens - len(seq.output_token_ids) - 1,  # not past max_tokens
+                seq.params.max_tokens - seq.num_output_tokens - 1,  # not past max_tokens
                 self.max_model_len - len(seq.token_ids),  # nor past the context
                 seq.max_spec_tokens,
             ),

@@ -159,4 +159,5 @@ def _adjusted(seq: Sequence_, draft_ids: Sequence[int], logits: torch.Tensor) ->
         draft_ids,
         seq.eos_token_ids,
         seq.grammar,
+        seq.penalty_counts,
     )

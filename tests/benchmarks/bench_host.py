@@ -1,0 +1,175 @@
+"""The engine's host work per decode step, with the model call removed.
+
+`python -m tests.benchmarks.bench_host` fills an engine with 16, 64 and 256 decoding sequences
+(the bundled model's tokenizer, plain decoding, as served) and times its steps with a runner
+whose forward builds the batch's inputs as served and returns logits it made beforehand instead
+of running the model: what is left is the step's host work (scheduling, inputs, sampling and
+verification, committing tokens, detokenizing, outputs). Greedy, and sampled with temperature,
+top-p and penalties. The logits are `--vocab` wide (1,024): the math over a whole vocabulary
+(argmax, softmax, top-p's sort: 3.5 ms for a greedy step of 256 rows of the bundled model's
+49,152 on the 2-core VM) is the device's on a GPU, and `--vocab 49152` puts it back. Prints a
+table, writes its section of docs/benchmarks.md, and ends with one JSON line:
+`{"greedy": {"16": {"us_per_seq": ...}, ...}, "sampled": {...}}`. On a GPU the same work runs
+between the device's forwards; this measures it on the CPU alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
+from tests.factories import tiny_model
+from workers.engine.config import EngineConfig, SpecConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward, build_inputs
+from workers.engine.sampling_params import SamplingParams
+from workers.kv_cache import PagedKVCache
+from workers.model.transformer import ModelOutput
+
+PROMPT_TOKENS = 16
+SIZES = (16, 64, 256)
+MODES = {
+    "greedy": SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True),
+    "sampled": SamplingParams(
+        max_tokens=4000,
+        temperature=0.8,
+        top_p=0.95,
+        frequency_penalty=0.5,
+        repetition_penalty=1.1,
+        ignore_eos=True,
+        seed=None,
+    ),
+}
+
+
+class NullRunner(ModelRunner):
+    """A runner whose forward builds its inputs as served and skips the model: its logits are
+    rows of a tensor made once (random, so sampling and penalties have real work to do)."""
+
+    def __init__(self, runner: ModelRunner, vocab_size: int, max_rows: int) -> None:
+        super().__init__(runner.model, runner.kv_cache)
+        gen = torch.Generator().manual_seed(0)
+        self._logits = torch.randn(max_rows, vocab_size, generator=gen)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        seqs: Sequence[SeqForward],
+        hidden_layers: Sequence[int] = (),
+        return_final_hidden: bool = False,
+        interrupt: Any = None,
+    ) -> RunnerOutput:
+        inputs = build_inputs(
+            seqs, self.block_size, self.model.config.max_position_embeddings, self.model.device
+        )
+        rows = len(inputs.logits_indices)
+        return RunnerOutput.of(ModelOutput(self._logits[:rows]), inputs)
+
+
+def build_engine(tokenizer: Any, vocab_size: int, num_seqs: int) -> LLMEngine:
+    """A plain-decoding engine for `num_seqs` sequences over a null runner whose logits are
+    `vocab_size` wide."""
+    model = tiny_model(0, vocab_size=vocab_size, max_position_embeddings=8192, num_layers=1)
+    config = EngineConfig(
+        max_model_len=8192,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=max(512, num_seqs * PROMPT_TOKENS),
+        spec=SpecConfig(method="none", adaptive=False),
+    )
+    cache = PagedKVCache(model.config, config.kv_blocks, config.block_size, torch.float32)
+    runner = NullRunner(ModelRunner(model, cache), vocab_size, config.max_num_batched_tokens)
+    return LLMEngine(model, config, tokenizer=tokenizer, eos_token_ids=(0,), runner=runner)
+
+
+def time_steps(engine: LLMEngine, num_seqs: int, params: SamplingParams, steps: int) -> float:
+    """Median seconds of a decode step with `num_seqs` sequences, all decoding."""
+    vocab = engine.runner.model.config.vocab_size
+    for i in range(num_seqs):
+        prompt = [100 + (37 * i + j) % (vocab - 100) for j in range(PROMPT_TOKENS)]
+        engine.add_request(f"r{i}", prompt, params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine._seqs.values()):
+        failed = [out.error for out in engine.step() if out.error]  # the prefill, a token each
+        if failed:
+            raise RuntimeError(f"a request failed: {failed[0]}")
+    if engine.scheduler.num_unfinished != num_seqs:
+        raise RuntimeError(f"{engine.scheduler.num_unfinished} of {num_seqs} sequences run")
+    for _ in range(3):
+        engine.step()  # warm
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - start)
+        if len(outputs) != num_seqs or any(out.error for out in outputs):
+            raise RuntimeError("every sequence decodes a token a step")
+    for i in range(num_seqs):
+        engine.abort_request(f"r{i}")
+    engine.take_outputs()
+    return statistics.median(times)
+
+
+def measure(
+    tokenizer: Any, vocab: int, sizes: Sequence[int], steps: int
+) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {mode: {} for mode in MODES}
+    for n in sizes:
+        engine = build_engine(tokenizer, vocab, n)
+        for mode, params in MODES.items():
+            seconds = time_steps(engine, n, params, steps)
+            results[mode][str(n)] = {
+                "step_ms": round(seconds * 1000, 3),
+                "us_per_seq": round(seconds / n * 1e6, 2),
+            }
+    return results
+
+
+def render(results: dict[str, dict[str, Any]], command: str, steps: int, vocab: int) -> str:
+    rows = [
+        [mode, n, f"{r['step_ms']:.2f}", f"{r['us_per_seq']:.1f}"]
+        for mode, by_size in results.items()
+        for n, r in by_size.items()
+    ]
+    return (
+        "## Host work per decode step (`python -m tests.benchmarks.bench_host`)\n\n"
+        f"Command: `{command}`. {machine_line()}. A plain-decoding engine with the bundled "
+        f"model's tokenizer, {PROMPT_TOKENS}-token prompts, every sequence decoding, and a "
+        "runner that builds each step's inputs as served but returns logits made beforehand "
+        f"({vocab} wide) instead of running the model; median of {steps} steps. Sampled: "
+        "temperature 0.8, top-p 0.95, frequency penalty 0.5, repetition penalty 1.1.\n\n"
+        + table(["decoding", "sequences", "step (ms)", "per sequence (us)"], rows)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=30, help="timed decode steps a size")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="16 and 64 sequences, 3 steps")
+    parser.add_argument("--vocab", type=int, default=1024, help="the logits' width")
+    parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    sizes, steps = ((16, 64), 3) if args.quick else (SIZES, args.steps)
+    from workers.model.loader import load_checkpoint
+
+    tokenizer = load_checkpoint().tokenizer
+    results = measure(tokenizer, args.vocab, sizes, steps)
+    command = "python -m tests.benchmarks.bench_host" + (" --quick" if args.quick else "")
+    if args.vocab != 1024:
+        command += f" --vocab {args.vocab}"
+    text = render(results, command, steps, args.vocab)
+    print(text)
+    write_section("bench_host", text, args.output)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
