@@ -1,7 +1,8 @@
 """Token ids to text, incrementally, with stop strings.
 
 Text is emitted as soon as it is final: never half of a multi-byte character (a byte-level
-token can end mid-character, which decodes to U+FFFD until the rest arrives), and never the
+token can end mid-character; `tokenizers`' `DecodeStream` holds such tokens back until the rest
+arrives, decoding each new token against the few before it, in Rust, once), and never the
 first characters of what may turn out to be a stop string (the last `len(longest stop) - 1`
 characters are held back until they can no longer begin one). A stop string ends the text
 before it, as OpenAI's API does (with vLLM's `include_stop_str_in_output`, after it); with
@@ -13,11 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workers.model.tokenizer import Tokenizer
+from tokenizers.decoders import DecodeStream
 
-# Tokens decoded again with each new one, so context-dependent decoding (leading spaces) is
-# right; offsets move forward once text is final.
-_CONTEXT_TOKENS = 6
+from workers.model.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
@@ -35,9 +34,8 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
-        self._token_ids: list[int] = []
-        self._prefix_offset = 0  # decoding context starts here
-        self._read_offset = 0  # tokens before this are already in self.text
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._num_tokens = 0
         self.text = ""  # final text so far (complete characters, stop string removed)
         self._emitted = 0
         self.stopped = False
@@ -46,15 +44,13 @@ class IncrementalDetokenizer:
         """New final text after these tokens ('' while a character or stop is undecided)."""
         if self.stopped:
             return ""
-        self._token_ids.extend(token_ids)
-        before = self._decode(self._prefix_offset, self._read_offset)
-        after = self._decode(self._prefix_offset, len(self._token_ids))
-        if after.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for its remaining bytes
-        self.text += after[len(before) :]
-        self._read_offset = len(self._token_ids)
-        self._prefix_offset = max(0, self._read_offset - _CONTEXT_TOKENS)
-        if self.stop and len(self._token_ids) >= self.min_tokens and self._find_stop():
+        backend = self.tokenizer.backend
+        for token_id in token_ids:
+            piece = self._stream.step(backend, token_id)  # None: a character still incomplete
+            if piece:
+                self.text += piece
+        self._num_tokens += len(token_ids)
+        if self.stop and self._num_tokens >= self.min_tokens and self._find_stop():
             return self._emit(len(self.text))
         return self._emit(len(self.text) - self._hold)
 
@@ -77,9 +73,3 @@ class IncrementalDetokenizer:
         delta = self.text[self._emitted : end]
         self._emitted = end
         return delta
-
-    def _decode(self, start: int, end: int) -> str:
-        if end <= start:
-            return ""
-        ids = self._token_ids[start:end]
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
