@@ -226,6 +226,45 @@ def test_step_costs_charge_the_forward_drafting_and_overhead() -> None:
     assert spec.step_cost(["ngram", "ngram"], [1, 0]) == pytest.approx(1.3 + SPEC_STEP_OVERHEAD)
     both = spec.step_cost(["draft_model", "ngram"], [2, 0])
     assert both == pytest.approx(spec.forward_cost(4) + 2 * 0.4 + SPEC_STEP_OVERHEAD)
+    # A model drafter drafts each depth for every sequence in one forward: the batch pays for
+    # its longest draft, not for every draft token.
+    batch = spec.step_cost(["draft_model", "draft_model", "ngram"], [2, 3, 1])
+    assert batch == pytest.approx(spec.forward_cost(9) + 3 * 0.4 + 3 * SPEC_STEP_OVERHEAD)
+
+
+def test_a_draft_made_without_a_forward_is_priced_at_nothing() -> None:
+    """A model drafter priced out of drafting (a head as costly as the target) still drafts
+    where it would draft by prompt lookup: that draft costs no forward."""
+
+    class LooksUp(NgramDrafter):
+        method = "draft_model"
+
+        def drafts_for_free(self, request_id: str) -> bool:
+            return request_id == "free"
+
+    spec = Speculator(
+        SpecConfig(disable_batch_size=64),
+        {"draft_model": LooksUp()},
+        max_model_len=1000,
+        verify_costs=(1.0,) * 16,
+        draft_costs={"draft_model": 1.0},
+    )
+    priced, free = decoding(0.7, "draft_model", k_max=4), decoding(0.7, "draft_model", k_max=4)
+    priced.request_id, free.request_id = "priced", "free"
+    assert spec.num_draft_tokens([priced], 1) == [0]
+    ks = spec.num_draft_tokens([priced, free], 2)
+    assert ks[0] == 0 and ks[1] >= 2
+
+
+def test_a_batch_drafts_as_far_as_one_sequence_where_the_forward_is_flat() -> None:
+    """On a GPU a verify forward of up to 16 tokens costs what a one-token one does, and a
+    model drafter's forward over four rows what one over a row does: four sequences that
+    accept alike draft as far as one of them alone."""
+    gpu = chooser([1.0] * 16, draft_cost=0.15)
+    alone = gpu.num_draft_tokens([decoding(0.7, "draft_model", k_max=4)], 1)
+    assert alone[0] >= 2
+    batch = [decoding(0.7, "draft_model", k_max=4) for _ in range(4)]
+    assert gpu.num_draft_tokens(batch, 4) == alone * 4
 
 
 @pytest.fixture(scope="module")

@@ -124,6 +124,9 @@ def test_prompt_lookup_drafts_where_the_text_repeats_and_the_head_elsewhere(targ
         d.add("f", fresh, GREEDY)
         for rid in ("r", "f"):
             d.observe_hidden(rid, 0, features)
+    # The speculator prices the looked-up draft at nothing: no head forward makes it.
+    assert lookup.drafts_for_free("r") and not lookup.drafts_for_free("f")
+    assert not plain.drafts_for_free("r")
     requests = [DraftRequest("r", 10, 3), DraftRequest("f", 10, 3)]
     got, head_only = lookup.propose(requests), plain.propose(requests)
     assert got["r"].token_ids == [4, 9, 8]

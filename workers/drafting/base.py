@@ -80,6 +80,12 @@ class Drafter(ABC):
     def remove(self, request_id: str) -> None:
         """Stop following a sequence and free what it held."""
 
+    def drafts_for_free(self, request_id: str) -> bool:
+        """Whether the sequence's next draft costs the drafter no forward (an EAGLE drafter's
+        prompt lookup, say): the speculator then prices it as an n-gram draft, not at the
+        drafter's measured cost. False unless a drafter knows better."""
+        return False
+
     # Drafting ahead (optional): a drafter in its own process calls `draft_ahead` after it has
     # answered a proposal, while the verifier checks it. The drafter guesses the outcome (its
     # whole draft accepted, then its own choice of the bonus token) and drafts the proposal that

@@ -57,6 +57,8 @@ from workers.model.transformer import TransformerLM
 _DRAFT_SEED_OFFSET = 0xEA61E
 # Features held for a sequence that is not drafting before the oldest are dropped.
 MAX_PENDING_ROWS = 1024
+# Tokens a lookup made ahead of a proposal keeps (a draft never asks for more).
+LOOKUP_AHEAD = 16
 
 
 @dataclass(slots=True)
@@ -74,6 +76,9 @@ class _EagleSeq:
     ahead: AheadState = field(default_factory=AheadState)
     prediction: Prediction | None = None  # the request's predicted output, drafted from first
     grammar: GrammarState | None = None  # the request's, at its committed tokens
+    # (committed tokens, what prompt lookup found after them, up to LOOKUP_AHEAD tokens): a
+    # lookup made to price the next draft, reused by it
+    looked_up: tuple[int, list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -172,6 +177,27 @@ class EagleDrafter(DraftsAhead):
         if seq is not None:
             seq.table.release()
 
+    def drafts_for_free(self, request_id: str) -> bool:
+        """Whether prompt lookup drafts the sequence's next proposal (the head does not run
+        for it). A request with a predicted output is not looked at here: matching it moves
+        its cursor."""
+        seq = self._seqs.get(request_id)
+        if seq is None or self.lookup is None or seq.prediction is not None:
+            return False
+        return bool(self._lookup(seq, seq.tokens))
+
+    def _lookup(self, seq: _EagleSeq, text: list[int]) -> list[int]:
+        """Prompt lookup's continuation of `text` (up to LOOKUP_AHEAD tokens); the committed
+        text's is kept until the next commit, so pricing a draft and making it look once."""
+        assert self.lookup is not None
+        committed = text is seq.tokens
+        if committed and seq.looked_up is not None and seq.looked_up[0] == len(text):
+            return seq.looked_up[1]
+        found = prompt_lookup(text, LOOKUP_AHEAD, self.lookup.min_n, self.lookup.max_n)
+        if committed:
+            seq.looked_up = (len(text), found)
+        return found
+
     def _can_draft(self, seq: _EagleSeq) -> bool:
         """Drafting needs the feature of every position before the last committed token."""
         return seq.base is not None and seq.features_end == len(seq.tokens) - 1
@@ -228,12 +254,12 @@ class EagleDrafter(DraftsAhead):
                 lookup = self.lookup or NgramConfig()
                 for item in active:
                     rid, seq, forced, n = item
-                    text = seq.tokens + forced
+                    text = seq.tokens + forced if forced else seq.tokens
                     found = []
                     if seq.prediction is not None:
                         found = seq.prediction.draft(text, n, lookup.min_n, lookup.max_n)
                     if not found and self.lookup is not None:
-                        found = prompt_lookup(text, n, lookup.min_n, lookup.max_n)
+                        found = self._lookup(seq, text)[:n]
                     if found and rid in grammars:
                         found = found[: grammars[rid].grammar.valid_prefix(found)]
                     if found:

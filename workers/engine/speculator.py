@@ -13,8 +13,13 @@ if each were as risky as the first.
 
 A step is one forward over every decoding sequence's last token and drafts, so its cost depends
 on the batch's total: a forward over n new tokens costs verify(n) one-token forwards (measured at
-start-up: workers/engine/calibration.py), plus each draft token at its drafter's cost (zero for
-n-gram drafters, measured for a draft model) and a fixed host overhead per speculating sequence.
+start-up: workers/engine/calibration.py), plus its drafters' forwards and a fixed host overhead
+per speculating sequence. A model drafter (a draft model, an EAGLE head) drafts the i-th token of
+every sequence it serves in one batched forward, so a step pays for its method's longest draft,
+one forward per depth at the measured cost of drafting one token (zero for n-gram drafters): a
+small model's forward over a few rows costs what one over a single row does, and the sampling
+per row is host work, in the overhead. A draft its drafter makes without a forward (EAGLE's
+prompt lookup where the text repeats) costs nothing but the overhead.
 The engine picks the k of every sequence (each in 0..its k_max) that maximizes the batch's
 committed tokens per unit of cost, each sequence judged by its own c_i. For one sequence that is
 the k maximizing E(k) / cost(k); in a batch, one sequence's drafts also make everyone's forward
@@ -38,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -54,6 +59,8 @@ SPEC_STEP_OVERHEAD = 0.05
 # text that becomes predictable later (a quoted passage, say) is noticed.
 EXPLORE_EVERY_STEPS = {"draft_model": 64}
 DEFAULT_EXPLORE_EVERY_STEPS = 16
+# The name a free draft (drafted without a forward: prompt lookup) is priced under: no cost.
+LOOKED_UP = "lookup"
 # Beta prior on a sequence's acceptance rate: as if PRIOR_WEIGHT drafts at the prior's rate
 # (its method's pooled rate, itself under a prior of 1/2) were already seen. Each position's
 # rate is shrunk towards the one before it by as much.
@@ -77,8 +84,12 @@ class Speculator:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size  # drafted ids must lie below it (None: not checked)
         self.verify_costs = verify_costs
-        # A drafted token's cost in one-token target forwards, per method (0 when not listed).
+        # A drafted token's cost in one-token target forwards, per method (0 when not listed):
+        # one forward of its drafter, over as many rows as sequences draft that deep.
         self.draft_costs = dict(draft_costs or {})
+        if any(self.draft_costs.values()):
+            costs = ", ".join(f"{m} {c:.3f}" for m, c in sorted(self.draft_costs.items()))
+            log.info("a draft token costs (in one-token target forwards, a depth): %s", costs)
         # Per method, over finished requests that drafted: (accepted, rejected) drafts.
         self.pooled: dict[str, tuple[int, int]] = {}
         # Per method: calls into its drafter that raised or proposed an invalid draft.
@@ -109,11 +120,17 @@ class Speculator:
 
     def step_cost(self, methods: list[str], ks: list[int]) -> float:
         """One step of a batch whose sequence i drafts ks[i] tokens with methods[i]: the forward
-        over every sequence's token and drafts, the drafting, and the host overhead."""
+        over every sequence's token and drafts, each drafter's forwards (as many as its
+        longest draft has tokens, each over every sequence still drafting), and the host
+        overhead."""
         cost = self.forward_cost(len(ks) + sum(ks))
+        depths: dict[str, int] = {}
         for method, k in zip(methods, ks, strict=True):
             if k:
-                cost += k * self.draft_costs.get(method, 0.0) + SPEC_STEP_OVERHEAD
+                cost += SPEC_STEP_OVERHEAD
+                depths[method] = max(depths.get(method, 0), k)
+        for method, depth in depths.items():
+            cost += depth * self.draft_costs.get(method, 0.0)
         return cost
 
     def max_draft_tokens(self, seq: Sequence, load: int) -> int:
@@ -139,7 +156,9 @@ class Speculator:
             acceptance_curve(seq.stats, 0.5 if alone else self.prior(seq.spec_method), room)
             for seq, alone, room in zip(seqs, seeded, rooms, strict=True)
         ]
-        methods = [seq.spec_method for seq in seqs]
+        methods = [
+            self._priced_as(seq) if room else "none" for seq, room in zip(seqs, rooms, strict=True)
+        ]
         ks, limits = [0] * len(seqs), list(rooms)
         for i in range(len(seqs)):
             if seeded[i] and rooms[i]:
@@ -159,6 +178,15 @@ class Speculator:
                 ks[i] = 1
         return ks
 
+    def _priced_as(self, seq: Sequence) -> str:
+        """The method whose cost `seq`'s draft is charged at: its own, or none (a draft its
+        drafter makes without a forward, as EAGLE's prompt lookup does, is free)."""
+        try:
+            free = self.drafters[seq.spec_method].drafts_for_free(seq.request_id)
+        except Exception:  # a question about the price must not fail the step
+            free = False
+        return LOOKED_UP if free else seq.spec_method
+
     def prior(self, method: str) -> float:
         """The acceptance rate `method` had over finished requests' drafts (1/2 before any)."""
         accepted, rejected = self.pooled.get(method, (0, 0))
@@ -171,26 +199,47 @@ class Speculator:
         `reach[s][i]`: the probability that sequence s's draft token i + 1 is accepted (with
         every one before it), for i < rooms[s].
 
-        Draft tokens go one at a time to the sequence whose next draft adds the most expected
-        tokens (reach[s][k], falling with k); for each total this gives the most committed
-        tokens, so the best total on that path is the best allocation up to the per-sequence
-        costs."""
+        Draft tokens go one at a time to the sequence whose next draft adds the most: along one
+        path the most expected tokens (reach[s][k], falling with k), along another the most for
+        what it adds to the step's cost (nothing for a token a drafter's forward at that depth
+        makes anyway, or one that costs no forward, as a looked-up draft). The best allocation
+        met on either path is the answer: the first is right where every draft token costs
+        alike, the second where some cost nothing."""
 
-        def rate(ks: list[int]) -> float:
-            committed = sum(1 + sum(r[:k]) for r, k in zip(reach, ks, strict=True))
-            return committed / self.step_cost(methods, ks)
+        def by_reach(ks: list[int]) -> Callable[[int], float]:
+            return lambda i: reach[i][ks[i]]
 
-        ks = list(start)
-        best, best_rate = list(ks), rate(ks)
-        while True:
-            growing = [i for i, room in enumerate(rooms) if ks[i] < room]
-            if not growing:
-                return best
-            i = max(growing, key=lambda i: reach[i][ks[i]])
-            ks[i] += 1
-            r = rate(ks)
-            if r > best_rate * (1 + 1e-9):
-                best, best_rate = list(ks), r
+        def by_worth(ks: list[int]) -> Callable[[int], float]:
+            # What one more draft token of sequence i adds to `step_cost`: the forward's next
+            # token, the overhead of a first draft, a drafter forward past its deepest draft.
+            total = len(ks) + sum(ks)
+            forward = self.forward_cost(total + 1) - self.forward_cost(total)
+            depths: dict[str, int] = {}
+            for method, k in zip(methods, ks, strict=True):
+                depths[method] = max(depths.get(method, 0), k)
+
+            def worth(i: int) -> float:
+                extra = forward + (SPEC_STEP_OVERHEAD if ks[i] == 0 else 0.0)
+                if ks[i] >= depths[methods[i]]:
+                    extra += self.draft_costs.get(methods[i], 0.0)
+                return reach[i][ks[i]] / max(extra, 1e-9)
+
+            return worth
+
+        first = sum(1 + sum(r[:k]) for r, k in zip(reach, start, strict=True))
+        best, best_rate = list(start), first / self.step_cost(methods, start)
+        # One sequence that may draft has one path.
+        growable = sum(room > k for room, k in zip(rooms, start, strict=True))
+        for order in (by_reach, by_worth) if growable > 1 else (by_reach,):
+            ks, committed = list(start), first
+            while growing := [i for i, room in enumerate(rooms) if ks[i] < room]:
+                i = max(growing, key=order(ks))
+                committed += reach[i][ks[i]]
+                ks[i] += 1
+                rate = committed / self.step_cost(methods, ks)
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = list(ks), rate
+        return best
 
     def add(self, seq: Sequence) -> None:
         if seq.spec_method != "none":
@@ -270,7 +319,16 @@ class Speculator:
         seqs = list(decoding)
         load = len(seqs) if batch_size is None else batch_size
         by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
-        for seq, k in zip(seqs, self.num_draft_tokens(seqs, load), strict=True):
+        if not self.speculates_at(load):  # nobody drafts: no per-sequence choice to make
+            for seq in seqs:
+                seq.draft = EMPTY_DRAFT
+                by_method.setdefault(seq.spec_method, [])
+            by_method.pop("none", None)
+            ks: list[int] = []
+            seqs = []
+        else:
+            ks = self.num_draft_tokens(seqs, load)
+        for seq, k in zip(seqs, ks, strict=True):
             seq.draft = EMPTY_DRAFT
             if seq.spec_method == "none":
                 continue
