@@ -182,7 +182,7 @@ def bundled_engine(
     )
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter(ngram), "eagle": eagle}
     start = time.perf_counter()
-    eagle_seconds = eagle.token_seconds()
+    eagle_seconds = eagle.token_seconds(rows=4)  # as served on a GPU (workers/engine/factory.py)
     engine = LLMEngine(
         model,
         config,
@@ -446,6 +446,10 @@ def measure(args: argparse.Namespace) -> None:
             "startup_s": seconds,
             "graphs": graphs,
             "verify_costs": engine.speculator.verify_costs[:8],
+            # A draft token for one sequence, and each further sequence's share at a depth,
+            # in one-token target forwards: what adaptive k prices EAGLE at.
+            "draft_costs": engine.speculator.draft_costs,
+            "draft_row_costs": engine.speculator.draft_row_costs,
         }
 
     run_part(results, "engine", out, start_engine)

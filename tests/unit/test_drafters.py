@@ -226,10 +226,15 @@ def test_step_costs_charge_the_forward_drafting_and_overhead() -> None:
     assert spec.step_cost(["ngram", "ngram"], [1, 0]) == pytest.approx(1.3 + SPEC_STEP_OVERHEAD)
     both = spec.step_cost(["draft_model", "ngram"], [2, 0])
     assert both == pytest.approx(spec.forward_cost(4) + 2 * 0.4 + SPEC_STEP_OVERHEAD)
-    # A model drafter drafts each depth for every sequence in one forward: the batch pays for
-    # its longest draft, not for every draft token.
+    # Without a measured share of a further sequence, every draft token is priced alike.
     batch = spec.step_cost(["draft_model", "draft_model", "ngram"], [2, 3, 1])
-    assert batch == pytest.approx(spec.forward_cost(9) + 3 * 0.4 + 3 * SPEC_STEP_OVERHEAD)
+    assert batch == pytest.approx(spec.forward_cost(9) + 5 * 0.4 + 3 * SPEC_STEP_OVERHEAD)
+    # A model drafter drafts each depth for every sequence in one forward: with its measured
+    # share of a further sequence (0.1), the batch pays its longest draft's depths in full and
+    # the other draft tokens' shares.
+    spec.draft_row_costs["draft_model"] = 0.1
+    batch = spec.step_cost(["draft_model", "draft_model", "ngram"], [2, 3, 1])
+    assert batch == pytest.approx(spec.forward_cost(9) + 3 * 0.4 + 2 * 0.1 + 3 * SPEC_STEP_OVERHEAD)
 
 
 def test_a_draft_made_without_a_forward_is_priced_at_nothing() -> None:
@@ -258,13 +263,17 @@ def test_a_draft_made_without_a_forward_is_priced_at_nothing() -> None:
 
 def test_a_batch_drafts_as_far_as_one_sequence_where_the_forward_is_flat() -> None:
     """On a GPU a verify forward of up to 16 tokens costs what a one-token one does, and a
-    model drafter's forward over four rows what one over a row does: four sequences that
-    accept alike draft as far as one of them alone."""
+    model drafter's forward over four rows (measured) what one over a row does: four sequences
+    that accept alike draft as far as one of them alone; priced per token per sequence, as
+    before such a measure, they do not draft at all."""
     gpu = chooser([1.0] * 16, draft_cost=0.15)
+    gpu.draft_row_costs["draft_model"] = 0.0  # measured: a row more costs the forward nothing
     alone = gpu.num_draft_tokens([decoding(0.7, "draft_model", k_max=4)], 1)
     assert alone[0] >= 2
     batch = [decoding(0.7, "draft_model", k_max=4) for _ in range(4)]
     assert gpu.num_draft_tokens(batch, 4) == alone * 4
+    del gpu.draft_row_costs["draft_model"]
+    assert gpu.num_draft_tokens(batch, 4) == [0] * 4
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,17 @@ def test_drafts_resume_after_commits_and_roll_back_draft_rows(target) -> None:  
     assert drafter.propose([DraftRequest("a", 12, 3)])["a"].token_ids == second
 
 
+def test_drafting_is_timed_for_one_sequence_and_a_further_one(target) -> None:  # type: ignore[no-untyped-def]
+    """`token_seconds`: one sequence's draft token, and what each further sequence drafting
+    at once adds (`row_seconds`), which the speculator prices each depth's rows with; the
+    calibration sequences are gone after."""
+    drafter = EagleDrafter(tiny_eagle_head(target), target, num_blocks=64, block_size=4)
+    assert drafter.row_seconds is None
+    one = drafter.token_seconds(context=8, reps=2, rows=3)
+    assert one > 0 and drafter.row_seconds is not None and drafter.row_seconds >= 0
+    assert not drafter._seqs and drafter.allocator.num_free_blocks == 64
+
+
 def test_features_are_tracked_by_position(target) -> None:  # type: ignore[no-untyped-def]
     head = tiny_eagle_head(target)
     drafter = EagleDrafter(head, target, num_blocks=32, block_size=4)

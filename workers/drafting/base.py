@@ -80,6 +80,11 @@ class Drafter(ABC):
     def remove(self, request_id: str) -> None:
         """Stop following a sequence and free what it held."""
 
+    # Seconds one more sequence adds to a drafting forward at a depth, where the drafter has
+    # measured it (`token_seconds` of EAGLE's); None: as much as the first sequence's, so a draft
+    # is priced per token (workers/engine/speculator.py `step_cost`).
+    row_seconds: float | None = None
+
     def drafts_for_free(self, request_id: str) -> bool:
         """Whether the sequence's next draft costs the drafter no forward (an EAGLE drafter's
         prompt lookup, say): the speculator then prices it as an n-gram draft, not at the

@@ -203,17 +203,28 @@ class EagleDrafter(DraftsAhead):
         return seq.base is not None and seq.features_end == len(seq.tokens) - 1
 
     @torch.inference_mode()
-    def token_seconds(self, context: int = 128, reps: int = 10) -> float:
+    def token_seconds(self, context: int = 128, reps: int = 10, rows: int = 1) -> float:
         """Median seconds to draft one token for one sequence (a one-row head forward and its
-        draft-vocabulary logits) after a `context`-row history."""
-        rid = "__calibration__"
-        self.add(rid, [0] * (context + 1), SamplingParams(temperature=0.0))
+        draft-vocabulary logits) after a `context`-row history. With `rows` > 1, also what
+        each further sequence drafting at once adds (`row_seconds`): a depth's forward serves
+        them all, its host work is per row."""
+        one = self._draft_seconds(context, reps, 1)
+        if rows > 1:
+            batch = self._draft_seconds(context, reps, rows)
+            self.row_seconds = max(0.0, (batch - one) / (rows - 1))
+        return one
+
+    def _draft_seconds(self, context: int, reps: int, rows: int) -> float:
+        """Median seconds of a one-token proposal for `rows` sequences at once."""
+        rids = [f"__calibration_{i}__" for i in range(rows)]
         lookup, self.lookup = self.lookup, None  # time the head, not a lookup
         try:
             width = len(self.hidden_layers) * self.head.config.hidden_size
             features = torch.randn(context, width, generator=torch.Generator().manual_seed(0))
-            self.observe_hidden(rid, 0, features.to(self.cache.data.dtype))
-            request = [DraftRequest(rid, context + 1, 1)]
+            for rid in rids:
+                self.add(rid, [0] * (context + 1), SamplingParams(temperature=0.0))
+                self.observe_hidden(rid, 0, features.to(self.cache.data.dtype))
+            request = [DraftRequest(rid, context + 1, 1) for rid in rids]
             self.propose(request)  # the history; later calls redo only the last row
             times = []
             on_gpu = self.cache.data.device.type == "cuda"
@@ -225,7 +236,8 @@ class EagleDrafter(DraftsAhead):
                 times.append(time.perf_counter() - start)
             return statistics.median(times[1:])
         finally:
-            self.remove(rid)
+            for rid in rids:
+                self.remove(rid)
             self.lookup = lookup
 
     # -- drafting ------------------------------------------------------------------------------

@@ -91,9 +91,12 @@ class LLMEngine:
         )
         self.allocator = BlockAllocator(self.config.kv_blocks)
         self.scheduler = Scheduler(self.config)
+        row_costs: dict[str, float] = {}
         if draft_seconds and any(draft_seconds.values()):
             one = self._one_token_seconds()
             draft_costs = {**(draft_costs or {}), **{m: s / one for m, s in draft_seconds.items()}}
+            rows = {m: d.row_seconds for m, d in drafters.items() if m in draft_seconds}
+            row_costs = {m: s / one for m, s in rows.items() if s is not None}
         self.speculator = Speculator(
             self.config.spec,
             drafters,
@@ -101,6 +104,7 @@ class LLMEngine:
             self._verify_costs(bool(drafters)),
             draft_costs,
             model.config.vocab_size,
+            row_costs,
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)

@@ -13,13 +13,15 @@ if each were as risky as the first.
 
 A step is one forward over every decoding sequence's last token and drafts, so its cost depends
 on the batch's total: a forward over n new tokens costs verify(n) one-token forwards (measured at
-start-up: workers/engine/calibration.py), plus its drafters' forwards and a fixed host overhead
-per speculating sequence. A model drafter (a draft model, an EAGLE head) drafts the i-th token of
+start-up: workers/engine/calibration.py), plus its drafters' work and a fixed host overhead per
+speculating sequence. A model drafter (a draft model, an EAGLE head) drafts the i-th token of
 every sequence it serves in one batched forward, so a step pays for its method's longest draft,
-one forward per depth at the measured cost of drafting one token (zero for n-gram drafters): a
-small model's forward over a few rows costs what one over a single row does, and the sampling
-per row is host work, in the overhead. A draft its drafter makes without a forward (EAGLE's
-prompt lookup where the text repeats) costs nothing but the overhead.
+a depth at the measured cost of drafting one token for one sequence (zero for n-gram drafters),
+plus each further sequence's share of the depths it drafts at, where the drafter measured it
+(`Drafter.row_seconds`: EAGLE's; on a GPU whose forwards are flat in rows it is small, on a CPU
+or with per-row host work it is not). A drafter that measured no share is priced per token per
+sequence. A draft its drafter makes without a forward (EAGLE's prompt lookup where the text
+repeats) costs nothing but the overhead.
 The engine picks the k of every sequence (each in 0..its k_max) that maximizes the batch's
 committed tokens per unit of cost, each sequence judged by its own c_i. For one sequence that is
 the k maximizing E(k) / cost(k); in a batch, one sequence's drafts also make everyone's forward
@@ -78,6 +80,7 @@ class Speculator:
         verify_costs: tuple[float, ...] = (1.0,),
         draft_costs: dict[str, float] | None = None,
         vocab_size: int | None = None,
+        draft_row_costs: dict[str, float] | None = None,
     ) -> None:
         self.config = config
         self.drafters = drafters
@@ -85,11 +88,16 @@ class Speculator:
         self.vocab_size = vocab_size  # drafted ids must lie below it (None: not checked)
         self.verify_costs = verify_costs
         # A drafted token's cost in one-token target forwards, per method (0 when not listed):
-        # one forward of its drafter, over as many rows as sequences draft that deep.
+        # one forward of its drafter for one sequence; and what each further sequence drafting
+        # at that depth adds (not listed: as much again, a cost per token per sequence).
         self.draft_costs = dict(draft_costs or {})
+        self.draft_row_costs = dict(draft_row_costs or {})
         if any(self.draft_costs.values()):
-            costs = ", ".join(f"{m} {c:.3f}" for m, c in sorted(self.draft_costs.items()))
-            log.info("a draft token costs (in one-token target forwards, a depth): %s", costs)
+            costs = ", ".join(
+                f"{m} {c:.3f} (+{self.row_cost(m):.3f} a further sequence)"
+                for m, c in sorted(self.draft_costs.items())
+            )
+            log.info("a draft token costs (in one-token target forwards): %s", costs)
         # Per method, over finished requests that drafted: (accepted, rejected) drafts.
         self.pooled: dict[str, tuple[int, int]] = {}
         # Per method: calls into its drafter that raised or proposed an invalid draft.
@@ -118,6 +126,10 @@ class Speculator:
             return costs[max(num_tokens, 1) - 1]
         return costs[-1] * num_tokens / len(costs)
 
+    def row_cost(self, method: str) -> float:
+        """What one more sequence drafting at a depth adds to `method`'s forward there."""
+        return self.draft_row_costs.get(method, self.draft_costs.get(method, 0.0))
+
     def step_cost(self, methods: list[str], ks: list[int]) -> float:
         """One step of a batch whose sequence i drafts ks[i] tokens with methods[i]: the forward
         over every sequence's token and drafts, each drafter's forwards (as many as its
@@ -125,12 +137,16 @@ class Speculator:
         overhead."""
         cost = self.forward_cost(len(ks) + sum(ks))
         depths: dict[str, int] = {}
+        drafted: dict[str, int] = {}
         for method, k in zip(methods, ks, strict=True):
             if k:
                 cost += SPEC_STEP_OVERHEAD
                 depths[method] = max(depths.get(method, 0), k)
+                drafted[method] = drafted.get(method, 0) + k
         for method, depth in depths.items():
+            # Each depth's forward for its first sequence, and every other draft token's share.
             cost += depth * self.draft_costs.get(method, 0.0)
+            cost += (drafted[method] - depth) * self.row_cost(method)
         return cost
 
     def max_draft_tokens(self, seq: Sequence, load: int) -> int:
@@ -220,8 +236,11 @@ class Speculator:
 
             def worth(i: int) -> float:
                 extra = forward + (SPEC_STEP_OVERHEAD if ks[i] == 0 else 0.0)
-                if ks[i] >= depths[methods[i]]:
-                    extra += self.draft_costs.get(methods[i], 0.0)
+                method = methods[i]
+                if ks[i] >= depths[method]:  # a depth its drafter had not reached
+                    extra += self.draft_costs.get(method, 0.0)
+                else:  # a further sequence at a depth already drafted
+                    extra += self.row_cost(method)
                 return reach[i][ks[i]] / max(extra, 1e-9)
 
             return worth
