@@ -49,6 +49,25 @@ MAX_RESUME_BYTES = 1 << 20
 _ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
+# A registered request's later writes, applied only while its entry exists: a write that comes
+# after the entry was deleted (its response deleted, `store: false`) or expired never brings a
+# partial entry back. KEYS: the entry, its token list. ARGV: TTL, finish reason ('' none),
+# usage JSON ('' none), group moved to ('' none), then the committed token ids.
+_UPDATE_REQUEST = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if #ARGV > 4 then
+  for i = 5, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
+end
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], 'state', 'finished', 'finish_reason', ARGV[2])
+  if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'usage', ARGV[3]) end
+end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'group', ARGV[4]) end
+return 1
+"""
+
+
 def valid_id(object_id: str) -> bool:
     return _ID.fullmatch(object_id) is not None
 
@@ -91,6 +110,7 @@ class SharedState:
         self.redis = client
         self.ns = namespace
         self._bucket = client.register_script(_TOKEN_BUCKET)
+        self._update = client.register_script(_UPDATE_REQUEST)
 
     def _k(self, *parts: object) -> str:
         return ":".join([self.ns, *map(str, parts)])
@@ -182,28 +202,17 @@ class SharedState:
         `forget` too (`store: false`) delete all the registry holds of it."""
         key = self._k("request", request_id)
         names = [key, *(self._k("request", request_id, part) for part in ("tokens", "prompt"))]
-        async with self.redis.pipeline(transaction=True) as pipe:
-            if finish_reason is not None and forget:
-                pipe.delete(*names)
-                await pipe.execute()
-                return
-            if token_ids:
-                pipe.rpush(names[1], *token_ids)
-                pipe.expire(names[1], REGISTRY_TTL_S)
-            if finish_reason is not None:
-                fields: dict[str, Any] = {"state": "finished", "finish_reason": finish_reason}
-                if usage is not None:
-                    fields["usage"] = json.dumps(usage)
-                pipe.hset(key, mapping=fields)
-            await pipe.execute()
+        if finish_reason is not None and forget:
+            await self.redis.delete(*names)
+            return
+        finish = "" if finish_reason is None else finish_reason
+        used = "" if usage is None else json.dumps(usage)
+        await self._update(keys=names[:2], args=[REGISTRY_TTL_S, finish, used, "", *token_ids])
 
     async def move(self, request_id: str, group: str) -> None:
         """The request goes on on `group` (its first one failed under it)."""
-        key = self._k("request", request_id)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(key, "group", group)
-            pipe.expire(key, REGISTRY_TTL_S)
-            await pipe.execute()
+        names = [self._k("request", request_id), self._k("request", request_id, "tokens")]
+        await self._update(keys=names, args=[REGISTRY_TTL_S, "", "", group])
 
     async def lookup_request(self, request_id: str) -> dict[str, Any] | None:
         if not valid_id(request_id):

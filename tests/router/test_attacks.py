@@ -210,6 +210,9 @@ def test_many_choices_with_large_settings_are_registered_once(keyed: RunningRout
     code, out, request_id = _completion(keyed, A, n=16, stop=stops[:4], max_tokens=2)
     assert code == 200
     prefix = f"outrider:request:{request_id}"
+    # Each choice's last tokens are written as it ends, after the answer went out: 16 entries,
+    # 16 token lists and the one prompt.
+    assert _wait_for(lambda: len(client.keys(prefix + "*")) == 33)
     sizes = {k.decode(): client.memory_usage(k, samples=0) or 0 for k in client.keys(prefix + "*")}
     assert sizes.pop(prefix + "-0") > 800_000  # the settings, kept with the first choice
     assert len(sizes) == 32 and max(sizes.values()) < 1000  # once, not sixteen times

@@ -113,7 +113,8 @@ def test_registry_appends_committed_tokens(state) -> None:  # type: ignore[no-un
 
 def test_resume_data_is_kept_once_a_prompt_and_within_its_cap(state) -> None:  # type: ignore[no-untyped-def]
     """Choices after the first share its prompt and settings; a request whose prompt and
-    settings pass the cap is registered without them; `forget` deletes all of a request."""
+    settings pass the cap is registered without them; `forget` deletes all of a request, and
+    a write that comes after does not bring any of it back."""
 
     async def scenario() -> tuple[Any, ...]:
         s = await state()
@@ -128,6 +129,8 @@ def test_resume_data_is_kept_once_a_prompt_and_within_its_cap(state) -> None:  #
         kept = await s.lookup_resume("big", huge)
         size = await s.redis.memory_usage("outrider:request:big")
         await s.commit("r-0", [1, 2], "stop", None, forget=True)
+        await s.commit("r-0", [3], "stop", {"finish_reason": "stop"})  # late: no entry again
+        await s.move("r-0", "verifier-g2-r0")
         gone = await s.redis.keys("outrider:request:r-0*")
         await s.close()
         return shared, keys_of_r1, huge, kept, size, gone
