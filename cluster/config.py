@@ -279,8 +279,8 @@ class DeploymentConfig:
             "must differ from router.port",
         )
         _check(self.router.max_queue >= 1, "router.max_queue", "must be >= 1")
-        _check(self.router.requests_per_s >= 0, "router.requests_per_s", "must be >= 0")
-        for name in ("burst", "max_concurrent_per_key", "tokens_per_s", "token_burst"):
+        per_key = ("requests_per_s", "burst", "max_concurrent_per_key")
+        for name in (*per_key, "tokens_per_s", "token_burst"):
             _check(getattr(self.router, name) >= 0, f"router.{name}", "must be >= 0")
         tls = self.router.tls
         _check(

@@ -27,8 +27,10 @@ MAX_TOKENS = 4096  # longest sequence shared
 STREAM_TTL_S = 3600  # the stream goes an hour after the last sequence was shared
 
 
-def encode(tokens: Sequence[int]) -> bytes:
-    return np.asarray(list(tokens)[-MAX_TOKENS:], dtype="<u4").tobytes()
+def encode(tokens: Sequence[int], last: int | None = MAX_TOKENS) -> bytes:
+    """Token ids as little-endian uint32s: the `last` of them (None: all)."""
+    kept = list(tokens) if last is None else list(tokens)[-last:]
+    return np.asarray(kept, dtype="<u4").tobytes()
 
 
 def decode(payload: bytes) -> list[int]:

@@ -64,8 +64,7 @@ class Ticket:
 
     admission: Admission
     key: ApiKey | None
-    taken: int = 0  # tokens taken from the key's token bucket
-    num_prompt_tokens: int = 0
+    reserved: int = 0  # completion tokens (max_tokens) taken from the key's token bucket
     used: int = 0
     _released: bool = field(default=False, repr=False)
 
@@ -92,9 +91,7 @@ class Admission:
         # A key at its concurrency is refused here already, before its body is parsed and
         # tokenized: a client flooding past its limit costs the replica little (`admit` is
         # the check that counts).
-        limit = key.limits.max_concurrent
-        if 0 < limit <= self.in_flight.get(key.digest, 0):
-            raise errors.too_many_concurrent(limit)
+        self._check_concurrency(key)
         if not self.redis.up:  # the key's limits are shared through Redis
             raise errors.shared_state_down(ConnectionError("Redis is unavailable"))
         try:
@@ -122,14 +119,18 @@ class Admission:
         ticket = Ticket(self, key)
         if key is None:
             return ticket
-        limits = key.limits
-        held = self.in_flight.get(key.digest, 0)
-        if 0 < limits.max_concurrent <= held:
-            raise errors.too_many_concurrent(limits.max_concurrent)
-        if limits.tokens_per_s > 0:
+        self._check_concurrency(key)
+        if key.limits.tokens_per_s > 0:
             await self._take_tokens(key, request, ticket)
+        # Counted after the await: others of the key may have come or gone meanwhile.
         self.in_flight[key.digest] = self.in_flight.get(key.digest, 0) + 1
         return ticket
+
+    def _check_concurrency(self, key: ApiKey) -> None:
+        """429 when the key has its `concurrency` of unfinished sequences here."""
+        limit = key.limits.max_concurrent
+        if 0 < limit <= self.in_flight.get(key.digest, 0):
+            raise errors.too_many_concurrent(limit)
 
     async def _take_tokens(self, key: ApiKey, request: GenerateRequest, ticket: Ticket) -> None:
         cost = len(request.prompt_ids) + request.params.max_tokens
@@ -146,7 +147,7 @@ class Admission:
             raise errors.shared_state_down(exc) from exc
         if not decision.allowed:
             raise errors.rate_limited(decision.retry_after_s, "token rate limit")
-        ticket.taken, ticket.num_prompt_tokens = cost, len(request.prompt_ids)
+        ticket.reserved = request.params.max_tokens
 
     def release(self, ticket: Ticket) -> None:
         key = ticket.key
@@ -157,8 +158,8 @@ class Admission:
             self.in_flight[key.digest] = left
         else:
             del self.in_flight[key.digest]
-        unused = ticket.taken - ticket.num_prompt_tokens - ticket.used
-        if ticket.taken and unused > 0:  # give back what the sequence did not generate
+        unused = ticket.reserved - ticket.used
+        if unused > 0:  # give back what the sequence did not generate
             task = asyncio.ensure_future(
                 self.redis.shared(lambda: self.state.take_tokens(key, -unused))
             )

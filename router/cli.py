@@ -268,15 +268,15 @@ def _serve(args: argparse.Namespace) -> int:
         max_model_len = loaded.engine.config.max_model_len
     configured = args.config is not None
     router = config.router
-    host = args.host or (config.router.host if configured else "127.0.0.1")
-    port = args.port or config.router.port
+    host = args.host or (router.host if configured else "127.0.0.1")
+    port = args.port or router.port
     options = RouterOptions(
         host=host,
         port=port,
-        grpc_port=None if args.no_grpc else (args.grpc_port or config.router.grpc_port),
+        grpc_port=None if args.no_grpc else (args.grpc_port or router.grpc_port),
         redis_url=redis_url,
         redis_password=config.redis.password(),
-        max_queue=args.max_queue or config.router.max_queue,
+        max_queue=args.max_queue or router.max_queue,
         block_size=block_size,
         key_limits=KeyLimits(
             requests_per_s=router.requests_per_s,
@@ -289,11 +289,9 @@ def _serve(args: argparse.Namespace) -> int:
         tls_cert_file=args.tls_cert_file or router.tls.cert_file,
         tls_key_file=args.tls_key_file or router.tls.key_file,
         docs=router.docs,
-        migration=config.router.migration,
+        migration=router.migration,
         shutdown_grace_s=(
-            config.router.shutdown_grace_s
-            if args.shutdown_grace_s is None
-            else args.shutdown_grace_s
+            router.shutdown_grace_s if args.shutdown_grace_s is None else args.shutdown_grace_s
         ),
     )
     server = Router(backend, RequestBuilder(tokenizer, name, max_model_len), options)

@@ -156,11 +156,10 @@ class KeyRing:
         self.defaults = defaults or KeyLimits()
         self.path = None if path is None else Path(path)
         self._given = list(lines or [])
-        self._stamp: tuple[int, int, int] | None = None
+        # Taken before the file is read: a change while it is read is read again.
+        self._stamp = None if self.path is None else _stamp(self.path)
         self._keys: dict[str, ApiKey] = {}
         self._build(read_keys_file(self.path) if self.path is not None else [])
-        if self.path is not None:
-            self._stamp = _stamp(self.path)
 
     @property
     def configured(self) -> bool:

@@ -29,8 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from cluster import ngram_pool
 from router.keys import ApiKey
 from workers.kv_cache.block_allocator import block_hashes
@@ -115,6 +113,11 @@ class SharedState:
     def _k(self, *parts: object) -> str:
         return ":".join([self.ns, *map(str, parts)])
 
+    def _request_names(self, request_id: str) -> tuple[str, str, str]:
+        """A request's registry keys: its entry (a hash), its committed tokens, its prompt."""
+        entry = self._k("request", request_id)
+        return entry, f"{entry}:tokens", f"{entry}:prompt"
+
     async def ping(self) -> bool:
         try:
             return bool(await self.redis.ping())
@@ -168,7 +171,7 @@ class SharedState:
     async def register(self, request_id: str, entry: Registration) -> None:
         """A new request: where it runs, whose it is, and what it takes to resume it (its
         prompt and its settings as JSON) on another replica, unless it shares them."""
-        key = self._k("request", request_id)
+        key, _, prompt_key = self._request_names(request_id)
         fields: dict[str, Any] = {
             "owner": entry.owner,
             "group": entry.group,
@@ -177,16 +180,17 @@ class SharedState:
             "prompt_tokens": len(entry.prompt_ids),
             "started": time.time(),
         }
-        prompt = _pack(entry.prompt_ids)
+        prompt = None
         if entry.resume_from is not None:
             fields["resume_from"], fields["choice"] = entry.resume_from, entry.choice
-        elif len(prompt) + len(entry.settings) <= MAX_RESUME_BYTES:
-            fields["settings"] = entry.settings
+        else:
+            prompt = ngram_pool.encode(entry.prompt_ids, last=None)
+            if len(prompt) + len(entry.settings) <= MAX_RESUME_BYTES:
+                fields["settings"] = entry.settings
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping=fields)
             pipe.expire(key, REGISTRY_TTL_S)
             if "settings" in fields:
-                prompt_key = self._k("request", request_id, "prompt")
                 pipe.set(prompt_key, prompt, ex=REGISTRY_TTL_S)
             await pipe.execute()
 
@@ -200,8 +204,7 @@ class SharedState:
     ) -> None:
         """Append committed tokens; with `finish_reason`, mark the request finished, or with
         `forget` too (`store: false`) delete all the registry holds of it."""
-        key = self._k("request", request_id)
-        names = [key, *(self._k("request", request_id, part) for part in ("tokens", "prompt"))]
+        names = self._request_names(request_id)
         if finish_reason is not None and forget:
             await self.redis.delete(*names)
             return
@@ -211,15 +214,16 @@ class SharedState:
 
     async def move(self, request_id: str, group: str) -> None:
         """The request goes on on `group` (its first one failed under it)."""
-        names = [self._k("request", request_id), self._k("request", request_id, "tokens")]
-        await self._update(keys=names, args=[REGISTRY_TTL_S, "", "", group])
+        names = self._request_names(request_id)
+        await self._update(keys=names[:2], args=[REGISTRY_TTL_S, "", "", group])
 
     async def lookup_request(self, request_id: str) -> dict[str, Any] | None:
         if not valid_id(request_id):
             return None
+        entry, tokens_key, _ = self._request_names(request_id)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self._k("request", request_id))
-            pipe.lrange(self._k("request", request_id, "tokens"), 0, -1)
+            pipe.hgetall(entry)
+            pipe.lrange(tokens_key, 0, -1)
             fields, tokens = await pipe.execute()
         if not fields:
             return None
@@ -247,8 +251,8 @@ class SharedState:
             request_id, record = source, shared
         if "settings" not in record:
             return None
-        raw = await self.redis.get(self._k("request", request_id, "prompt"))
-        return None if raw is None else (_unpack(raw), record["settings"])
+        raw = await self.redis.get(self._request_names(request_id)[2])
+        return None if raw is None else (ngram_pool.decode(raw), record["settings"])
 
     # Stored responses.
 
@@ -264,11 +268,9 @@ class SharedState:
 
     async def delete_response(self, response_id: str) -> bool:
         """The stored response and the registry's entry of the request that made it."""
-        names = [self._k("request", response_id, part) for part in ("tokens", "prompt")]
-        names.append(self._k("request", response_id))
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(self._k("response", response_id))
-            pipe.delete(*names)
+            pipe.delete(*self._request_names(response_id))
             deleted, _ = await pipe.execute()
         return bool(deleted)
 
@@ -344,11 +346,3 @@ def _key_record(key: ApiKey) -> str:
             "isolate_cache": limits.isolate_cache,
         }
     )
-
-
-def _pack(token_ids: Sequence[int]) -> bytes:
-    return np.asarray(token_ids, dtype="<u4").tobytes()
-
-
-def _unpack(payload: bytes) -> list[int]:
-    return np.frombuffer(payload, dtype="<u4").astype(np.int64).tolist()

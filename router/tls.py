@@ -3,8 +3,9 @@
 Both files are PEM (cert-manager's `tls.crt` and `tls.key` in a Kubernetes Secret are). The
 HTTP server keeps one `ssl.SSLContext` whose certificate chain is loaded again when the files
 change, so new connections get the renewed certificate while open ones go on; the gRPC server
-asks for the current pair at each handshake (`grpc.dynamic_ssl_server_credentials`). TLS 1.2 is
-the oldest version offered.
+asks for the current pair at each handshake (`grpc.dynamic_ssl_server_credentials`). The router
+looks at the files as often as at its keys file (router/server.py). TLS 1.2 is the oldest
+version offered.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
-
-RELOAD_EVERY_S = 5.0  # how often the router looks at the files for a change
 
 
 class TlsFiles:

@@ -32,7 +32,6 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self.min_tokens = min_tokens
-        self.skip_special_tokens = skip_special_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._num_tokens = 0

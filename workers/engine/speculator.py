@@ -338,15 +338,8 @@ class Speculator:
         seqs = list(decoding)
         load = len(seqs) if batch_size is None else batch_size
         by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
-        if not self.speculates_at(load):  # nobody drafts: no per-sequence choice to make
-            for seq in seqs:
-                seq.draft = EMPTY_DRAFT
-                by_method.setdefault(seq.spec_method, [])
-            by_method.pop("none", None)
-            ks: list[int] = []
-            seqs = []
-        else:
-            ks = self.num_draft_tokens(seqs, load)
+        # Nobody drafts past `disable_batch_size`: no per-sequence choice to make.
+        ks = self.num_draft_tokens(seqs, load) if self.speculates_at(load) else [0] * len(seqs)
         for seq, k in zip(seqs, ks, strict=True):
             seq.draft = EMPTY_DRAFT
             if seq.spec_method == "none":
