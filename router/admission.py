@@ -94,6 +94,12 @@ class Admission:
         self._check_concurrency(key)
         if not self.redis.up:  # the key's limits are shared through Redis
             raise errors.shared_state_down(ConnectionError("Redis is unavailable"))
+        if key.requests_per_s <= 0 and not await self.state.ping():
+            # No bucket to draw from, but a request with a key is not served without Redis:
+            # an outage is noticed here, not after the request was let in.
+            unavailable = ConnectionError("no answer to PING")
+            self.redis.down(unavailable)
+            raise errors.shared_state_down(unavailable)
         try:
             decision = await self.state.take(key)
         except RedisError as exc:
