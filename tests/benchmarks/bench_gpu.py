@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from workers.drafting.base import Drafter
-from workers.drafting.eagle import EagleDrafter
+from workers.drafting.eagle import EagleDrafter, loop_config
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.eagle.prompts import held_out_prompts
@@ -161,15 +161,20 @@ def _uniform_backend(model: TransformerLM, max_width: int) -> Any:
 
 
 def bundled_engine(
-    checkpoint: Checkpoint, model: TransformerLM, max_num_seqs: int, k: int = K
+    checkpoint: Checkpoint,
+    model: TransformerLM,
+    max_num_seqs: int,
+    k: int = K,
+    adaptive: bool = True,
 ) -> tuple[LLMEngine, float]:
-    """One engine serving every method (per request), graphs captured; its start-up seconds."""
+    """One engine serving every method (per request), graphs captured; its start-up seconds.
+    `adaptive=False` drafts k tokens every step (what the head accepts when it drafts)."""
     head = EagleHead.load(Path(BUNDLED_HEAD))
     config = EngineConfig(
         max_model_len=2048,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=PREFILL_BUDGET,
-        spec=SpecConfig(num_speculative_tokens=k),
+        spec=SpecConfig(num_speculative_tokens=k, adaptive=adaptive),
     )
     ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
     eagle = EagleDrafter(
@@ -179,9 +184,11 @@ def bundled_engine(
         block_size=config.block_size,
         max_model_len=config.max_model_len,
         lookup=ngram,
+        loop=loop_config(config, model.device),
     )
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter(ngram), "eagle": eagle}
     start = time.perf_counter()
+    eagle.capture()
     eagle_seconds = eagle.token_seconds(rows=4)  # as served on a GPU (workers/engine/factory.py)
     engine = LLMEngine(
         model,
@@ -212,6 +219,13 @@ def timed_generate(
     return sum(len(c.token_ids) for c in done), seconds, (accepted + steps) / max(steps, 1)
 
 
+def draft_replays(engine: LLMEngine) -> int:
+    """Proposals the EAGLE drafter's draft loop has served from its graphs so far."""
+    eagle = engine.speculator.drafters.get("eagle")
+    loop = eagle.loop if isinstance(eagle, EagleDrafter) else None
+    return 0 if loop is None else loop.num_replays
+
+
 def single_stream(
     engine: LLMEngine, prompts: dict[str, list[list[int]]], rounds: int, max_tokens: int
 ) -> dict[str, Any]:
@@ -228,6 +242,7 @@ def single_stream(
             for method in METHODS:
                 tokens, seconds = 0, 0.0
                 replays = getattr(engine.runner, "num_replays", 0)
+                drafted = draft_replays(engine)
                 reports.clear()
                 for p in kind_prompts:
                     n, s, mal = timed_generate(engine, [p], method, max_tokens)
@@ -238,6 +253,7 @@ def single_stream(
                 steps[f"{kind}, {method}"] = {
                     "steps": len(reports),
                     "graph_steps": getattr(engine.runner, "num_replays", 0) - replays,
+                    "draft_graph_steps": draft_replays(engine) - drafted,
                     "draft_ms": 1000 * statistics.median(r.draft_s for r in decode),
                     "rest_ms": 1000 * statistics.median(r.forward_s for r in decode),
                 }
@@ -421,7 +437,7 @@ def measure(args: argparse.Namespace) -> None:
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "gpu.json"
-    results: dict[str, Any] = {"parts": args.parts, "k": args.k}
+    results: dict[str, Any] = {"parts": args.parts, "k": args.k, "adaptive": not args.fixed_k}
     max_tokens = 8 if args.quick else 128
     rounds = 1 if args.quick else args.rounds
     run_part(results, "environment", out, lambda: environment(device))
@@ -438,18 +454,22 @@ def measure(args: argparse.Namespace) -> None:
     engine_box: dict[str, LLMEngine] = {}
 
     def start_engine() -> dict[str, Any]:
-        engine, seconds = bundled_engine(checkpoint, model, max(levels), args.k)
+        engine, seconds = bundled_engine(checkpoint, model, max(levels), args.k, not args.fixed_k)
         engine_box["engine"] = engine
         runner = engine.runner
         graphs = runner.num_graphs if isinstance(runner, GraphRunner) else 0
+        eagle = engine.speculator.drafters["eagle"]
+        loop = eagle.loop if isinstance(eagle, EagleDrafter) else None
         return {
             "startup_s": seconds,
             "graphs": graphs,
+            "draft_graphs": 0 if loop is None else loop.num_graphs,
             "verify_costs": engine.speculator.verify_costs[:8],
             # A draft token for one sequence, and each further sequence's share at a depth,
             # in one-token target forwards: what adaptive k prices EAGLE at.
             "draft_costs": engine.speculator.draft_costs,
             "draft_row_costs": engine.speculator.draft_row_costs,
+            "draft_launch_costs": engine.speculator.draft_launch_costs,
         }
 
     run_part(results, "engine", out, start_engine)
@@ -492,6 +512,9 @@ def main() -> None:
         type=lambda s: s.split(","),
         default=list(PARTS),
         help=f"comma-separated, of {', '.join(PARTS)} (engine is needed by single, concurrency)",
+    )
+    parser.add_argument(
+        "--fixed-k", action="store_true", help="draft k tokens every step (adaptive k off)"
     )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-8b", action="store_true")

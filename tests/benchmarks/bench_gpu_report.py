@@ -121,10 +121,18 @@ def single_table(run: dict[str, Any], with_hf: bool) -> str:
 
 def steps_table(run: dict[str, Any]) -> str:
     rows = [
-        [case, v["steps"], v["graph_steps"], _f(v["draft_ms"], 3), _f(v["rest_ms"], 3)]
+        [
+            case,
+            v["steps"],
+            v["graph_steps"],
+            v.get("draft_graph_steps", "-"),
+            _f(v["draft_ms"], 3),
+            _f(v["rest_ms"], 3),
+        ]
         for case, v in run["single"]["steps"].items()
     ]
-    return table(["prompts, method", "steps", "graph replays", "drafting ms", "the rest ms"], rows)
+    header = ["prompts, method", "steps", "graph replays", "draft-loop replays"]
+    return table([*header, "drafting ms", "the rest ms"], rows)
 
 
 def concurrency_table(run: dict[str, Any]) -> str:
@@ -197,9 +205,14 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
         steps_table(run),
     ]
     for extra in runs[1:]:
+        fixed = not extra.get("adaptive", True)
+        flags = (
+            f"--k {extra['k']}{' --fixed-k' if fixed else ''} --parts {','.join(extra['parts'])}"
+        )
+        drafts = f"exactly {extra['k']}" if fixed else f"at most {extra['k']}"
         parts += [
-            f"With at most {extra['k']} draft tokens a step ({extra['environment']['card']}, "
-            f"the same day, `--k {extra['k']} --parts {','.join(extra['parts'])}`):",
+            f"With {drafts} draft tokens a step ({extra['environment']['card']}, "
+            f"the same day, `{flags}`):",
             single_table(extra, with_hf=False),
         ]
     parts += [

@@ -15,7 +15,7 @@ from kernels.linear import row_independent_rows
 from tests.model.helpers import run_staggered
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.drafting.draft_model import DraftModelDrafter
-from workers.drafting.eagle import EagleDrafter
+from workers.drafting.eagle import EagleDrafter, LoopConfig
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
@@ -67,10 +67,15 @@ def draft_net(checkpoint):  # type: ignore[no-untyped-def]
 
 
 def make_drafter(method: str, draft_net, model_fp32) -> Drafter:  # type: ignore[no-untyped-def]
-    """A drafter by test name; `_sure` ends a model drafter's drafts where it doubts them."""
+    """A drafter by test name; `_sure` ends a model drafter's drafts where it doubts them,
+    `eagle_loop` drafts greedy sequences in the capture-ready draft loop (run eagerly here)."""
     min_confidence = 0.0
     if method.endswith("_sure"):
         method, min_confidence = method.removesuffix("_sure"), 0.4
+    loop = None
+    if method.startswith("eagle_loop"):
+        method = "eagle" + method.removeprefix("eagle_loop")
+        loop = LoopConfig(max_seqs=8, max_depth=SPEC.num_speculative_tokens)
     if method == "ngram":
         return NgramDrafter(NgramConfig(1, 4))
     if method == "suffix":
@@ -83,6 +88,7 @@ def make_drafter(method: str, draft_net, model_fp32) -> Drafter:  # type: ignore
             num_blocks=1024,
             lookup=lookup,
             min_confidence=min_confidence,
+            loop=loop,
         )
     net = model_fp32 if method == "self_draft" else draft_net
     return DraftModelDrafter(net, num_blocks=1024, min_confidence=min_confidence)
@@ -190,7 +196,14 @@ def test_drafting_ahead_stays_exact(
 
 @pytest.mark.parametrize(
     ("batch", "drafter"),
-    [(1, "eagle"), (8, "eagle"), (8, "eagle_lookup"), (8, "eagle_sure"), (8, "draft_model_sure")],
+    [
+        (1, "eagle"),
+        (8, "eagle"),
+        (8, "eagle_lookup"),
+        (8, "eagle_sure"),
+        (8, "eagle_loop_sure"),
+        (8, "draft_model_sure"),
+    ],
 )
 def test_eagle_and_drafts_ended_by_confidence_identical_to_plain_decoding(
     batch: int,
@@ -207,6 +220,8 @@ def test_eagle_and_drafts_ended_by_confidence_identical_to_plain_decoding(
     got = run_staggered(engine, prompt_ids[:batch], GREEDY, RequestSpec(method=chosen.method))
     assert got == expected[:batch]
     assert engine.stats.accepted > 0  # quality is measured by bench_eagle, not asserted here
+    if isinstance(chosen, EagleDrafter) and chosen.loop is not None:
+        assert chosen.loop.num_eager_runs > 0
     if drafter.endswith("_sure"):
         reached = engine.stats.drafted_per_position
         assert reached[3] < reached[0]  # some drafts ended early
@@ -228,12 +243,13 @@ def test_eagle_exact_through_prefix_caching_and_preemption(
         model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
     )
     want = [plain.generate(p, GREEDY).token_ids for p in prompts]
-    drafter = make_drafter("eagle_lookup", draft_net, model_fp32)
-    assert isinstance(drafter, EagleDrafter)
+    drafter = make_drafter("eagle_loop_lookup", draft_net, model_fp32)
+    assert isinstance(drafter, EagleDrafter) and drafter.loop is not None
     engine = make_engine(model_fp32, checkpoint, drafter, num_kv_blocks=24, block_size=16)
     assert run_staggered(engine, prompts, GREEDY, RequestSpec(method="eagle"), gap=3) == want
     assert engine.stats.accepted > 0
     assert drafter.looked_up > 0  # the repeated preamble: prompt lookup took turns with the head
+    assert drafter.loop.num_eager_runs > 0  # and the head drafted in the loop
     assert drafter.allocator.num_free_blocks == drafter.allocator.num_blocks
 
 

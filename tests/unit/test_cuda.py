@@ -208,6 +208,34 @@ def test_graph_replay_gives_eagers_output(
     assert outputs[0] == outputs[1] == expected
 
 
+@pytest.mark.parametrize(("batch", "kv_blocks"), [(1, 0), (4, 0), (16, 48), (64, 0)])
+@pytest.mark.parametrize("_", [pytest.param(None, marks=needs_cuda)])
+def test_graph_drafted_eagle_gives_plain_decodings_output(
+    _: None, graph_model: TransformerLM, batch: int, kv_blocks: int
+) -> None:
+    """EAGLE drafting from its captured draft loop (up to 64 sequences a replay), the target
+    replaying its graphs: greedy output equals plain decoding, fp32, also where a KV cache too
+    small for the batch preempts and recomputes requests (`kv_blocks`)."""
+    from workers.drafting.eagle import LoopConfig
+
+    prompt_ids = prompts(batch, seed=batch + 70)
+    plain = SequentialEngine(graph_model, max_model_len=512)
+    expected = [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+    head = tiny_eagle_head(graph_model)
+    loop = LoopConfig(max_seqs=64, max_depth=SPEC.num_speculative_tokens)
+    drafter = EagleDrafter(head, graph_model, num_blocks=1024, block_size=8, loop=loop)
+    assert drafter.capture() is not None
+    config = EngineConfig(
+        max_model_len=512, block_size=8, max_num_seqs=64, num_kv_blocks=kv_blocks, spec=SPEC
+    )
+    eng = LLMEngine(graph_model, config, drafters={"eagle": drafter})
+    got = run_staggered(eng, prompt_ids, GREEDY, RequestSpec(method="eagle"), gap=1)
+    assert got == expected
+    assert drafter.loop is not None and drafter.loop.num_replays > 0
+    if kv_blocks:
+        assert eng.scheduler.num_preemptions > 0
+
+
 ADJUSTED = SamplingParams(
     max_tokens=16,
     temperature=0,

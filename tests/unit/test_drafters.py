@@ -276,6 +276,20 @@ def test_a_batch_drafts_as_far_as_one_sequence_where_the_forward_is_flat() -> No
     assert gpu.num_draft_tokens(batch, 4) == [0] * 4
 
 
+def test_a_drafters_launch_is_paid_once_a_step() -> None:
+    """A draft loop costs a launch (staging, replay, read-back) and then little a depth: priced
+    so, one sequence drafts its whole k; priced as if every depth paid the launch, less."""
+    loop = chooser([1.0] * 16, draft_cost=0.05)
+    loop.draft_launch_costs["draft_model"] = 0.3
+    both = loop.step_cost(["draft_model", "draft_model"], [2, 3])
+    assert both == pytest.approx(1.0 + 0.3 + 5 * 0.05 + 2 * SPEC_STEP_OVERHEAD)
+    assert loop.step_cost(["draft_model"], [0]) == 1.0  # no draft, no launch
+    seq = [decoding(0.7, "draft_model", k_max=4)]
+    per_depth = chooser([1.0] * 16, draft_cost=0.35)
+    assert loop.num_draft_tokens(seq, 1) == [4]
+    assert per_depth.num_draft_tokens(seq, 1)[0] < 4
+
+
 @pytest.fixture(scope="module")
 def draft_net() -> TransformerLM:
     return tiny_model(seed=5)

@@ -84,6 +84,9 @@ class Drafter(ABC):
     # measured it (`token_seconds` of EAGLE's); None: as much as the first sequence's, so a draft
     # is priced per token (workers/engine/speculator.py `step_cost`).
     row_seconds: float | None = None
+    # Seconds a drafting call costs whatever its depth, where the drafter has measured it (its
+    # draft loop's staging, graph launch and read-back): priced once a step for the method.
+    launch_seconds: float | None = None
 
     def drafts_for_free(self, request_id: str) -> bool:
         """Whether the sequence's next draft costs the drafter no forward (an EAGLE drafter's

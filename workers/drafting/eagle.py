@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import AttentionBackend, NativeCpuAttention
+from kernels.attention_uniform import select_uniform_backend
 from kernels.sampling import sample_from_probs
 from workers.drafting.ahead import AheadState, DraftsAhead
 from workers.drafting.base import (
@@ -46,8 +47,11 @@ from workers.drafting.base import (
     draft_random,
     greedy_probability,
 )
+from workers.drafting.eagle_loop import EagleDraftLoop, LoopSeq
 from workers.drafting.ngram import NgramConfig, Prediction, prompt_lookup
 from workers.eagle.head import EagleHead
+from workers.engine.config import EngineConfig
+from workers.engine.graph_runner import CaptureReport
 from workers.engine.model_runner import SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import Grammars, GrammarState
@@ -61,6 +65,27 @@ MAX_PENDING_ROWS = 1024
 LOOKUP_AHEAD = 16
 
 
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    """The greedy draft loop (workers/drafting/eagle_loop.py): how many sequences it drafts at
+    once (more go the eager way) and its deepest draft (the engine's k)."""
+
+    max_seqs: int
+    max_depth: int
+    attention: AttentionBackend | None = None  # default: the uniform backend for the device
+
+
+def loop_config(config: EngineConfig, device: torch.device) -> LoopConfig | None:
+    """The draft loop an engine's EAGLE drafter gets: on a GPU (unless `enforce_eager`), for as
+    many sequences as may draft at once (fewer than `disable_batch_size` are unfinished) and
+    the engine's k; None elsewhere, where the eager path is the faster (it attends over each
+    context's own rows, the loop's torch fallback over whole block tables)."""
+    k = config.spec.num_speculative_tokens
+    if device.type != "cuda" or config.enforce_eager or k == 0:
+        return None
+    return LoopConfig(min(config.max_num_seqs, config.spec.disable_batch_size), k)
+
+
 @dataclass(slots=True)
 class _EagleSeq:
     params: SamplingParams
@@ -72,7 +97,7 @@ class _EagleSeq:
     pending: list[torch.Tensor] = field(default_factory=list)  # features not yet in the cache
     rows: int = 0  # cache rows made from target features (the rest are draft rows)
     cached: int = 0  # cache rows written, feature rows then the last proposal's draft rows
-    last_input: torch.Tensor | None = None  # head input of the last feature row, to redo it
+    last_feature: torch.Tensor | None = None  # the last feature row in the cache, to redo it
     ahead: AheadState = field(default_factory=AheadState)
     prediction: Prediction | None = None  # the request's predicted output, drafted from first
     grammar: GrammarState | None = None  # the request's, at its committed tokens
@@ -103,6 +128,7 @@ class EagleDrafter(DraftsAhead):
         lookup: NgramConfig | None = None,
         min_confidence: float = 0.0,
         grammars: Grammars | None = None,
+        loop: LoopConfig | None = None,
     ) -> None:
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError("the EAGLE head was trained for a target of another hidden size")
@@ -111,10 +137,15 @@ class EagleDrafter(DraftsAhead):
         self.head = head
         self.hidden_layers = head.config.target_layers
         layer_config = head.config.layer_config()
-        self.cache = PagedKVCache(layer_config, num_blocks, block_size, target.dtype, target.device)
+        # With the draft loop, one block more than the allocator hands out: the scratch block
+        # its padding writes into.
+        self.cache = PagedKVCache(
+            layer_config, num_blocks + (loop is not None), block_size, target.dtype, target.device
+        )
         self.allocator = BlockAllocator(num_blocks)
         self.backend = attention or NativeCpuAttention()
         self.max_model_len = max_model_len or target.config.max_position_embeddings
+        self.loop = None if loop is None else self._make_loop(loop, num_blocks)
         self.vocab = head.draft_vocab.cpu()  # sampling is host work (per-request generators)
         self.full_vocab_size = target.config.vocab_size
         self._seqs: dict[str, _EagleSeq] = {}
@@ -127,6 +158,33 @@ class EagleDrafter(DraftsAhead):
         # Requests with structured output get drafts their grammar allows (None: drafts ignore
         # grammars, and the target rejects what they break).
         self.grammars = grammars
+
+    def _make_loop(self, config: LoopConfig, scratch_block: int) -> EagleDraftLoop:
+        shape = self.head.config
+        width = config.max_depth + 1
+        attention = config.attention or select_uniform_backend(
+            self.cache.data.device,
+            self.cache.data.dtype,
+            shape.head_dim,
+            shape.num_heads // shape.num_kv_heads,
+            width,
+        )
+        return EagleDraftLoop(
+            self.head,
+            self.cache.layers[0],
+            attention,
+            block_size=self.cache.block_size,
+            scratch_slot=scratch_block * self.cache.block_size,
+            max_seqs=config.max_seqs,
+            max_depth=config.max_depth,
+            max_rows=self.max_model_len,
+        )
+
+    def capture(self) -> CaptureReport | None:
+        """Capture the draft loop's CUDA graphs (None without a loop or a GPU)."""
+        if self.loop is None or self.cache.data.device.type != "cuda":
+            return None
+        return self.loop.capture()
 
     # -- the Drafter boundary ------------------------------------------------------------------
 
@@ -207,15 +265,23 @@ class EagleDrafter(DraftsAhead):
         """Median seconds to draft one token for one sequence (a one-row head forward and its
         draft-vocabulary logits) after a `context`-row history. With `rows` > 1, also what
         each further sequence drafting at once adds (`row_seconds`): a depth's forward serves
-        them all, its host work is per row."""
+        them all, its host work is per row. With the draft loop, a proposal's fixed part
+        (staging, launch, read-back: `launch_seconds`) is told from what each depth adds,
+        which is the token's price, by timing the loop's shallowest and deepest drafts."""
         one = self._draft_seconds(context, reps, 1)
+        if self.loop is not None and self.loop.max_depth > 1:
+            deep = self._draft_seconds(context, reps, 1, self.loop.max_depth)
+            depth = max(0.0, (deep - one) / (self.loop.max_depth - 1))
+            self.launch_seconds = max(0.0, one - depth)
+            one = depth
         if rows > 1:
             batch = self._draft_seconds(context, reps, rows)
-            self.row_seconds = max(0.0, (batch - one) / (rows - 1))
+            single = one + (self.launch_seconds or 0.0)
+            self.row_seconds = max(0.0, (batch - single) / (rows - 1))
         return one
 
-    def _draft_seconds(self, context: int, reps: int, rows: int) -> float:
-        """Median seconds of a one-token proposal for `rows` sequences at once."""
+    def _draft_seconds(self, context: int, reps: int, rows: int, k: int = 1) -> float:
+        """Median seconds of a `k`-token proposal for `rows` sequences at once."""
         rids = [f"__calibration_{i}__" for i in range(rows)]
         lookup, self.lookup = self.lookup, None  # time the head, not a lookup
         try:
@@ -224,7 +290,7 @@ class EagleDrafter(DraftsAhead):
             for rid in rids:
                 self.add(rid, [0] * (context + 1), SamplingParams(temperature=0.0))
                 self.observe_hidden(rid, 0, features.to(self.cache.data.dtype))
-            request = [DraftRequest(rid, context + 1, 1) for rid in rids]
+            request = [DraftRequest(rid, context + 1, k) for rid in rids]
             self.propose(request)  # the history; later calls redo only the last row
             times = []
             on_gpu = self.cache.data.device.type == "cuda"
@@ -293,6 +359,73 @@ class EagleDrafter(DraftsAhead):
         stop: Callable[[], bool],
         grammars: dict[str, _Walk],
     ) -> dict[str, Draft]:
+        drafts: dict[str, Draft] = {}
+        if self.loop is not None:
+            looped = [item for item in active if self._loops(item, grammars)]
+            looped = looped[: self.loop.max_seqs]
+            if looped:
+                drafts = self._draft_in_loop(looped)
+                taken = {item[0] for item in looped}
+                active = [item for item in active if item[0] not in taken]
+        if active:
+            drafts |= self._draft_eagerly(active, stop, grammars)
+        return drafts
+
+    def _loops(
+        self, item: tuple[str, _EagleSeq, list[int], int], grammars: dict[str, _Walk]
+    ) -> bool:
+        """Whether the draft loop drafts this sequence: greedy, nothing forced, no grammar, a
+        draft it is deep enough for, and at most its width of new feature rows."""
+        assert self.loop is not None
+        rid, seq, forced, n = item
+        if forced or rid in grammars or not seq.params.greedy or n > self.loop.max_depth:
+            return False
+        new = sum(p.shape[0] for p in seq.pending)
+        return 1 <= new <= self.loop.width or (new == 0 and seq.last_feature is not None)
+
+    def _draft_in_loop(
+        self, items: list[tuple[str, _EagleSeq, list[int], int]]
+    ) -> dict[str, Draft]:
+        """Greedy drafts of these sequences in one run (or graph replay) of the draft loop."""
+        assert self.loop is not None
+        depth = max(n for _, _, _, n in items)
+        drafts: dict[str, Draft] = {}
+        fed: list[tuple[str, _EagleSeq, int, torch.Tensor]] = []
+        seqs: list[LoopSeq] = []
+        for rid, seq, _, n in items:
+            features = self._new_rows(seq)
+            assert features is not None  # _loops checked
+            count = features.shape[0]
+            try:  # its new rows, then a row for each drafted token but the last
+                seq.table.prepare_write(seq.cached, seq.cached + count + depth - 1)
+            except NoFreeBlocksError:  # out of head cache: it starts over later
+                self._reset(seq)
+                drafts[rid] = Draft([])
+                continue
+            seqs.append(LoopSeq(self._next_ids(seq, count), seq.cached, list(seq.table.block_ids)))
+            fed.append((rid, seq, n, features))
+        if not fed:
+            return drafts
+        tokens, probs = self.loop.draft(seqs, [features for *_, features in fed], depth)
+        for i, (rid, seq, n, features) in enumerate(fed):
+            self._fed(seq, features)
+            seq.cached = seq.rows + depth - 1
+            bar = ConfidenceStop(self.min_confidence)
+            draft: list[int] = []
+            for token, p in zip(tokens[i, :n].tolist(), probs[i, :n].tolist(), strict=True):
+                draft.append(token)
+                bar.drew(p if self.min_confidence > 0 else 1.0)
+                if not bar.sure:
+                    break
+            drafts[rid] = Draft(draft)
+        return drafts
+
+    def _draft_eagerly(
+        self,
+        active: list[tuple[str, _EagleSeq, list[int], int]],
+        stop: Callable[[], bool],
+        grammars: dict[str, _Walk],
+    ) -> dict[str, Draft]:
         head = self.head
         tokens: dict[str, list[int]] = {rid: [] for rid, _, _, _ in active}
         probs: dict[str, list[torch.Tensor]] = {rid: [] for rid, _, _, _ in active}
@@ -300,30 +433,24 @@ class EagleDrafter(DraftsAhead):
         # Step 1: rows for newly verified positions (or the last one again); its output gives
         # the first token after the committed ones.
         batch: list[tuple[str, _EagleSeq, list[int], int, torch.Tensor]] = []
+        fed_features: list[torch.Tensor] = []
         for rid, seq, forced, n in active:
-            assert seq.base is not None
-            self._truncate(seq, seq.rows)  # drop the last proposal's draft rows
-            if seq.pending:
-                features = torch.cat(seq.pending)
-                first = seq.base + seq.rows
-                next_ids = torch.tensor(seq.tokens[first + 1 : first + 1 + features.shape[0]])
-                x = head.layer_input(head.fuse_features(features), next_ids.to(features.device))
-            elif seq.last_input is not None:  # nothing new verified: redo the last feature row
-                seq.rows -= 1
-                self._truncate(seq, seq.rows)
-                x = seq.last_input
-            else:
+            features = self._new_rows(seq)
+            if features is None:
                 continue
-            batch.append((rid, seq, forced, n, x))
+            next_ids = torch.tensor(self._next_ids(seq, features.shape[0]), device=features.device)
+            batch.append(
+                (rid, seq, forced, n, head.layer_input(head.fuse_features(features), next_ids))
+            )
+            fed_features.append(features)
         try:
             a = self._forward([(seq, x) for _, seq, _, _, x in batch])
         except NoFreeBlocksError:  # out of head cache: these sequences start over later
             for _, seq, _, _, _ in batch:
                 self._reset(seq)
             return {rid: Draft([]) for rid, _, _, _ in active}
-        for _, seq, _, _, x in batch:
-            seq.rows += x.shape[0]
-            seq.pending, seq.last_input = [], x[-1:]
+        for (_, seq, _, _, _), features in zip(batch, fed_features, strict=True):
+            self._fed(seq, features)
         # Then one row per token: the head's own output stands in for the target feature. The
         # forced tokens are fed as they are; after them, tokens are drawn.
         fed = dict.fromkeys(tokens, 0)  # forced tokens fed so far
@@ -368,6 +495,33 @@ class EagleDrafter(DraftsAhead):
             for rid, _, _, _ in active
         }
 
+    def _new_rows(self, seq: _EagleSeq) -> torch.Tensor | None:
+        """Roll the sequence's head cache back to its feature rows and return the features to
+        feed next: those received since its last proposal, or (none received) its last feature
+        row again; None when it has neither."""
+        assert seq.base is not None
+        self._truncate(seq, seq.rows)  # drop the last proposal's draft rows
+        if seq.pending:
+            return seq.pending[0] if len(seq.pending) == 1 else torch.cat(seq.pending)
+        if seq.last_feature is None:
+            return None
+        seq.rows -= 1
+        self._truncate(seq, seq.rows)
+        return seq.last_feature
+
+    @staticmethod
+    def _next_ids(seq: _EagleSeq, count: int) -> list[int]:
+        """The token after each of the next `count` feature rows of the sequence."""
+        assert seq.base is not None
+        first = seq.base + seq.rows
+        return seq.tokens[first + 1 : first + 1 + count]
+
+    @staticmethod
+    def _fed(seq: _EagleSeq, features: torch.Tensor) -> None:
+        """The cache now holds rows made from `features` after the sequence's feature rows."""
+        seq.rows += features.shape[0]
+        seq.pending, seq.last_feature = [], features[-1:]
+
     def _forward(self, batch: list[tuple[_EagleSeq, torch.Tensor]]) -> torch.Tensor:
         """Head outputs for the last new row of each sequence, `[len(batch), hidden]`."""
         forwards = []
@@ -406,7 +560,7 @@ class EagleDrafter(DraftsAhead):
     def _reset(self, seq: _EagleSeq) -> None:
         """Forget the sequence's head cache and features; the next features start it anew."""
         self._truncate(seq, 0)
-        seq.base, seq.features_end, seq.pending, seq.rows, seq.last_input = None, 0, [], 0, None
+        seq.base, seq.features_end, seq.pending, seq.rows, seq.last_feature = None, 0, [], 0, None
 
     def _sample(
         self, seq: _EagleSeq, logits: torch.Tensor

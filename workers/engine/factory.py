@@ -10,7 +10,7 @@ import torch
 
 from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
-from workers.drafting.eagle import EagleDrafter
+from workers.drafting.eagle import EagleDrafter, loop_config
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.calibration import forward_times
@@ -135,7 +135,9 @@ def build_drafters(
             lookup=ngram if config.spec.eagle_prompt_lookup else None,
             min_confidence=config.spec.min_draft_confidence,
             grammars=None if checkpoint is None else _grammars(checkpoint),
+            loop=loop_config(config, target.device),
         )
+        eagle.capture()
         drafters["eagle"] = eagle
         # A depth's rows are priced by their measured share on a GPU. On the CPU the share
         # measures ~0.01 of a forward, yet a batch of four EAGLE requests priced by it drafted

@@ -92,11 +92,15 @@ class LLMEngine:
         self.allocator = BlockAllocator(self.config.kv_blocks)
         self.scheduler = Scheduler(self.config)
         row_costs: dict[str, float] = {}
+        launch_costs: dict[str, float] = {}
         if draft_seconds and any(draft_seconds.values()):
             one = self._one_token_seconds()
             draft_costs = {**(draft_costs or {}), **{m: s / one for m, s in draft_seconds.items()}}
-            rows = {m: d.row_seconds for m, d in drafters.items() if m in draft_seconds}
-            row_costs = {m: s / one for m, s in rows.items() if s is not None}
+            measured = [(m, d) for m, d in drafters.items() if m in draft_seconds]
+            row_costs = {m: d.row_seconds / one for m, d in measured if d.row_seconds is not None}
+            launch_costs = {
+                m: d.launch_seconds / one for m, d in measured if d.launch_seconds is not None
+            }
         self.speculator = Speculator(
             self.config.spec,
             drafters,
@@ -105,6 +109,7 @@ class LLMEngine:
             draft_costs,
             model.config.vocab_size,
             row_costs,
+            launch_costs,
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)

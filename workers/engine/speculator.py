@@ -81,6 +81,7 @@ class Speculator:
         draft_costs: dict[str, float] | None = None,
         vocab_size: int | None = None,
         draft_row_costs: dict[str, float] | None = None,
+        draft_launch_costs: dict[str, float] | None = None,
     ) -> None:
         self.config = config
         self.drafters = drafters
@@ -89,12 +90,15 @@ class Speculator:
         self.verify_costs = verify_costs
         # A drafted token's cost in one-token target forwards, per method (0 when not listed):
         # one forward of its drafter for one sequence; and what each further sequence drafting
-        # at that depth adds (not listed: as much again, a cost per token per sequence).
+        # at that depth adds (not listed: as much again, a cost per token per sequence); and
+        # what a step in which the method drafts pays once, whatever the depth (not listed: 0).
         self.draft_costs = dict(draft_costs or {})
         self.draft_row_costs = dict(draft_row_costs or {})
+        self.draft_launch_costs = dict(draft_launch_costs or {})
         if any(self.draft_costs.values()):
             costs = ", ".join(
-                f"{m} {c:.3f} (+{self.row_cost(m):.3f} a further sequence)"
+                f"{m} {c:.3f} (+{self.row_cost(m):.3f} a further sequence, "
+                f"+{self.draft_launch_costs.get(m, 0.0):.3f} a step)"
                 for m, c in sorted(self.draft_costs.items())
             )
             log.info("a draft token costs (in one-token target forwards): %s", costs)
@@ -133,8 +137,8 @@ class Speculator:
     def step_cost(self, methods: list[str], ks: list[int]) -> float:
         """One step of a batch whose sequence i drafts ks[i] tokens with methods[i]: the forward
         over every sequence's token and drafts, each drafter's forwards (as many as its
-        longest draft has tokens, each over every sequence still drafting), and the host
-        overhead."""
+        longest draft has tokens, each over every sequence still drafting, plus its launch),
+        and the host overhead."""
         cost = self.forward_cost(len(ks) + sum(ks))
         depths: dict[str, int] = {}
         drafted: dict[str, int] = {}
@@ -145,6 +149,7 @@ class Speculator:
                 drafted[method] = drafted.get(method, 0) + k
         for method, depth in depths.items():
             # Each depth's forward for its first sequence, and every other draft token's share.
+            cost += self.draft_launch_costs.get(method, 0.0)
             cost += depth * self.draft_costs.get(method, 0.0)
             cost += (drafted[method] - depth) * self.row_cost(method)
         return cost
@@ -239,6 +244,8 @@ class Speculator:
                 method = methods[i]
                 if ks[i] >= depths[method]:  # a depth its drafter had not reached
                     extra += self.draft_costs.get(method, 0.0)
+                    if depths[method] == 0:  # and its first: the drafter's launch too
+                        extra += self.draft_launch_costs.get(method, 0.0)
                 else:  # a further sequence at a depth already drafted
                     extra += self.row_cost(method)
                 return reach[i][ks[i]] / max(extra, 1e-9)

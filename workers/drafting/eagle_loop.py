@@ -1,0 +1,286 @@
+"""EAGLE's greedy draft as one fixed-shape program: what a CUDA graph captures.
+
+A proposal for `num_seqs` greedy sequences, each drafting up to `depth` tokens, is one call of
+`EagleDraftLoop.run`: the head's extend over each sequence's new feature rows (the positions
+verified since its last proposal, at most `width` = k + 1 of them, padded at the end as a
+uniform verify step is), then `depth` draft steps, each the LM head over the draft vocabulary,
+its argmax and that token's probability, and (but for the last) the head's layer over the
+drawn token. Everything it reads lives in persistent buffers (`LoopBuffers`): the rows' next
+tokens, each sequence's first cache row and row count, the block tables, and the feature rows;
+the cache slots and positions of every step are computed from them on the device. Its outputs,
+every sequence's `depth` tokens and probabilities, come back in one device-to-host copy; the
+host cuts each draft to its sequence's k and confidence bar (base.py `ConfidenceStop`), which
+decides nothing the device needed: a draft that ends early only leaves draft rows in the head's
+cache, which the next proposal rolls back anyway.
+
+On a GPU `capture` records one graph per (batch size, depth) (batch sizes 1, 2, 4, 8, then every
+16, as the verifier's graph runner), so a proposal is one replay instead of tens of launches and
+a host sync per token. Elsewhere the same program runs eagerly, which is how the CPU tests check
+it against the eager drafter (workers/drafting/eagle.py). Padded sequences and padded rows write
+their K/V to a scratch slot that no sequence owns; their outputs are never read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import AttentionBackend, AttentionMetadata
+from workers.eagle.head import EagleHead
+from workers.engine.graph_runner import CaptureReport, capture_sizes
+from workers.engine.step_buffers import Buffer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopShape:
+    num_seqs: int  # a captured batch size (real sequences + padding)
+    depth: int  # draft tokens per sequence
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSeq:
+    """One sequence's part of a proposal."""
+
+    next_ids: list[int]  # the token after each new feature row (1..width of them)
+    first_row: int  # the head-cache row of the first new feature row
+    block_ids: list[int]  # its head-cache block table, covering every row the loop writes
+
+
+class LoopBuffers:
+    """The loop's inputs, one int64 device buffer written from a host one with one copy (pinned
+    on a GPU): next tokens `[max_seqs * width]`, first rows and row counts `[max_seqs]` each,
+    and block tables `[max_seqs, max_blocks]`; the feature rows have their own device buffer."""
+
+    def __init__(
+        self,
+        max_seqs: int,
+        width: int,
+        max_blocks: int,
+        feature_width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.max_seqs, self.width, self.max_blocks = max_seqs, width, max_blocks
+        num_rows = max_seqs * width
+        self._firsts_at = num_rows
+        self._counts_at = num_rows + max_seqs
+        self._tables_at = num_rows + 2 * max_seqs
+        size = self._tables_at + max_seqs * max_blocks
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self.device = torch.zeros(size, dtype=torch.int64, device=device)
+        self._host = self.host.numpy()
+        self.features = torch.zeros(num_rows, feature_width, dtype=dtype, device=device)
+        self._copied = torch.cuda.Event() if pinned else None
+
+    def views(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(next ids `[num_seqs, width]`, first rows, row counts, block tables) on the device."""
+        return self._regions(self.device, num_seqs)
+
+    def _regions(self, buf: Buffer, num_seqs: int) -> tuple[Buffer, Buffer, Buffer, Buffer]:
+        b, w = num_seqs, self.width
+        ids = buf[: b * w].reshape(b, w)
+        firsts = buf[self._firsts_at : self._firsts_at + b]
+        counts = buf[self._counts_at : self._counts_at + b]
+        tables = buf[self._tables_at : self._tables_at + b * self.max_blocks]
+        return ids, firsts, counts, tables.reshape(b, self.max_blocks)
+
+    def stage(self, seqs: list[LoopSeq], features: list[torch.Tensor], num_seqs: int) -> None:
+        """Write a proposal's inputs, padded to `num_seqs` (padding has no rows), and its
+        feature rows (`features[i]`: `[len(seqs[i].next_ids), feature width]`, on the device)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the host buffer
+        ids, firsts, counts, tables = self._regions(self._host, num_seqs)
+        ids[:] = 0
+        firsts[:] = 0
+        counts[:] = 0
+        tables[:] = 0
+        rows: list[int] = []
+        for i, seq in enumerate(seqs):
+            n = len(seq.next_ids)
+            ids[i, :n] = seq.next_ids
+            firsts[i], counts[i] = seq.first_row, n
+            tables[i, : len(seq.block_ids)] = seq.block_ids
+            rows.extend(range(i * self.width, i * self.width + n))
+        end = self._tables_at + num_seqs * self.max_blocks  # the shape's last table
+        self.device[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device.device, non_blocking=True)
+        self.features.index_copy_(0, index, torch.cat(features))
+
+
+class EagleDraftLoop:
+    """The fixed-shape greedy draft of an EAGLE head over its paged cache (module docstring)."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attention: AttentionBackend,
+        *,
+        block_size: int,
+        scratch_slot: int,
+        max_seqs: int,
+        max_depth: int,
+        max_rows: int,  # the most head-cache rows a sequence has (its context and a draft)
+    ) -> None:
+        if max_depth < 1:
+            raise ValueError("the draft loop drafts at least one token")
+        self.head, self.kv_cache, self.attention = head, kv_cache, attention
+        self.block_size, self.scratch_slot = block_size, scratch_slot
+        self.sizes = capture_sizes(max_seqs)
+        self.max_depth, self.width = max_depth, max_depth + 1
+        self.max_positions = head.config.max_positions
+        device, dtype = kv_cache[0].device, kv_cache[0].dtype
+        config = head.config
+        max_blocks = -(-(max_rows + self.width + max_depth) // block_size)
+        self.buffers = LoopBuffers(
+            self.sizes[-1],
+            self.width,
+            max_blocks,
+            len(config.target_layers) * config.hidden_size,
+            dtype,
+            device,
+        )
+        b = self.sizes[-1]
+        self._tokens = torch.zeros(b, max_depth, dtype=torch.int64, device=device)
+        self._probs = torch.zeros(b, max_depth, dtype=torch.float32, device=device)
+        pinned = device.type == "cuda"
+        self._tokens_host = torch.zeros(b, max_depth, dtype=torch.int64, pin_memory=pinned)
+        self._probs_host = torch.zeros(b, max_depth, dtype=torch.float32, pin_memory=pinned)
+        self._graphs: dict[LoopShape, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0
+        self.num_eager_runs = 0
+
+    @property
+    def max_seqs(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def shape_for(self, num_seqs: int, depth: int) -> LoopShape:
+        if not 1 <= num_seqs <= self.max_seqs or not 1 <= depth <= self.max_depth:
+            raise ValueError(f"no loop shape for {num_seqs} sequences x {depth} tokens")
+        return LoopShape(next(s for s in self.sizes if s >= num_seqs), depth)
+
+    @torch.inference_mode()
+    def draft(
+        self, seqs: list[LoopSeq], features: list[torch.Tensor], depth: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's `depth` greedy draft tokens (target ids) and the head's probability
+        of each, `[len(seqs), depth]` int64 and float32 on the host."""
+        if any(not 1 <= len(s.next_ids) <= self.width for s in seqs):
+            raise ValueError(f"the loop takes 1..{self.width} new rows a sequence")
+        shape = self.shape_for(len(seqs), depth)
+        self.buffers.stage(seqs, features, shape.num_seqs)
+        graph = self._graphs.get(shape)
+        if graph is not None:
+            graph.replay()
+            self.num_replays += 1
+        else:
+            self._run(shape)
+            self.num_eager_runs += 1
+        n = len(seqs)
+        tokens, probs = self._tokens_host[:n, :depth], self._probs_host[:n, :depth]
+        tokens.copy_(self._tokens[:n, :depth], non_blocking=True)
+        probs.copy_(self._probs[:n, :depth], non_blocking=True)
+        if tokens.is_pinned():
+            torch.cuda.current_stream().synchronize()
+        return tokens.clone(), probs.clone()
+
+    def capture(self) -> CaptureReport:
+        """Capture a graph for every (batch size, depth), largest first into one pool."""
+        device = self.buffers.device.device
+        if device.type != "cuda":
+            raise RuntimeError("CUDA graphs need the head on a CUDA device")
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        shapes = [
+            LoopShape(b, d) for b in reversed(self.sizes) for d in range(self.max_depth, 0, -1)
+        ]
+        with torch.inference_mode():
+            for shape in shapes:
+                self.buffers.stage([], [self.buffers.features[:0]], shape.num_seqs)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._run(shape)  # warm-up outside the capture (lazy inits, autotuning)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._run(shape)
+                self._graphs[shape] = graph
+        torch.cuda.synchronize()
+        report = CaptureReport(
+            len(shapes), time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0]
+        )
+        log.info(
+            "captured %d EAGLE draft graphs (batch sizes %s, depths 1..%d) in %.1f s, %.0f MiB",
+            report.num_graphs,
+            self.sizes,
+            self.max_depth,
+            report.seconds,
+            report.memory_bytes / 2**20,
+        )
+        return report
+
+    def _run(self, shape: LoopShape) -> None:
+        """The draft at `shape` on the persistent buffers, into the fixed outputs."""
+        head, b, w = self.head, shape.num_seqs, self.width
+        ids, firsts, counts, tables = self.buffers.views(b)
+        device = ids.device
+        # The extend: row j of sequence i is cache row firsts[i] + j, real while j < counts[i].
+        offsets = torch.arange(w, device=device)
+        rows = firsts.view(-1, 1) + offsets.view(1, -1)  # [b, w]
+        real = offsets.view(1, -1) < counts.view(-1, 1)
+        x = head.layer_input(head.fuse_features(self.buffers.features[: b * w]), ids.reshape(-1))
+        a = self._layer(x, rows, real, tables, w)
+        last = torch.arange(b, device=device) * w + (counts - 1).clamp(min=0)
+        a = a.index_select(0, last)  # [b, hidden]: the output at each last new row
+        row = firsts + counts  # the next cache row of each sequence
+        has_rows = (counts > 0).view(-1, 1)
+        for d in range(shape.depth):
+            logits = head.draft_logits(a)
+            index = logits.argmax(dim=-1)
+            probs = torch.softmax(logits.float(), dim=-1)
+            self._probs[:b, d] = probs.gather(1, index.view(-1, 1)).view(-1)
+            token = head.draft_vocab.index_select(0, index)
+            self._tokens[:b, d] = token
+            if d + 1 < shape.depth:
+                x = head.layer_input(a, token)
+                a = self._layer(x, (row + d).view(-1, 1), has_rows, tables, 1)
+
+    def _layer(
+        self,
+        x: torch.Tensor,  # [b * width, hidden]
+        rows: torch.Tensor,  # [b, width] cache row (= rotary position) of each input row
+        real: torch.Tensor,  # [b, width] which rows are real (the rest write the scratch slot)
+        tables: torch.Tensor,  # [b, max_blocks]
+        width: int,
+    ) -> torch.Tensor:
+        bs = self.block_size
+        blocks = tables.gather(1, torch.where(real, rows // bs, 0))
+        slots = torch.where(real, blocks * bs + rows % bs, self.scratch_slot)
+        seq_lens = rows[:, 0] + width
+        num_seqs = tables.shape[0]
+        meta = AttentionMetadata(
+            block_size=bs,
+            query_start_loc=seq_lens,  # unused by uniform backends
+            seq_lens=seq_lens,
+            block_tables=tables,
+            slot_mapping=slots.reshape(-1),
+            query_lens_host=(width,) * num_seqs,
+            seq_lens_host=(width,) * num_seqs,
+        )
+        positions = rows.reshape(-1).clamp(max=self.max_positions - 1)
+        return self.head.forward_paged(x, positions, meta, self.kv_cache, self.attention)
