@@ -68,6 +68,30 @@ def goals(run: dict[str, Any]) -> str:
         rows.append(
             ["ngram vs plain, code edit, single stream", _x(ratio), ">= 2.5x", ratio >= 2.5]
         )
+        for kind, by_method in single.items():
+            if "eagle" in by_method:
+                ratio, want = (
+                    by_method["eagle"] / by_method["none"],
+                    1.6 if kind == "open chat" else 2,
+                )
+                rows.append(
+                    [
+                        f"eagle vs plain, {kind}, single stream",
+                        _x(ratio),
+                        f">= {want}x",
+                        ratio >= want,
+                    ]
+                )
+    cost = run.get("engine", {}).get("draft_costs", {}).get("eagle")
+    if cost is not None:
+        rows.append(
+            [
+                "an EAGLE draft depth, in one-token target forwards",
+                f"{cost:.3f}",
+                "<= 0.08",
+                cost <= 0.08,
+            ]
+        )
     for level in ("16", "64", "256"):
         for method, rate in levels.get(level, {}).items():
             if method != "none":
