@@ -145,7 +145,7 @@ class EagleDrafter(DraftsAhead):
         self.allocator = BlockAllocator(num_blocks)
         self.backend = attention or NativeCpuAttention()
         self.max_model_len = max_model_len or target.config.max_position_embeddings
-        self.loop = None if loop is None else self._make_loop(loop, num_blocks)
+        self.loop = None if loop is None else self._make_loop(loop, num_blocks, min_confidence > 0)
         self.vocab = head.draft_vocab.cpu()  # sampling is host work (per-request generators)
         self.full_vocab_size = target.config.vocab_size
         self._seqs: dict[str, _EagleSeq] = {}
@@ -159,7 +159,9 @@ class EagleDrafter(DraftsAhead):
         # grammars, and the target rejects what they break).
         self.grammars = grammars
 
-    def _make_loop(self, config: LoopConfig, scratch_block: int) -> EagleDraftLoop:
+    def _make_loop(
+        self, config: LoopConfig, scratch_block: int, confidence: bool
+    ) -> EagleDraftLoop:
         shape = self.head.config
         width = config.max_depth + 1
         attention = config.attention or select_uniform_backend(
@@ -178,6 +180,7 @@ class EagleDrafter(DraftsAhead):
             max_seqs=config.max_seqs,
             max_depth=config.max_depth,
             max_rows=self.max_model_len,
+            confidence=confidence,
         )
 
     def capture(self) -> CaptureReport | None:

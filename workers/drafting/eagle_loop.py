@@ -53,8 +53,9 @@ class LoopSeq:
 
 class LoopBuffers:
     """The loop's inputs, one int64 device buffer written from a host one with one copy (pinned
-    on a GPU): next tokens `[max_seqs * width]`, first rows and row counts `[max_seqs]` each,
-    and block tables `[max_seqs, max_blocks]`; the feature rows have their own device buffer."""
+    on a GPU): where each new feature row goes in the feature buffer, next tokens (both
+    `[max_seqs * width]`), first rows and row counts (`[max_seqs]` each) and block tables
+    (`[max_seqs, max_blocks]`); the feature rows have their own device buffer."""
 
     def __init__(
         self,
@@ -67,9 +68,10 @@ class LoopBuffers:
     ) -> None:
         self.max_seqs, self.width, self.max_blocks = max_seqs, width, max_blocks
         num_rows = max_seqs * width
-        self._firsts_at = num_rows
-        self._counts_at = num_rows + max_seqs
-        self._tables_at = num_rows + 2 * max_seqs
+        self._ids_at = num_rows  # the feature rows' places come first
+        self._firsts_at = 2 * num_rows
+        self._counts_at = self._firsts_at + max_seqs
+        self._tables_at = self._counts_at + max_seqs
         size = self._tables_at + max_seqs * max_blocks
         pinned = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
@@ -84,7 +86,7 @@ class LoopBuffers:
 
     def _regions(self, buf: Buffer, num_seqs: int) -> tuple[Buffer, Buffer, Buffer, Buffer]:
         b, w = num_seqs, self.width
-        ids = buf[: b * w].reshape(b, w)
+        ids = buf[self._ids_at : self._ids_at + b * w].reshape(b, w)
         firsts = buf[self._firsts_at : self._firsts_at + b]
         counts = buf[self._counts_at : self._counts_at + b]
         tables = buf[self._tables_at : self._tables_at + b * self.max_blocks]
@@ -100,19 +102,20 @@ class LoopBuffers:
         firsts[:] = 0
         counts[:] = 0
         tables[:] = 0
-        rows: list[int] = []
+        num_rows = 0
         for i, seq in enumerate(seqs):
             n = len(seq.next_ids)
             ids[i, :n] = seq.next_ids
             firsts[i], counts[i] = seq.first_row, n
             tables[i, : len(seq.block_ids)] = seq.block_ids
-            rows.extend(range(i * self.width, i * self.width + n))
+            self._host[num_rows : num_rows + n] = range(i * self.width, i * self.width + n)
+            num_rows += n
         end = self._tables_at + num_seqs * self.max_blocks  # the shape's last table
         self.device[:end].copy_(self.host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device.device, non_blocking=True)
-        self.features.index_copy_(0, index, torch.cat(features))
+        rows = features[0] if len(features) == 1 else torch.cat(features)
+        self.features.index_copy_(0, self.device[:num_rows], rows)
 
 
 class EagleDraftLoop:
@@ -129,10 +132,12 @@ class EagleDraftLoop:
         max_seqs: int,
         max_depth: int,
         max_rows: int,  # the most head-cache rows a sequence has (its context and a draft)
+        confidence: bool = True,  # whether drafts need the head's probabilities (a bar)
     ) -> None:
         if max_depth < 1:
             raise ValueError("the draft loop drafts at least one token")
         self.head, self.kv_cache, self.attention = head, kv_cache, attention
+        self.confidence = confidence
         self.block_size, self.scratch_slot = block_size, scratch_slot
         self.sizes = capture_sizes(max_seqs)
         self.max_depth, self.width = max_depth, max_depth + 1
@@ -149,11 +154,12 @@ class EagleDraftLoop:
             device,
         )
         b = self.sizes[-1]
-        self._tokens = torch.zeros(b, max_depth, dtype=torch.int64, device=device)
-        self._probs = torch.zeros(b, max_depth, dtype=torch.float32, device=device)
+        # Outputs by depth, `[max_depth, max_seqs]`: each depth writes a contiguous row.
+        self._tokens = torch.zeros(max_depth, b, dtype=torch.int64, device=device)
+        self._probs = torch.ones(max_depth, b, dtype=torch.float32, device=device)
         pinned = device.type == "cuda"
-        self._tokens_host = torch.zeros(b, max_depth, dtype=torch.int64, pin_memory=pinned)
-        self._probs_host = torch.zeros(b, max_depth, dtype=torch.float32, pin_memory=pinned)
+        self._tokens_host = torch.zeros(max_depth, b, dtype=torch.int64, pin_memory=pinned)
+        self._probs_host = torch.zeros(max_depth, b, dtype=torch.float32, pin_memory=pinned)
         self._graphs: dict[LoopShape, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self.num_eager_runs = 0
@@ -176,7 +182,8 @@ class EagleDraftLoop:
         self, seqs: list[LoopSeq], features: list[torch.Tensor], depth: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every sequence's `depth` greedy draft tokens (target ids) and the head's probability
-        of each, `[len(seqs), depth]` int64 and float32 on the host."""
+        of each (1.0 where the loop keeps no `confidence`), `[len(seqs), depth]` int64 and
+        float32 on the host."""
         if any(not 1 <= len(s.next_ids) <= self.width for s in seqs):
             raise ValueError(f"the loop takes 1..{self.width} new rows a sequence")
         shape = self.shape_for(len(seqs), depth)
@@ -189,12 +196,15 @@ class EagleDraftLoop:
             self._run(shape)
             self.num_eager_runs += 1
         n = len(seqs)
-        tokens, probs = self._tokens_host[:n, :depth], self._probs_host[:n, :depth]
-        tokens.copy_(self._tokens[:n, :depth], non_blocking=True)
-        probs.copy_(self._probs[:n, :depth], non_blocking=True)
+        tokens, probs = self._tokens_host[:depth, :n], self._probs_host[:depth, :n]
+        tokens.copy_(self._tokens[:depth, :n], non_blocking=True)
+        if self.confidence:
+            probs.copy_(self._probs[:depth, :n], non_blocking=True)
         if tokens.is_pinned():
             torch.cuda.current_stream().synchronize()
-        return tokens.clone(), probs.clone()
+        if not self.confidence:
+            return tokens.T.clone(), torch.ones(n, depth)
+        return tokens.T.clone(), probs.T.clone()
 
     def capture(self) -> CaptureReport:
         """Capture a graph for every (batch size, depth), largest first into one pool."""
@@ -244,43 +254,61 @@ class EagleDraftLoop:
         rows = firsts.view(-1, 1) + offsets.view(1, -1)  # [b, w]
         real = offsets.view(1, -1) < counts.view(-1, 1)
         x = head.layer_input(head.fuse_features(self.buffers.features[: b * w]), ids.reshape(-1))
-        a = self._layer(x, rows, real, tables, w)
+        slots, positions = self._places(rows, real, tables)
+        a = self._layer(x, slots.reshape(-1), positions.reshape(-1), rows[:, 0] + w, tables, w)
         last = torch.arange(b, device=device) * w + (counts - 1).clamp(min=0)
         a = a.index_select(0, last)  # [b, hidden]: the output at each last new row
-        row = firsts + counts  # the next cache row of each sequence
-        has_rows = (counts > 0).view(-1, 1)
+        # Every later depth's row at once, `[depth - 1, b]` (each depth's own row contiguous):
+        # sequence i's d-th drawn token goes into cache row firsts[i] + counts[i] + d.
+        if shape.depth > 1:
+            steps = torch.arange(shape.depth - 1, device=device).view(-1, 1)
+            depth_rows = (firsts + counts).view(1, -1) + steps
+            depth_real = (counts > 0).view(1, -1).expand_as(depth_rows)
+            depth_slots, depth_positions = self._places(depth_rows, depth_real, tables, True)
+            depth_lens = depth_rows + 1
         for d in range(shape.depth):
             logits = head.draft_logits(a)
             index = logits.argmax(dim=-1)
-            probs = torch.softmax(logits.float(), dim=-1)
-            self._probs[:b, d] = probs.gather(1, index.view(-1, 1)).view(-1)
+            if self.confidence:
+                probs = torch.softmax(logits.float(), dim=-1)
+                self._probs[d, :b] = probs.gather(1, index.view(-1, 1)).view(-1)
             token = head.draft_vocab.index_select(0, index)
-            self._tokens[:b, d] = token
+            self._tokens[d, :b] = token
             if d + 1 < shape.depth:
                 x = head.layer_input(a, token)
-                a = self._layer(x, (row + d).view(-1, 1), has_rows, tables, 1)
+                a = self._layer(x, depth_slots[d], depth_positions[d], depth_lens[d], tables, 1)
+
+    def _places(
+        self,
+        rows: torch.Tensor,  # cache row (= rotary position) of each input row
+        real: torch.Tensor,  # which rows are real (the rest write the scratch slot)
+        tables: torch.Tensor,  # [b, max_blocks]
+        by_depth: bool = False,  # rows are [depth, b], not [b, width]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache slot, clamped rotary position) of each row."""
+        bs = self.block_size
+        index = torch.where(real, rows // bs, 0)
+        blocks = tables.gather(1, index.T).T if by_depth else tables.gather(1, index)
+        slots = torch.where(real, blocks * bs + rows % bs, self.scratch_slot)
+        return slots.contiguous(), rows.clamp(max=self.max_positions - 1).contiguous()
 
     def _layer(
         self,
         x: torch.Tensor,  # [b * width, hidden]
-        rows: torch.Tensor,  # [b, width] cache row (= rotary position) of each input row
-        real: torch.Tensor,  # [b, width] which rows are real (the rest write the scratch slot)
+        slots: torch.Tensor,  # [b * width] each row's cache slot
+        positions: torch.Tensor,  # [b * width] each row's rotary position
+        seq_lens: torch.Tensor,  # [b] each sequence's rows, these included
         tables: torch.Tensor,  # [b, max_blocks]
         width: int,
     ) -> torch.Tensor:
-        bs = self.block_size
-        blocks = tables.gather(1, torch.where(real, rows // bs, 0))
-        slots = torch.where(real, blocks * bs + rows % bs, self.scratch_slot)
-        seq_lens = rows[:, 0] + width
         num_seqs = tables.shape[0]
         meta = AttentionMetadata(
-            block_size=bs,
+            block_size=self.block_size,
             query_start_loc=seq_lens,  # unused by uniform backends
             seq_lens=seq_lens,
             block_tables=tables,
-            slot_mapping=slots.reshape(-1),
+            slot_mapping=slots,
             query_lens_host=(width,) * num_seqs,
             seq_lens_host=(width,) * num_seqs,
         )
-        positions = rows.reshape(-1).clamp(max=self.max_positions - 1)
         return self.head.forward_paged(x, positions, meta, self.kv_cache, self.attention)
