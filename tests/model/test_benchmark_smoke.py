@@ -86,7 +86,9 @@ def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> Non
     assert "error" not in results["engine"] and "error" not in results["single"]
     assert set(results["single"]["tokens_per_s"]["code edit"]) == {"none", "ngram", "eagle"}
     report = tmp_path / "benchmarks.md"
-    runs = [str(root / "docs" / "bench_gpu" / name) for name in ("h200-k4.json", "h200-k4-fixed.json")]
+    runs = [
+        str(root / "docs" / "bench_gpu" / name) for name in ("h200-k4.json", "h200-k4-fixed.json")
+    ]
     run_script("bench_gpu", "--render", *runs, "--output", str(report))
     text = report.read_text()
     assert "<!-- bench_gpu:start -->" in text and "| goal | measured | target | met |" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
 
@@ -15,13 +16,34 @@ from tests.unit.helpers import draft_ends_where_its_probability_falls_below_the_
 from workers.drafting.ahead import WHOLE_RATE_DECAY, AheadState
 from workers.drafting.base import Draft, DraftRequest, DraftStateError
 from workers.drafting.draft_model import DraftModelDrafter
-from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter, prompt_lookup
+from workers.drafting.ngram import (
+    LookupIndex,
+    NgramConfig,
+    NgramDrafter,
+    SuffixDrafter,
+    prompt_lookup,
+)
 from workers.engine.config import SpecConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence, SpecStats
 from workers.engine.speculator import SPEC_STEP_OVERHEAD, Speculator, acceptance_curve
 from workers.kv_cache import BlockAllocator, BlockTable
 from workers.model.transformer import TransformerLM
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_lookup_index_finds_what_a_scan_finds(seed: int) -> None:
+    """`LookupIndex` over a growing text (a few tokens a step, from a small vocabulary so that
+    n-grams repeat) answers every lookup as `prompt_lookup`'s scan does."""
+    rng = random.Random(seed)
+    index = LookupIndex(1, 4)
+    tokens: list[int] = []
+    for _ in range(120):
+        tokens += [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+        for low, high in ((2, 4), (1, 1), (3, 3), (1, 4)):
+            assert index.find(tokens, 5, low, high) == prompt_lookup(tokens, 5, low, high)
+    with pytest.raises(ValueError, match="not all indexed"):
+        LookupIndex(2, 4).find(tokens, 5, 1, 4)
 
 
 def test_prompt_lookup_continues_the_latest_longest_match() -> None:

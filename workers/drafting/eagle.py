@@ -48,7 +48,7 @@ from workers.drafting.base import (
     greedy_probability,
 )
 from workers.drafting.eagle_loop import EagleDraftLoop, LoopSeq
-from workers.drafting.ngram import NgramConfig, Prediction, prompt_lookup
+from workers.drafting.ngram import LookupIndex, NgramConfig, Prediction, prompt_lookup
 from workers.eagle.head import EagleHead
 from workers.engine.config import EngineConfig
 from workers.engine.graph_runner import CaptureReport
@@ -104,6 +104,7 @@ class _EagleSeq:
     # (committed tokens, what prompt lookup found after them, up to LOOKUP_AHEAD tokens): a
     # lookup made to price the next draft, reused by it
     looked_up: tuple[int, list[int]] | None = None
+    index: LookupIndex | None = None  # prompt lookup's over the committed tokens
 
 
 @dataclass(slots=True)
@@ -254,9 +255,13 @@ class EagleDrafter(DraftsAhead):
         committed = text is seq.tokens
         if committed and seq.looked_up is not None and seq.looked_up[0] == len(text):
             return seq.looked_up[1]
-        found = prompt_lookup(text, LOOKUP_AHEAD, self.lookup.min_n, self.lookup.max_n)
-        if committed:
-            seq.looked_up = (len(text), found)
+        low, high = self.lookup.min_n, self.lookup.max_n
+        if not committed:  # with guessed tokens after the committed ones (drafting ahead)
+            return prompt_lookup(text, LOOKUP_AHEAD, low, high)
+        if seq.index is None:
+            seq.index = LookupIndex(low, high)
+        found = seq.index.find(text, LOOKUP_AHEAD, low, high)
+        seq.looked_up = (len(text), found)
         return found
 
     def _can_draft(self, seq: _EagleSeq) -> bool:

@@ -194,14 +194,27 @@ class NgramDrafter(_TokenDrafter):
     def __init__(self, config: NgramConfig | None = None) -> None:
         super().__init__(config)
         self.pool: SharedNgramPool | None = None  # set by the runtime when Redis shares one
+        self._indexes: dict[str, LookupIndex] = {}
+
+    def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._indexes.pop(request_id, None)  # a text that starts over
+        super().add(request_id, prompt_token_ids, params)
+
+    def remove(self, request_id: str) -> None:
+        super().remove(request_id)
+        self._indexes.pop(request_id, None)
 
     def _draft(self, request_id: str, tokens: list[int], k: int) -> list[int]:
         config = self.config
-        draft = prompt_lookup(tokens, k, config.min_n, config.max_n)
+        index = self._indexes.get(request_id)
+        if index is None:  # the fallback's one-token n-grams too
+            low = 1 if config.fallback_tokens else config.min_n
+            index = self._indexes[request_id] = LookupIndex(low, config.max_n)
+        draft = index.find(tokens, k, config.min_n, config.max_n)
         if not draft and self.pool is not None:  # another request's n-gram: stronger evidence
             draft = self.pool.lookup(tokens, k)
-        if not draft and config.min_n > 1:
-            draft = prompt_lookup(tokens, min(k, config.fallback_tokens), 1, 1)
+        if not draft and config.min_n > 1 and config.fallback_tokens:
+            draft = index.find(tokens, min(k, config.fallback_tokens), 1, 1)
         return draft
 
 
@@ -220,6 +233,56 @@ def prompt_lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list
             start = int(hits[-1]) + n
             return arr[start : start + k].tolist()
     return []
+
+
+# An n-gram's key in `LookupIndex`: its tokens packed above a leading 1 (so lengths differ),
+# each in this many bits (token ids below 2**21, past any vocabulary served).
+_KEY_BITS = 21
+
+
+class LookupIndex:
+    """`prompt_lookup` over a text that only grows, without a scan: where each n-gram of
+    `min_n..max_n` tokens last occurred with a token after it, indexed up to the text's end
+    when asked (so a sequence that never drafts costs nothing). A lookup is a few dict reads."""
+
+    __slots__ = ("_last", "_seen", "max_n", "min_n")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._last: dict[int, int] = {}  # n-gram key -> its latest start followed by a token
+        self._seen = 0  # tokens of the text indexed so far
+
+    def find(self, tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+        """`prompt_lookup(tokens, k, min_n, max_n)` (within the index's n), for `tokens` the
+        text given before, grown."""
+        if not self.min_n <= min_n <= max_n <= self.max_n:
+            raise ValueError(f"n-grams of {min_n}..{max_n} are not all indexed")
+        if k <= 0 or len(tokens) <= min_n:
+            return []
+        self._index(tokens)
+        last = self._last
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            start = last.get(_key(tokens, len(tokens) - n, n))
+            if start is not None:
+                return list(tokens[start + n : start + n + k])
+        return []
+
+    def _index(self, tokens: Sequence[int]) -> None:
+        """Index the n-grams that a token after them closed since the last call."""
+        last, lo, hi = self._last, self.min_n, self.max_n
+        for end in range(max(self._seen, 1), len(tokens)):  # tokens[end] follows the n-grams
+            for n in range(lo, min(hi, end) + 1):
+                last[_key(tokens, end - n, n)] = end - n
+        self._seen = max(self._seen, len(tokens))
+
+
+def _key(tokens: Sequence[int], start: int, n: int) -> int:
+    key = 1
+    for token in tokens[start : start + n]:
+        key = (key << _KEY_BITS) | token
+    return key
 
 
 class SuffixDrafter(_TokenDrafter):
