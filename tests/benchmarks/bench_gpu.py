@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from workers.drafting.base import Drafter
-from workers.drafting.eagle import EagleDrafter, loop_config
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.eagle_loop import loop_config
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.eagle.prompts import held_out_prompts

@@ -15,7 +15,8 @@ from kernels.linear import row_independent_rows
 from tests.model.helpers import run_staggered
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.drafting.draft_model import DraftModelDrafter
-from workers.drafting.eagle import EagleDrafter, LoopConfig
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.eagle_loop import LoopConfig
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig

@@ -216,7 +216,7 @@ def test_graph_drafted_eagle_gives_plain_decodings_output(
     """EAGLE drafting from its captured draft loop (up to 64 sequences a replay), the target
     replaying its graphs: greedy output equals plain decoding, fp32, also where a KV cache too
     small for the batch preempts and recomputes requests (`kv_blocks`)."""
-    from workers.drafting.eagle import LoopConfig
+    from workers.drafting.eagle_loop import LoopConfig
 
     prompt_ids = prompts(batch, seed=batch + 70)
     plain = SequentialEngine(graph_model, max_model_len=512)

@@ -12,7 +12,8 @@ import torch
 
 from tests.factories import tiny_eagle_head, tiny_model
 from workers.drafting.base import DraftRequest
-from workers.drafting.eagle import EagleDrafter, LoopConfig
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.eagle_loop import LoopConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.model.transformer import TransformerLM
 

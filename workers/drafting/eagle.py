@@ -5,7 +5,8 @@ per verified position) and the committed tokens, and keeps the head's own one-la
 cache: row r holds the head's input for position base + r (the target feature there plus the
 token after it), where `base` is the first position it has a feature for (later than 0 when the
 verifier reused a cached prompt prefix and never recomputed its start; rotary attention only
-sees relative positions, so rows are indexed from 0 without loss).
+sees relative positions, so rows are indexed from 0 without loss). A sequence's state and its
+cache's bookkeeping are workers/drafting/eagle_seq.py's.
 
 A proposal first rolls the cache back to the rows made from target features (the previous
 draft's rows go), feeds the rows for newly verified positions in one batched forward (their
@@ -13,7 +14,9 @@ last output drafts the first token), then drafts one token per forward, batched 
 with the head's own output standing in for the target feature. Drafts follow the same
 temperature/top-k/top-p/min-p transform as the target, and q is returned for rejection sampling;
 tokens outside the draft vocabulary have q = 0. A draft ends early once the head's probability
-of it falls below `min_confidence` (base.py `ConfidenceStop`).
+of it falls below `min_confidence` (base.py `ConfidenceStop`). With a draft loop
+(workers/drafting/eagle_loop.py, CUDA graphs on a GPU), greedy proposals without forced tokens
+or a grammar and with at most k + 1 new feature rows are drafted there instead, in one replay.
 
 With `lookup` set, a sequence whose text ends in an n-gram that occurred before is drafted by
 prompt lookup instead (what followed the n-gram there; q one-hot) and the head does not run for
@@ -31,26 +34,25 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kernels.attention import AttentionBackend, NativeCpuAttention
 from kernels.attention_uniform import select_uniform_backend
 from kernels.sampling import sample_from_probs
-from workers.drafting.ahead import AheadState, DraftsAhead
+from workers.drafting.ahead import DraftsAhead
 from workers.drafting.base import (
     ConfidenceStop,
     Draft,
-    DraftRandom,
     DraftRequest,
     draft_random,
     greedy_probability,
 )
-from workers.drafting.eagle_loop import EagleDraftLoop, LoopSeq
+from workers.drafting.eagle_loop import EagleDraftLoop, LoopConfig
+from workers.drafting.eagle_seq import EagleSeq
 from workers.drafting.ngram import LookupIndex, NgramConfig, Prediction, prompt_lookup
 from workers.eagle.head import EagleHead
-from workers.engine.config import EngineConfig
 from workers.engine.graph_runner import CaptureReport
 from workers.engine.model_runner import SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
@@ -63,48 +65,6 @@ _DRAFT_SEED_OFFSET = 0xEA61E
 MAX_PENDING_ROWS = 1024
 # Tokens a lookup made ahead of a proposal keeps (a draft never asks for more).
 LOOKUP_AHEAD = 16
-
-
-@dataclass(frozen=True, slots=True)
-class LoopConfig:
-    """The greedy draft loop (workers/drafting/eagle_loop.py): how many sequences it drafts at
-    once (more go the eager way) and its deepest draft (the engine's k)."""
-
-    max_seqs: int
-    max_depth: int
-    attention: AttentionBackend | None = None  # default: the uniform backend for the device
-
-
-def loop_config(config: EngineConfig, device: torch.device) -> LoopConfig | None:
-    """The draft loop an engine's EAGLE drafter gets: on a GPU (unless `enforce_eager`), for as
-    many sequences as may draft at once (fewer than `disable_batch_size` are unfinished) and
-    the engine's k; None elsewhere, where the eager path is the faster (it attends over each
-    context's own rows, the loop's torch fallback over whole block tables)."""
-    k = config.spec.num_speculative_tokens
-    if device.type != "cuda" or config.enforce_eager or k == 0:
-        return None
-    return LoopConfig(min(config.max_num_seqs, config.spec.disable_batch_size), k)
-
-
-@dataclass(slots=True)
-class _EagleSeq:
-    params: SamplingParams
-    table: BlockTable
-    random: DraftRandom | None  # a seeded request's numbers
-    tokens: list[int]  # committed
-    base: int | None = None  # position of cache row 0
-    features_end: int = 0  # features received for positions < features_end
-    pending: list[torch.Tensor] = field(default_factory=list)  # features not yet in the cache
-    rows: int = 0  # cache rows made from target features (the rest are draft rows)
-    cached: int = 0  # cache rows written, feature rows then the last proposal's draft rows
-    last_feature: torch.Tensor | None = None  # the last feature row in the cache, to redo it
-    ahead: AheadState = field(default_factory=AheadState)
-    prediction: Prediction | None = None  # the request's predicted output, drafted from first
-    grammar: GrammarState | None = None  # the request's, at its committed tokens
-    # (committed tokens, what prompt lookup found after them, up to LOOKUP_AHEAD tokens): a
-    # lookup made to price the next draft, reused by it
-    looked_up: tuple[int, list[int]] | None = None
-    index: LookupIndex | None = None  # prompt lookup's over the committed tokens
 
 
 @dataclass(slots=True)
@@ -149,7 +109,7 @@ class EagleDrafter(DraftsAhead):
         self.loop = None if loop is None else self._make_loop(loop, num_blocks, min_confidence > 0)
         self.vocab = head.draft_vocab.cpu()  # sampling is host work (per-request generators)
         self.full_vocab_size = target.config.vocab_size
-        self._seqs: dict[str, _EagleSeq] = {}
+        self._seqs: dict[str, EagleSeq] = {}
         # Prompt lookup first: where the text's last min_n..max_n tokens occurred before, what
         # followed them there is the draft, and the head does not run (None: the head always).
         self.lookup = lookup
@@ -201,7 +161,7 @@ class EagleDrafter(DraftsAhead):
                 grammar = self.grammars.start(params.structured)
             except ValueError:  # the verifier refuses such a request itself
                 grammar = None
-        self._seqs[request_id] = _EagleSeq(
+        self._seqs[request_id] = EagleSeq(
             params,
             table,
             draws,
@@ -214,17 +174,17 @@ class EagleDrafter(DraftsAhead):
         seq = self._seqs[request_id]
         if seq.base is None or first_position > seq.features_end:
             # First features, or a gap: start the cache over from here.
-            self._reset(seq)
+            seq.reset()
             seq.base = seq.features_end = first_position
         skip = seq.features_end - first_position  # already seen (a recomputed prefix)
         if skip < hidden.shape[0]:  # from a link, they may arrive in host memory
             seq.pending.append(hidden[skip:].to(self.cache.data.device))
             seq.features_end += hidden.shape[0] - skip
-        if sum(p.shape[0] for p in seq.pending) > MAX_PENDING_ROWS:
+        if seq.num_pending > MAX_PENDING_ROWS:
             # Not drafting for a long while (a large batch): keep only the recent context.
             recent = torch.cat(seq.pending)[-MAX_PENDING_ROWS // 2 :]
             end = seq.features_end
-            self._reset(seq)
+            seq.reset()
             seq.base, seq.features_end, seq.pending = end - recent.shape[0], end, [recent]
 
     def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -248,7 +208,7 @@ class EagleDrafter(DraftsAhead):
             return False
         return bool(self._lookup(seq, seq.tokens))
 
-    def _lookup(self, seq: _EagleSeq, text: list[int]) -> list[int]:
+    def _lookup(self, seq: EagleSeq, text: list[int]) -> list[int]:
         """Prompt lookup's continuation of `text` (up to LOOKUP_AHEAD tokens); the committed
         text's is kept until the next commit, so pricing a draft and making it look once."""
         assert self.lookup is not None
@@ -263,10 +223,6 @@ class EagleDrafter(DraftsAhead):
         found = seq.index.find(text, LOOKUP_AHEAD, low, high)
         seq.looked_up = (len(text), found)
         return found
-
-    def _can_draft(self, seq: _EagleSeq) -> bool:
-        """Drafting needs the feature of every position before the last committed token."""
-        return seq.base is not None and seq.features_end == len(seq.tokens) - 1
 
     @torch.inference_mode()
     def token_seconds(self, context: int = 128, reps: int = 10, rows: int = 1) -> float:
@@ -287,6 +243,9 @@ class EagleDrafter(DraftsAhead):
             single = one + (self.launch_seconds or 0.0)
             self.row_seconds = max(0.0, (batch - single) / (rows - 1))
         return one
+
+    def _can_draft(self, seq: EagleSeq) -> bool:
+        return seq.can_draft
 
     def _draft_seconds(self, context: int, reps: int, rows: int, k: int = 1) -> float:
         """Median seconds of a `k`-token proposal for `rows` sequences at once."""
@@ -318,7 +277,7 @@ class EagleDrafter(DraftsAhead):
 
     def _draft(
         self,
-        active: list[tuple[str, _EagleSeq, list[int], int]],
+        active: list[tuple[str, EagleSeq, list[int], int]],
         stop: Callable[[], bool],
         abandon: Callable[[], bool] | None = None,
     ) -> dict[str, Draft]:
@@ -363,74 +322,29 @@ class EagleDrafter(DraftsAhead):
 
     def _draft_with_head(
         self,
-        active: list[tuple[str, _EagleSeq, list[int], int]],
+        active: list[tuple[str, EagleSeq, list[int], int]],
         stop: Callable[[], bool],
         grammars: dict[str, _Walk],
     ) -> dict[str, Draft]:
         drafts: dict[str, Draft] = {}
-        if self.loop is not None:
-            looped = [item for item in active if self._loops(item, grammars)]
-            looped = looped[: self.loop.max_seqs]
+        if self.loop is not None:  # greedy drafts, nothing forced, no grammar: the loop's
+            loop = self.loop
+            looped = [
+                (rid, seq, n)
+                for rid, seq, forced, n in active
+                if not forced and rid not in grammars and seq.params.greedy and loop.takes(seq, n)
+            ][: loop.max_seqs]
             if looped:
-                drafts = self._draft_in_loop(looped)
-                taken = {item[0] for item in looped}
+                drafts = loop.propose(looped, self.min_confidence)
+                taken = {rid for rid, _, _ in looped}
                 active = [item for item in active if item[0] not in taken]
         if active:
             drafts |= self._draft_eagerly(active, stop, grammars)
         return drafts
 
-    def _loops(
-        self, item: tuple[str, _EagleSeq, list[int], int], grammars: dict[str, _Walk]
-    ) -> bool:
-        """Whether the draft loop drafts this sequence: greedy, nothing forced, no grammar, a
-        draft it is deep enough for, and at most its width of new feature rows."""
-        assert self.loop is not None
-        rid, seq, forced, n = item
-        if forced or rid in grammars or not seq.params.greedy or n > self.loop.max_depth:
-            return False
-        new = sum(p.shape[0] for p in seq.pending)
-        return 1 <= new <= self.loop.width or (new == 0 and seq.last_feature is not None)
-
-    def _draft_in_loop(
-        self, items: list[tuple[str, _EagleSeq, list[int], int]]
-    ) -> dict[str, Draft]:
-        """Greedy drafts of these sequences in one run (or graph replay) of the draft loop."""
-        assert self.loop is not None
-        depth = max(n for _, _, _, n in items)
-        drafts: dict[str, Draft] = {}
-        fed: list[tuple[str, _EagleSeq, int, torch.Tensor]] = []
-        seqs: list[LoopSeq] = []
-        for rid, seq, _, n in items:
-            features = self._new_rows(seq)
-            assert features is not None  # _loops checked
-            count = features.shape[0]
-            try:  # its new rows, then a row for each drafted token but the last
-                seq.table.prepare_write(seq.cached, seq.cached + count + depth - 1)
-            except NoFreeBlocksError:  # out of head cache: it starts over later
-                self._reset(seq)
-                drafts[rid] = Draft([])
-                continue
-            seqs.append(LoopSeq(self._next_ids(seq, count), seq.cached, list(seq.table.block_ids)))
-            fed.append((rid, seq, n, features))
-        if not fed:
-            return drafts
-        tokens, probs = self.loop.draft(seqs, [features for *_, features in fed], depth)
-        for i, (rid, seq, n, features) in enumerate(fed):
-            self._fed(seq, features)
-            seq.cached = seq.rows + depth - 1
-            bar = ConfidenceStop(self.min_confidence)
-            draft: list[int] = []
-            for token, p in zip(tokens[i, :n].tolist(), probs[i, :n].tolist(), strict=True):
-                draft.append(token)
-                bar.drew(p if self.min_confidence > 0 else 1.0)
-                if not bar.sure:
-                    break
-            drafts[rid] = Draft(draft)
-        return drafts
-
     def _draft_eagerly(
         self,
-        active: list[tuple[str, _EagleSeq, list[int], int]],
+        active: list[tuple[str, EagleSeq, list[int], int]],
         stop: Callable[[], bool],
         grammars: dict[str, _Walk],
     ) -> dict[str, Draft]:
@@ -440,13 +354,13 @@ class EagleDrafter(DraftsAhead):
         confidence = {rid: ConfidenceStop(self.min_confidence) for rid, _, _, _ in active}
         # Step 1: rows for newly verified positions (or the last one again); its output gives
         # the first token after the committed ones.
-        batch: list[tuple[str, _EagleSeq, list[int], int, torch.Tensor]] = []
+        batch: list[tuple[str, EagleSeq, list[int], int, torch.Tensor]] = []
         fed_features: list[torch.Tensor] = []
         for rid, seq, forced, n in active:
-            features = self._new_rows(seq)
+            features = seq.new_rows()
             if features is None:
                 continue
-            next_ids = torch.tensor(self._next_ids(seq, features.shape[0]), device=features.device)
+            next_ids = torch.tensor(seq.next_ids(features.shape[0]), device=features.device)
             batch.append(
                 (rid, seq, forced, n, head.layer_input(head.fuse_features(features), next_ids))
             )
@@ -455,10 +369,10 @@ class EagleDrafter(DraftsAhead):
             a = self._forward([(seq, x) for _, seq, _, _, x in batch])
         except NoFreeBlocksError:  # out of head cache: these sequences start over later
             for _, seq, _, _, _ in batch:
-                self._reset(seq)
+                seq.reset()
             return {rid: Draft([]) for rid, _, _, _ in active}
         for (_, seq, _, _, _), features in zip(batch, fed_features, strict=True):
-            self._fed(seq, features)
+            seq.fed(features)
         # Then one row per token: the head's own output stands in for the target feature. The
         # forced tokens are fed as they are; after them, tokens are drawn.
         fed = dict.fromkeys(tokens, 0)  # forced tokens fed so far
@@ -466,7 +380,7 @@ class EagleDrafter(DraftsAhead):
             rows = [r for r, (rid, _, forced, _, _) in enumerate(batch) if fed[rid] >= len(forced)]
             drawing = {row: i for i, row in enumerate(rows)}  # batch row -> row of logits
             logits = head.draft_logits(a[rows]) if rows else None
-            next_batch: list[tuple[str, _EagleSeq, list[int], int, torch.Tensor]] = []
+            next_batch: list[tuple[str, EagleSeq, list[int], int, torch.Tensor]] = []
             for row, (rid, seq, forced, n, _) in enumerate(batch):
                 if fed[rid] < len(forced):
                     token = forced[fed[rid]]
@@ -503,34 +417,7 @@ class EagleDrafter(DraftsAhead):
             for rid, _, _, _ in active
         }
 
-    def _new_rows(self, seq: _EagleSeq) -> torch.Tensor | None:
-        """Roll the sequence's head cache back to its feature rows and return the features to
-        feed next: those received since its last proposal, or (none received) its last feature
-        row again; None when it has neither."""
-        assert seq.base is not None
-        self._truncate(seq, seq.rows)  # drop the last proposal's draft rows
-        if seq.pending:
-            return seq.pending[0] if len(seq.pending) == 1 else torch.cat(seq.pending)
-        if seq.last_feature is None:
-            return None
-        seq.rows -= 1
-        self._truncate(seq, seq.rows)
-        return seq.last_feature
-
-    @staticmethod
-    def _next_ids(seq: _EagleSeq, count: int) -> list[int]:
-        """The token after each of the next `count` feature rows of the sequence."""
-        assert seq.base is not None
-        first = seq.base + seq.rows
-        return seq.tokens[first + 1 : first + 1 + count]
-
-    @staticmethod
-    def _fed(seq: _EagleSeq, features: torch.Tensor) -> None:
-        """The cache now holds rows made from `features` after the sequence's feature rows."""
-        seq.rows += features.shape[0]
-        seq.pending, seq.last_feature = [], features[-1:]
-
-    def _forward(self, batch: list[tuple[_EagleSeq, torch.Tensor]]) -> torch.Tensor:
+    def _forward(self, batch: list[tuple[EagleSeq, torch.Tensor]]) -> torch.Tensor:
         """Head outputs for the last new row of each sequence, `[len(batch), hidden]`."""
         forwards = []
         for seq, x in batch:
@@ -560,18 +447,8 @@ class EagleDrafter(DraftsAhead):
             return None
         return logits.masked_fill(~allowed, -torch.inf)
 
-    @staticmethod
-    def _truncate(seq: _EagleSeq, rows: int) -> None:
-        seq.table.truncate(rows)
-        seq.cached = rows
-
-    def _reset(self, seq: _EagleSeq) -> None:
-        """Forget the sequence's head cache and features; the next features start it anew."""
-        self._truncate(seq, 0)
-        seq.base, seq.features_end, seq.pending, seq.rows, seq.last_feature = None, 0, [], 0, None
-
     def _sample(
-        self, seq: _EagleSeq, logits: torch.Tensor
+        self, seq: EagleSeq, logits: torch.Tensor
     ) -> tuple[int, torch.Tensor | None, float]:
         """(token, q or None when greedy, the head's probability of the token: 1.0 unless a
         confidence bar needs it)."""

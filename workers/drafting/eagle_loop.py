@@ -29,11 +29,36 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from workers.drafting.base import ConfidenceStop, Draft
+from workers.drafting.eagle_seq import EagleSeq
 from workers.eagle.head import EagleHead
+from workers.engine.config import EngineConfig
 from workers.engine.graph_runner import CaptureReport, capture_sizes
 from workers.engine.step_buffers import Buffer
+from workers.kv_cache import NoFreeBlocksError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    """The greedy draft loop (workers/drafting/eagle_loop.py): how many sequences it drafts at
+    once (more go the eager way) and its deepest draft (the engine's k)."""
+
+    max_seqs: int
+    max_depth: int
+    attention: AttentionBackend | None = None  # default: the uniform backend for the device
+
+
+def loop_config(config: EngineConfig, device: torch.device) -> LoopConfig | None:
+    """The draft loop an engine's EAGLE drafter gets: on a GPU (unless `enforce_eager`), for as
+    many sequences as may draft at once (fewer than `disable_batch_size` are unfinished) and
+    the engine's k; None elsewhere, where the eager path is the faster (it attends over each
+    context's own rows, the loop's torch fallback over whole block tables)."""
+    k = config.spec.num_speculative_tokens
+    if device.type != "cuda" or config.enforce_eager or k == 0:
+        return None
+    return LoopConfig(min(config.max_num_seqs, config.spec.disable_batch_size), k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +201,50 @@ class EagleDraftLoop:
         if not 1 <= num_seqs <= self.max_seqs or not 1 <= depth <= self.max_depth:
             raise ValueError(f"no loop shape for {num_seqs} sequences x {depth} tokens")
         return LoopShape(next(s for s in self.sizes if s >= num_seqs), depth)
+
+    def takes(self, seq: EagleSeq, k: int) -> bool:
+        """Whether the loop can draft k tokens for the (greedy) sequence: at most its depth,
+        and at most its width of new feature rows (a prompt's are many: the eager path)."""
+        new = seq.num_pending
+        ready = 1 <= new <= self.width or (new == 0 and seq.last_feature is not None)
+        return k <= self.max_depth and ready
+
+    def propose(
+        self, items: list[tuple[str, EagleSeq, int]], min_confidence: float
+    ) -> dict[str, Draft]:
+        """Greedy drafts of at most k tokens for these (request id, sequence, k) in one run
+        (or graph replay), each cut where the head's confidence in it falls below the bar."""
+        depth = max(k for _, _, k in items)
+        drafts: dict[str, Draft] = {}
+        fed: list[tuple[str, EagleSeq, int, torch.Tensor]] = []
+        seqs: list[LoopSeq] = []
+        for rid, seq, k in items:
+            features = seq.new_rows()
+            assert features is not None  # `takes` checked
+            count = features.shape[0]
+            try:  # its new rows, then a row for each drafted token but the last
+                seq.table.prepare_write(seq.cached, seq.cached + count + depth - 1)
+            except NoFreeBlocksError:  # out of head cache: it starts over later
+                seq.reset()
+                drafts[rid] = Draft([])
+                continue
+            seqs.append(LoopSeq(seq.next_ids(count), seq.cached, list(seq.table.block_ids)))
+            fed.append((rid, seq, k, features))
+        if not fed:
+            return drafts
+        tokens, probs = self.draft(seqs, [features for *_, features in fed], depth)
+        for i, (rid, seq, k, features) in enumerate(fed):
+            seq.fed(features)
+            seq.cached = seq.rows + depth - 1
+            bar = ConfidenceStop(min_confidence)
+            draft: list[int] = []
+            for token, p in zip(tokens[i, :k].tolist(), probs[i, :k].tolist(), strict=True):
+                draft.append(token)
+                bar.drew(p if min_confidence > 0 else 1.0)
+                if not bar.sure:
+                    break
+            drafts[rid] = Draft(draft)
+        return drafts
 
     @torch.inference_mode()
     def draft(

@@ -10,7 +10,8 @@ import torch
 
 from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
-from workers.drafting.eagle import EagleDrafter, loop_config
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.eagle_loop import loop_config
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.calibration import forward_times
