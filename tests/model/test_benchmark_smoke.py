@@ -95,6 +95,15 @@ def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> Non
     assert "With exactly 4 draft tokens a step" in text
 
 
+def test_profile_draft_loop_runs_on_the_cpu(tmp_path: Path) -> None:
+    """The draft loop's profile (a GPU script) runs its loop eagerly on the CPU."""
+    argv = ["--device", "cpu", "--k", "2", "--reps", "1", "--out", str(tmp_path)]
+    run_script("profile_draft_loop", *argv)
+    results = json.loads((tmp_path / "draft_loop.json").read_text())
+    assert set(results["batch_4"]) == {"1", "2"}
+    assert all(t["proposal_ms"] > 0 for t in results["batch_1"].values())
+
+
 def runs_at(*tokens_per_s: float) -> list[Run]:
     return [Run(90 / t, [Completion("r", [1], [0] * 90)]) for t in tokens_per_s]
 

@@ -1,0 +1,171 @@
+"""Where an EAGLE draft-loop proposal's time goes (on a GPU, its CUDA graphs captured).
+
+    python -m tests.benchmarks.profile_draft_loop [--out DIR] [--device cuda]
+
+The bundled head over a one-layer target of the bundled model's width and vocabulary with
+random bf16 weights (timing needs neither the GGUF nor the target's other layers), one sequence
+with `--context` rows of history. For each depth 1..k and batch sizes 1 and 4: the median wall
+time of a proposal as the engine makes it (`EagleDrafter.propose`, redoing the last feature row
+as `token_seconds` does), and of the graph replay alone; then the kernels of one depth-k replay
+(torch.profiler): how many, their GPU time, the costliest first. Prints tables and writes
+DIR/draft_loop.json. Free of Ray, Redis and OpenTelemetry imports (the lent GPU machines have
+none); on a CPU it runs the loop eagerly, which checks the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.benchmarks.bench_gpu import random_model
+from workers.drafting.base import DraftRequest
+from workers.drafting.eagle import EagleDrafter
+from workers.drafting.eagle_loop import EagleDraftLoop, LoopConfig, LoopShape
+from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.engine.sampling_params import SamplingParams
+from workers.model.config import ModelConfig
+
+SMOLLM2_WIDTH = ModelConfig(
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=1,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    name="SmolLM2-135M width, one layer, random weights",
+)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def drafter_with_history(
+    device: torch.device, k: int, rows: int, context: int
+) -> tuple[EagleDrafter, list[str]]:
+    target = random_model(SMOLLM2_WIDTH, device)
+    head = EagleHead.load(BUNDLED_HEAD)
+    loop = LoopConfig(max_seqs=8, max_depth=k)
+    drafter = EagleDrafter(head, target, num_blocks=64 * rows, max_model_len=2048, loop=loop)
+    drafter.capture()
+    width = len(head.config.target_layers) * head.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    rids = [f"r{i}" for i in range(rows)]
+    for rid in rids:
+        drafter.add(rid, [7] * (context + 1), SamplingParams(temperature=0.0))
+        features = torch.randn(context, width, generator=gen).to(device, torch.bfloat16)
+        drafter.observe_hidden(rid, 0, features)
+    drafter.propose([DraftRequest(rid, context + 1, 1) for rid in rids])  # the history, eagerly
+    return drafter, rids
+
+
+def replay(loop: EagleDraftLoop, shape: LoopShape) -> None:
+    """The loop at `shape` on whatever its buffers hold: its graph, or eagerly without one."""
+    graph = loop._graphs.get(shape)
+    if graph is not None:
+        graph.replay()
+    else:
+        loop._run(shape)
+
+
+def timings(
+    drafter: EagleDrafter, rids: list[str], context: int, depth: int, reps: int
+) -> dict[str, float]:
+    """Median ms of a proposal of `depth` tokens, and of its replay alone."""
+    device = drafter.cache.data.device
+    requests = [DraftRequest(rid, context + 1, depth) for rid in rids]
+    loop = drafter.loop
+    assert loop is not None
+    proposals, replays = [], []
+    for _ in range(reps + 2):
+        sync(device)
+        start = time.perf_counter()
+        drafter.propose(requests)
+        sync(device)
+        proposals.append(time.perf_counter() - start)
+        shape = loop.shape_for(len(rids), depth)
+        start = time.perf_counter()
+        replay(loop, shape)
+        sync(device)
+        replays.append(time.perf_counter() - start)
+    return {
+        "proposal_ms": 1000 * statistics.median(proposals[2:]),
+        "replay_ms": 1000 * statistics.median(replays[2:]),
+    }
+
+
+def kernels(drafter: EagleDrafter, num_seqs: int, depth: int) -> dict[str, Any]:
+    """The kernels of one replay at this shape: count, GPU ms, the costliest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    loop = drafter.loop
+    assert loop is not None
+    shape = LoopShape(num_seqs, depth)
+    device = drafter.cache.data.device
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        replay(loop, shape)
+        sync(device)
+    rows = [
+        e
+        for e in prof.key_averages()
+        if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"
+    ]
+    rows.sort(key=lambda e: -e.device_time_total)
+    return {
+        "kernels": sum(e.count for e in rows),
+        "gpu_ms": sum(e.device_time_total for e in rows) / 1000,
+        "top": [[e.key[:60], e.count, round(e.device_time_total, 1)] for e in rows[:15]],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-gpu"))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    results: dict[str, Any] = {"device": str(device), "k": args.k, "context": args.context}
+    if device.type == "cuda":
+        results["card"] = torch.cuda.get_device_name(device)
+    with torch.inference_mode():
+        for rows in (1, 4):
+            drafter, rids = drafter_with_history(device, args.k, rows, args.context)
+            by_depth = {
+                str(d): timings(drafter, rids, args.context, d, args.reps)
+                for d in range(1, args.k + 1)
+            }
+            results[f"batch_{rows}"] = by_depth
+            print(f"{rows} sequence(s): depth -> proposal ms / replay ms")
+            for d, t in by_depth.items():
+                print(f"  {d}: {t['proposal_ms']:.3f} / {t['replay_ms']:.3f}")
+            if rows == 1:
+                results["kernels"] = kernels(drafter, 1, args.k)
+    print(json.dumps(results.get("kernels", {}), indent=1))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "draft_loop.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
