@@ -260,6 +260,9 @@ def single_stream(
                 }
     engine.step_listeners.remove(reports.append)
     return {
+        # What a drafting sequence added to a step beyond its priced forwards, as measured
+        # (one-token forwards; Speculator.observe_step), at the end of the runs.
+        "spec_overhead": engine.speculator.overhead,
         "steps": steps,
         "tokens_per_s": {
             k: {m: statistics.median(v) for m, v in d.items()} for k, d in per.items()

@@ -159,6 +159,18 @@ def steps_table(run: dict[str, Any]) -> str:
     return table([*header, "drafting ms", "the rest ms"], rows)
 
 
+def overhead_line(run: dict[str, Any]) -> list[str]:
+    """What adaptive k measured a drafting sequence to add to a step, where the run has it."""
+    overhead = run["single"].get("spec_overhead")
+    if overhead is None:
+        return []
+    return [
+        f"Drafting and verifying added {overhead:.2f} one-token forwards a drafting sequence "
+        "to a step beyond the forwards priced, as adaptive k measured it at the end "
+        "(`Speculator.observe_step`; 0.05 at start)."
+    ]
+
+
 def concurrency_table(run: dict[str, Any]) -> str:
     levels = run["concurrency"]["tokens_per_s"]
     rows = []
@@ -227,6 +239,7 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
         single_table(run, with_hf=True),
         "Where a decode step's time goes (median ms per verify step):",
         steps_table(run),
+        *overhead_line(run),
     ]
     for extra in runs[1:]:
         fixed = not extra.get("adaptive", True)

@@ -312,6 +312,31 @@ def test_a_drafters_launch_is_paid_once_a_step() -> None:
     assert per_depth.num_draft_tokens(seq, 1)[0] < 4
 
 
+def test_the_overhead_of_drafting_is_timed_as_served() -> None:
+    """Drafting steps that take a whole forward more than priced (a GPU's host work beside a
+    small model's forward): the measured overhead follows, and a sequence whose drafts pay at
+    the default price stops drafting; plain steps keep the time of a forward's worth."""
+    unit = 0.001
+    spec = Speculator(
+        SpecConfig(disable_batch_size=64),
+        {},
+        max_model_len=1000,
+        verify_costs=(1.0,) * 16,
+        unit_seconds=unit,
+    )
+    seq = decoding(0.5, "ngram", k_max=4)
+    assert spec.num_draft_tokens([seq], 1) == [4]
+    for _ in range(60):
+        ks = spec.num_draft_tokens([seq], 1)
+        priced = spec.step_cost(["ngram"], ks) - (spec.overhead if ks[0] else 0.0)
+        spec.observe_step(1, unit * (priced + (1.0 if ks[0] else 0.0)))
+    assert spec.overhead == pytest.approx(1.0, abs=0.15)
+    assert spec.num_draft_tokens([seq], 1) == [0]
+    assert spec.unit_seconds == pytest.approx(unit)
+    spec.observe_step(2, 1.0)  # not the sequences this step's lengths were chosen for
+    assert spec.unit_seconds == pytest.approx(unit)
+
+
 @pytest.fixture(scope="module")
 def draft_net() -> TransformerLM:
     return tiny_model(seed=5)

@@ -93,8 +93,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config)
         row_costs: dict[str, float] = {}
         launch_costs: dict[str, float] = {}
+        one_token_seconds = None
         if draft_seconds and any(draft_seconds.values()):
-            one = self._one_token_seconds()
+            one = one_token_seconds = self._one_token_seconds()
             draft_costs = {**(draft_costs or {}), **{m: s / one for m, s in draft_seconds.items()}}
             measured = [(m, d) for m, d in drafters.items() if m in draft_seconds]
             row_costs = {m: d.row_seconds / one for m, d in measured if d.row_seconds is not None}
@@ -110,6 +111,7 @@ class LLMEngine:
             model.config.vocab_size,
             row_costs,
             launch_costs,
+            one_token_seconds,
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -318,6 +320,8 @@ class LLMEngine:
                     self._commit(scheduled, tokens, _logprobs(scheduled.seq, rows, tokens))
                 except Exception as exc:  # this request's own failure: it ends alone
                     self._fail(scheduled.seq, exc)
+            if all(s.decoding for s in batch.seqs):  # what speculation's overhead is timed by
+                self.speculator.observe_step(len(batch.seqs), time.perf_counter() - start)
             if self.step_listeners:
                 self._report(batch.seqs, results, start_ns, drafted - start, drafted)
         return self.take_outputs()

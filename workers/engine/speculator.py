@@ -57,6 +57,13 @@ from workers.engine.sequence import Sequence, SpecStats
 # forward: a few percent of a one-token forward for the bundled model on a CPU. Charged to every
 # step with k >= 1, it keeps marginal speculation (a gain of a few percent on paper) off.
 SPEC_STEP_OVERHEAD = 0.05
+# That overhead as served: drafting steps are timed against plain ones (`observe_step`) and the
+# overhead a drafting sequence adds is followed by a running mean that weighs the newest step so
+# (about the last 10 steps), between SPEC_STEP_OVERHEAD and MAX_SPEC_STEP_OVERHEAD. On a GPU,
+# where a forward of a small model costs about what the host's drafting and verifying do, it is
+# several times the CPU's share.
+OVERHEAD_RATE = 0.1
+MAX_SPEC_STEP_OVERHEAD = 2.0
 # A request whose acceptance argues for k = 0 still drafts one token every this many steps, so a
 # text that becomes predictable later (a quoted passage, say) is noticed.
 EXPLORE_EVERY_STEPS = {"draft_model": 64}
@@ -82,6 +89,7 @@ class Speculator:
         vocab_size: int | None = None,
         draft_row_costs: dict[str, float] | None = None,
         draft_launch_costs: dict[str, float] | None = None,
+        unit_seconds: float | None = None,
     ) -> None:
         self.config = config
         self.drafters = drafters
@@ -102,6 +110,12 @@ class Speculator:
                 for m, c in sorted(self.draft_costs.items())
             )
             log.info("a draft token costs (in one-token target forwards): %s", costs)
+        # What drafting and verifying add to a step for each drafting sequence, in one-token
+        # forwards, as measured (`observe_step`); and the seconds a one-token forward's worth
+        # of a plain step takes as served (the forward's own time until a plain step is timed).
+        self.overhead = SPEC_STEP_OVERHEAD
+        self.unit_seconds = unit_seconds
+        self._planned: tuple[list[str], list[int]] | None = None  # this step's priced choice
         # Per method, over finished requests that drafted: (accepted, rejected) drafts.
         self.pooled: dict[str, tuple[int, int]] = {}
         # Per method: calls into its drafter that raised or proposed an invalid draft.
@@ -144,7 +158,7 @@ class Speculator:
         drafted: dict[str, int] = {}
         for method, k in zip(methods, ks, strict=True):
             if k:
-                cost += SPEC_STEP_OVERHEAD
+                cost += self.overhead
                 depths[method] = max(depths.get(method, 0), k)
                 drafted[method] = drafted.get(method, 0) + k
         for method, depth in depths.items():
@@ -197,7 +211,32 @@ class Speculator:
                 ks[i] = rooms[i]  # nobody has measured this method yet: measure it
             elif seq.stats.verify_steps % explore == explore - 1:
                 ks[i] = 1
+        self._planned = (methods, ks)
         return ks
+
+    def observe_step(self, num_seqs: int, seconds: float) -> None:
+        """A decode step of `num_seqs` sequences took `seconds`, drafting, forward, verifying
+        and committing. Where the sequences are those this step's draft lengths were chosen
+        for: a plain step times a one-token forward's worth of a step (`unit_seconds`), a
+        drafting step what each drafting sequence added beyond the priced forwards
+        (`overhead`)."""
+        planned, self._planned = self._planned, None
+        if planned is None or len(planned[1]) != num_seqs or seconds <= 0:
+            return
+        methods, ks = planned
+        cost = self.step_cost(methods, ks)
+        drafting = sum(1 for k in ks if k)
+        if not drafting:
+            unit = seconds / cost
+            old = self.unit_seconds
+            self.unit_seconds = unit if old is None else old + OVERHEAD_RATE * (unit - old)
+            return
+        if self.unit_seconds is None:
+            return
+        priced = cost - drafting * self.overhead  # the forwards alone
+        sample = (seconds / self.unit_seconds - priced) / drafting
+        overhead = self.overhead + OVERHEAD_RATE * (sample - self.overhead)
+        self.overhead = min(max(overhead, SPEC_STEP_OVERHEAD), MAX_SPEC_STEP_OVERHEAD)
 
     def _priced_as(self, seq: Sequence) -> str:
         """The method whose cost `seq`'s draft is charged at: its own, or none (a draft its
@@ -240,7 +279,7 @@ class Speculator:
                 depths[method] = max(depths.get(method, 0), k)
 
             def worth(i: int) -> float:
-                extra = forward + (SPEC_STEP_OVERHEAD if ks[i] == 0 else 0.0)
+                extra = forward + (self.overhead if ks[i] == 0 else 0.0)
                 method = methods[i]
                 if ks[i] >= depths[method]:  # a depth its drafter had not reached
                     extra += self.draft_costs.get(method, 0.0)
@@ -344,6 +383,7 @@ class Speculator:
         off before they all decode rather than after."""
         seqs = list(decoding)
         load = len(seqs) if batch_size is None else batch_size
+        self._planned = None  # set again where this step's lengths are chosen
         by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
         # Nobody drafts past `disable_batch_size`: no per-sequence choice to make.
         ks = self.num_draft_tokens(seqs, load) if self.speculates_at(load) else [0] * len(seqs)
