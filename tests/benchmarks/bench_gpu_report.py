@@ -28,7 +28,7 @@ def goals(run: dict[str, Any]) -> str:
     """The issue's goals as ratios within the run, each with its target and whether it holds."""
     rows = []
     single, hf = run.get("single", {}).get("tokens_per_s", {}), run.get("hf_static", {})
-    if single and "error" not in hf:
+    if single and hf and "error" not in hf:
         for kind, by_method in single.items():
             ratio = by_method["none"] / hf[kind]
             rows.append(
@@ -214,7 +214,32 @@ def eight_b_table(run: dict[str, Any]) -> str:
     )
 
 
+def draft_loop_section(profile: dict[str, Any]) -> list[str]:
+    """profile_draft_loop's results: a proposal's and its replay's time by depth and batch,
+    and the kernels of one deepest replay."""
+    rows = []
+    for batch in ("1", "4"):
+        for depth, t in profile[f"batch_{batch}"].items():
+            rows.append([batch, depth, _f(t["proposal_ms"], 3), _f(t["replay_ms"], 3)])
+    kernels = profile["kernels"]
+    top = [[name, count, _f(us, 1)] for name, count, us in kernels["top"][:8]]
+    return [
+        "### EAGLE's draft loop",
+        f"`python -m tests.benchmarks.profile_draft_loop` ({profile.get('card', '?')}, the "
+        "same day): the bundled head over a one-layer target of the bundled model's width with "
+        f"random weights, {profile['context']} rows of history; a proposal as the engine "
+        "makes it (staging, replay, read-back, the host's bookkeeping) and its graph's replay "
+        "alone, median ms.",
+        table(["sequences", "depth", "proposal ms", "replay ms"], rows),
+        f"One replay at depth {profile['k']} for one sequence runs {kernels['kernels']} kernels "
+        f"in {_f(kernels['gpu_ms'], 3)} ms of GPU time; the costliest:",
+        table(["kernel", "calls", "GPU us"], top),
+    ]
+
+
 def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
+    profiles = [r for r in runs if "batch_1" in r]  # profile_draft_loop's, not bench_gpu's
+    runs = [r for r in runs if "batch_1" not in r]
     run = runs[0]
     env = run["environment"]
     k = run.get("k", 4)
@@ -247,11 +272,21 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
             f"--k {extra['k']}{' --fixed-k' if fixed else ''} --parts {','.join(extra['parts'])}"
         )
         drafts = f"exactly {extra['k']}" if fixed else f"at most {extra['k']}"
+        note = f" {extra['note']}" if "note" in extra else ""
         parts += [
             f"With {drafts} draft tokens a step ({extra['environment']['card']}, "
-            f"the same day, `{flags}`):",
+            f"the same day, `{flags}`).{note}",
             single_table(extra, with_hf=False),
         ]
+        if "concurrency" in extra:  # a run of its own: its steps, concurrency and goals too
+            parts += [
+                steps_table(extra),
+                *overhead_line(extra),
+                concurrency_table(extra),
+                goals(extra),
+            ]
+    for profile in profiles:
+        parts += draft_loop_section(profile)
     parts += [
         "### Concurrent requests",
         "All at once, each a held-out prompt (chat, code, summaries), tokens/s over the batch; "
