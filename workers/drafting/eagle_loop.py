@@ -185,6 +185,7 @@ class EagleDraftLoop:
         pinned = device.type == "cuda"
         self._tokens_host = torch.zeros(max_depth, b, dtype=torch.int64, pin_memory=pinned)
         self._probs_host = torch.zeros(max_depth, b, dtype=torch.float32, pin_memory=pinned)
+        self._tokens_np, self._probs_np = self._tokens_host.numpy(), self._probs_host.numpy()
         self._graphs: dict[LoopShape, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self.num_eager_runs = 0
@@ -238,7 +239,7 @@ class EagleDraftLoop:
             seq.cached = seq.rows + depth - 1
             bar = ConfidenceStop(min_confidence)
             draft: list[int] = []
-            for token, p in zip(tokens[i, :k].tolist(), probs[i, :k].tolist(), strict=True):
+            for token, p in zip(tokens[i][:k], probs[i][:k], strict=True):
                 draft.append(token)
                 bar.drew(p if min_confidence > 0 else 1.0)
                 if not bar.sure:
@@ -249,10 +250,9 @@ class EagleDraftLoop:
     @torch.inference_mode()
     def draft(
         self, seqs: list[LoopSeq], features: list[torch.Tensor], depth: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """Every sequence's `depth` greedy draft tokens (target ids) and the head's probability
-        of each (1.0 where the loop keeps no `confidence`), `[len(seqs), depth]` int64 and
-        float32 on the host."""
+        of each (1.0 where the loop keeps no `confidence`)."""
         if any(not 1 <= len(s.next_ids) <= self.width for s in seqs):
             raise ValueError(f"the loop takes 1..{self.width} new rows a sequence")
         shape = self.shape_for(len(seqs), depth)
@@ -265,15 +265,15 @@ class EagleDraftLoop:
             self._run(shape)
             self.num_eager_runs += 1
         n = len(seqs)
-        tokens, probs = self._tokens_host[:depth, :n], self._probs_host[:depth, :n]
-        tokens.copy_(self._tokens[:depth, :n], non_blocking=True)
+        self._tokens_host[:depth, :n].copy_(self._tokens[:depth, :n], non_blocking=True)
         if self.confidence:
-            probs.copy_(self._probs[:depth, :n], non_blocking=True)
-        if tokens.is_pinned():
+            self._probs_host[:depth, :n].copy_(self._probs[:depth, :n], non_blocking=True)
+        if self._tokens_host.is_pinned():
             torch.cuda.current_stream().synchronize()
+        tokens = self._tokens_np[:depth, :n].T.tolist()  # numpy: no torch call per read
         if not self.confidence:
-            return tokens.T.clone(), torch.ones(n, depth)
-        return tokens.T.clone(), probs.T.clone()
+            return tokens, [[1.0] * depth] * n
+        return tokens, self._probs_np[:depth, :n].T.tolist()
 
     def capture(self) -> CaptureReport:
         """Capture a graph for every (batch size, depth), largest first into one pool."""
