@@ -90,3 +90,26 @@ def test_greedy_identical_to_the_quantized_target_alone(
     assert got == expected[:batch]
     assert engine.stats.drafted > 0
     assert engine.allocator.num_free_blocks == engine.config.kv_blocks
+
+
+def test_a_requests_text_depends_on_neither_its_prefill_chunks_nor_the_prefix_cache(
+    target,
+    checkpoint,  # type: ignore[no-untyped-def]
+) -> None:
+    """bf16 over the GGUF's blocks, what `outrider serve` runs: prompts sharing a preamble,
+    prefilled whole and alone (SequentialEngine), in chunks of 24 tokens beside each other, or
+    after the preamble's blocks are in the prefix cache, give the same greedy text (prefill
+    attention is the decode kernel's, computing each token from its own query and keys)."""
+    tok = checkpoint.tokenizer
+    preamble = tok.encode("You are a careful assistant. Answer briefly and precisely. " * 3)
+    prompts = [preamble + tok.encode(t) for t in prompt_texts()[:4]]
+    eos = checkpoint.config.eos_token_ids
+    plain = SequentialEngine(target, eos_token_ids=eos, max_model_len=512)
+    want = [plain.generate(p, GREEDY).token_ids for p in prompts]
+    for budget in (24, 512):
+        config = EngineConfig(max_model_len=512, max_num_batched_tokens=budget)
+        engine = LLMEngine(target, config, eos_token_ids=eos)
+        off = RequestSpec(enabled=False)
+        assert run_staggered(engine, prompts[:1], GREEDY, off) == want[:1]  # caches the preamble
+        assert run_staggered(engine, prompts, GREEDY, off, gap=1) == want
+        assert engine.scheduler.prefix_hit_tokens >= 4 * (len(preamble) // 16) * 16

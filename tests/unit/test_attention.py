@@ -10,7 +10,6 @@ import torch
 from kernels import native
 from kernels.attention import (
     MAX_BATCHED_QUERY_LEN,
-    NATIVE_MAX_QUERY_LEN,
     AttentionMetadata,
     FlashAttention,
     NativeCpuAttention,
@@ -101,7 +100,7 @@ CASES = [
     ([40], [40], 8),  # whole prompt prefill (long: its own SDPA call)
     ([1, 5, 1, 3], [9, 33, 17, 3], 4),  # decodes and verifications padded together
     ([1, 40, 5, 1, MAX_BATCHED_QUERY_LEN + 1], [50, 70, 12, 2, 30], 16),  # mixed with prefills
-    ([17, 1, 33], [60, 20, 33], 8),  # verifying 16 drafts; a prompt just past the native kernel
+    ([17, 1, 33], [60, 20, 33], 8),  # verifying 16 drafts beside a 33-token prompt chunk
 ]
 
 
@@ -142,8 +141,9 @@ def test_native_cpu_attention_matches_reference(
     head_dim: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """bf16: the C kernel serves the short sequences (reading the blocks in place, garbage in
-    every slot nobody owns), SDPA the long ones; both within bf16 rounding of the reference."""
+    """bf16: the C kernel serves every sequence, prefill chunks too (reading the blocks in
+    place, garbage in every slot nobody owns), within bf16 rounding of the reference, and
+    each sequence's rows are what it computes alone."""
     query, key_cache, value_cache, meta, contexts, _ = build_case(
         query_lens, seq_lens, block_size, torch.bfloat16, head_dim=head_dim
     )
@@ -166,14 +166,11 @@ def test_native_cpu_attention_matches_reference(
     expected = expected_output(query, meta, contexts, scale)
     torch.testing.assert_close(out.double(), expected.double(), rtol=2e-2, atol=2e-2)
     assert torch.equal(out, again)
-    short = sum(q <= NATIVE_MAX_QUERY_LEN for q in query_lens)
-    assert served == ([short, short] if short else [])
+    assert served == [len(query_lens)] * 2  # every sequence, prefill chunks too
     # Each sequence's rows are the same whatever else is in the batch.
     if len(query_lens) > 1:
         starts = meta.query_start_loc.tolist()
         for i, q_len in enumerate(query_lens):
-            if q_len > NATIVE_MAX_QUERY_LEN:
-                continue
             alone = AttentionMetadata(
                 block_size=block_size,
                 query_start_loc=torch.tensor([0, q_len], dtype=torch.int32),
