@@ -23,6 +23,9 @@ from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import Continuation
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import SpecStats
 from workers.engine.sequential import SequentialEngine
 from workers.model.loader import build_model, truncate_layers
 from workers.model.transformer import QuantizedLinear
@@ -113,3 +116,29 @@ def test_a_requests_text_depends_on_neither_its_prefill_chunks_nor_the_prefix_ca
         assert run_staggered(engine, prompts[:1], GREEDY, off) == want[:1]  # caches the preamble
         assert run_staggered(engine, prompts, GREEDY, off, gap=1) == want
         assert engine.scheduler.prefix_hit_tokens >= 4 * (len(preamble) // 16) * 16
+
+
+def test_a_request_continued_on_another_engine_gives_the_text_of_one_run(
+    target,
+    checkpoint,
+    prompt_ids,  # type: ignore[no-untyped-def]
+) -> None:
+    """bf16 over the GGUF's blocks: greedy requests cut after 30 tokens and continued on a fresh
+    engine (prompt and output recomputed as one prefill, what the router does when a verifier
+    dies mid-stream) give the tokens of one uninterrupted run."""
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    off = RequestSpec(enabled=False)
+
+    def fresh() -> LLMEngine:
+        config = EngineConfig(max_model_len=512)
+        return LLMEngine(target, config, eos_token_ids=checkpoint.config.eos_token_ids)
+
+    for prompt in prompt_ids[:4]:
+        whole = fresh().generate([prompt], params, off)[0].token_ids
+        moved = fresh()
+        continuation = Continuation(tuple(whole[:30]), SpecStats())
+        moved.add_request("r", prompt, params, off, continuation=continuation)
+        rest: list[int] = []
+        while moved.has_unfinished_requests():
+            rest += [t for out in moved.step() for t in out.new_token_ids]
+        assert whole[:30] + rest == whole
