@@ -13,8 +13,9 @@
   weight.
 - `rms_norm_bf16` is RMSNorm, optionally fused with the residual add before it, in one call
   instead of half a dozen torch ops.
-- `paged_attention_bf16` attends a few new tokens per sequence (decode, verification) over the
-  paged KV cache in place, where torch must gather the blocks before calling SDPA.
+- `paged_attention` attends each sequence's new tokens (bf16 or fp32) over the paged KV cache
+  in place, where torch must gather the blocks before calling SDPA, each token from its own
+  query and keys alone.
 - `rotary_kv_bf16` rotates a layer's Q and K heads in place and writes K and V into their cache
   slots, and `silu_mul_bf16` is SwiGLU's `silu(gate) * up`: one call each where torch runs a
   dozen small ops (the elementwise work of a decode forward cost as much as a tenth of it).
@@ -81,16 +82,22 @@ def grad_free(*tensors: torch.Tensor | None) -> bool:
     )
 
 
+_ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def paged_attention_problem(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
     value_cache: torch.Tensor,  # same
 ) -> str | None:
-    """Why `paged_attention_bf16` cannot take these tensors, or None when it can."""
+    """Why `paged_attention` cannot take these tensors, or None when it can."""
     head_dim, num_heads, kv_heads = query.shape[2], query.shape[1], key_cache.shape[2]
     tensors = (query, key_cache, value_cache)
-    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
-        return "paged_attention_bf16 takes bf16 CPU tensors"
+    dtype = query.dtype
+    if dtype not in _ATTENTION_DTYPES or any(
+        t.dtype != dtype or t.device.type != "cpu" for t in tensors
+    ):
+        return "paged_attention takes bf16 or fp32 CPU tensors, all of one dtype"
     if head_dim % 32 or head_dim > 256 or num_heads % kv_heads:
         return f"unsupported shape: {num_heads} heads over {kv_heads}, dim {head_dim}"
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
@@ -566,20 +573,20 @@ def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2 inter] -> 
     return out
 
 
-def paged_attention_bf16(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16, tokens may be strided
-    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bf16, contiguous
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16 or fp32, tokens may be strided
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] query's, contiguous
     value_cache: torch.Tensor,  # same
     block_tables: torch.Tensor,  # [num_seqs, width] int32, contiguous
     query_starts: torch.Tensor,  # [num_seqs] int32: first row of each sequence's new tokens
     query_lens: torch.Tensor,  # [num_seqs] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, context including the new tokens
     scale: float,
-    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] bf16: the sequences' rows are written
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim] query's: the sequences' rows are written
 ) -> None:
     """Causal attention of each sequence's new tokens over its cached context, read from the
-    blocks in place (see kernels/csrc/paged_attention_bf16.c). head_dim must be a multiple of 32
-    (at most 256). Call only when `available()`."""
+    blocks in place (see kernels/csrc/paged_attention_bf16.c; paged_attention_f32.c is the same
+    in fp32). head_dim must be a multiple of 32 (at most 256). Call only when `available()`."""
     lib = _lib()
     problem = paged_attention_problem(query, key_cache, value_cache) or (
         paged_attention_problem(out, key_cache, value_cache)
@@ -593,7 +600,12 @@ def paged_attention_bf16(
             raise TypeError("the sequence tables must be contiguous int32")
     head_dim, num_heads = query.shape[2], query.shape[1]
     kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    lib.outrider_paged_attention_bf16(
+    kernel = (
+        lib.outrider_paged_attention_f32
+        if query.dtype == torch.float32
+        else lib.outrider_paged_attention_bf16
+    )
+    kernel(
         query.data_ptr(),
         query.stride(0),
         key_cache.data_ptr(),

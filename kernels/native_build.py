@@ -71,10 +71,11 @@ def load_library() -> tuple[ctypes.CDLL | None, str | None]:
         norm = lib.outrider_rms_norm_bf16
         norm.restype = None
         norm.argtypes = [ptr, ptr, ptr, float_, ptr, ptr, int_, int_, int_]
-        attention = lib.outrider_paged_attention_bf16
-        attention.restype = None
-        attention.argtypes = [ptr, int_, ptr, ptr, ptr, int_, ptr, ptr, ptr, int_, int_, int_]
-        attention.argtypes += [int_, int_, float_, ptr, int_, int_]
+        for name in ("outrider_paged_attention_bf16", "outrider_paged_attention_f32"):
+            attention = getattr(lib, name)
+            attention.restype = None
+            attention.argtypes = [ptr, int_, ptr, ptr, ptr, int_, ptr, ptr, ptr, int_, int_]
+            attention.argtypes += [int_, int_, int_, float_, ptr, int_, int_]
         rotary = lib.outrider_rotary_kv_bf16
         rotary.restype = int_
         long_ = ctypes.c_int64

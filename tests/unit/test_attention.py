@@ -132,39 +132,43 @@ def test_sdpa_bfloat16_close_to_reference() -> None:
 
 
 @pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)]
+)
 @pytest.mark.parametrize(("query_lens", "seq_lens", "block_size"), CASES)
 def test_native_cpu_attention_matches_reference(
     query_lens: list[int],
     seq_lens: list[int],
     block_size: int,
+    dtype: torch.dtype,
     head_dim: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """bf16: the C kernel serves every sequence, prefill chunks too (reading the blocks in
-    place, garbage in every slot nobody owns), within bf16 rounding of the reference, and
-    each sequence's rows are what it computes alone."""
+    """bf16 and fp32: the C kernel serves every sequence, prefill chunks too (reading the
+    blocks in place, garbage in every slot nobody owns), within the dtype's rounding of the
+    reference, and each sequence's rows are what it computes alone."""
     query, key_cache, value_cache, meta, contexts, _ = build_case(
-        query_lens, seq_lens, block_size, torch.bfloat16, head_dim=head_dim
+        query_lens, seq_lens, block_size, dtype, head_dim=head_dim
     )
     # The model hands the backend its query as a view of the fused Q/K rows: strided tokens.
     fused = torch.cat([query, query[:, :2]], dim=1)
     query = fused[:, : query.shape[1]]
     served: list[int] = []
-    real = native.paged_attention_bf16
+    real = native.paged_attention
 
     def spy(q: torch.Tensor, *args: object) -> None:
         served.append(int(args[3].shape[0]))  # type: ignore[attr-defined]
         real(q, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(native, "paged_attention_bf16", spy)
+    monkeypatch.setattr(native, "paged_attention", spy)
     backend = NativeCpuAttention()
     scale = head_dim**-0.5
     plan = backend.prepare(meta)
     out = backend.forward(query, key_cache, value_cache, plan, scale)
     again = backend.forward(query, key_cache, value_cache, plan, scale)  # the next layer
     expected = expected_output(query, meta, contexts, scale)
-    torch.testing.assert_close(out.double(), expected.double(), rtol=2e-2, atol=2e-2)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), expected.double(), rtol=tolerance, atol=tolerance)
     assert torch.equal(out, again)
     assert served == [len(query_lens)] * 2  # every sequence, prefill chunks too
     # Each sequence's rows are the same whatever else is in the batch.
@@ -186,15 +190,18 @@ def test_native_cpu_attention_matches_reference(
 
 
 @pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_native_attention_of_a_verified_token_is_its_decode_step_bit_for_bit(threads: int) -> None:
+def test_native_attention_of_a_verified_token_is_its_decode_step_bit_for_bit(
+    threads: int, dtype: torch.dtype
+) -> None:
     """The kernel takes a sequence's new tokens and the query heads of a KV head together in
     tiles (which depend on the batch and the thread count); each token's rows must still be
     exactly what a decode step of that token alone (the keys up to it) computes, or speculative
     output would drift from plain decoding."""
     query_lens, seq_lens = [17, 6, 1], [60, 20, 33]
     query, key_cache, value_cache, meta, _, _ = build_case(
-        query_lens, seq_lens, 8, torch.bfloat16, seed=3, head_dim=64
+        query_lens, seq_lens, 8, dtype, seed=3, head_dim=64
     )
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -223,8 +230,8 @@ def test_native_attention_of_a_verified_token_is_its_decode_step_bit_for_bit(thr
 
 
 def test_native_cpu_attention_is_sdpa_where_its_kernel_cannot_run() -> None:
-    """fp32, or a head size the kernel does not take: the SDPA answer, exactly."""
-    for dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, HEAD_DIM)):
+    """fp16, or a head size the kernel does not take: the SDPA answer, exactly."""
+    for dtype, head_dim in ((torch.float16, 64), (torch.bfloat16, HEAD_DIM)):
         query, key_cache, value_cache, meta, _, _ = build_case(
             [1, 5, 40], [20, 25, 40], 8, dtype, head_dim=head_dim
         )

@@ -349,7 +349,7 @@ def test_paged_attention_refuses_what_it_cannot_compute() -> None:
     lens = torch.tensor([5], dtype=torch.int32)
 
     def call(q: torch.Tensor, k: torch.Tensor, o: torch.Tensor, *ints: torch.Tensor) -> None:
-        native.paged_attention_bf16(q, k, k, *(ints or (*tables, lens)), 0.125, o)
+        native.paged_attention(q, k, k, *(ints or (*tables, lens)), 0.125, o)
 
     assert native.paged_attention_problem(query, cache, cache) is None
     with pytest.raises(ValueError, match="bf16"):
