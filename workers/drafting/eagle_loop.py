@@ -23,7 +23,6 @@ their K/V to a scratch slot that no sequence owns; their outputs are never read.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,7 @@ from workers.drafting.base import ConfidenceStop, Draft
 from workers.drafting.eagle_seq import EagleSeq
 from workers.eagle.head import EagleHead
 from workers.engine.config import EngineConfig
-from workers.engine.graph_runner import CaptureReport, capture_sizes
+from workers.engine.graph_runner import CaptureReport, capture_graphs, capture_sizes
 from workers.engine.step_buffers import Buffer
 from workers.kv_cache import NoFreeBlocksError
 
@@ -280,29 +279,16 @@ class EagleDraftLoop:
         device = self.buffers.device.device
         if device.type != "cuda":
             raise RuntimeError("CUDA graphs need the head on a CUDA device")
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
         shapes = [
             LoopShape(b, d) for b in reversed(self.sizes) for d in range(self.max_depth, 0, -1)
         ]
-        with torch.inference_mode():
-            for shape in shapes:
-                self.buffers.stage([], [self.buffers.features[:0]], shape.num_seqs)
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._run(shape)  # warm-up outside the capture (lazy inits, autotuning)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._run(shape)
-                self._graphs[shape] = graph
-        torch.cuda.synchronize()
-        report = CaptureReport(
-            len(shapes), time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0]
-        )
+        none = [self.buffers.features[:0]]  # all padding: a capture writes the scratch slot
+
+        def stage(shape: LoopShape) -> None:
+            self.buffers.stage([], none, shape.num_seqs)
+
+        graphs, report = capture_graphs(shapes, stage, self._run)
+        self._graphs.update(graphs)
         log.info(
             "captured %d EAGLE draft graphs (batch sizes %s, depths 1..%d) in %.1f s, %.0f MiB",
             report.num_graphs,

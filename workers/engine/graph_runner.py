@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
@@ -52,6 +53,41 @@ class CaptureReport:
     num_graphs: int
     seconds: float
     memory_bytes: int  # device memory the capture took (pool and buffers)
+
+
+Shape = TypeVar("Shape", bound=Hashable)
+
+
+def capture_graphs(
+    shapes: Sequence[Shape],
+    stage: Callable[[Shape], None],
+    run: Callable[[Shape], None],
+    progress: bool = False,
+) -> tuple[dict[Shape, torch.cuda.CUDAGraph], CaptureReport]:
+    """A CUDA graph of `run(shape)` for every shape, in order (largest first, so later ones fit
+    in what the first took) into one shared memory pool, each after `stage(shape)` has written
+    inputs the capture may run on and one run outside the capture (lazy inits, autotuning)."""
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
+    with torch.inference_mode():
+        for shape in tqdm(shapes, desc="capturing CUDA graphs", disable=not progress):
+            stage(shape)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run(shape)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                run(shape)
+            graphs[shape] = graph
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    report = CaptureReport(len(graphs), seconds, free_before - torch.cuda.mem_get_info()[0])
+    return graphs, report
 
 
 class GraphRunner(ModelRunner):
@@ -124,27 +160,11 @@ class GraphRunner(ModelRunner):
         """Capture a graph for every shape (CUDA only)."""
         if self.model.device.type != "cuda":
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        shapes = self.shapes
-        with torch.inference_mode():
-            for shape in tqdm(shapes, desc="capturing CUDA graphs", disable=not progress):
-                self.buffers.stage([], shape)  # all padding: writes only the scratch slot
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._run(shape)  # warm-up outside the capture (lazy inits, autotuning)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._run(shape)
-                self._graphs[shape] = graph
-        torch.cuda.synchronize()
-        report = CaptureReport(
-            len(shapes), time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0]
+        # Staged as all padding: a capture writes only the scratch slot.
+        graphs, report = capture_graphs(
+            self.shapes, lambda shape: self.buffers.stage([], shape), self._run, progress
         )
+        self._graphs.update(graphs)
         log.info(
             "captured %d CUDA graphs (batch sizes %s, widths 1..%d) in %.1f s, %.0f MiB",
             report.num_graphs,
