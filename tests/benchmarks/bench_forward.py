@@ -152,7 +152,7 @@ def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
             rows.append([name, n, f"{t * 1e3:.1f}", f"{t / times[0]:.2f}x", f"{t / base:.2f}x"])
     native_note = (
         f"bf16 runs our kernels (kernels/native.py, {native.variant()} build: projections, "
-        "RMSNorm, decode/verify attention) where they pay; the second block is the same model "
+        "RMSNorm, attention) where they pay; the second block is the same model "
         "on torch's kernels alone."
         if native.available()
         else f"Our native kernels were unavailable here ({native.unavailable_reason()})."

@@ -589,7 +589,7 @@ def main() -> None:
             f"`prompt_lookup_num_tokens` = {' and '.join(map(str, HF_LOOKUP_TOKENS))}, and "
             f"`assistant_model` = the same {DRAFT_LAYERS}-layer draft). Outrider runs our "
             f"native CPU kernels (kernels/native.py, {native.variant()} build: projections, "
-            "RMSNorm, decode/verify attention); transformers runs torch's kernels.",
+            "RMSNorm, attention); transformers runs torch's kernels.",
             hf_table,
         ]
     )
