@@ -270,8 +270,8 @@ class _NativePlan:
     query's dtype and shape) and kept for the others."""
 
     meta: AttentionMetadata
-    # (block tables, query starts, query lengths, sequence lengths) of every sequence, or None
-    # when the kernel does not serve this forward (SDPA's groups then do).
+    # Once settled, one of: (block tables, query starts, query lengths, sequence lengths) of
+    # every sequence for the kernel, or SDPA's groups where the kernel does not serve it.
     native: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     sdpa: list[_SdpaGroup] | None = None
 
@@ -279,16 +279,16 @@ class _NativePlan:
 class NativeCpuAttention(SdpaAttention):
     """`SdpaAttention`, except that every sequence attends through our C kernel
     (kernels/native.py), which reads its blocks in place instead of gathering them for SDPA,
-    when the query is bf16 or fp32 on a CPU that runs it. The kernel computes each token's attention
-    from its own query and keys alone, so with the row-independent projections of
+    when the query is bf16 or fp32 on a CPU that runs it. The kernel computes each token's
+    attention from its own query and keys alone, so with the row-independent projections of
     kernels/native.py a token's logits do not depend on its forward: a decode step, a
     verification of any draft, any batch, a prefill chunk of any split, or the rest of a prompt
     after a prefix-cache hit (speculative decoding commits exactly what decoding does, and a
     request's text does not depend on what ran before it; in fp32 over quantized weights too,
     whose rows are rounded to int8, where SDPA's batch-dependent last bits used to move a
-    near-tie). It is also the faster for
-    prefill chunks (a 1,000-token prompt's prefill: 0.32 s against SDPA's 0.65 s on the 2-core
-    VM). Other dtypes and other CPUs take the SDPA path unchanged."""
+    near-tie). It is also the faster for prefill chunks (a 1,000-token prompt's prefill: 0.32 s
+    against SDPA's 0.65 s on the 2-core VM). Other dtypes and other CPUs take the SDPA path
+    unchanged."""
 
     name = "native"
 
@@ -303,10 +303,10 @@ class NativeCpuAttention(SdpaAttention):
         plan: _NativePlan,
         scale: float,
     ) -> torch.Tensor:
-        if plan.sdpa is None:
+        if plan.native is None and plan.sdpa is None:
             self._settle(plan, query, key_cache, value_cache)
-        assert plan.sdpa is not None
         if plan.native is None:
+            assert plan.sdpa is not None
             return super().forward(query, key_cache, value_cache, plan.sdpa, scale)
         out = torch.empty_like(query)
         native.paged_attention(query, key_cache, value_cache, *plan.native, scale, out)
@@ -327,7 +327,6 @@ class NativeCpuAttention(SdpaAttention):
         if not usable:
             plan.sdpa = super().prepare(meta)
             return
-        plan.sdpa = []
 
         def ints(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32)

@@ -2,12 +2,12 @@
 
     python -m tests.benchmarks.profile_draft_loop [--out DIR] [--device cuda]
 
-The bundled head over a one-layer target of the bundled model's width and vocabulary with
-random bf16 weights (timing needs neither the GGUF nor the target's other layers), one sequence
-with `--context` rows of history. For each depth 1..k and batch sizes 1 and 4: the median wall
-time of a proposal as the engine makes it (`EagleDrafter.propose`, redoing the last feature row
-as `token_seconds` does), and of the graph replay alone; then the kernels of one depth-k replay
-(torch.profiler): how many, their GPU time, the costliest first. Prints tables and writes
+The bundled head over a one-layer target of its own width with random bf16 weights (timing
+needs neither the GGUF nor the target's other layers), each sequence with `--context` rows of
+history. For each depth 1..k and batch sizes 1 and 4: the median wall time of a proposal as
+the engine makes it (`EagleDrafter.propose`, redoing the last feature row as `token_seconds`
+does), and of the graph replay alone; then the kernels of one depth-k replay (torch.profiler):
+how many, their GPU time, the costliest first. Prints tables and writes
 DIR/draft_loop.json. Free of Ray, Redis and OpenTelemetry imports (the lent GPU machines have
 none); on a CPU it runs the loop eagerly, which checks the script.
 """
@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +29,19 @@ from workers.drafting.base import DraftRequest
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.eagle_loop import EagleDraftLoop, LoopConfig, LoopShape
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.engine.graph_runner import replay_or_run
 from workers.engine.sampling_params import SamplingParams
 from workers.model.config import ModelConfig
 
-SMOLLM2_WIDTH = ModelConfig(
-    architecture="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=1,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    attention_bias=False,
-    name="SmolLM2-135M width, one layer, random weights",
-)
+
+def target_for(head: EagleHead) -> ModelConfig:
+    """A one-layer target of the head's own width, its vocabulary reaching the head's draft
+    vocabulary (all the head borrows from a target: embedding and LM head rows)."""
+    return replace(
+        head.config.layer_config(),
+        vocab_size=int(head.draft_vocab.max()) + 1,
+        name="one layer of the head's width, random weights",
+    )
 
 
 def sync(device: torch.device) -> None:
@@ -57,8 +52,8 @@ def sync(device: torch.device) -> None:
 def drafter_with_history(
     device: torch.device, k: int, rows: int, context: int
 ) -> tuple[EagleDrafter, list[str]]:
-    target = random_model(SMOLLM2_WIDTH, device)
     head = EagleHead.load(BUNDLED_HEAD)
+    target = random_model(target_for(head), device)
     loop = LoopConfig(max_seqs=8, max_depth=k)
     drafter = EagleDrafter(head, target, num_blocks=64 * rows, max_model_len=2048, loop=loop)
     drafter.capture()
@@ -75,11 +70,7 @@ def drafter_with_history(
 
 def replay(loop: EagleDraftLoop, shape: LoopShape) -> None:
     """The loop at `shape` on whatever its buffers hold: its graph, or eagerly without one."""
-    graph = loop._graphs.get(shape)
-    if graph is not None:
-        graph.replay()
-    else:
-        loop._run(shape)
+    replay_or_run(loop._graphs, shape, loop._run)
 
 
 def timings(

@@ -106,7 +106,7 @@ class EagleDrafter(DraftsAhead):
         self.allocator = BlockAllocator(num_blocks)
         self.backend = attention or NativeCpuAttention()
         self.max_model_len = max_model_len or target.config.max_position_embeddings
-        self.loop = None if loop is None else self._make_loop(loop, num_blocks, min_confidence > 0)
+        self.loop = None if loop is None else self._make_loop(loop, num_blocks, min_confidence)
         self.vocab = head.draft_vocab.cpu()  # sampling is host work (per-request generators)
         self.full_vocab_size = target.config.vocab_size
         self._seqs: dict[str, EagleSeq] = {}
@@ -121,7 +121,7 @@ class EagleDrafter(DraftsAhead):
         self.grammars = grammars
 
     def _make_loop(
-        self, config: LoopConfig, scratch_block: int, confidence: bool
+        self, config: LoopConfig, scratch_block: int, min_confidence: float
     ) -> EagleDraftLoop:
         shape = self.head.config
         width = config.max_depth + 1
@@ -141,7 +141,7 @@ class EagleDrafter(DraftsAhead):
             max_seqs=config.max_seqs,
             max_depth=config.max_depth,
             max_rows=self.max_model_len,
-            confidence=confidence,
+            min_confidence=min_confidence,
         )
 
     def capture(self) -> CaptureReport | None:
@@ -335,7 +335,7 @@ class EagleDrafter(DraftsAhead):
                 if not forced and rid not in grammars and seq.params.greedy and loop.takes(seq, n)
             ][: loop.max_seqs]
             if looped:
-                drafts = loop.propose(looped, self.min_confidence)
+                drafts = loop.propose(looped)
                 taken = {rid for rid, _, _ in looped}
                 active = [item for item in active if item[0] not in taken]
         if active:

@@ -1,7 +1,7 @@
 """EAGLE's greedy draft as one fixed-shape program: what a CUDA graph captures.
 
 A proposal for `num_seqs` greedy sequences, each drafting up to `depth` tokens, is one call of
-`EagleDraftLoop.run`: the head's extend over each sequence's new feature rows (the positions
+`EagleDraftLoop.draft`: the head's extend over each sequence's new feature rows (the positions
 verified since its last proposal, at most `width` = k + 1 of them, padded at the end as a
 uniform verify step is), then `depth` draft steps, each the LM head over the draft vocabulary,
 its argmax and that token's probability, and (but for the last) the head's layer over the
@@ -32,8 +32,13 @@ from workers.drafting.base import ConfidenceStop, Draft
 from workers.drafting.eagle_seq import EagleSeq
 from workers.eagle.head import EagleHead
 from workers.engine.config import EngineConfig
-from workers.engine.graph_runner import CaptureReport, capture_graphs, capture_sizes
-from workers.engine.step_buffers import Buffer
+from workers.engine.graph_runner import (
+    CaptureReport,
+    capture_graphs,
+    capture_sizes,
+    replay_or_run,
+)
+from workers.engine.step_buffers import Buffer, Staging
 from workers.kv_cache import NoFreeBlocksError
 
 log = logging.getLogger(__name__)
@@ -76,8 +81,8 @@ class LoopSeq:
 
 
 class LoopBuffers:
-    """The loop's inputs, one int64 device buffer written from a host one with one copy (pinned
-    on a GPU): where each new feature row goes in the feature buffer, next tokens (both
+    """The loop's inputs, one staged int64 buffer (step_buffers.py `Staging`): where each new
+    feature row goes in the feature buffer, next tokens (both
     `[max_seqs * width]`), first rows and row counts (`[max_seqs]` each) and block tables
     (`[max_seqs, max_blocks]`); the feature rows have their own device buffer."""
 
@@ -96,17 +101,12 @@ class LoopBuffers:
         self._firsts_at = 2 * num_rows
         self._counts_at = self._firsts_at + max_seqs
         self._tables_at = self._counts_at + max_seqs
-        size = self._tables_at + max_seqs * max_blocks
-        pinned = device.type == "cuda"
-        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
-        self.device = torch.zeros(size, dtype=torch.int64, device=device)
-        self._host = self.host.numpy()
+        self.staging = Staging(self._tables_at + max_seqs * max_blocks, device)
         self.features = torch.zeros(num_rows, feature_width, dtype=dtype, device=device)
-        self._copied = torch.cuda.Event() if pinned else None
 
     def views(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(next ids `[num_seqs, width]`, first rows, row counts, block tables) on the device."""
-        return self._regions(self.device, num_seqs)
+        return self._regions(self.staging.device, num_seqs)
 
     def _regions(self, buf: Buffer, num_seqs: int) -> tuple[Buffer, Buffer, Buffer, Buffer]:
         b, w = num_seqs, self.width
@@ -119,9 +119,8 @@ class LoopBuffers:
     def stage(self, seqs: list[LoopSeq], features: list[torch.Tensor], num_seqs: int) -> None:
         """Write a proposal's inputs, padded to `num_seqs` (padding has no rows), and its
         feature rows (`features[i]`: `[len(seqs[i].next_ids), feature width]`, on the device)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the last copy has read the host buffer
-        ids, firsts, counts, tables = self._regions(self._host, num_seqs)
+        host = self.staging.host()
+        ids, firsts, counts, tables = self._regions(host, num_seqs)
         ids[:] = 0
         firsts[:] = 0
         counts[:] = 0
@@ -132,14 +131,11 @@ class LoopBuffers:
             ids[i, :n] = seq.next_ids
             firsts[i], counts[i] = seq.first_row, n
             tables[i, : len(seq.block_ids)] = seq.block_ids
-            self._host[num_rows : num_rows + n] = range(i * self.width, i * self.width + n)
+            host[num_rows : num_rows + n] = range(i * self.width, i * self.width + n)
             num_rows += n
-        end = self._tables_at + num_seqs * self.max_blocks  # the shape's last table
-        self.device[:end].copy_(self.host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self.staging.send(self._tables_at + num_seqs * self.max_blocks)  # the last table
         rows = features[0] if len(features) == 1 else torch.cat(features)
-        self.features.index_copy_(0, self.device[:num_rows], rows)
+        self.features.index_copy_(0, self.staging.device[:num_rows], rows)
 
 
 class EagleDraftLoop:
@@ -156,12 +152,13 @@ class EagleDraftLoop:
         max_seqs: int,
         max_depth: int,
         max_rows: int,  # the most head-cache rows a sequence has (its context and a draft)
-        confidence: bool = True,  # whether drafts need the head's probabilities (a bar)
+        min_confidence: float = 0.0,  # the drafts' confidence bar (base.py `ConfidenceStop`)
     ) -> None:
         if max_depth < 1:
             raise ValueError("the draft loop drafts at least one token")
         self.head, self.kv_cache, self.attention = head, kv_cache, attention
-        self.confidence = confidence
+        self.min_confidence = min_confidence
+        self.confidence = min_confidence > 0  # whether drafts need the head's probabilities
         self.block_size, self.scratch_slot = block_size, scratch_slot
         self.sizes = capture_sizes(max_seqs)
         self.max_depth, self.width = max_depth, max_depth + 1
@@ -209,9 +206,7 @@ class EagleDraftLoop:
         ready = 1 <= new <= self.width or (new == 0 and seq.last_feature is not None)
         return k <= self.max_depth and ready
 
-    def propose(
-        self, items: list[tuple[str, EagleSeq, int]], min_confidence: float
-    ) -> dict[str, Draft]:
+    def propose(self, items: list[tuple[str, EagleSeq, int]]) -> dict[str, Draft]:
         """Greedy drafts of at most k tokens for these (request id, sequence, k) in one run
         (or graph replay), each cut where the head's confidence in it falls below the bar."""
         depth = max(k for _, _, k in items)
@@ -236,11 +231,11 @@ class EagleDraftLoop:
         for i, (rid, seq, k, features) in enumerate(fed):
             seq.fed(features)
             seq.cached = seq.rows + depth - 1
-            bar = ConfidenceStop(min_confidence)
+            bar = ConfidenceStop(self.min_confidence)
             draft: list[int] = []
             for token, p in zip(tokens[i][:k], probs[i][:k], strict=True):
                 draft.append(token)
-                bar.drew(p if min_confidence > 0 else 1.0)
+                bar.drew(p)  # 1.0 without a bar
                 if not bar.sure:
                     break
             drafts[rid] = Draft(draft)
@@ -256,12 +251,9 @@ class EagleDraftLoop:
             raise ValueError(f"the loop takes 1..{self.width} new rows a sequence")
         shape = self.shape_for(len(seqs), depth)
         self.buffers.stage(seqs, features, shape.num_seqs)
-        graph = self._graphs.get(shape)
-        if graph is not None:
-            graph.replay()
+        if replay_or_run(self._graphs, shape, self._run):
             self.num_replays += 1
         else:
-            self._run(shape)
             self.num_eager_runs += 1
         n = len(seqs)
         self._tokens_host[:depth, :n].copy_(self._tokens[:depth, :n], non_blocking=True)
@@ -276,7 +268,7 @@ class EagleDraftLoop:
 
     def capture(self) -> CaptureReport:
         """Capture a graph for every (batch size, depth), largest first into one pool."""
-        device = self.buffers.device.device
+        device = self.buffers.features.device
         if device.type != "cuda":
             raise RuntimeError("CUDA graphs need the head on a CUDA device")
         shapes = [

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
 from workers.model.transformer import TransformerLM
+
+if TYPE_CHECKING:
+    from workers.drafting.base import Drafter
 
 
 def forward_times(
@@ -116,3 +121,30 @@ def relative_token_cost(draft: TransformerLM, target: TransformerLM, reps: int =
     draft_s = forward_times(draft, [1], reps)[0]
     target_s = forward_times(target, [1], reps)[0]
     return draft_s / target_s
+
+
+@dataclass(frozen=True, slots=True)
+class DraftCosts:
+    """Per method, in one-token target forwards: a drafted token, each further sequence's share
+    of a depth, and a drafting call's fixed part (workers/engine/speculator.py prices them)."""
+
+    tokens: dict[str, float]
+    rows: dict[str, float] = field(default_factory=dict)
+    launches: dict[str, float] = field(default_factory=dict)
+
+
+def draft_costs_in_forwards(
+    given: DraftCosts,
+    drafters: Mapping[str, Drafter],
+    draft_seconds: Mapping[str, float],
+    one_token_seconds: float,
+) -> DraftCosts:
+    """`given` with each drafter's measured seconds (a token's, `draft_seconds`; a further
+    row's and a launch's, where the drafter measured them) divided by a one-token forward."""
+    one = one_token_seconds
+    measured = [(m, d) for m, d in drafters.items() if m in draft_seconds]
+    return DraftCosts(
+        given.tokens | {m: s / one for m, s in draft_seconds.items()},
+        {m: d.row_seconds / one for m, d in measured if d.row_seconds is not None},
+        {m: d.launch_seconds / one for m, d in measured if d.launch_seconds is not None},
+    )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -88,6 +88,19 @@ def capture_graphs(
     seconds = time.perf_counter() - start
     report = CaptureReport(len(graphs), seconds, free_before - torch.cuda.mem_get_info()[0])
     return graphs, report
+
+
+def replay_or_run(
+    graphs: Mapping[Shape, torch.cuda.CUDAGraph], shape: Shape, run: Callable[[Shape], None]
+) -> bool:
+    """Replay the graph captured for `shape`, or run it eagerly where none was (on a CPU, say);
+    whether a graph ran."""
+    graph = graphs.get(shape)
+    if graph is None:
+        run(shape)
+        return False
+    graph.replay()
+    return True
 
 
 class GraphRunner(ModelRunner):
@@ -207,12 +220,9 @@ class GraphRunner(ModelRunner):
         for seq in seqs:
             seq.check_room(self.block_size, self.model.config.max_position_embeddings)
         self.buffers.stage(seqs, shape)
-        graph = self._graphs.get(shape)
-        if graph is not None:
-            graph.replay()
+        if replay_or_run(self._graphs, shape, self._run):
             self.num_replays += 1
         else:
-            self._run(shape)
             self.num_padded_steps += 1
         rows = shape.num_seqs * shape.width
         output = ModelOutput(

@@ -21,8 +21,10 @@ import torch
 from kernels.counter_rng import key_of_seed
 from workers.drafting.base import EMPTY_DRAFT, Drafter
 from workers.engine.calibration import (
+    DraftCosts,
     calibration_counts,
     costs_from_samples,
+    draft_costs_in_forwards,
     runner_samples,
     verify_costs,
 )
@@ -91,26 +93,20 @@ class LLMEngine:
         )
         self.allocator = BlockAllocator(self.config.kv_blocks)
         self.scheduler = Scheduler(self.config)
-        row_costs: dict[str, float] = {}
-        launch_costs: dict[str, float] = {}
+        costs = DraftCosts(dict(draft_costs or {}))
         one_token_seconds = None
         if draft_seconds and any(draft_seconds.values()):
-            one = one_token_seconds = self._one_token_seconds()
-            draft_costs = {**(draft_costs or {}), **{m: s / one for m, s in draft_seconds.items()}}
-            measured = [(m, d) for m, d in drafters.items() if m in draft_seconds]
-            row_costs = {m: d.row_seconds / one for m, d in measured if d.row_seconds is not None}
-            launch_costs = {
-                m: d.launch_seconds / one for m, d in measured if d.launch_seconds is not None
-            }
+            one_token_seconds = self._one_token_seconds()
+            costs = draft_costs_in_forwards(costs, drafters, draft_seconds, one_token_seconds)
         self.speculator = Speculator(
             self.config.spec,
             drafters,
             max_len,
             self._verify_costs(bool(drafters)),
-            draft_costs,
+            costs.tokens,
             model.config.vocab_size,
-            row_costs,
-            launch_costs,
+            costs.rows,
+            costs.launches,
             one_token_seconds,
         )
         self.tokenizer = tokenizer
@@ -320,8 +316,10 @@ class LLMEngine:
                     self._commit(scheduled, tokens, _logprobs(scheduled.seq, rows, tokens))
                 except Exception as exc:  # this request's own failure: it ends alone
                     self._fail(scheduled.seq, exc)
-            if all(s.decoding for s in batch.seqs):  # what speculation's overhead is timed by
-                self.speculator.observe_step(len(batch.seqs), time.perf_counter() - start)
+            speculator = self.speculator
+            if speculator.times_this_step and all(s.decoding for s in batch.seqs):
+                # A decode step whose draft lengths were chosen: what they cost, as served.
+                speculator.observe_step(len(batch.seqs), time.perf_counter() - start)
             if self.step_listeners:
                 self._report(batch.seqs, results, start_ns, drafted - start, drafted)
         return self.take_outputs()

@@ -214,6 +214,12 @@ class Speculator:
         self._planned = (methods, ks)
         return ks
 
+    @property
+    def times_this_step(self) -> bool:
+        """Whether this step's draft lengths were chosen here, so its time tells their cost
+        (`observe_step`); not where nobody speculates (`disable_batch_size`) or k is fixed."""
+        return self._planned is not None
+
     def observe_step(self, num_seqs: int, seconds: float) -> None:
         """A decode step of `num_seqs` sequences took `seconds`, drafting, forward, verifying
         and committing. Where the sequences are those this step's draft lengths were chosen

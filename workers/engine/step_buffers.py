@@ -43,6 +43,31 @@ class StepTensors:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
 
 
+class Staging:
+    """An int64 device buffer written from a host one with one copy a step: the host buffer is
+    pinned on a GPU, so the copy runs asynchronously and the host side is written again only
+    once the last copy has read it (`host()` waits for that)."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self._pinned = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
+        self._host = self._pinned.numpy()
+        self.device = torch.zeros(size, dtype=torch.int64, device=device)
+        self._copied = torch.cuda.Event() if pinned else None
+
+    def host(self) -> np.ndarray:
+        """The host buffer, to write, once the last copy has read it."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host
+
+    def send(self, end: int) -> None:
+        """Copy the host buffer's first `end` values to the device buffer."""
+        self.device[:end].copy_(self._pinned[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
 class StepBuffers:
     def __init__(
         self,
@@ -62,17 +87,10 @@ class StepBuffers:
         self._tokens_at = (0, num_tokens, 2 * num_tokens)
         self._lens_at = 3 * num_tokens
         self._tables_at = self._lens_at + max_num_seqs
-        size = self._tables_at + max_num_seqs * max_blocks
-        pinned = device.type == "cuda"
-        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
-        self.device = torch.zeros(size, dtype=torch.int64, device=device)
-        self._host = self.host.numpy()
-        # The last copy from pinned memory runs asynchronously: the host buffer is written
-        # again only once it has been read.
-        self._copied = torch.cuda.Event() if pinned else None
+        self.staging = Staging(self._tables_at + max_num_seqs * max_blocks, device)
 
     def views(self, shape: UniformShape) -> StepTensors:
-        return StepTensors(*self._regions(self.device, shape))
+        return StepTensors(*self._regions(self.staging.device, shape))
 
     def _regions(self, buffer: Buffer, shape: UniformShape) -> tuple[Buffer, ...]:
         """`shape`'s token ids, positions and slots (`[num_seqs * width]` each), context lengths
@@ -96,9 +114,7 @@ class StepBuffers:
         n = len(seqs)
         if n > b or any(len(s.token_ids) > w for s in seqs):
             raise ValueError(f"{n} sequences do not fit a uniform step of {b} x {w}")
-        if self._copied is not None:
-            self._copied.synchronize()
-        flat_ids, flat_pos, flat_slots, lens, tables = self._regions(self._host, shape)
+        flat_ids, flat_pos, flat_slots, lens, tables = self._regions(self.staging.host(), shape)
         ids, pos, slots = (x.reshape(b, w) for x in (flat_ids, flat_pos, flat_slots))
         ids[:] = 0
         tables[:] = 0
@@ -116,7 +132,4 @@ class StepBuffers:
         slots[:] = np.where(real, blocks * bs + positions % bs, self.scratch_slot)
         pos[:] = np.minimum(positions, self.max_positions - 1)
         lens[:] = starts + w
-        end = self._tables_at + b * self.max_blocks
-        self.device[:end].copy_(self.host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self.staging.send(self._tables_at + b * self.max_blocks)
