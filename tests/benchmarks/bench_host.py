@@ -1,10 +1,11 @@
 """The engine's host work per decode step, with the model call removed.
 
 `python -m tests.benchmarks.bench_host` fills an engine with 16, 64 and 256 decoding sequences
-(the bundled model's tokenizer, plain decoding, as served) and times its steps with a runner
-whose forward builds the batch's inputs as served and returns logits it made beforehand instead
-of running the model: what is left is the step's host work (scheduling, inputs, sampling and
-verification, committing tokens, detokenizing, outputs). Greedy, and sampled with temperature,
+(the bundled model's tokenizer, plain decoding, as served) and times its steps with the runner a
+GPU decodes with (`GraphRunner`: inputs staged into persistent buffers, padded to a captured
+batch size; an 8k context) minus its model call, its logits made beforehand: what is left is
+the step's host work (scheduling, inputs, sampling and verification, committing tokens,
+detokenizing, outputs). Greedy, and sampled with temperature,
 top-p and penalties. The logits are `--vocab` wide (1,024): the math over a whole vocabulary
 (argmax, softmax, top-p's sort: 3.5 ms for a greedy step of 256 rows of the bundled model's
 49,152 on the 2-core VM) is the device's on a GPU, and `--vocab 49152` puts it back. Prints a
@@ -25,14 +26,16 @@ from typing import Any
 
 import torch
 
+from kernels.attention_uniform import select_uniform_backend
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 from tests.factories import tiny_model
 from workers.engine.config import EngineConfig, SpecConfig
+from workers.engine.graph_runner import GraphRunner
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.step_buffers import UniformShape
 from workers.kv_cache import PagedKVCache
-from workers.model.transformer import ModelOutput
+from workers.model.transformer import TransformerLM
 
 PROMPT_TOKENS = 16
 SIZES = (16, 64, 256)
@@ -50,28 +53,34 @@ MODES = {
 }
 
 
-class NullRunner(ModelRunner):
-    """A runner whose forward builds its inputs as served and skips the model: its logits are
-    rows of a tensor made once (random, so sampling and penalties have real work to do)."""
+class NullRunner(GraphRunner):
+    """The runner a GPU serves decode steps with (`GraphRunner`: inputs staged into its
+    persistent buffers, padded to a captured batch size), with the model call removed: its
+    logits are what the buffers held before (random, so sampling and penalties have real work
+    to do). Prefill steps run the (one-layer) model eagerly, untimed."""
 
-    def __init__(self, runner: ModelRunner, vocab_size: int, max_rows: int) -> None:
-        super().__init__(runner.model, runner.kv_cache)
-        gen = torch.Generator().manual_seed(0)
-        self._logits = torch.randn(max_rows, vocab_size, generator=gen)
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        seqs: Sequence[SeqForward],
-        hidden_layers: Sequence[int] = (),
-        return_final_hidden: bool = False,
-        interrupt: Any = None,
-    ) -> RunnerOutput:
-        inputs = build_inputs(
-            seqs, self.block_size, self.model.config.max_position_embeddings, self.model.device
+    def __init__(self, model: TransformerLM, config: EngineConfig) -> None:
+        shape = model.config
+        cache = PagedKVCache(shape, config.kv_blocks + 1, config.block_size, torch.float32)
+        attention = select_uniform_backend(
+            model.device, model.dtype, shape.head_dim, shape.num_heads // shape.num_kv_heads, 1
         )
-        rows = len(inputs.logits_indices)
-        return RunnerOutput.of(ModelOutput(self._logits[:rows]), inputs)
+        super().__init__(
+            model,
+            cache,
+            attention=attention,
+            max_num_seqs=config.max_num_seqs,
+            max_width=1,
+            max_graph_tokens=config.max_num_batched_tokens,
+            scratch_block=config.kv_blocks,
+            max_model_len=config.max_model_len,
+        )
+        self._logits.copy_(
+            torch.randn(self._logits.shape, generator=torch.Generator().manual_seed(0))
+        )
+
+    def _run(self, shape: UniformShape) -> None:
+        """Nothing: the step's logits are the buffer's."""
 
 
 def build_engine(tokenizer: Any, vocab_size: int, num_seqs: int) -> LLMEngine:
@@ -84,9 +93,9 @@ def build_engine(tokenizer: Any, vocab_size: int, num_seqs: int) -> LLMEngine:
         max_num_batched_tokens=max(512, num_seqs * PROMPT_TOKENS),
         spec=SpecConfig(method="none", adaptive=False),
     )
-    cache = PagedKVCache(model.config, config.kv_blocks, config.block_size, torch.float32)
-    runner = NullRunner(ModelRunner(model, cache), vocab_size, config.max_num_batched_tokens)
-    return LLMEngine(model, config, tokenizer=tokenizer, eos_token_ids=(0,), runner=runner)
+    return LLMEngine(
+        model, config, tokenizer=tokenizer, eos_token_ids=(0,), runner=NullRunner(model, config)
+    )
 
 
 def time_steps(engine: LLMEngine, num_seqs: int, params: SamplingParams, steps: int) -> float:

@@ -35,40 +35,45 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._num_tokens = 0
-        self.text = ""  # final text so far (complete characters, stop string removed)
-        self._emitted = 0
+        # The end of the final text (complete characters, stop string removed) from `_hold`
+        # characters before what was emitted: where a stop string may still be found. Without
+        # stop strings nothing is held or searched, and every piece goes out as it comes.
+        self._tail = ""
+        self._emitted = 0  # characters of `_tail` already emitted
         self.stopped = False
 
     def add(self, token_ids: Sequence[int]) -> str:
         """New final text after these tokens ('' while a character or stop is undecided)."""
         if self.stopped:
             return ""
-        backend = self.tokenizer.backend
-        for token_id in token_ids:
-            piece = self._stream.step(backend, token_id)  # None: a character still incomplete
-            if piece:
-                self.text += piece
+        step, backend = self._stream.step, self.tokenizer.backend
+        # A piece is None while a character is still incomplete.
+        new = "".join(piece for piece in (step(backend, t) for t in token_ids) if piece)
         self._num_tokens += len(token_ids)
-        if self.stop and self._num_tokens >= self.min_tokens and self._find_stop():
-            return self._emit(len(self.text))
-        return self._emit(len(self.text) - self._hold)
+        if not self.stop:
+            return new
+        self._tail += new
+        if self._num_tokens >= self.min_tokens and self._find_stop():
+            return self._emit(len(self._tail))
+        return self._emit(len(self._tail) - self._hold)
 
     def flush(self) -> str:
         """Whatever was held back, once the sequence is over."""
-        return self._emit(len(self.text))
+        return self._emit(len(self._tail))
 
     def _find_stop(self) -> bool:
-        window = max(0, self._emitted - self._hold)
-        hits = [(i, s) for i, s in ((self.text.find(s, window), s) for s in self.stop) if i >= 0]
+        found = ((self._tail.find(s), s) for s in self.stop)
+        hits = [(i, s) for i, s in found if i >= 0]
         if not hits:
             return False
         start, stop = min(hits, key=lambda hit: hit[0])  # the first to appear
-        self.text = self.text[: start + len(stop) if self.include_stop else start]
+        self._tail = self._tail[: start + len(stop) if self.include_stop else start]
         self.stopped = True
         return True
 
     def _emit(self, end: int) -> str:
         end = max(end, self._emitted)
-        delta = self.text[self._emitted : end]
-        self._emitted = end
+        delta = self._tail[self._emitted : end]
+        cut = max(0, end - self._hold)  # keep the last `_hold` emitted characters
+        self._tail, self._emitted = self._tail[cut:], end - cut
         return delta

@@ -118,7 +118,11 @@ class GraphRunner(ModelRunner):
         max_graph_tokens: int,
         scratch_block: int,
         hidden_layers: Sequence[int] = (),
+        max_model_len: int | None = None,
     ) -> None:
+        """`max_model_len` (default: the model's whole context) sizes the block tables: each
+        step stages and copies `max_num_seqs` of them, so a 128k-context model served at 8k
+        stages a sixteenth of what its full context would take."""
         super().__init__(model, kv_cache)
         if not 0 <= scratch_block < kv_cache.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is not in the cache")
@@ -128,14 +132,17 @@ class GraphRunner(ModelRunner):
         self.sizes = capture_sizes(max_num_seqs)
         self.max_graph_tokens = max_graph_tokens
         block_size = kv_cache.block_size
-        max_len = model.config.max_position_embeddings
+        max_len = min(
+            max_model_len or model.config.max_position_embeddings,
+            model.config.max_position_embeddings,
+        )
         self.buffers = StepBuffers(
             max_num_seqs=self.sizes[-1],
             max_width=max_width,
             max_blocks=-(-(max_len + max_width) // block_size),
             block_size=block_size,
             scratch_slot=scratch_block * block_size,
-            max_positions=max_len,
+            max_positions=model.config.max_position_embeddings,
             device=model.device,
         )
         # The fixed outputs hold the widest padded step a graph or the padded path serves: no
@@ -200,10 +207,16 @@ class GraphRunner(ModelRunner):
         hidden state wanted."""
         if return_final_hidden or not set(hidden_layers) <= set(self.hidden_layers):
             return None
-        if not all(s.num_logits == len(s.token_ids) for s in seqs) or not self.buffers.fits(seqs):
+        if not seqs or len(seqs) > self.sizes[-1]:
             return None
+        width = 0
+        max_width, max_blocks = self.buffers.max_width, self.buffers.max_blocks
+        for s in seqs:  # one pass: this runs for every sequence every step
+            n = len(s.token_ids)
+            if s.num_logits != n or n > max_width or len(s.block_ids) > max_blocks:
+                return None
+            width = max(width, n)
         b = next(size for size in self.sizes if size >= len(seqs))
-        width = max(len(s.token_ids) for s in seqs)
         return UniformShape(b, width) if b * width <= self.max_rows else None
 
     @torch.inference_mode()
@@ -292,6 +305,7 @@ def make_runner(
         max_graph_tokens=config.max_num_batched_tokens,
         scratch_block=num_blocks,
         hidden_layers=hidden_layers,
+        max_model_len=config.max_model_len,
     )
     runner.capture(progress)
     return runner

@@ -236,7 +236,13 @@ class LLMEngine:
                     if isinstance(token, DeadEnd):
                         self._finish(seq, "stop")
                     else:
-                        self._append(seq, [token], _logprobs(seq, logits.view(1, -1), [token]))
+                        num_top = seq.params.logprobs
+                        logprobs = (
+                            []
+                            if num_top is None
+                            else token_logprobs(logits.view(1, -1), [token], num_top)
+                        )
+                        self._append(seq, [token], logprobs)
             except Exception as exc:  # this request's own failure: it ends alone
                 self._fail(seq, exc)
             if seq.finished:
@@ -279,17 +285,19 @@ class LLMEngine:
         load = self.scheduler.num_unfinished  # what speculation is judged by this step
         decoding = self.scheduler.decoding()
         for seq in decoding:  # once a step, before drafting: drafts may draw too
-            seq.reseed()
+            if seq.generator is not None:
+                seq.reseed()
         self.speculator.propose(decoding, load)
         drafted = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.seqs:
             # Those that drew nothing yet this step: a prompt's last chunk, or a sequence admitted
             # already decoding (its prompt prefilled elsewhere), which `decoding` did not hold.
-            drew = {id(seq) for seq in decoding}
+            drew = {id(seq) for seq in decoding if seq.generator is not None}
             for scheduled in batch.seqs:
-                if id(scheduled.seq) not in drew:
-                    scheduled.seq.reseed()
+                seq = scheduled.seq
+                if seq.generator is not None and id(seq) not in drew:
+                    seq.reseed()
             self.runner.copy_blocks(batch.block_copies)
             layers = self.speculator.hidden_layers((s.seq for s in batch.seqs), load)
             output = self.runner.forward([s.forward() for s in batch.seqs], hidden_layers=layers)
@@ -310,10 +318,8 @@ class LLMEngine:
                         self._send_hidden(scheduled, tokens, output, index, layers)
                     if scheduled.seq.scores_prompt:
                         self._score_prompt(scheduled, output.logits_of(index))
-                    # Committed token j was drawn from the j-th sampling row of the sequence.
-                    k = len(scheduled.draft.token_ids)
-                    rows = sampling_rows(output, index, k)
-                    self._commit(scheduled, tokens, _logprobs(scheduled.seq, rows, tokens))
+                    logprobs = _logprobs(scheduled, output, index, tokens)
+                    self._commit(scheduled, tokens, logprobs)
                 except Exception as exc:  # this request's own failure: it ends alone
                     self._fail(scheduled.seq, exc)
             speculator = self.speculator
@@ -395,7 +401,7 @@ class LLMEngine:
             tokens = tokens[: seq.grammar.advance(tokens)]
             if seq.grammar.stopped:  # the answer is complete: EOS, the only token left, is moot
                 reason = "stop"
-        logprobs = logprobs[: len(tokens)]
+        del logprobs[len(tokens) :]
         seq.token_ids += tokens
         seq.draft = EMPTY_DRAFT
         seq.block_table.truncate(seq.num_computed_tokens)  # roll back rejected draft slots
@@ -404,9 +410,7 @@ class LLMEngine:
         detok = self._detokenizers.get(seq.request_id)
         # A stop token or EOS ends the text without being in it (as vLLM does), whether or not
         # the text shows special tokens; unless the request asks for it.
-        last = tokens[-1] if reason and tokens else None
-        eos = () if seq.params.ignore_eos else seq.eos_token_ids
-        ended = last in seq.params.stop_token_ids or last in eos
+        ended = bool(reason and tokens) and tokens[-1] in seq.end_token_ids
         shown = tokens[:-1] if ended and not seq.params.include_stop_str_in_output else tokens
         text = "" if detok is None else detok.add(shown)
         if detok is not None and detok.stopped:
@@ -445,35 +449,44 @@ class LLMEngine:
 
     def _cut_at_stop(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
         """Keep tokens up to the first stop condition; the reason, if one was met."""
-        params = seq.params
+        room = min(
+            seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)
+        )
+        ends = seq.end_token_ids
         for n, token in enumerate(tokens, start=1):
-            if token in params.stop_token_ids or (
-                not params.ignore_eos and token in self.eos_token_ids
-            ):
+            if token in ends:
                 return tokens[:n], "stop"
-            num_output = seq.num_output_tokens + n
-            if num_output >= params.max_tokens or len(seq.token_ids) + n >= self.max_model_len:
+            if n >= room:
                 return tokens[:n], "length"
         return tokens, None
 
     def _record_output(
         self, seq: Sequence, tokens: list[int], text: str, logprobs: Seq[TokenLogprob] = ()
     ) -> None:
+        num_output = seq.num_output_tokens
         out = self._outputs.get(seq.request_id)
-        if out is None:
+        if out is None:  # its first this step
             out = RequestOutput(
-                seq.request_id, [], "", False, None, seq.num_prompt_tokens, 0, seq.stats
+                seq.request_id,
+                list(tokens),
+                text,
+                False,
+                None,
+                seq.num_prompt_tokens,
+                num_output,
+                seq.stats,
+                list(logprobs),
+                num_cached_tokens=seq.num_cached_tokens,
             )
             self._outputs[seq.request_id] = out
-        out.new_token_ids += tokens
-        out.text += text
-        out.logprobs += logprobs
-        num_output = seq.num_output_tokens
+        else:
+            out.new_token_ids += tokens
+            out.text += text
+            out.logprobs += logprobs
+            out.num_output_tokens = num_output
         first = bool(tokens) and num_output == len(tokens)
         if first and seq.params.prompt_logprobs is not None:
             out.prompt_logprobs = list(seq.prompt_logprobs)
-        out.num_output_tokens = num_output
-        out.num_cached_tokens = seq.num_cached_tokens
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
@@ -515,11 +528,15 @@ def _in_order(prediction: Seq[int], output: Seq[int]) -> int:
     return sum(block.size for block in matcher.get_matching_blocks())
 
 
-def _logprobs(seq: Sequence, rows: torch.Tensor, tokens: list[int] | None) -> list[TokenLogprob]:
-    """The committed tokens' log-probabilities when the request asked for them."""
-    num_top = seq.params.logprobs
+def _logprobs(
+    scheduled: ScheduledSeq, output: RunnerOutput, index: int, tokens: list[int] | None
+) -> list[TokenLogprob]:
+    """The committed tokens' log-probabilities when the request asked for them (committed
+    token j was drawn from the j-th sampling row of the sequence)."""
+    num_top = scheduled.seq.params.logprobs
     if num_top is None or not tokens:
         return []
+    rows = sampling_rows(output, index, len(scheduled.draft.token_ids))
     return token_logprobs(rows, tokens, num_top)
 
 

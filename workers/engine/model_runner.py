@@ -13,7 +13,7 @@ from workers.kv_cache import PagedKVCache
 from workers.model.transformer import ModelOutput, TransformerLM
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made for every sequence every step, and never changed
 class SeqForward:
     """One sequence's share of a forward: its new tokens and where they go in the cache."""
 

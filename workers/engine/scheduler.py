@@ -22,7 +22,7 @@ from workers.engine.sequence import SeqStatus, Sequence
 from workers.kv_cache import NoFreeBlocksError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made for every sequence every step, and never changed
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # of seq.token_ids, starting at seq.num_computed_tokens
@@ -91,8 +91,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens_to_compute, budget)
-            draft = seq.draft.truncated(budget - num_new) if seq.is_decoding else EMPTY_DRAFT
+            decoding = seq.is_decoding
+            num_new = 1 if decoding else min(seq.num_tokens_to_compute, budget)
+            draft = seq.draft
+            if not decoding:
+                draft = EMPTY_DRAFT
+            elif draft.token_ids:
+                draft = draft.truncated(budget - num_new)
             start = seq.num_computed_tokens
             try:
                 copies = seq.block_table.prepare_write(
@@ -103,8 +108,9 @@ class Scheduler:
                 self._preempt(victim)
                 out.preempted.append(victim)
                 continue  # retry this sequence (unless it was the victim: then the loop ends)
-            out.seqs.append(ScheduledSeq(seq, num_new, draft, seq.is_decoding))
-            out.block_copies += copies
+            out.seqs.append(ScheduledSeq(seq, num_new, draft, decoding))
+            if copies:
+                out.block_copies += copies
             budget -= num_new + len(draft.token_ids)
             i += 1
         return budget

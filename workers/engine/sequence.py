@@ -116,9 +116,17 @@ class Sequence:
     # Its penalties' token counts, kept up to date as it commits (when its params penalize)
     penalty_counts: PenaltyCounts = field(default_factory=PenaltyCounts)
 
+    # The tokens that end its answer: its stop tokens, and the model's EOS unless ignored
+    end_token_ids: frozenset[int] = field(init=False)
+    # `params.adjusts_logits`, worked out once: verification asks every step
+    adjusts_logits: bool = field(init=False)
+
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        self.end_token_ids = frozenset(self.params.stop_token_ids) | eos
+        self.adjusts_logits = self.params.adjusts_logits
 
     def reseed(self) -> None:
         """Restart a seeded request's generator for this step's draws (its drafts' and its

@@ -8,8 +8,9 @@ buffer with one copy: token ids, positions, cache slots, context lengths and blo
 
 Padding never touches a sequence's data: a padded token (after a short draft) or a padded
 sequence writes its K/V into the scratch slot, which no sequence owns; its position is clamped
-into the rotary table; a padded sequence's context is its `width` tokens over block 0, read
-and never written. Their logits are computed and never read.
+into the rotary table; a padded sequence's context is its `width` tokens over the first block
+its table row holds (whatever an earlier step left there), read and never written. Their logits
+are computed and never read.
 """
 
 from __future__ import annotations
@@ -52,7 +53,11 @@ class Staging:
         pinned = device.type == "cuda"
         self._pinned = torch.zeros(size, dtype=torch.int64, pin_memory=pinned)
         self._host = self._pinned.numpy()
-        self.device = torch.zeros(size, dtype=torch.int64, device=device)
+        # On the host the two are one buffer: a step's forward runs after its staging, and
+        # the next staging after that forward, with nothing to copy.
+        self.device = (
+            self._pinned if device.type == "cpu" else torch.zeros_like(self._pinned, device=device)
+        )
         self._copied = torch.cuda.Event() if pinned else None
 
     def host(self) -> np.ndarray:
@@ -63,6 +68,8 @@ class Staging:
 
     def send(self, end: int) -> None:
         """Copy the host buffer's first `end` values to the device buffer."""
+        if self.device is self._pinned:
+            return
         self.device[:end].copy_(self._pinned[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -102,29 +109,31 @@ class StepBuffers:
         tables = buffer[self._tables_at : self._tables_at + b * self.max_blocks]
         return ids, pos, slots, lens, tables.reshape(b, self.max_blocks)
 
-    def fits(self, seqs: Sequence[SeqForward]) -> bool:
-        """Whether these sequences fit the buffers (few enough, short enough)."""
-        return len(seqs) <= self.max_num_seqs and all(
-            len(s.block_ids) <= self.max_blocks and len(s.token_ids) <= self.max_width for s in seqs
-        )
-
     def stage(self, seqs: Sequence[SeqForward], shape: UniformShape) -> None:
-        """Write the step's inputs, padded to `shape`, and copy them to the device."""
+        """Write the step's inputs, padded to `shape`, and copy them to the device.
+
+        Only what the step reads is written: each sequence's new tokens and its blocks. What
+        an earlier step left past them (a block table's tail, a short draft's padding token)
+        stays: attention never reads past a sequence's context, padded positions are never
+        read back, and every value ever written there is a valid block or token id."""
         b, w, bs = shape.num_seqs, shape.width, self.block_size
         n = len(seqs)
-        if n > b or any(len(s.token_ids) > w for s in seqs):
-            raise ValueError(f"{n} sequences do not fit a uniform step of {b} x {w}")
+        if n > b:
+            raise ValueError(f"{n} sequences do not fit a uniform step of {b}")
         flat_ids, flat_pos, flat_slots, lens, tables = self._regions(self.staging.host(), shape)
         ids, pos, slots = (x.reshape(b, w) for x in (flat_ids, flat_pos, flat_slots))
-        ids[:] = 0
-        tables[:] = 0
         starts = np.zeros(b, dtype=np.int64)
         counts = np.zeros(b, dtype=np.int64)
+        starts[:n] = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+        counts[:n] = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
+        if n and counts.max() > w:
+            raise ValueError(f"a sequence brings more than the step's {w} new tokens")
+        if w == 1:
+            ids[:n, 0] = [s.token_ids[0] for s in seqs]
         for i, seq in enumerate(seqs):
-            num_new = len(seq.token_ids)
-            ids[i, :num_new] = seq.token_ids
+            if w > 1:
+                ids[i, : len(seq.token_ids)] = seq.token_ids
             tables[i, : len(seq.block_ids)] = seq.block_ids
-            starts[i], counts[i] = seq.num_computed_tokens, num_new
         offsets = np.arange(w, dtype=np.int64)
         positions = starts[:, None] + offsets[None, :]  # [b, w]
         real = offsets[None, :] < counts[:, None]

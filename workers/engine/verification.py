@@ -59,23 +59,27 @@ def verify(
     argmax: list[int] | None = None
     ends = [end for _, end in output.logits_spans]
     for i, s in enumerate(batch):
-        if not s.samples:
+        if not (s.decoding or s.samples):
             continue
-        k = len(s.draft.token_ids)
-        if s.seq.params.greedy and s.seq.params.adjusts_logits:
+        params, draft_ids = s.seq.params, s.draft.token_ids
+        if not params.greedy:
+            rows.append(i)
+        elif s.seq.adjusts_logits:
             try:
-                rows_logits = _adjusted(s.seq, s.draft.token_ids, sampling_rows(output, i, k))
+                rows_logits = _adjusted(s.seq, draft_ids, sampling_rows(output, i, len(draft_ids)))
             except Exception as exc:  # this sequence's own failure: the batch goes on
                 committed[i] = Failed(exc)
                 continue
-            tokens = greedy_accept(s.draft.token_ids, rows_logits.argmax(dim=-1).tolist())
+            tokens = greedy_accept(draft_ids, rows_logits.argmax(dim=-1).tolist())
             committed[i] = _before_dead_end(tokens, is_dead(rows_logits))
-        elif s.seq.params.greedy:  # the argmax decides: no transform, no probabilities
+        else:  # the argmax decides: no transform, no probabilities
             if argmax is None:
                 argmax = output.output.logits.argmax(dim=-1).tolist()
-            committed[i] = greedy_accept(s.draft.token_ids, argmax[ends[i] - k - 1 : ends[i]])
-        else:
-            rows.append(i)
+            end = ends[i]
+            if draft_ids:
+                committed[i] = greedy_accept(draft_ids, argmax[end - len(draft_ids) - 1 : end])
+            else:
+                committed[i] = [argmax[end - 1]]
     if not rows:
         return committed
     ks = [len(batch[i].draft.token_ids) for i in rows]

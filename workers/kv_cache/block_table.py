@@ -41,21 +41,24 @@ class BlockTable:
 
         All or nothing: raises NoFreeBlocksError and changes nothing when blocks are short.
         """
-        bs = self.block_size
-        touched = range(start // bs, min(-(-end // bs), len(self.block_ids)))
-        shared = [i for i in touched if self.allocator.refcount(self.block_ids[i]) > 1]
+        bs, blocks, allocator = self.block_size, self.block_ids, self.allocator
+        first, last = start // bs, (end - 1) // bs
+        if first == last < len(blocks) and allocator.refcount(blocks[first]) == 1:
+            return []  # a decode step inside its own block: nothing to allocate or copy
+        touched = range(first, min(last + 1, len(blocks)))
+        shared = [i for i in touched if allocator.refcount(blocks[i]) > 1]
         new = self.num_blocks_needed(end)
-        if new + len(shared) > self.allocator.num_free_blocks:
+        if new + len(shared) > allocator.num_free_blocks:
             raise NoFreeBlocksError(
-                f"need {new + len(shared)} KV blocks, {self.allocator.num_free_blocks} free"
+                f"need {new + len(shared)} KV blocks, {allocator.num_free_blocks} free"
             )
-        self.block_ids += self.allocator.allocate(new)
+        blocks += allocator.allocate(new)
         copies: list[tuple[int, int]] = []
         for index in shared:
-            block = self.block_ids[index]
-            (private,) = self.allocator.allocate(1)
-            self.allocator.free([block])
-            self.block_ids[index] = private
+            block = blocks[index]
+            (private,) = allocator.allocate(1)
+            allocator.free([block])
+            blocks[index] = private
             copies.append((block, private))
         return copies
 
@@ -89,9 +92,12 @@ class BlockTable:
     def truncate(self, num_tokens: int) -> None:
         """Keep the blocks that hold the first `num_tokens` tokens; free the rest (rollback)."""
         keep = -(-num_tokens // self.block_size)
-        self.allocator.free(self.block_ids[keep:])
-        del self.block_ids[keep:]
-        del self.block_hashes[num_tokens // self.block_size :]
+        if keep < len(self.block_ids):
+            self.allocator.free(self.block_ids[keep:])
+            del self.block_ids[keep:]
+        full = num_tokens // self.block_size
+        if full < len(self.block_hashes):
+            del self.block_hashes[full:]
 
     def fork(self) -> BlockTable:
         """A new table sharing every block of this one."""
