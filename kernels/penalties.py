@@ -63,3 +63,22 @@ def apply_penalties(
     if presence != 0.0:
         logits -= presence * (output_counts > 0).float()
     return logits
+
+
+def apply_row_penalties(
+    logits: torch.Tensor,  # [..., vocab]
+    output_counts: torch.Tensor,  # [..., vocab]
+    in_prompt: torch.Tensor,  # bool, broadcast to the logits
+    repetition: torch.Tensor,  # fp32, broadcast to the logits: 1 = off
+    frequency: torch.Tensor,  # fp32, broadcast: 0 = off
+    presence: torch.Tensor,  # fp32, broadcast: 0 = off
+) -> torch.Tensor:  # fp32, a new tensor
+    """`apply_penalties` with each row's own penalties, every one applied (one that is off is
+    its neutral value, which leaves the logits exactly as they were): the same arithmetic, so
+    each row comes out bit for bit as `apply_penalties` gives it alone."""
+    logits = logits.float()
+    seen = output_counts > 0
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen | in_prompt, penalized, logits)
+    logits = logits - frequency * output_counts
+    return logits - presence * seen.float()

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.sampling import draw
+from kernels.sampling import draw, draw_rows
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -40,17 +40,24 @@ def rejection_sample(
         raise ValueError("rejection_sample needs one k, q, greedy flag and generator per sequence")
     if target_probs.shape[:2] != (num_seqs, max_k + 1):
         raise ValueError(f"target_probs must be [{num_seqs}, {max_k + 1}, vocab]")
-    rows: list[list[int]] = []
+    rows: list[list[int]] = [[] for _ in range(num_seqs)]
+    # Without a draft (decode without speculation) a row's one token is the bonus: those are
+    # drawn together first, each from its own generator (a seeded row draws the same token in
+    # any order; unseeded rows take other uniforms of the global RNG than one by one would).
+    bonus = [i for i in range(num_seqs) if num_draft_tokens[i] == 0 and not greedy[i]]
+    if bonus:
+        index = torch.tensor(bonus)
+        tokens = draw_rows(target_probs[index, 0], [generators[i] for i in bonus])
+        for i, token in zip(bonus, tokens, strict=True):
+            rows[i] = [token]
     for i in range(num_seqs):
         k = num_draft_tokens[i]
         drafts = draft_token_ids[i, :k]
         p = target_probs[i, : k + 1]
         if greedy[i]:
-            rows.append(greedy_accept(drafts.tolist(), p.argmax(dim=-1).tolist()))
-        elif k == 0:  # no draft (decode without speculation): the bonus token, and nothing else
-            rows.append([draw(p[0], generators[i])])
-        else:
-            rows.append(_random_row(drafts, draft_probs[i], p, generators[i]))
+            rows[i] = greedy_accept(drafts.tolist(), p.argmax(dim=-1).tolist())
+        elif k > 0:
+            rows[i] = _random_row(drafts, draft_probs[i], p, generators[i])
     width = max_k + 1
     padded = [row + [PLACEHOLDER_TOKEN_ID] * (width - len(row)) for row in rows]
     return torch.tensor(padded, dtype=torch.long).view(num_seqs, width)

@@ -7,6 +7,7 @@ A row with temperature 0 is greedy: its distribution is one-hot on the argmax.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,32 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int
     return index
 
 
+def draw_rows(
+    weights: torch.Tensor,  # [num_rows, vocab], >= 0, no row all 0
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """`draw` for every row, row i from `generators[i]`, in one pass over the vocabulary: the
+    same cumulative weights and the same uniform draws (each generator's in row order, the
+    global RNG's for rows without one), so the same tokens as drawing the rows one by one."""
+    if len(generators) != weights.shape[0]:
+        raise ValueError("draw_rows needs one generator (or None) per row")
+    cdf = weights.double().cumsum(-1)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    uniform = torch.empty(len(generators), dtype=torch.float64)
+    if unseeded:  # the global RNG draws them in one call, as one by one
+        uniform[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+    for i, g in enumerate(generators):
+        if g is not None:
+            uniform[i] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).cpu()[0]
+    target = (uniform.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    indices = torch.searchsorted(cdf, target, right=True).squeeze(1).tolist()
+    vocab = weights.shape[1]
+    for i, index in enumerate(indices):
+        if index >= vocab:  # u * total rounded up to the total: the last token with any weight
+            indices[i] = int(weights[i].nonzero()[-1])
+    return indices
+
+
 def sample_from_probs(
     probs: torch.Tensor,  # [num_rows, vocab] fp32
     generators: list[torch.Generator | None],
@@ -110,6 +137,4 @@ def sample_from_probs(
     """
     if len(generators) != probs.shape[0]:
         raise ValueError("sample_from_probs needs one generator (or None) per row")
-    return torch.tensor(
-        [draw(row, gen) for row, gen in zip(probs, generators, strict=True)], dtype=torch.long
-    )
+    return torch.tensor(draw_rows(probs, generators), dtype=torch.long)

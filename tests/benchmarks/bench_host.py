@@ -32,6 +32,7 @@ from tests.factories import tiny_model
 from workers.engine.config import EngineConfig, SpecConfig
 from workers.engine.graph_runner import GraphRunner
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_buffers import UniformShape
 from workers.kv_cache import PagedKVCache
@@ -98,8 +99,29 @@ def build_engine(tokenizer: Any, vocab_size: int, num_seqs: int) -> LLMEngine:
     )
 
 
-def time_steps(engine: LLMEngine, num_seqs: int, params: SamplingParams, steps: int) -> float:
-    """Median seconds of a decode step with `num_seqs` sequences, all decoding."""
+class TimedSampler(Sampler):
+    """The engine's sampler, its time kept: the sampling transform over the vocabulary (a
+    top-p sort among it) and the draws, which a GPU's `DeviceSampler` runs on the device."""
+
+    def __init__(self, inner: Sampler) -> None:
+        self.inner, self.name, self.seconds = inner, inner.name, 0.0
+
+    def device_for(self, logits: torch.Tensor) -> torch.device:
+        return self.inner.device_for(logits)
+
+    def sample(self, *args: Any) -> list[list[int]]:
+        start = time.perf_counter()
+        try:
+            return self.inner.sample(*args)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def time_steps(
+    engine: LLMEngine, num_seqs: int, params: SamplingParams, steps: int
+) -> tuple[float, float]:
+    """Median seconds of a decode step with `num_seqs` sequences, all decoding, and of the
+    same steps' time in the sampler."""
     vocab = engine.runner.model.config.vocab_size
     for i in range(num_seqs):
         prompt = [100 + (37 * i + j) % (vocab - 100) for j in range(PROMPT_TOKENS)]
@@ -112,17 +134,21 @@ def time_steps(engine: LLMEngine, num_seqs: int, params: SamplingParams, steps: 
         raise RuntimeError(f"{engine.scheduler.num_unfinished} of {num_seqs} sequences run")
     for _ in range(3):
         engine.step()  # warm
-    times = []
+    sampler = engine.sampler = TimedSampler(engine.sampler)
+    times, sampling = [], []
     for _ in range(steps):
+        sampler.seconds = 0.0
         start = time.perf_counter()
         outputs = engine.step()
         times.append(time.perf_counter() - start)
+        sampling.append(sampler.seconds)
         if len(outputs) != num_seqs or any(out.error for out in outputs):
             raise RuntimeError("every sequence decodes a token a step")
+    engine.sampler = sampler.inner
     for i in range(num_seqs):
         engine.abort_request(f"r{i}")
     engine.take_outputs()
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(sampling)
 
 
 def measure(
@@ -132,28 +158,42 @@ def measure(
     for n in sizes:
         engine = build_engine(tokenizer, vocab, n)
         for mode, params in MODES.items():
-            seconds = time_steps(engine, n, params, steps)
+            seconds, sampling = time_steps(engine, n, params, steps)
             results[mode][str(n)] = {
                 "step_ms": round(seconds * 1000, 3),
                 "us_per_seq": round(seconds / n * 1e6, 2),
+                "sampler_ms": round(sampling * 1000, 3),
+                "us_per_seq_beside_sampler": round((seconds - sampling) / n * 1e6, 2),
             }
     return results
 
 
 def render(results: dict[str, dict[str, Any]], command: str, steps: int, vocab: int) -> str:
     rows = [
-        [mode, n, f"{r['step_ms']:.2f}", f"{r['us_per_seq']:.1f}"]
+        [
+            mode,
+            n,
+            f"{r['step_ms']:.2f}",
+            f"{r['us_per_seq']:.1f}",
+            f"{r['sampler_ms']:.2f}",
+            f"{r['us_per_seq_beside_sampler']:.1f}",
+        ]
         for mode, by_size in results.items()
         for n, r in by_size.items()
     ]
+    header = ["decoding", "sequences", "step (ms)", "per sequence (us)", "sampler (ms)"]
     return (
         "## Host work per decode step (`python -m tests.benchmarks.bench_host`)\n\n"
         f"Command: `{command}`. {machine_line()}. A plain-decoding engine with the bundled "
-        f"model's tokenizer, {PROMPT_TOKENS}-token prompts, every sequence decoding, and a "
-        "runner that builds each step's inputs as served but returns logits made beforehand "
-        f"({vocab} wide) instead of running the model; median of {steps} steps. Sampled: "
-        "temperature 0.8, top-p 0.95, frequency penalty 0.5, repetition penalty 1.1.\n\n"
-        + table(["decoding", "sequences", "step (ms)", "per sequence (us)"], rows)
+        f"model's tokenizer, {PROMPT_TOKENS}-token prompts, every sequence decoding, an 8k "
+        "context, and the runner a GPU decodes with (`GraphRunner`: inputs staged into its "
+        "persistent buffers, padded to a captured batch size) minus its model call: its logits "
+        f"({vocab} wide) were made beforehand. Median of {steps} steps. Sampled: temperature "
+        "0.8, top-p 0.95, frequency penalty 0.5, repetition penalty 1.1, no seed. The sampler "
+        "column is the time in the host sampler (the sampling transform over the vocabulary, "
+        "a top-p sort among it, and the draws: a GPU's device sampler runs them on the "
+        "device); the last column is the step's time beside it, per sequence.\n\n"
+        + table([*header, "beside the sampler (us per sequence)"], rows)
     )
 
 

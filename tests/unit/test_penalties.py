@@ -152,3 +152,50 @@ def test_counts_kept_across_steps_equal_counts_made_afresh() -> None:
         fresh = params.adjust(logits, prompt, output, drafts)
         assert torch.equal(cached, fresh), step
     assert kept.num_counted == len(output)
+
+
+def test_penalty_rows_give_each_sequence_what_adjust_gives_it_alone() -> None:
+    """A step's penalties applied to all its sequences at once (workers/engine/penalty_rows.py):
+    different penalties (some off), drafts of different lengths padded to one width, output
+    growing across steps, finished sequences' rows reused and the rows grown: every real row
+    bit for bit what `adjust` gives that sequence alone."""
+    from workers.engine.penalty_rows import PenaltyRows
+    from workers.engine.sequence import Sequence
+    from workers.kv_cache import BlockAllocator, BlockTable
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 50
+    kinds = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=1.5, presence_penalty=2.0),
+    ]
+    rows = PenaltyRows(vocab, torch.device("cpu"))
+    allocator = BlockAllocator(4)
+
+    def new_seq(n: int) -> Sequence:
+        prompt = torch.randint(vocab, (int(torch.randint(1, 9, (1,), generator=gen)),))
+        return Sequence(
+            f"s{n}", prompt.tolist(), kinds[n % 3], "none", 0, BlockTable(allocator, 16), None, n
+        )
+
+    seqs = [new_seq(n) for n in range(6)]
+    made = len(seqs)
+    for step in range(10):
+        if step in (3, 6):  # two finish; new ones take their rows, and more (the rows grow)
+            for seq in seqs[:2]:
+                rows.release(seq.request_id)
+            seqs = seqs[2:] + [new_seq(made + n) for n in range(4 if step == 3 else 2)]
+            made += 4 if step == 3 else 2
+        for seq in seqs:
+            seq.token_ids += torch.randint(vocab, (step % 3,), generator=gen).tolist()
+        drafts = [torch.randint(vocab, (n % 4,), generator=gen).tolist() for n in range(len(seqs))]
+        width = 1 + max(len(d) for d in drafts)
+        logits = torch.randn(len(seqs), width, vocab, generator=gen) * 3
+        got = rows.apply(logits, seqs, drafts)
+        for n, (seq, ids) in enumerate(zip(seqs, drafts, strict=True)):
+            alone = seq.params.adjust(
+                logits[n, : len(ids) + 1], seq.prompt_token_ids, seq.output_token_ids, ids
+            )
+            assert torch.equal(got[n, : len(ids) + 1], alone), (step, n)
+    assert len(rows) == len(seqs)

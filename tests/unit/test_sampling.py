@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels.sampling
-from kernels.sampling import draw, logits_to_probs, sample_from_probs
+from kernels.sampling import draw, draw_rows, logits_to_probs, sample_from_probs
 
 
 def transform(
@@ -121,3 +121,23 @@ def test_draw_at_the_top_of_the_range_takes_the_last_weighted_token(
 
     monkeypatch.setattr(kernels.sampling.torch, "rand", top)
     assert draw(torch.tensor([0.5, 0.0, 0.25, 0.0, 0.0])) == 2
+    monkeypatch.setattr(
+        kernels.sampling.torch, "rand", lambda n, **kwargs: torch.ones(n, dtype=torch.float64)
+    )
+    weights = torch.tensor([[0.5, 0.0, 0.25, 0.0, 0.0], [0.0, 0.1, 0.0, 0.0, 0.0]])
+    assert draw_rows(weights, [None, torch.Generator()]) == [2, 1]
+
+
+def test_draw_rows_draws_what_each_row_drawn_alone_does() -> None:
+    """The batch's draws in one pass: seeded rows from their own generators, the others from
+    the global RNG in row order, the same tokens as `draw` one row at a time."""
+    weights = torch.rand(9, 300, generator=torch.Generator().manual_seed(1)) ** 4
+    weights[3, 100:] = 0.0  # a row whose weight ends early
+
+    def generators() -> list[torch.Generator | None]:
+        return [None if i % 3 == 0 else torch.Generator().manual_seed(i) for i in range(9)]
+
+    torch.manual_seed(4)
+    together = draw_rows(weights, generators())
+    torch.manual_seed(4)
+    assert together == [draw(w, g) for w, g in zip(weights, generators(), strict=True)]

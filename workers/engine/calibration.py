@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.engine.config import SpecConfig
+from workers.engine.graph_runner import GraphRunner
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
 from workers.model.transformer import TransformerLM
@@ -147,4 +149,46 @@ def draft_costs_in_forwards(
         given.tokens | {m: s / one for m, s in draft_seconds.items()},
         {m: d.row_seconds / one for m, d in measured if d.row_seconds is not None},
         {m: d.launch_seconds / one for m, d in measured if d.launch_seconds is not None},
+    )
+
+
+def engine_samples(
+    runner: ModelRunner,
+    allocator: BlockAllocator,
+    counts: list[int],
+    width: int | None = None,
+    context: int = 128,
+) -> list[list[float]]:
+    """`runner_samples` through an engine's runner, on blocks lent by its allocator."""
+    needed = -(-(context + max(counts)) // runner.block_size)
+    blocks = allocator.allocate(needed)
+    try:
+        return runner_samples(runner, blocks, counts, 5, context, width)
+    finally:
+        allocator.free(blocks)
+
+
+def runner_one_token_seconds(runner: ModelRunner, allocator: BlockAllocator) -> float:
+    """Median seconds of a one-token forward through an engine's runner (graphs included)."""
+    return statistics.median(engine_samples(runner, allocator, [1])[0])
+
+
+def step_verify_costs(
+    runner: ModelRunner, allocator: BlockAllocator, spec: SpecConfig, has_drafters: bool
+) -> tuple[float, ...]:
+    """What verifying costs the engine's steps (`verify_costs`' curve), measured where steps
+    run: a graph runner's graphs, with a step's tokens as sequences verifying k drafts each."""
+    if spec.verify_costs is not None:
+        return spec.verify_costs
+    if not (spec.adaptive and has_drafters):
+        return (1.0,)  # k is not chosen by cost: nothing to measure
+    # A step's forward holds every decoding sequence's token and drafts; speculation stops at
+    # disable_batch_size sequences.
+    per_seq = max(spec.num_speculative_tokens, 1) + 1
+    max_tokens = min(max(spec.disable_batch_size - 1, 1) * per_seq, 256)
+    if not isinstance(runner, GraphRunner):
+        return verify_costs(runner.model, max_tokens)
+    counts = calibration_counts(max_tokens)
+    return costs_from_samples(
+        counts, engine_samples(runner, allocator, counts, per_seq), max_tokens
     )

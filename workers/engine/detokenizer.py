@@ -48,7 +48,10 @@ class IncrementalDetokenizer:
             return ""
         step, backend = self._stream.step, self.tokenizer.backend
         # A piece is None while a character is still incomplete.
-        new = "".join(piece for piece in (step(backend, t) for t in token_ids) if piece)
+        if len(token_ids) == 1:  # a decode step's one token
+            new = step(backend, token_ids[0]) or ""
+        else:
+            new = "".join(piece for piece in (step(backend, t) for t in token_ids) if piece)
         self._num_tokens += len(token_ids)
         if not self.stop:
             return new

@@ -108,16 +108,21 @@ class SamplingParams:
         )
 
     @property
-    def adjusts_logits(self) -> bool:
-        """Whether `adjust` changes the logits before the sampling transform."""
+    def adjusts_beyond_penalties(self) -> bool:
+        """Whether `adjust` does more than penalize: a bias, or a mask (allowed tokens, bad
+        words, `min_tokens`, a grammar) that may leave a row no token."""
         return (
-            self.penalized
-            or bool(self.logit_bias)
+            bool(self.logit_bias)
             or bool(self.allowed_token_ids)
             or bool(self.bad_words)
             or self.min_tokens > 0
             or self.structured is not None
         )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust` changes the logits before the sampling transform."""
+        return self.penalized or self.adjusts_beyond_penalties
 
     def adjust(
         self,
@@ -128,6 +133,7 @@ class SamplingParams:
         eos_token_ids: Iterable[int] = (),
         grammar: GrammarState | None = None,
         counts: PenaltyCounts | None = None,
+        penalize: bool = True,
     ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32 on the logits' device
         """These settings' changes to the logits of a verify forward's rows, row j being the
         position after the output so far and the first j drafts: penalties, then the logit
@@ -136,14 +142,15 @@ class SamplingParams:
         what `grammar` (the sequence's place in `structured`) forbids. Done where the logits
         are (a GPU's included): the host builds only small index tensors, each change is one
         write. `counts`: the sequence's penalty counts kept across steps (else built here from
-        the ids)."""
+        the ids). `penalize=False`: the penalties were applied already (for a whole batch:
+        workers/engine/penalty_rows.py)."""
         vocab, device = logits.shape[-1], logits.device
 
         def ids(values: Iterable[int]) -> torch.Tensor:
             return torch.tensor(list(values), dtype=torch.long, device=device)
 
         logits = logits.float()
-        if self.penalized:
+        if self.penalized and penalize:
             counts = counts or PenaltyCounts()
             in_prompt, output_counts = counts.update(prompt_ids, output_ids, vocab, device)
             logits = apply_penalties(

@@ -9,6 +9,7 @@ import torch
 
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept, rejection_sample
 from workers.engine.model_runner import RunnerOutput
+from workers.engine.penalty_rows import PenaltyRows
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import ScheduledSeq
 from workers.engine.sequence import Sequence as Sequence_
@@ -35,7 +36,10 @@ def is_dead(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows] bo
 
 
 def verify(
-    batch: Sequence[ScheduledSeq], output: RunnerOutput, sampler: Sampler
+    batch: Sequence[ScheduledSeq],
+    output: RunnerOutput,
+    sampler: Sampler,
+    penalties: PenaltyRows,
 ) -> list[list[int] | Failed | DeadEnd | None]:
     """Committed tokens of each scheduled sequence (None for a prefill chunk that samples none,
     `Failed` for one whose penalties or grammar raised, `DeadEnd` for one that may take no
@@ -46,14 +50,16 @@ def verify(
     the argmax of their logits alone; the rest go through the sampling transform and
     `rejection_sample` together. A request with penalties, a logit bias, `min_tokens` or a
     grammar has them applied to each row first, the row's output taking in the drafts before
-    it. The sampled rows go to `sampler` together (workers/engine/sampler.py: on the host, or
-    on the forward's device). A sequence's sampling rows are its last k + 1 (a prompt chunk
-    scored for its log-probabilities has every position's row before them). A row whose
-    settings leave no token is never committed from: the tokens before it are, and the next
-    step, starting at that row, ends the sequence there (as plain decoding would).
+    it: penalties for all such sequences at once (`penalties`, workers/engine/penalty_rows.py),
+    the rest per sequence. The sampled rows go to `sampler` together (workers/engine/sampler.py:
+    on the host, or on the forward's device). A sequence's sampling rows are its last k + 1 (a
+    prompt chunk scored for its log-probabilities has every position's row before them). A row
+    whose settings leave no token is never committed from: the tokens before it are, and the
+    next step, starting at that row, ends the sequence there (as plain decoding would).
     """
     committed: list[list[int] | Failed | DeadEnd | None] = [None] * len(batch)
-    rows = []  # sampled rows: they need the target's probabilities
+    sampled: list[int] = []  # they need the target's probabilities
+    adjusted: list[int] = []  # greedy, with their logits adjusted first
     # Greedy rows need only the argmax: one call and one copy to the host for the whole batch
     # (per row, a GPU step paid a launch and a sync for each sequence).
     argmax: list[int] | None = None
@@ -61,17 +67,11 @@ def verify(
     for i, s in enumerate(batch):
         if not (s.decoding or s.samples):
             continue
-        params, draft_ids = s.seq.params, s.draft.token_ids
-        if not params.greedy:
-            rows.append(i)
+        draft_ids = s.draft.token_ids
+        if not s.seq.params.greedy:
+            sampled.append(i)
         elif s.seq.adjusts_logits:
-            try:
-                rows_logits = _adjusted(s.seq, draft_ids, sampling_rows(output, i, len(draft_ids)))
-            except Exception as exc:  # this sequence's own failure: the batch goes on
-                committed[i] = Failed(exc)
-                continue
-            tokens = greedy_accept(draft_ids, rows_logits.argmax(dim=-1).tolist())
-            committed[i] = _before_dead_end(tokens, is_dead(rows_logits))
+            adjusted.append(i)
         else:  # the argmax decides: no transform, no probabilities
             if argmax is None:
                 argmax = output.output.logits.argmax(dim=-1).tolist()
@@ -80,45 +80,88 @@ def verify(
                 committed[i] = greedy_accept(draft_ids, argmax[end - len(draft_ids) - 1 : end])
             else:
                 committed[i] = [argmax[end - 1]]
-    if not rows:
+    all_logits = output.output.logits
+    if adjusted:
+        logits, dead = _adjusted_rows(batch, adjusted, output, all_logits.device, penalties)
+        best = logits.argmax(dim=-1).tolist()  # [len(adjusted), width]
+        for n, i in enumerate(adjusted):
+            draft_ids = batch[i].draft.token_ids
+            failed = dead.get(i)
+            if isinstance(failed, Failed):
+                committed[i] = failed
+                continue
+            tokens = greedy_accept(draft_ids, best[n][: len(draft_ids) + 1])
+            committed[i] = tokens if failed is None else _before_dead_end(tokens, failed)
+    if not sampled:
         return committed
-    ks = [len(batch[i].draft.token_ids) for i in rows]
+    logits, dead = _adjusted_rows(batch, sampled, output, sampler.device_for(all_logits), penalties)
+    tokens_of = sampler.sample(
+        logits,
+        [batch[i].draft.token_ids for i in sampled],
+        [batch[i].draft.probs for i in sampled],
+        [batch[i].seq for i in sampled],
+    )
+    for i, tokens in zip(sampled, tokens_of, strict=True):
+        failed = dead.get(i)
+        if isinstance(failed, Failed):
+            committed[i] = failed
+        else:
+            committed[i] = tokens if failed is None else _before_dead_end(tokens, failed)
+    return committed
+
+
+def _adjusted_rows(
+    batch: Sequence[ScheduledSeq],
+    chosen: list[int],
+    output: RunnerOutput,
+    device: torch.device,
+    penalties: PenaltyRows,
+) -> tuple[torch.Tensor, dict[int, torch.Tensor | Failed]]:
+    """The chosen sequences' sampling rows as one `[len(chosen), max_k + 1, vocab]` fp32
+    tensor on `device` (row n's k_n + 1 logits, padded by repeating its last, which nobody
+    reads), adjusted by each sequence's settings: penalties for all at once, the rest one
+    sequence at a time. Beside it, by batch index, what an adjustment left: the rows with no
+    token left (`is_dead`, `[k + 1]` bool) of a sequence with a mask, or `Failed` where its own
+    adjustment raised (its rows then hold a harmless distribution)."""
+    ks = [len(batch[i].draft.token_ids) for i in chosen]
     max_k = max(ks)
     all_logits = output.output.logits
     vocab = all_logits.shape[-1]
-    # Row n's k_n + 1 logits, padded to max_k + 1 by repeating its last (never read), in one
-    # gather, then where the sampler works (the host's copies them over once).
+    ends = [output.logits_spans[i][1] for i in chosen]
     index = [
-        ends[i] - k - 1 + min(j, k) for i, k in zip(rows, ks, strict=True) for j in range(max_k + 1)
+        end - k - 1 + min(j, k) for end, k in zip(ends, ks, strict=True) for j in range(max_k + 1)
     ]
     logits = (
         all_logits.index_select(0, torch.tensor(index, device=all_logits.device))
-        .to(sampler.device_for(all_logits), torch.float32)
-        .view(len(rows), max_k + 1, vocab)
+        .to(device, torch.float32)
+        .view(len(chosen), max_k + 1, vocab)
     )
-    dead: dict[int, torch.Tensor] = {}  # [k + 1] bool per adjusted sequence (is_dead)
-    for n, (i, k) in enumerate(zip(rows, ks, strict=True)):
-        seq = batch[i].seq
-        if seq.params.adjusts_logits:
-            try:
-                adjusted = _adjusted(seq, batch[i].draft.token_ids, logits[n, : k + 1])
-            except Exception as exc:  # sampled below like the rest, and then dropped
-                committed[i] = Failed(exc)
-                logits[n] = 0.0  # whatever it left half-done, a harmless distribution
-                continue
-            dead[i] = is_dead(adjusted)
-            adjusted[dead[i]] = 0.0  # a harmless distribution, never committed from
-            logits[n, : k + 1] = adjusted.to(logits.device)
-    sampled = sampler.sample(
-        logits,
-        [batch[i].draft.token_ids for i in rows],
-        [batch[i].draft.probs for i in rows],
-        [batch[i].seq for i in rows],
-    )
-    for i, tokens in zip(rows, sampled, strict=True):
-        if not isinstance(committed[i], Failed):
-            committed[i] = _before_dead_end(tokens, dead[i]) if i in dead else tokens
-    return committed
+    seqs = [batch[i].seq for i in chosen]
+    penalized = [n for n, seq in enumerate(seqs) if seq.params.penalized]
+    if len(penalized) == len(chosen):
+        logits = penalties.apply(logits, seqs, [batch[i].draft.token_ids for i in chosen])
+    elif penalized:
+        rows = torch.tensor(penalized, device=device)
+        logits[rows] = penalties.apply(
+            logits[rows],
+            [seqs[n] for n in penalized],
+            [batch[chosen[n]].draft.token_ids for n in penalized],
+        )
+    left: dict[int, torch.Tensor | Failed] = {}
+    for n, (i, k) in enumerate(zip(chosen, ks, strict=True)):
+        seq = seqs[n]
+        if not seq.params.adjusts_beyond_penalties:
+            continue
+        try:
+            rows = _adjusted(seq, batch[i].draft.token_ids, logits[n, : k + 1], penalize=False)
+        except Exception as exc:  # this sequence's own failure: the batch goes on
+            left[i] = Failed(exc)
+            logits[n] = 0.0  # whatever it left half-done, a harmless distribution
+            continue
+        left[i] = dead = is_dead(rows)
+        rows[dead] = 0.0  # a harmless distribution, never committed from
+        logits[n, : k + 1] = rows
+    return logits, left
 
 
 def _before_dead_end(tokens: list[int], dead: torch.Tensor) -> list[int] | DeadEnd:
@@ -153,9 +196,11 @@ def sample_one(seq: Sequence_, logits: torch.Tensor) -> int | DeadEnd:
     return int(sampled[0, 0])
 
 
-def _adjusted(seq: Sequence_, draft_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-    """The request's penalties, bias, `min_tokens` and grammar on its rows' logits
-    (`[len(draft_ids) + 1, vocab]`)."""
+def _adjusted(
+    seq: Sequence_, draft_ids: Sequence[int], logits: torch.Tensor, penalize: bool = True
+) -> torch.Tensor:
+    """The request's penalties (unless `penalize` is False: applied already), bias,
+    `min_tokens` and grammar on its rows' logits (`[len(draft_ids) + 1, vocab]`)."""
     return seq.params.adjust(
         logits,
         seq.prompt_token_ids,
@@ -164,4 +209,5 @@ def _adjusted(seq: Sequence_, draft_ids: Sequence[int], logits: torch.Tensor) ->
         seq.eos_token_ids,
         seq.grammar,
         seq.penalty_counts,
+        penalize=penalize,
     )
