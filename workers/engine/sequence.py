@@ -163,7 +163,8 @@ class Sequence:
     def is_decoding(self) -> bool:
         """Past the prompt, with every token but the last in the cache: the next forward
         feeds that token (and any draft) and commits new tokens."""
-        return self.num_uncomputed_tokens == 1 and len(self.token_ids) > self.num_prompt_tokens
+        n = len(self.token_ids)
+        return n - self.num_computed_tokens == 1 and n > len(self.prompt_token_ids)
 
     @property
     def finished(self) -> bool:
