@@ -182,6 +182,26 @@ def linear_bf16(
     return _project(lib.outrider_linear_bf16, x, weight, bias, weight.shape[0])
 
 
+def linear_f32(
+    x: torch.Tensor,  # [rows, in_features] fp32
+    weight: torch.Tensor,  # [out_features, in_features] fp32, contiguous
+    bias: torch.Tensor | None = None,  # [out_features] fp32
+) -> torch.Tensor:  # [rows, out_features] fp32
+    """`x W^T + b` in fp32, each output one sum in a fixed order: a row's result does not depend
+    on the other rows, nor on the thread count (torch's fp32 GEMM's does). Call only when
+    `available()`."""
+    lib = _lib()
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        raise TypeError("linear_f32 takes fp32 tensors")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError("linear_f32 runs on the CPU")
+    if not weight.is_contiguous():
+        raise ValueError("the weight must be contiguous")
+    return _project(lib.outrider_linear_f32, x, weight, bias, weight.shape[0])
+
+
 @dataclass(frozen=True, slots=True)
 class QuantKernelArgs:
     """A quantized weight as `linear_quant` passes it to the kernel: checked once, when made
@@ -407,19 +427,20 @@ def _project_packed(
 
 def _project(
     kernel: Callable[..., None],
-    x: torch.Tensor,  # [rows, in_features] bf16
+    x: torch.Tensor,  # [rows, in_features] bf16 or fp32
     weight: torch.Tensor,  # the weight as `kernel` reads it (packed or not)
-    bias: torch.Tensor | None,  # [out_features] bf16
+    bias: torch.Tensor | None,  # [out_features], x's dtype
     out_features: int,
-) -> torch.Tensor:  # [rows, out_features] bf16
-    """What the two projection kernels share: the bias's check, the call, the output."""
+) -> torch.Tensor:  # [rows, out_features], x's dtype
+    """What the projection kernels share: the bias's check, the call, the output (of the rows'
+    dtype)."""
     if bias is not None and (
-        bias.dtype != torch.bfloat16 or bias.shape != (out_features,) or not bias.is_contiguous()
+        bias.dtype != x.dtype or bias.shape != (out_features,) or not bias.is_contiguous()
     ):
-        raise ValueError("the bias must be a contiguous bf16 vector of out_features")
+        raise ValueError(f"the bias must be a contiguous {x.dtype} vector of out_features")
     x = x.contiguous()
     rows = x.shape[0]
-    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    y = torch.empty(rows, out_features, dtype=x.dtype)
     if rows:
         kernel(
             x.data_ptr(),

@@ -56,11 +56,9 @@ def load_library() -> tuple[ctypes.CDLL | None, str | None]:
     except OSError as e:
         reason = f"building or loading the kernel library failed: {e}"
     else:
-        linear = lib.outrider_linear_bf16
-        linear.restype = None
         ptr, int_, float_ = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        linear.argtypes = [ptr, ptr, ptr, ptr, int_, int_, int_, int_]
-        for name in ("outrider_linear_amx", "outrider_linear_packed"):
+        projections = ("outrider_linear_bf16", "outrider_linear_f32")
+        for name in (*projections, "outrider_linear_amx", "outrider_linear_packed"):
             fn = getattr(lib, name)
             fn.restype = None
             fn.argtypes = [ptr, ptr, ptr, ptr, int_, int_, int_, int_]

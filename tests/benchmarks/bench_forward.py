@@ -135,13 +135,15 @@ def decode_speed(checkpoint: Checkpoint, runs: int, new_tokens: int) -> str:
 def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
     rows = []
     bf16 = build_model(checkpoint, dtype=torch.bfloat16)
+    fp32 = build_model(checkpoint, dtype=torch.float32)
     runs = {
         "bfloat16": lambda: forward_times(bf16, NEW_TOKEN_COUNTS, reps, CONTEXT),
         "bfloat16, torch's kernels only": lambda: _torch_only(
             lambda: forward_times(bf16, NEW_TOKEN_COUNTS, reps, CONTEXT)
         ),
-        "float32": lambda: forward_times(
-            build_model(checkpoint, dtype=torch.float32), NEW_TOKEN_COUNTS, reps, CONTEXT
+        "float32": lambda: forward_times(fp32, NEW_TOKEN_COUNTS, reps, CONTEXT),
+        "float32, torch's kernels only": lambda: _torch_only(
+            lambda: forward_times(fp32, NEW_TOKEN_COUNTS, reps, CONTEXT)
         ),
     }
     base = None
@@ -152,7 +154,8 @@ def forward_cost_section(checkpoint: Checkpoint, reps: int) -> str:
             rows.append([name, n, f"{t * 1e3:.1f}", f"{t / times[0]:.2f}x", f"{t / base:.2f}x"])
     native_note = (
         f"bf16 runs our kernels (kernels/native.py, {native.variant()} build: projections, "
-        "RMSNorm, attention) where they pay; the second block is the same model "
+        "RMSNorm, attention) where they pay, fp32 our fp32 projections and attention (for "
+        "rows that do not depend on their batch); the blocks marked so are the same models "
         "on torch's kernels alone."
         if native.available()
         else f"Our native kernels were unavailable here ({native.unavailable_reason()})."

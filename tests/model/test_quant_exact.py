@@ -3,10 +3,9 @@ blocks kept (what a CPU deployment runs by default), greedy output is identical 
 quantized target decoding alone, for every drafter and batch size.
 
 In bf16 on our native kernels, where every op computes a token's row from its own inputs alone
-(tests/model/test_speculative_exact.py has the float model's case): the quantized projection
-rounds each row to int8 per block, so in fp32, whose torch attention and norms are not
-row-independent, a last-bit difference between a batched and a lone forward can move a rounding
-and then a near-tie between two tokens."""
+(tests/model/test_speculative_exact.py has the float model's case, bf16 and fp32): the quantized
+projection rounds each row to int8 per block, so a last-bit difference between a batched and a
+lone forward anywhere before it would move a rounding and then a near-tie between two tokens."""
 
 from __future__ import annotations
 

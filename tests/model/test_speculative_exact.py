@@ -290,22 +290,25 @@ def test_seeded_sampling_does_not_depend_on_the_batch(
     assert len(runs[0]) > 0
 
 
-@pytest.mark.skipif(
-    row_independent_rows() < 36,
-    reason="needs our native kernels for every row of a 36-token verification",
+@pytest.mark.parametrize(
+    ("dtype", "batch", "k"),
+    [(torch.bfloat16, 1, 16), (torch.bfloat16, 4, 8), (torch.float32, 4, 8)],
 )
-@pytest.mark.parametrize(("batch", "k"), [(1, 16), (4, 8)])
-def test_bf16_greedy_is_identical_to_plain_decoding_on_the_native_kernels(
+def test_greedy_is_identical_to_plain_decoding_on_the_native_kernels(
     checkpoint,  # type: ignore[no-untyped-def]
     prompt_ids: list[list[int]],
+    dtype: torch.dtype,
     batch: int,
     k: int,
 ) -> None:
-    """In bf16 the speculative path commits exactly what plain decoding does, not just in fp32:
-    our projections, norms and decode/verify attention compute each token's row from its own
-    inputs alone (kernels/native.py), so a token's logits do not depend on how many tokens its
-    forward verified nor on the other requests in it (ties included)."""
-    model = build_model(checkpoint, dtype=torch.bfloat16)
+    """In bf16 and fp32 alike the speculative path commits exactly what plain decoding does, by
+    construction rather than by the luck of no near-ties: our projections and attention, and
+    the norms, compute each token's row from its own inputs alone (kernels/native.py), so a
+    token's logits do not depend on how many tokens its forward verified nor on the other
+    requests in it (ties included)."""
+    if row_independent_rows(dtype) < 36:
+        pytest.skip("needs our native kernels for every row of a 36-token verification")
+    model = build_model(checkpoint, dtype=dtype)
     eos = checkpoint.config.eos_token_ids
     plain = SequentialEngine(model, eos_token_ids=eos, max_model_len=512)
     params = SamplingParams(max_tokens=40, temperature=0)
