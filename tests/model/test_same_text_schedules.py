@@ -1,0 +1,100 @@
+"""Same request, same text, under random schedules: on the bundled model in every dtype and weight
+format a CPU deployment offers, requests arriving at random steps into an engine with a small
+step budget (prefill in chunks, drafts cut short), few KV blocks (preemption and recompute), a
+prompt asked twice (the prefix cache) and speculation beside plain decoding each get the tokens
+they get alone: greedy ones what plain decoding gives, seeded sampled ones what the same request
+draws alone in an engine of its own."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.linear import row_independent_rows
+from tests.model.test_speculative_exact import prompt_texts
+from workers.drafting.ngram import NgramConfig, NgramDrafter
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
+from workers.model.loader import build_model
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0)
+NGRAM, PLAIN = RequestSpec(method="ngram"), RequestSpec(method="none")
+
+
+def sampled(seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=seed)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"),
+    [
+        (torch.bfloat16, "gguf"),
+        (torch.float32, "gguf"),
+        (torch.bfloat16, "none"),
+        (torch.float32, "none"),
+    ],
+    ids=["bf16-blocks", "fp32-blocks", "bf16", "fp32"],
+)
+def test_a_random_schedule_gives_each_request_its_text_alone(
+    checkpoint,  # type: ignore[no-untyped-def]
+    quantized_checkpoint,  # type: ignore[no-untyped-def]
+    dtype: torch.dtype,
+    quantization: str,
+) -> None:
+    if row_independent_rows(dtype) < 64:
+        pytest.skip("needs our native kernels for every row")
+    model = build_model(checkpoint if quantization == "none" else quantized_checkpoint, dtype=dtype)
+    eos = checkpoint.config.eos_token_ids
+    rng = random.Random(f"{dtype}-{quantization}")
+    texts = prompt_texts()
+    prompts = [checkpoint.tokenizer.encode(texts[i]) for i in rng.sample(range(len(texts)), 6)]
+    first = max(range(len(prompts)), key=lambda n: len(prompts[n]))
+    prompts.append(prompts[first])  # asked again once its prompt is in: the prefix cache
+    repeat = len(prompts) - 1
+    requests = [
+        (p, GREEDY, NGRAM) if n % 3 else (p, sampled(100 + n), PLAIN) for n, p in enumerate(prompts)
+    ]
+    plain = SequentialEngine(model, eos_token_ids=eos, max_model_len=512)
+    expected = []
+    for prompt, params, spec in requests:
+        if params.greedy:
+            expected.append(plain.generate(prompt, params).token_ids)
+        else:  # the same request alone in an engine of its own
+            alone = LLMEngine(model, EngineConfig(max_model_len=512), eos_token_ids=eos)
+            expected.append(alone.generate([prompt], params, spec)[0].token_ids)
+
+    k = rng.randint(2, 6)
+    config = EngineConfig(
+        max_model_len=512,
+        max_num_batched_tokens=rng.choice([16, 24, 40]),  # chunks, and drafts cut short
+        num_kv_blocks=8,  # two or three of these requests: the rest wait or are preempted
+        spec=SpecConfig(num_speculative_tokens=k, adaptive=False, disable_batch_size=64),
+    )
+    engine = LLMEngine(
+        model, config, eos_token_ids=eos, drafters={"ngram": NgramDrafter(NgramConfig(1, 4))}
+    )
+    arrivals = sorted((rng.randint(0, 12), n) for n in range(repeat))
+    tokens: dict[str, list[int]] = {f"r{n}": [] for n in range(len(requests))}
+    step = 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, n = arrivals.pop(0)
+            prompt, params, spec = requests[n]
+            engine.add_request(f"r{n}", prompt, params, spec)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.request_id == f"r{first}" and len(tokens[out.request_id]) == 1:
+                arrivals = sorted([*arrivals, (step + 1, repeat)])
+        step += 1
+    got = [tokens[f"r{n}"] for n in range(len(requests))]
+    assert got == expected
+    # The schedule did what it was meant to: preempted, hit the prefix cache, and accepted drafts.
+    scheduler = engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.prefix_hit_tokens > 0
+    assert engine.stats.accepted > 0
