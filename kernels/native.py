@@ -170,16 +170,7 @@ def linear_bf16(
 ) -> torch.Tensor:  # [rows, out_features] bf16
     """`x W^T + b` with fp32 sums, each output rounded once to bf16. A row's result does not
     depend on the other rows, nor on the thread count. Call only when `available()`."""
-    lib = _lib()
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        raise TypeError("linear_bf16 takes bf16 tensors")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if x.device.type != "cpu" or weight.device.type != "cpu":
-        raise ValueError("linear_bf16 runs on the CPU")
-    if not weight.is_contiguous():
-        raise ValueError("the weight must be contiguous")
-    return _project(lib.outrider_linear_bf16, x, weight, bias, weight.shape[0])
+    return _linear_unpacked("linear_bf16", torch.bfloat16, x, weight, bias)
 
 
 def linear_f32(
@@ -190,16 +181,27 @@ def linear_f32(
     """`x W^T + b` in fp32, each output one sum in a fixed order: a row's result does not depend
     on the other rows, nor on the thread count (torch's fp32 GEMM's does). Call only when
     `available()`."""
-    lib = _lib()
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        raise TypeError("linear_f32 takes fp32 tensors")
+    return _linear_unpacked("linear_f32", torch.float32, x, weight, bias)
+
+
+def _linear_unpacked(
+    name: str,
+    dtype: torch.dtype,
+    x: torch.Tensor,  # [rows, in_features]
+    weight: torch.Tensor,  # [out_features, in_features], contiguous
+    bias: torch.Tensor | None,  # [out_features]
+) -> torch.Tensor:  # [rows, out_features]
+    """The checks and the call of the unpacked projection kernel's `dtype` build (`name`)."""
+    kernel = getattr(_lib(), f"outrider_{name}")
+    if x.dtype != dtype or weight.dtype != dtype:
+        raise TypeError(f"{name} takes {dtype} tensors")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if x.device.type != "cpu" or weight.device.type != "cpu":
-        raise ValueError("linear_f32 runs on the CPU")
+        raise ValueError(f"{name} runs on the CPU")
     if not weight.is_contiguous():
         raise ValueError("the weight must be contiguous")
-    return _project(lib.outrider_linear_f32, x, weight, bias, weight.shape[0])
+    return _project(kernel, x, weight, bias, weight.shape[0])
 
 
 @dataclass(frozen=True, slots=True)
