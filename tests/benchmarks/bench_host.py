@@ -84,14 +84,18 @@ class NullRunner(GraphRunner):
         """Nothing: the step's logits are the buffer's."""
 
 
-def build_engine(tokenizer: Any, vocab_size: int, num_seqs: int) -> LLMEngine:
-    """A plain-decoding engine for `num_seqs` sequences over a null runner whose logits are
-    `vocab_size` wide."""
+def build_engine(
+    tokenizer: Any, vocab_size: int, num_seqs: int, prompt_tokens: int = PROMPT_TOKENS
+) -> LLMEngine:
+    """A plain-decoding engine for `num_seqs` sequences of `prompt_tokens`-token prompts over
+    a null runner whose logits are `vocab_size` wide."""
     model = tiny_model(0, vocab_size=vocab_size, max_position_embeddings=8192, num_layers=1)
     config = EngineConfig(
         max_model_len=8192,
         max_num_seqs=num_seqs,
-        max_num_batched_tokens=max(512, num_seqs * PROMPT_TOKENS),
+        max_num_batched_tokens=min(max(512, num_seqs * prompt_tokens), 16384),
+        # Room for the prompts and every token the prefill and the timed steps add.
+        num_kv_blocks=num_seqs * -(-(prompt_tokens + 256) // 16),
         spec=SpecConfig(method="none", adaptive=False),
     )
     return LLMEngine(
@@ -118,13 +122,17 @@ class TimedSampler(Sampler):
 
 
 def time_steps(
-    engine: LLMEngine, num_seqs: int, params: SamplingParams, steps: int
+    engine: LLMEngine,
+    num_seqs: int,
+    params: SamplingParams,
+    steps: int,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> tuple[float, float]:
     """Median seconds of a decode step with `num_seqs` sequences, all decoding, and of the
     same steps' time in the sampler."""
     vocab = engine.runner.model.config.vocab_size
     for i in range(num_seqs):
-        prompt = [100 + (37 * i + j) % (vocab - 100) for j in range(PROMPT_TOKENS)]
+        prompt = [100 + (37 * i + j) % (vocab - 100) for j in range(prompt_tokens)]
         engine.add_request(f"r{i}", prompt, params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine._seqs.values()):
         failed = [out.error for out in engine.step() if out.error]  # the prefill, a token each
@@ -152,20 +160,30 @@ def time_steps(
 
 
 def measure(
-    tokenizer: Any, vocab: int, sizes: Sequence[int], steps: int
+    tokenizer: Any, vocab: int, sizes: Sequence[int], steps: int, long_prompts: int
 ) -> dict[str, dict[str, Any]]:
+    """Every mode at every size; then, with `long_prompts`, greedy at the largest size with
+    prompts that long (a block table of a hundred blocks and more a sequence)."""
     results: dict[str, dict[str, Any]] = {mode: {} for mode in MODES}
     for n in sizes:
         engine = build_engine(tokenizer, vocab, n)
         for mode, params in MODES.items():
-            seconds, sampling = time_steps(engine, n, params, steps)
-            results[mode][str(n)] = {
-                "step_ms": round(seconds * 1000, 3),
-                "us_per_seq": round(seconds / n * 1e6, 2),
-                "sampler_ms": round(sampling * 1000, 3),
-                "us_per_seq_beside_sampler": round((seconds - sampling) / n * 1e6, 2),
-            }
+            results[mode][str(n)] = _row(n, *time_steps(engine, n, params, steps))
+    if long_prompts:
+        n = sizes[-1]
+        engine = build_engine(tokenizer, vocab, n, long_prompts)
+        timed = time_steps(engine, n, MODES["greedy"], steps, long_prompts)
+        results[f"greedy, {long_prompts}-token prompts"] = {str(n): _row(n, *timed)}
     return results
+
+
+def _row(num_seqs: int, seconds: float, sampling: float) -> dict[str, float]:
+    return {
+        "step_ms": round(seconds * 1000, 3),
+        "us_per_seq": round(seconds / num_seqs * 1e6, 2),
+        "sampler_ms": round(sampling * 1000, 3),
+        "us_per_seq_beside_sampler": round((seconds - sampling) / num_seqs * 1e6, 2),
+    }
 
 
 def render(results: dict[str, dict[str, Any]], command: str, steps: int, vocab: int) -> str:
@@ -185,7 +203,8 @@ def render(results: dict[str, dict[str, Any]], command: str, steps: int, vocab: 
     return (
         "## Host work per decode step (`python -m tests.benchmarks.bench_host`)\n\n"
         f"Command: `{command}`. {machine_line()}. A plain-decoding engine with the bundled "
-        f"model's tokenizer, {PROMPT_TOKENS}-token prompts, every sequence decoding, an 8k "
+        f"model's tokenizer, {PROMPT_TOKENS}-token prompts (where the row says no other), "
+        "every sequence decoding, an 8k "
         "context, and the runner a GPU decodes with (`GraphRunner`: inputs staged into its "
         "persistent buffers, padded to a captured batch size) minus its model call: its logits "
         f"({vocab} wide) were made beforehand. Median of {steps} steps. Sampled: temperature "
@@ -203,17 +222,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="16 and 64 sequences, 3 steps")
     parser.add_argument("--vocab", type=int, default=1024, help="the logits' width")
+    parser.add_argument(
+        "--long-prompts", type=int, default=2000, help="greedy's extra row (0: none)"
+    )
     parser.add_argument("--output", type=Path, default=DEFAULT_REPORT)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes, steps = ((16, 64), 3) if args.quick else (SIZES, args.steps)
+    long_prompts = 0 if args.quick else args.long_prompts
     from workers.model.loader import load_checkpoint
 
     tokenizer = load_checkpoint().tokenizer
-    results = measure(tokenizer, args.vocab, sizes, steps)
+    results = measure(tokenizer, args.vocab, sizes, steps, long_prompts)
     command = "python -m tests.benchmarks.bench_host" + (" --quick" if args.quick else "")
     if args.vocab != 1024:
         command += f" --vocab {args.vocab}"
+    if long_prompts != 2000 and not args.quick:
+        command += f" --long-prompts {long_prompts}"
     text = render(results, command, steps, args.vocab)
     print(text)
     write_section("bench_host", text, args.output)

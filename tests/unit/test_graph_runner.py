@@ -181,6 +181,46 @@ def test_staged_padding_writes_only_the_scratch_slot() -> None:
         buffers.stage(seqs, UniformShape(1, 3))
 
 
+def test_staged_block_tables_follow_their_tables_versions() -> None:
+    """A row's block ids are written again only when the sequence's table has another version
+    than the row holds: sequences that swap rows, or a table changed at the same length (a
+    rolled-back block given back and another taken), get their new ids."""
+    from workers.kv_cache import BlockAllocator, BlockTable
+
+    buffers = StepBuffers(
+        max_num_seqs=4,
+        max_width=1,
+        max_blocks=4,
+        block_size=4,
+        scratch_slot=99,
+        max_positions=16,
+        device=torch.device("cpu"),
+    )
+    allocator = BlockAllocator(12)
+    a, b = BlockTable(allocator, 4), BlockTable(allocator, 4)
+    a.prepare_write(0, 6)
+    b.prepare_write(0, 3)
+
+    def staged(*tables: BlockTable) -> list[list[int]]:
+        seqs = [SeqForward([1], 2, t.block_ids, 1, t.version) for t in tables]
+        buffers.stage(seqs, UniformShape(4, 1))
+        rows = buffers.views(UniformShape(4, 1)).block_tables.tolist()
+        return [rows[i][: len(t.block_ids)] for i, t in enumerate(tables)]
+
+    assert staged(a, b) == [a.block_ids, b.block_ids]
+    assert staged(b, a) == [b.block_ids, a.block_ids]  # rows swapped
+    before = (a.version, list(a.block_ids))
+    a.truncate(4)  # its second block rolled back, and another taken: the same length
+    allocator.allocate(1)  # so that the freed block is not the one taken back
+    a.prepare_write(4, 6)
+    assert len(a.block_ids) == 2 and a.block_ids != before[1] and a.version != before[0]
+    assert staged(a, b) == [a.block_ids, b.block_ids]
+    # An unchanged version is not written again (the row keeps what it holds).
+    lie = SeqForward([1], 2, [11, 11], 1, a.version)
+    buffers.stage([lie], UniformShape(4, 1))
+    assert buffers.views(UniformShape(4, 1)).block_tables[0, :2].tolist() == a.block_ids
+
+
 def test_the_cpu_gets_the_eager_runner_and_a_gpu_config_can_ask_for_it(
     model: TransformerLM,
 ) -> None:

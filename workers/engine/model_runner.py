@@ -21,6 +21,8 @@ class SeqForward:
     num_computed_tokens: int  # tokens already cached = position of the first new token
     block_ids: Sequence[int]  # the sequence's block table, covering every new token
     num_logits: int = 1  # score the last `num_logits` new tokens
+    # The block table's `BlockTable.version` (0: unknown): equal versions, equal block ids
+    block_version: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

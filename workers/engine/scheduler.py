@@ -41,7 +41,8 @@ class ScheduledSeq:
             num_logits = self.num_new_tokens
         else:
             num_logits = 1 + len(self.draft.token_ids) if self.samples else 0
-        return SeqForward(new, start, self.seq.block_table.block_ids, num_logits)
+        table = self.seq.block_table
+        return SeqForward(new, start, table.block_ids, num_logits, table.version)
 
 
 @dataclass(slots=True)

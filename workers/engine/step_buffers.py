@@ -95,6 +95,9 @@ class StepBuffers:
         self._lens_at = 3 * num_tokens
         self._tables_at = self._lens_at + max_num_seqs
         self.staging = Staging(self._tables_at + max_num_seqs * max_blocks, device)
+        # The block table version each row of the host buffer holds (0: none known): a row is
+        # written again only when its sequence's table changed or another sequence took it.
+        self._row_versions = [0] * max_num_seqs
 
     def views(self, shape: UniformShape) -> StepTensors:
         return StepTensors(*self._regions(self.staging.device, shape))
@@ -112,10 +115,11 @@ class StepBuffers:
     def stage(self, seqs: Sequence[SeqForward], shape: UniformShape) -> None:
         """Write the step's inputs, padded to `shape`, and copy them to the device.
 
-        Only what the step reads is written: each sequence's new tokens and its blocks. What
-        an earlier step left past them (a block table's tail, a short draft's padding token)
-        stays: attention never reads past a sequence's context, padded positions are never
-        read back, and every value ever written there is a valid block or token id."""
+        Only what the step reads is written: each sequence's new tokens, and its blocks where
+        the row does not hold them already (its table's version is the row's). What an earlier
+        step left past them (a block table's tail, a short draft's padding token) stays:
+        attention never reads past a sequence's context, padded positions are never read back,
+        and every value ever written there is a valid block or token id."""
         b, w, bs = shape.num_seqs, shape.width, self.block_size
         n = len(seqs)
         if n > b:
@@ -130,10 +134,13 @@ class StepBuffers:
             raise ValueError(f"a sequence brings more than the step's {w} new tokens")
         if w == 1:
             ids[:n, 0] = [s.token_ids[0] for s in seqs]
+        versions = self._row_versions
         for i, seq in enumerate(seqs):
             if w > 1:
                 ids[i, : len(seq.token_ids)] = seq.token_ids
-            tables[i, : len(seq.block_ids)] = seq.block_ids
+            if seq.block_version == 0 or versions[i] != seq.block_version:
+                tables[i, : len(seq.block_ids)] = seq.block_ids
+                versions[i] = seq.block_version
         offsets = np.arange(w, dtype=np.int64)
         positions = starts[:, None] + offsets[None, :]  # [b, w]
         real = offsets[None, :] < counts[:, None]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from workers.kv_cache.block_allocator import BlockAllocator, NoFreeBlocksError, block_hashes
+
+_VERSIONS = itertools.count(1)  # 0 stands for "unknown" (workers/engine/model_runner.py)
 
 
 class BlockTable:
@@ -27,6 +30,7 @@ class BlockTable:
         self.salt = salt
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # of the leading full blocks registered for reuse
+        self.version = next(_VERSIONS)
 
     @property
     def capacity(self) -> int:
@@ -60,6 +64,8 @@ class BlockTable:
             allocator.free([block])
             blocks[index] = private
             copies.append((block, private))
+        if new or shared:
+            self.version = next(_VERSIONS)
         return copies
 
     def use_cached_prefix(self, token_ids: Sequence[int]) -> int:
@@ -70,6 +76,7 @@ class BlockTable:
         hashes = block_hashes(token_ids, self.block_size, self.salt)
         self.block_ids = self.allocator.lookup(hashes)
         self.block_hashes = hashes[: len(self.block_ids)]
+        self.version = next(_VERSIONS)
         return len(self.block_ids) * self.block_size
 
     def cache_full_blocks(self, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -95,6 +102,7 @@ class BlockTable:
         if keep < len(self.block_ids):
             self.allocator.free(self.block_ids[keep:])
             del self.block_ids[keep:]
+            self.version = next(_VERSIONS)
         full = num_tokens // self.block_size
         if full < len(self.block_hashes):
             del self.block_hashes[full:]
@@ -105,6 +113,7 @@ class BlockTable:
         self.allocator.share(self.block_ids)
         other.block_ids = list(self.block_ids)
         other.block_hashes = list(self.block_hashes)
+        other.version = next(_VERSIONS)
         return other
 
     def release(self) -> None:
