@@ -153,16 +153,21 @@ def test_capture_sizes_step_by_16_after_8() -> None:
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
-def test_staged_padding_writes_only_the_scratch_slot() -> None:
-    buffers = StepBuffers(
+def cpu_buffers(max_width: int, max_blocks: int, max_positions: int) -> StepBuffers:
+    """Step buffers for 4 sequences of 4-token blocks on the CPU, scratch slot 99."""
+    return StepBuffers(
         max_num_seqs=4,
-        max_width=3,
-        max_blocks=6,
+        max_width=max_width,
+        max_blocks=max_blocks,
         block_size=4,
         scratch_slot=99,
-        max_positions=12,
+        max_positions=max_positions,
         device=torch.device("cpu"),
     )
+
+
+def test_staged_padding_writes_only_the_scratch_slot() -> None:
+    buffers = cpu_buffers(max_width=3, max_blocks=6, max_positions=12)
     seqs = [SeqForward([7, 8, 9], 5, [3, 1], 3), SeqForward([4], 10, [2, 0, 5], 1)]
     buffers.stage(seqs, UniformShape(4, 3))
     t = buffers.views(UniformShape(4, 3))
@@ -187,15 +192,7 @@ def test_staged_block_tables_follow_their_tables_versions() -> None:
     rolled-back block given back and another taken), get their new ids."""
     from workers.kv_cache import BlockAllocator, BlockTable
 
-    buffers = StepBuffers(
-        max_num_seqs=4,
-        max_width=1,
-        max_blocks=4,
-        block_size=4,
-        scratch_slot=99,
-        max_positions=16,
-        device=torch.device("cpu"),
-    )
+    buffers = cpu_buffers(max_width=1, max_blocks=4, max_positions=16)
     allocator = BlockAllocator(12)
     a, b = BlockTable(allocator, 4), BlockTable(allocator, 4)
     a.prepare_write(0, 6)
