@@ -29,14 +29,10 @@ def position_counts(
     draft_ids: Sequence[int],
     vocab: int,
     device: torch.device | None = None,
-    output_counts: torch.Tensor | None = None,  # [vocab] fp32: `token_counts(output_ids)`
 ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32
     """Row j: how often each token occurs in `output_ids` plus the first j drafts (built on
-    `device` from the ids, or from the output's counts where the caller keeps them: draft j
-    marked in row j, then summed down the rows)."""
-    if output_counts is None:
-        output_counts = token_counts(output_ids, vocab, device)
-    counts = output_counts.repeat(len(draft_ids) + 1, 1)
+    `device`: draft j marked in row j, then summed down the rows)."""
+    counts = token_counts(output_ids, vocab, device).repeat(len(draft_ids) + 1, 1)
     if draft_ids:
         drafted = torch.zeros_like(counts)
         rows = torch.arange(1, len(draft_ids) + 1, device=device)

@@ -130,28 +130,31 @@ def test_out_of_range_bias_and_min_tokens_are_refused(fields: dict[str, object])
         SamplingParams(**fields)  # type: ignore[arg-type]
 
 
-def test_counts_kept_across_steps_equal_counts_made_afresh() -> None:
-    """A sequence's penalty counts, brought up to date step by step (and rebuilt should its
-    output ever be shorter than what was counted), adjust logits exactly as counting the whole
+def test_penalty_rows_kept_across_steps_equal_counts_made_afresh() -> None:
+    """A sequence's penalty row, brought up to date step by step (and counted again should its
+    output ever be shorter than what was counted), adjusts logits exactly as counting the whole
     output again does."""
-    from workers.engine.sampling_params import PenaltyCounts
+    from workers.engine.penalty_rows import PenaltyRows
+    from workers.engine.sequence import Sequence
+    from workers.kv_cache import BlockAllocator, BlockTable
 
     params = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.4, presence_penalty=0.3)
     gen = torch.Generator().manual_seed(0)
     vocab, prompt = 40, [3, 7, 7, 11]
-    kept = PenaltyCounts()
-    output: list[int] = []
+    rows = PenaltyRows(vocab, torch.device("cpu"))
+    table = BlockTable(BlockAllocator(1), 16)
+    seq = Sequence("s", prompt, params, "none", 0, table, None, 0)
     for step in range(12):
-        output = output[:5] if step == 8 else output  # shorter than counted: counted again
-        output += torch.randint(
+        if step == 8:  # shorter than counted: counted again
+            del seq.token_ids[len(prompt) + 5 :]
+        seq.token_ids += torch.randint(
             vocab, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen
         ).tolist()
         drafts = torch.randint(vocab, (3,), generator=gen).tolist()
         logits = torch.randn(4, vocab, generator=gen)
-        cached = params.adjust(logits, prompt, output, drafts, counts=kept)
-        fresh = params.adjust(logits, prompt, output, drafts)
-        assert torch.equal(cached, fresh), step
-    assert kept.num_counted == len(output)
+        kept = rows.apply(logits[None], [seq], [drafts])[0]
+        fresh = params.adjust(logits, prompt, seq.output_token_ids, drafts)
+        assert torch.equal(kept, fresh), step
 
 
 def test_penalty_rows_give_each_sequence_what_adjust_gives_it_alone() -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from kernels.penalties import apply_penalties, position_counts, token_counts
+from kernels.penalties import apply_penalties, position_counts
 from kernels.sampling import logits_to_probs
 from workers.engine.logprobs import MAX_LOGPROBS
 from workers.engine.structured import GrammarState, StructuredOutput
@@ -132,7 +131,6 @@ class SamplingParams:
         draft_ids: Sequence[int] = (),
         eos_token_ids: Iterable[int] = (),
         grammar: GrammarState | None = None,
-        counts: PenaltyCounts | None = None,
         penalize: bool = True,
     ) -> torch.Tensor:  # [len(draft_ids) + 1, vocab] fp32 on the logits' device
         """These settings' changes to the logits of a verify forward's rows, row j being the
@@ -141,9 +139,8 @@ class SamplingParams:
         word ruled out, then, at positions short of `min_tokens`, EOS and the stop tokens, then
         what `grammar` (the sequence's place in `structured`) forbids. Done where the logits
         are (a GPU's included): the host builds only small index tensors, each change is one
-        write. `counts`: the sequence's penalty counts kept across steps (else built here from
-        the ids). `penalize=False`: the penalties were applied already (for a whole batch:
-        workers/engine/penalty_rows.py)."""
+        write. `penalize=False`: the penalties were applied already (the engine applies them
+        for a whole step at once: workers/engine/penalty_rows.py)."""
         vocab, device = logits.shape[-1], logits.device
 
         def ids(values: Iterable[int]) -> torch.Tensor:
@@ -151,11 +148,11 @@ class SamplingParams:
 
         logits = logits.float()
         if self.penalized and penalize:
-            counts = counts or PenaltyCounts()
-            in_prompt, output_counts = counts.update(prompt_ids, output_ids, vocab, device)
+            in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+            in_prompt[ids(prompt_ids)] = True
             logits = apply_penalties(
                 logits,
-                position_counts(output_ids, draft_ids, vocab, device, output_counts),
+                position_counts(output_ids, draft_ids, vocab, device),
                 in_prompt,
                 self.repetition_penalty,
                 self.frequency_penalty,
@@ -201,32 +198,6 @@ class SamplingParams:
             torch.tensor([self.top_p], dtype=torch.float32),
             torch.tensor([self.min_p], dtype=torch.float32),
         )
-
-
-@dataclass(slots=True)
-class PenaltyCounts:
-    """One sequence's token counts for penalties, kept across its steps: the prompt's tokens
-    (a mask) and the output's counts, brought up to date with the tokens committed since the
-    last step rather than counted again each step."""
-
-    in_prompt: torch.Tensor | None = None  # [vocab] bool
-    output: torch.Tensor | None = None  # [vocab] fp32
-    num_counted: int = 0  # output tokens in `output`
-
-    def update(
-        self, prompt_ids: Sequence[int], output_ids: Sequence[int], vocab: int, device: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # [vocab] bool, [vocab] fp32
-        """The prompt mask and the output's counts, as of `output_ids`."""
-        if self.in_prompt is None or self.in_prompt.shape[0] != vocab:
-            self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-            self.in_prompt[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
-            self.output, self.num_counted = None, 0
-        if self.output is None or len(output_ids) < self.num_counted:
-            self.output, self.num_counted = token_counts(output_ids, vocab, device), len(output_ids)
-        elif len(output_ids) > self.num_counted:
-            self.output += token_counts(output_ids[self.num_counted :], vocab, device)
-            self.num_counted = len(output_ids)
-        return self.in_prompt, self.output
 
 
 def _ends_with(output: Sequence[int], suffix: Sequence[int]) -> bool:

@@ -208,6 +208,5 @@ def _adjusted(
         draft_ids,
         seq.eos_token_ids,
         seq.grammar,
-        seq.penalty_counts,
         penalize=penalize,
     )
