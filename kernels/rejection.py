@@ -52,11 +52,13 @@ def rejection_sample(
             rows[i] = [token]
     for i in range(num_seqs):
         k = num_draft_tokens[i]
+        if k == 0 and not greedy[i]:
+            continue  # drawn above
         drafts = draft_token_ids[i, :k]
         p = target_probs[i, : k + 1]
         if greedy[i]:
             rows[i] = greedy_accept(drafts.tolist(), p.argmax(dim=-1).tolist())
-        elif k > 0:
+        else:
             rows[i] = _random_row(drafts, draft_probs[i], p, generators[i])
     width = max_k + 1
     padded = [row + [PLACEHOLDER_TOKEN_ID] * (width - len(row)) for row in rows]

@@ -86,12 +86,8 @@ def verify(
         best = logits.argmax(dim=-1).tolist()  # [len(adjusted), width]
         for n, i in enumerate(adjusted):
             draft_ids = batch[i].draft.token_ids
-            failed = dead.get(i)
-            if isinstance(failed, Failed):
-                committed[i] = failed
-                continue
             tokens = greedy_accept(draft_ids, best[n][: len(draft_ids) + 1])
-            committed[i] = tokens if failed is None else _before_dead_end(tokens, failed)
+            committed[i] = _after_adjustment(tokens, dead.get(i))
     if not sampled:
         return committed
     logits, dead = _adjusted_rows(batch, sampled, output, sampler.device_for(all_logits), penalties)
@@ -102,12 +98,19 @@ def verify(
         [batch[i].seq for i in sampled],
     )
     for i, tokens in zip(sampled, tokens_of, strict=True):
-        failed = dead.get(i)
-        if isinstance(failed, Failed):
-            committed[i] = failed
-        else:
-            committed[i] = tokens if failed is None else _before_dead_end(tokens, failed)
+        committed[i] = _after_adjustment(tokens, dead.get(i))
     return committed
+
+
+def _after_adjustment(
+    tokens: list[int], left: torch.Tensor | Failed | None
+) -> list[int] | Failed | DeadEnd:
+    """What a sequence commits of the tokens drawn from its adjusted rows, given what its
+    adjustment left (`_adjusted_rows`): nothing but its failure, the tokens before its first
+    row with no token, or all of them."""
+    if isinstance(left, Failed):
+        return left
+    return tokens if left is None else _before_dead_end(tokens, left)
 
 
 def _adjusted_rows(
