@@ -91,13 +91,7 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int
     vocabulary against ~0.08 ms here (tests/benchmarks/bench_forward.py), and which
     draws other numbers from the generator: a seed gives other tokens than it did with it.
     """
-    cdf = weights.double().cumsum(0)
-    device = generator.device if generator is not None else torch.device("cpu")
-    u = torch.rand(1, dtype=torch.float64, generator=generator, device=device)
-    index = int(torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True))
-    if index >= len(cdf):  # u * total rounded up to the total: the last token with any weight
-        index = int(weights.nonzero()[-1])
-    return index
+    return draw_rows(weights.view(1, -1), [generator])[0]
 
 
 def draw_rows(
@@ -135,6 +129,4 @@ def sample_from_probs(
     Greedy rows are one-hot, so the draw returns the argmax without consuming randomness that
     matters to anyone else.
     """
-    if len(generators) != probs.shape[0]:
-        raise ValueError("sample_from_probs needs one generator (or None) per row")
     return torch.tensor(draw_rows(probs, generators), dtype=torch.long)

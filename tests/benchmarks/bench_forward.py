@@ -24,7 +24,7 @@ import argparse
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
@@ -281,11 +281,19 @@ def _multinomial_draw(weights: torch.Tensor, generator: torch.Generator | None =
     return int(torch.multinomial(weights, 1, generator=generator))
 
 
+def _multinomial_draw_rows(
+    weights: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    return [_multinomial_draw(w, g) for w, g in zip(weights, generators, strict=True)]
+
+
 @contextlib.contextmanager
 def _multinomial_draws() -> Iterator[None]:
+    """Every draw the engines make through `torch.multinomial` (`draw` is `draw_rows`' one-row
+    case, so this covers both)."""
     with (
-        mock.patch.object(kernels.sampling, "draw", _multinomial_draw),
-        mock.patch.object(kernels.rejection, "draw", _multinomial_draw),
+        mock.patch.object(kernels.sampling, "draw_rows", _multinomial_draw_rows),
+        mock.patch.object(kernels.rejection, "draw_rows", _multinomial_draw_rows),
     ):
         yield
 
