@@ -8,6 +8,7 @@ tokens appended, rejected KV slots rolled back, drafters told, stop conditions c
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 import logging
 import random
@@ -192,13 +193,8 @@ class LLMEngine:
                     if isinstance(token, DeadEnd):
                         self._finish(seq, "stop")
                     else:
-                        num_top = seq.params.logprobs
-                        logprobs = (
-                            []
-                            if num_top is None
-                            else token_logprobs(logits.view(1, -1), [token], num_top)
-                        )
-                        self._append(seq, [token], logprobs)
+                        rows = logits.view(1, -1)
+                        self._append(seq, [token], _logprobs(seq, [token], lambda: rows))
             except Exception as exc:  # this request's own failure: it ends alone
                 self._fail(seq, exc)
             if seq.finished:
@@ -274,8 +270,9 @@ class LLMEngine:
                         self._send_hidden(scheduled, tokens, output, index, layers)
                     if scheduled.seq.scores_prompt:
                         self._score_prompt(scheduled, output.logits_of(index))
-                    logprobs = _logprobs(scheduled, output, index, tokens)
-                    self._commit(scheduled, tokens, logprobs)
+                    k = len(scheduled.draft.token_ids)
+                    rows = functools.partial(sampling_rows, output, index, k)
+                    self._commit(scheduled, tokens, _logprobs(scheduled.seq, tokens, rows))
                 except Exception as exc:  # this request's own failure: it ends alone
                     self._fail(scheduled.seq, exc)
             speculator = self.speculator
@@ -486,12 +483,11 @@ def _in_order(prediction: Seq[int], output: Seq[int]) -> int:
 
 
 def _logprobs(
-    scheduled: ScheduledSeq, output: RunnerOutput, index: int, tokens: list[int] | None
+    seq: Sequence, tokens: list[int] | None, rows: Callable[[], torch.Tensor]
 ) -> list[TokenLogprob]:
-    """The committed tokens' log-probabilities when the request asked for them (committed
-    token j was drawn from the j-th sampling row of the sequence)."""
-    num_top = scheduled.seq.params.logprobs
+    """The committed tokens' log-probabilities when the request asked for them, token j from
+    row j of `rows()` (its sampling rows; taken only then)."""
+    num_top = seq.params.logprobs
     if num_top is None or not tokens:
         return []
-    rows = sampling_rows(output, index, len(scheduled.draft.token_ids))
-    return token_logprobs(rows, tokens, num_top)
+    return token_logprobs(rows(), tokens, num_top)
