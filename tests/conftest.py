@@ -67,3 +67,25 @@ def hf_tokenizer():  # type: ignore[no-untyped-def]
 
     path = bundled_model_path()
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+CPU_FORMATS = {  # every dtype and weight format a CPU deployment offers
+    "bf16-blocks": (torch.bfloat16, "gguf"),
+    "fp32-blocks": (torch.float32, "gguf"),
+    "bf16": (torch.bfloat16, "none"),
+    "fp32": (torch.float32, "none"),
+}
+
+
+@pytest.fixture(params=list(CPU_FORMATS))
+def cpu_format_model(request, checkpoint, quantized_checkpoint):  # type: ignore[no-untyped-def]
+    """The bundled model in each of `CPU_FORMATS` (a test per format), where our kernels give
+    every row of a forward its own bits (skipped elsewhere)."""
+    from kernels.linear import row_independent_rows
+    from workers.model.loader import build_model
+
+    dtype, quantization = CPU_FORMATS[request.param]
+    if row_independent_rows(dtype) < 64:
+        pytest.skip("needs our native kernels for every row")
+    source = checkpoint if quantization == "none" else quantized_checkpoint
+    return build_model(source, dtype=dtype)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.linear import row_independent_rows
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.kv_cache import PagedKVCache
-from workers.model.loader import build_model
+from workers.model.transformer import TransformerLM
 
 pytestmark = pytest.mark.slow
 
@@ -26,26 +25,8 @@ def logits_of(runner: ModelRunner, forwards: list[SeqForward]) -> list[torch.Ten
     return [output.logits_of(i).clone() for i in range(len(forwards))]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "quantization"),
-    [
-        (torch.bfloat16, "none"),
-        (torch.float32, "none"),
-        (torch.bfloat16, "gguf"),
-        (torch.float32, "gguf"),
-    ],
-    ids=["bf16", "fp32", "bf16-blocks", "fp32-blocks"],
-)
-def test_a_tokens_logits_do_not_depend_on_its_forward(
-    checkpoint,  # type: ignore[no-untyped-def]
-    quantized_checkpoint,  # type: ignore[no-untyped-def]
-    dtype: torch.dtype,
-    quantization: str,
-) -> None:
-    if row_independent_rows(dtype) < len(NEW) + len(PROMPT):
-        pytest.skip("needs our native kernels for every row")
-    source = checkpoint if quantization == "none" else quantized_checkpoint
-    model = build_model(source, dtype=dtype)
+def test_a_tokens_logits_do_not_depend_on_its_forward(cpu_format_model: TransformerLM) -> None:
+    model = cpu_format_model
     cache = PagedKVCache(model.config, 8, BLOCK, model.dtype)
     runner = ModelRunner(model, cache)
     tokens = PROMPT + NEW

@@ -10,16 +10,15 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from kernels.linear import row_independent_rows
+from tests.conftest import CPU_FORMATS
 from tests.model.test_speculative_exact import prompt_texts
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
-from workers.model.loader import build_model
+from workers.model.transformer import TransformerLM
 
 pytestmark = pytest.mark.slow
 
@@ -31,27 +30,15 @@ def sampled(seed: int) -> SamplingParams:
     return SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=seed)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "quantization"),
-    [
-        (torch.bfloat16, "gguf"),
-        (torch.float32, "gguf"),
-        (torch.bfloat16, "none"),
-        (torch.float32, "none"),
-    ],
-    ids=["bf16-blocks", "fp32-blocks", "bf16", "fp32"],
-)
 def test_a_random_schedule_gives_each_request_its_text_alone(
     checkpoint,  # type: ignore[no-untyped-def]
-    quantized_checkpoint,  # type: ignore[no-untyped-def]
-    dtype: torch.dtype,
-    quantization: str,
+    cpu_format_model: TransformerLM,
+    request: pytest.FixtureRequest,
 ) -> None:
-    if row_independent_rows(dtype) < 64:
-        pytest.skip("needs our native kernels for every row")
-    model = build_model(checkpoint if quantization == "none" else quantized_checkpoint, dtype=dtype)
+    model = cpu_format_model
     eos = checkpoint.config.eos_token_ids
-    rng = random.Random(f"{dtype}-{quantization}")
+    dtype, quantization = CPU_FORMATS[request.node.callspec.id]
+    rng = random.Random(f"{dtype}-{quantization}")  # the same schedule for a format each run
     texts = prompt_texts()
     prompts = [checkpoint.tokenizer.encode(texts[i]) for i in rng.sample(range(len(texts)), 6)]
     first = max(range(len(prompts)), key=lambda n: len(prompts[n]))
