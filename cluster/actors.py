@@ -28,6 +28,7 @@ from cluster.step_channel import (
     StepClient,
     StepServer,
 )
+from workers.engine.heap import freeze_startup_heap
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.kv_cache import PagedKVCache
 from workers.model.tensor_parallel import build_sharded_model
@@ -128,6 +129,7 @@ class DrafterActor:
         self.worker = DrafterWorker(
             make, name, pool.draft_ahead, pool.keep_drafting_ahead, self._record_step
         )
+        freeze_startup_heap()
 
     def _record_step(self, message: DraftStep, reply: DraftReply) -> None:
         m = self.metrics
@@ -173,6 +175,7 @@ class PrefillActor:
         )
         self.metrics = ActorMetrics("prefill", name)
         self.metrics.count_restart()
+        freeze_startup_heap()
 
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "device": self.device, **where()}
@@ -317,6 +320,7 @@ class VerifierRankActor:
         block_size = deployment.engine.block_size
         cache = PagedKVCache(model.config, blocks, block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, cache)
+        freeze_startup_heap()
         self.link: TensorLink | None = None
         self.plans: StepServer | None = None  # rank 0's plans arrive here
         self.incarnation = time.time_ns()  # a restarted rank gets a new one

@@ -39,6 +39,7 @@ from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
 from cluster.step_channel import ChannelAddress, StepClient
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
+from workers.engine.heap import freeze_startup_heap
 from workers.engine.outputs import Continuation, Prefilled, RequestOutput, StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.model.tensor_parallel import build_sharded_model, split_evenly
@@ -182,6 +183,7 @@ class VerifierActor:
         self.prefill_locks = [asyncio.Lock() for _ in self.prefill_names]
         self._next_prefill = 0
         self._prefilled_by: dict[str, str] = {}
+        freeze_startup_heap()
 
     def _join_group(self, engine: Any, world: int) -> None:
         """Build the group over this verifier's ranks and make rank 0's forwards lead it."""

@@ -25,6 +25,7 @@ from workers.engine.config import (
     RequestSpec,
 )
 from workers.engine.factory import LoadedEngine, build_engine
+from workers.engine.heap import freeze_startup_heap
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.logprobs import TokenLogprob
 from workers.engine.outputs import RequestOutput
@@ -261,6 +262,7 @@ def _serve(args: argparse.Namespace) -> int:
         block_size, max_model_len = config.engine.block_size, config.engine.max_model_len
     else:
         loaded = load(args, config)
+        freeze_startup_heap()  # a server lives long: no full collection walks start-up's heap
         backend = LocalBackend(EngineLoop(loaded.engine))
         follower = follow(loaded.engine.speculator.drafters, redis_url, config.redis.password())
         tokenizer, name = loaded.tokenizer, loaded.model_name

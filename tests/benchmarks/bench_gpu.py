@@ -25,6 +25,7 @@ detokenizes. Free of Ray, Redis and OpenTelemetry imports: the lent GPU machines
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -44,6 +45,7 @@ from workers.eagle.prompts import held_out_prompts
 from workers.engine.calibration import runner_samples
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.graph_runner import GraphRunner
+from workers.engine.heap import freeze_startup_heap
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StepReport
@@ -63,7 +65,6 @@ K = 4  # draft tokens at most, as served
 # chunks run eagerly, and an eager forward of the bundled model costs about the same for 16 or
 # 256 tokens on a GPU, so fewer, larger prefill steps pay.
 PREFILL_BUDGET = 2048
-HF_PAD = 192  # transformers' prompts are left-padded to this (one static shape, one compile)
 LLAMA_8B = ModelConfig(
     architecture="llama",
     vocab_size=128256,
@@ -353,67 +354,6 @@ def eight_b(device: torch.device, copy_gb_s: float, max_tokens: int) -> dict[str
     }
 
 
-class TransformersPeer:
-    """transformers' `generate` on the same weights and card."""
-
-    def __init__(self, checkpoint: Checkpoint, max_tokens: int, device: torch.device) -> None:
-        from tests.benchmarks.hf import dense_transformers
-
-        self.model = dense_transformers(checkpoint, torch.bfloat16).to(device)
-        self.eos = list(checkpoint.tokenizer.eos_token_ids)
-        self.max_tokens = max_tokens
-        self.device = device
-
-    def generate(self, rows: list[list[int]], padded: bool, **kwargs: Any) -> tuple[int, float]:
-        """(tokens up to each row's EOS, seconds); `padded`: left-padded to HF_PAD, so that
-        the static cache has one shape whatever the prompt."""
-        pad = self.eos[0]
-        length = HF_PAD if padded else max(len(r) for r in rows)
-        ids = torch.full((len(rows), length), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):
-            ids[i, length - len(r) :] = torch.tensor(r)
-            mask[i, length - len(r) :] = 1
-        sync()
-        start = time.perf_counter()
-        out = self.model.generate(
-            ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            max_new_tokens=self.max_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-            eos_token_id=self.eos,
-            **kwargs,
-        )
-        sync()
-        seconds = time.perf_counter() - start
-        tokens = 0
-        for row in out[:, length:].tolist():
-            ends = [i for i, t in enumerate(row) if t in self.eos]
-            tokens += ends[0] + 1 if ends else len(row)
-        return tokens, seconds
-
-    def single(
-        self, prompts: dict[str, list[list[int]]], rounds: int, padded: bool, **kwargs: Any
-    ) -> dict[str, float]:
-        """tokens/s of each kind's prompts one at a time (after a warm-up that compiles)."""
-        self.generate(prompts["open chat"], padded, **kwargs)
-        rates = {}
-        for kind, kind_prompts in prompts.items():
-            samples = []
-            for _ in range(rounds):
-                done = [self.generate([p], padded, **kwargs) for p in kind_prompts]
-                samples.append(sum(n for n, _ in done) / sum(t for _, t in done))
-            rates[kind] = statistics.median(samples)
-        return rates
-
-    def batch(self, rows: list[list[int]]) -> float:
-        """tokens/s of `rows` at once through the static cache (after a compiling warm-up)."""
-        self.generate(rows, True, cache_implementation="static")
-        tokens, seconds = self.generate(rows, True, cache_implementation="static")
-        return tokens / seconds
-
-
 # -- driver -----------------------------------------------------------------------------------
 
 
@@ -449,6 +389,7 @@ def measure(args: argparse.Namespace) -> None:
     tok = checkpoint.tokenizer
     model = build_model(checkpoint, dtype=torch.bfloat16, device=device)
     from tests.benchmarks.bench_spec import PROMPTS
+    from tests.benchmarks.hf import TransformersPeer
 
     prompts = {kind: [chat_ids(tok, t) for t in texts] for kind, texts in PROMPTS.items()}
     pool = [chat_ids(tok, t) for texts in held_out_prompts().values() for t in texts]
@@ -459,6 +400,7 @@ def measure(args: argparse.Namespace) -> None:
 
     def start_engine() -> dict[str, Any]:
         engine, seconds = bundled_engine(checkpoint, model, max(levels), args.k, not args.fixed_k)
+        freeze_startup_heap()  # as a server does once it has started
         engine_box["engine"] = engine
         runner = engine.runner
         graphs = runner.num_graphs if isinstance(runner, GraphRunner) else 0
@@ -482,6 +424,8 @@ def measure(args: argparse.Namespace) -> None:
         run_part(results, "single", out, lambda: single_stream(engine, prompts, rounds, max_tokens))
         run_part(results, "concurrency", out, lambda: concurrency(engine, pool, levels, max_tokens))
         del engine, engine_box["engine"]
+    gc.unfreeze()  # the engine's cycles may go now
+    gc.collect()
     torch.cuda.empty_cache()
     if not args.skip_8b and "llama_8b_shape" in args.parts:
         copy = results.get("environment", {}).get("copy_gb_s", 4000.0)
