@@ -141,20 +141,31 @@ def test_a_loop_draft_ends_where_the_eager_one_does(target) -> None:  # type: ig
 
 
 def test_the_loop_out_of_cache_blocks_gives_an_empty_draft(target) -> None:  # type: ignore[no-untyped-def]
+    """A prompt's many feature rows go into the head's cache in one eager forward, then the
+    loop drafts; where the head's cache (3 blocks of 4 rows) runs out, in that catch-up or in
+    the loop, the draft is empty and the sequence starts over from its next features."""
     head = tiny_eagle_head(target)
     drafter = EagleDrafter(
         head, target, num_blocks=3, block_size=4, loop=LoopConfig(max_seqs=1, max_depth=K)
     )
+    assert drafter.loop is not None
     width = len(head.config.target_layers) * target.config.hidden_size
-    features = torch.randn(12, width, generator=torch.Generator().manual_seed(2))
+    features = torch.randn(16, width, generator=torch.Generator().manual_seed(2))
     drafter.add("a", list(range(12)), GREEDY)
     drafter.observe_hidden("a", 0, features[:11])
-    assert len(drafter.propose([DraftRequest("a", 12, 1)])["a"].token_ids) == 1  # eager, 11 rows
+    # 10 rows caught up, the 11th and its draft of 1 in the loop: 11 rows.
+    assert len(drafter.propose([DraftRequest("a", 12, 1)])["a"].token_ids) == 1
+    assert drafter.loop.num_eager_runs == 1
     drafter.observe_hidden("a", 11, features[11:12])
     drafter.commit("a", [5])
     # 12 feature rows and 3 more for a draft of K need 4 blocks of 4: one short.
     assert drafter.propose([DraftRequest("a", 13, K)])["a"].token_ids == []
-    assert drafter.loop is not None and drafter.loop.num_eager_runs == 0
+    assert drafter.loop.num_eager_runs == 1
+    # Started over: the next features are its first, and 14 of them overflow the catch-up.
+    drafter.observe_hidden("a", 0, features[:14])
+    drafter.commit("a", [6, 7])
+    assert drafter.propose([DraftRequest("a", 15, K)])["a"].token_ids == []
+    assert drafter.loop.num_eager_runs == 1
     drafter.remove("a")
     assert drafter.allocator.num_free_blocks == 3
 

@@ -16,7 +16,9 @@ temperature/top-k/top-p/min-p transform as the target, and q is returned for rej
 tokens outside the draft vocabulary have q = 0. A draft ends early once the head's probability
 of it falls below `min_confidence` (base.py `ConfidenceStop`). With a draft loop
 (workers/drafting/eagle_loop.py, CUDA graphs on a GPU), greedy proposals without forced tokens
-or a grammar and with at most k + 1 new feature rows are drafted there instead, in one replay.
+or a grammar are drafted there instead, in one replay; a sequence with more than k + 1 new
+feature rows (a prompt's, or those of steps prompt lookup drafted) first has all but the last
+fed to the head's cache in one eager forward (`_catch_up`).
 
 With `lookup` set, a sequence whose text ends in an n-gram that occurred before is drafted by
 prompt lookup instead (what followed the n-gram there; q one-hot) and the head does not run for
@@ -329,18 +331,52 @@ class EagleDrafter(DraftsAhead):
         drafts: dict[str, Draft] = {}
         if self.loop is not None:  # greedy drafts, nothing forced, no grammar: the loop's
             loop = self.loop
-            looped = [
+            fits = [
                 (rid, seq, n)
                 for rid, seq, forced, n in active
-                if not forced and rid not in grammars and seq.params.greedy and loop.takes(seq, n)
+                if not forced and rid not in grammars and seq.params.greedy and n <= loop.max_depth
+            ]
+            # More new feature rows than the loop's width (a prompt's, or several steps'
+            # drafted by prompt lookup): all but the last go into the head's cache first.
+            behind = [(rid, seq) for rid, seq, _ in fits if seq.num_pending > loop.width]
+            if behind:
+                drafts = {rid: Draft([]) for rid in self._catch_up(behind[: loop.max_seqs])}
+            looped = [
+                (rid, seq, n) for rid, seq, n in fits if rid not in drafts and loop.takes(seq, n)
             ][: loop.max_seqs]
             if looped:
-                drafts = loop.propose(looped)
+                drafts |= loop.propose(looped)
                 taken = {rid for rid, _, _ in looped}
                 active = [item for item in active if item[0] not in taken]
+        active = [item for item in active if item[0] not in drafts]
         if active:
             drafts |= self._draft_eagerly(active, stop, grammars)
         return drafts
+
+    def _catch_up(self, seqs: list[tuple[str, EagleSeq]]) -> list[str]:
+        """Feed every pending feature row of these sequences but the last into the head's
+        cache, in one eager forward, so that the draft loop can take them (one new row
+        each); returns the sequences that ran out of head cache (they start over later)."""
+        head = self.head
+        batch: list[tuple[EagleSeq, torch.Tensor]] = []
+        rows: list[torch.Tensor] = []
+        for _, seq in seqs:
+            features = seq.new_rows()
+            assert features is not None  # it has pending rows
+            earlier = features[:-1]
+            next_ids = torch.tensor(seq.next_ids(earlier.shape[0]), device=features.device)
+            batch.append((seq, head.layer_input(head.fuse_features(earlier), next_ids)))
+            rows.append(features)
+        try:
+            self._forward(batch)
+        except NoFreeBlocksError:
+            for _, seq in seqs:
+                seq.reset()
+            return [rid for rid, _ in seqs]
+        for (_, seq), features in zip(seqs, rows, strict=True):
+            seq.fed(features[:-1])
+            seq.pending = [features[-1:]]
+        return []
 
     def _draft_eagerly(
         self,

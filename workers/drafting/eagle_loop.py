@@ -201,7 +201,7 @@ class EagleDraftLoop:
 
     def takes(self, seq: EagleSeq, k: int) -> bool:
         """Whether the loop can draft k tokens for the (greedy) sequence: at most its depth,
-        and at most its width of new feature rows (a prompt's are many: the eager path)."""
+        and at most its width of new feature rows (the drafter feeds a prompt's many first)."""
         new = seq.num_pending
         ready = 1 <= new <= self.width or (new == 0 and seq.last_feature is not None)
         return k <= self.max_depth and ready
