@@ -98,7 +98,12 @@ def sync() -> None:
 
 def environment(device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
-        return {"card": "cpu (a dry run)", "torch": torch.__version__, "copy_gb_s": 10.0}
+        return {
+            "card": "cpu (a dry run)",
+            "torch": torch.__version__,
+            "copy_gb_s": 10.0,
+            "date": time.strftime("%Y-%m-%d"),
+        }
     import triton
 
     size = 2**30  # bytes per buffer
@@ -275,17 +280,38 @@ def single_stream(
 
 
 def concurrency(
-    engine: LLMEngine, pool: list[list[int]], levels: Sequence[int], max_tokens: int
+    engine: LLMEngine,
+    pool: list[list[int]],
+    levels: Sequence[int],
+    max_tokens: int,
+    rounds: int,
 ) -> dict[str, Any]:
-    out: dict[str, dict[str, float]] = {}
+    """tokens/s of each level's requests served together, per method: medians over rounds in
+    which the methods run one after another, and the median of each round's ratio to none (a
+    run's host is shared and noisy: one sample at 256 requests varied by a third)."""
+    rates: dict[str, dict[str, list[float]]] = {}
+    ratios: dict[str, dict[str, list[float]]] = {}
     for level in levels:
         prompts = [pool[i % len(pool)] for i in range(level)]
         timed_generate(engine, prompts, "none", 4)  # warm-up of the prefill shapes
-        out[str(level)] = {}
-        for method in METHODS:
-            tokens, seconds, _ = timed_generate(engine, prompts, method, max_tokens)
-            out[str(level)][method] = tokens / seconds
-    return {"tokens_per_s": out}
+        rates[str(level)] = {m: [] for m in METHODS}
+        ratios[str(level)] = {m: [] for m in METHODS}
+        for _ in range(rounds):
+            for method in METHODS:
+                tokens, seconds, _ = timed_generate(engine, prompts, method, max_tokens)
+                rates[str(level)][method].append(tokens / seconds)
+            for method in METHODS:
+                ratio = rates[str(level)][method][-1] / rates[str(level)]["none"][-1]
+                ratios[str(level)][method].append(ratio)
+    return {
+        "rounds": rounds,
+        "tokens_per_s": {
+            level: {m: statistics.median(v) for m, v in by.items()} for level, by in rates.items()
+        },
+        "vs_none": {
+            level: {m: statistics.median(v) for m, v in by.items()} for level, by in ratios.items()
+        },
+    }
 
 
 def random_model(config: ModelConfig, device: torch.device) -> TransformerLM:
@@ -422,7 +448,12 @@ def measure(args: argparse.Namespace) -> None:
     if "engine" in engine_box:
         engine = engine_box["engine"]
         run_part(results, "single", out, lambda: single_stream(engine, prompts, rounds, max_tokens))
-        run_part(results, "concurrency", out, lambda: concurrency(engine, pool, levels, max_tokens))
+        run_part(
+            results,
+            "concurrency",
+            out,
+            lambda: concurrency(engine, pool, levels, max_tokens, rounds),
+        )
         del engine, engine_box["engine"]
     gc.unfreeze()  # the engine's cycles may go now
     gc.collect()

@@ -93,9 +93,9 @@ def goals(run: dict[str, Any]) -> str:
             ]
         )
     for level in ("16", "64", "256"):
-        for method, rate in levels.get(level, {}).items():
+        for method in levels.get(level, {}):
             if method != "none":
-                ratio = rate / levels[level]["none"]
+                ratio = vs_none(run, level, method)
                 rows.append(
                     [f"{method} vs plain, {level} concurrent", _x(ratio), ">= 0.95x", ratio >= 0.95]
                 )
@@ -171,15 +171,30 @@ def overhead_line(run: dict[str, Any]) -> list[str]:
     ]
 
 
+def when(extra: dict[str, Any], first: dict[str, Any]) -> str:
+    """A later run's date, as the first run's section words it."""
+    date = extra["environment"].get("date")
+    return "the same day" if date == first["environment"].get("date") else str(date)
+
+
+def vs_none(run: dict[str, Any], level: str, method: str) -> float:
+    """`method` against none at `level` concurrent requests: the median of the rounds' ratios
+    where the run kept them, else the ratio of its (single) rates."""
+    part = run["concurrency"]
+    if "vs_none" in part:
+        return float(part["vs_none"][level][method])
+    rates = part["tokens_per_s"][level]
+    return float(rates[method] / rates["none"])
+
+
 def concurrency_table(run: dict[str, Any]) -> str:
     levels = run["concurrency"]["tokens_per_s"]
     rows = []
     for level, by_method in levels.items():
         row = [level]
         for method, rate in by_method.items():
-            row.append(
-                _f(rate) if method == "none" else f"{_f(rate)} ({_x(rate / by_method['none'])})"
-            )
+            ratio = "" if method == "none" else f" ({_x(vs_none(run, level, method))})"
+            row.append(_f(rate) + ratio)
         rows.append(row)
     return table(["concurrent requests", *levels["1"]], rows)  # fmt: skip
 
@@ -275,7 +290,7 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
         note = f" {extra['note']}" if "note" in extra else ""
         parts += [
             f"With {drafts} draft tokens a step ({extra['environment']['card']}, "
-            f"the same day, `{flags}`).{note}",
+            f"{when(extra, run)}, `{flags}`).{note}",
             single_table(extra, with_hf=False),
         ]
         if "concurrency" in extra:  # a run of its own: its steps, concurrency and goals too

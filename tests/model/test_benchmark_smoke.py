@@ -78,21 +78,25 @@ def test_bench_spec_quick_run(tmp_path: Path) -> None:
 
 def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> None:
     """The GPU benchmark's engine parts run on the CPU (no graphs there), and its section
-    renders from the stored H200 runs."""
+    renders from the stored H200 runs and this one's."""
     root = Path(__file__).resolve().parents[2]
-    parts = ["--device", "cpu", "--quick", "--parts", "environment,engine,single"]
+    parts = ["--device", "cpu", "--quick", "--parts", "environment,engine,single,concurrency"]
     run_script("bench_gpu", *parts, "--out", str(tmp_path))
     results = json.loads((tmp_path / "gpu.json").read_text())
-    assert "error" not in results["engine"] and "error" not in results["single"]
+    for part in ("engine", "single", "concurrency"):
+        assert "error" not in results[part], results[part]
     assert set(results["single"]["tokens_per_s"]["code edit"]) == {"none", "ngram", "eagle"}
+    assert results["concurrency"]["vs_none"]["4"]["none"] == 1.0
     report = tmp_path / "benchmarks.md"
     runs = [
         str(root / "docs" / "bench_gpu" / name) for name in ("h200-k4.json", "h200-k4-fixed.json")
     ]
-    run_script("bench_gpu", "--render", *runs, "--output", str(report))
+    run_script("bench_gpu", "--render", *runs, str(tmp_path / "gpu.json"), "--output", str(report))
     text = report.read_text()
     assert "<!-- bench_gpu:start -->" in text and "| goal | measured | target | met |" in text
     assert "With exactly 4 draft tokens a step" in text
+    ratio = results["concurrency"]["vs_none"]["4"]["eagle"]
+    assert "| 4 | " in text and f"({ratio:.2f}x) |" in text  # this run's concurrency table
 
 
 def test_profile_draft_loop_runs_on_the_cpu(tmp_path: Path) -> None:
