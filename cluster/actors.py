@@ -5,6 +5,7 @@ workers and the ranks > 0 of a tensor-parallel verifier group, with the helpers 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
@@ -31,7 +32,10 @@ from cluster.step_channel import (
 from workers.engine.heap import freeze_startup_heap
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.kv_cache import PagedKVCache
-from workers.model.tensor_parallel import build_sharded_model
+from workers.model.tensor_parallel import build_sharded_model, emulate_row_parallel
+from workers.model.transformer import TransformerLM
+
+log = logging.getLogger(__name__)
 
 RAY_NAMESPACE = "outrider"
 DRAFT_DEADLINE_S = 1.0
@@ -154,6 +158,26 @@ class DrafterActor:
         return self.worker.open_link(address)
 
 
+def compute_as_group(model: TransformerLM, world: int) -> None:
+    """A prefill worker's model computes as its verifiers' tensor-parallel groups do, so that a
+    prompt it prefills continues there as if the group had prefilled it (the same K/V bits on
+    our CPU kernels; workers/model/tensor_parallel.py `emulate_row_parallel`). Groups of more
+    than two ranks add their partials in an order no single process reproduces: their remote
+    prefills may differ from local ones in the last bits, which the log says."""
+    if world == 1:
+        return
+    try:
+        emulate_row_parallel(model, world)
+    except ValueError as exc:
+        log.warning(
+            "prefill worker: %s; a prompt it prefills may continue with other last bits than "
+            "one the verifier group prefills itself",
+            exc,
+        )
+        return
+    log.info("prefill worker: computes as a tensor-parallel group of %d ranks", world)
+
+
 class PrefillActor:
     """Ray actor body of a prefill worker."""
 
@@ -170,6 +194,7 @@ class PrefillActor:
         model = build_model(
             spec.load(deployment.model), dtype=parse_dtype(spec.dtype), device=self.device
         )
+        compute_as_group(model, deployment.pools.verifier.tensor_parallel_size)
         self.worker = PrefillWorker(
             model, deployment.engine.max_model_len, deployment.engine.block_size
         )

@@ -14,7 +14,12 @@ from tests.factories import random_hf_weights, tiny_config
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.kv_cache import PagedKVCache
 from workers.model.loader import Checkpoint
-from workers.model.tensor_parallel import build_sharded_model, shard_config, split_evenly
+from workers.model.tensor_parallel import (
+    build_sharded_model,
+    emulate_row_parallel,
+    shard_config,
+    split_evenly,
+)
 
 
 def test_split_evenly() -> None:
@@ -154,3 +159,64 @@ def test_a_remote_prefill_lands_on_every_rank_of_the_group() -> None:
             runner.write_prefilled(slots, kv[:, :, :, :2])
     finally:
         server.close()
+
+
+def group_forward(checkpoint: Checkpoint, world: int, dtype: torch.dtype, seqs, step):  # type: ignore[no-untyped-def]
+    """Logits of `step` after `seqs` from a real group of `world` ranks (threads, gloo), and
+    each rank's K/V cache."""
+    links = group(world)
+    results: dict[int, tuple[torch.Tensor, PagedKVCache]] = {}
+
+    def rank(r: int) -> None:
+        model = build_sharded_model(checkpoint, r, world, links[r].all_reduce, dtype)
+        cache = PagedKVCache(model.config, 4, 4, dtype)
+        runner = ModelRunner(model, cache)
+        runner.forward(seqs)
+        results[r] = (runner.forward(step).output.logits, cache)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [2, 3])
+def test_one_process_emulating_a_group_computes_its_bits(dtype: torch.dtype, kv_heads: int) -> None:
+    """`emulate_row_parallel`: the whole model in one process, its row-parallel projections
+    summed rank by rank, gives a group of two ranks' logits and K/V bit for bit (what a prefill
+    worker must hand a tensor-parallel verifier group); the plain whole model does not. Larger
+    groups are refused. Heads of 32 dimensions: our attention kernel's (SDPA's bits depend on
+    how many heads a call holds)."""
+    from kernels.linear import row_independent_rows
+
+    if row_independent_rows(dtype) < 64:
+        pytest.skip("needs our native kernels for every row")
+    world = 2
+    config = tiny_config(
+        num_heads=2 * kv_heads, num_kv_heads=kv_heads, intermediate_size=64, head_dim=32
+    )
+    checkpoint = Checkpoint(config, random_hf_weights(config, seed=4), tokenizer=None)  # type: ignore[arg-type]
+    seqs = [SeqForward([5, 9, 11, 3, 7, 1, 8], 0, [0, 1], num_logits=7)]
+    step = [SeqForward([13, 2], 7, [0, 1, 2], num_logits=2)]
+    ranks = group_forward(checkpoint, world, dtype, seqs, step)
+    model = build_sharded_model(checkpoint, 0, 1, None, dtype)
+    got = {}
+    for emulated in (False, True):
+        emulate_row_parallel(model, world if emulated else 1)
+        cache = PagedKVCache(config, 4, 4, dtype)
+        runner = ModelRunner(model, cache)
+        runner.forward(seqs)
+        got[emulated] = (runner.forward(step).output.logits, cache)
+    logits, cache = got[True]
+    heads = split_evenly(kv_heads, world)
+    slots = torch.arange(9)
+    for r, (rank_logits, rank_cache) in ranks.items():
+        assert torch.equal(logits, rank_logits), r
+        kv = cache.read_slots(slots)[:, :, :, heads[r].start : heads[r].stop]
+        assert torch.equal(kv, rank_cache.read_slots(slots)), r
+    assert not torch.equal(got[False][0], ranks[0][0])  # one sum per output is other bits
+    with pytest.raises(ValueError, match="4 ranks cannot be emulated"):
+        emulate_row_parallel(model, 4)

@@ -22,7 +22,7 @@ import torch
 from kernels.quant import Weight
 from workers.model.config import ModelConfig
 from workers.model.loader import Checkpoint, attention_for, check_device, describe
-from workers.model.transformer import TransformerLM
+from workers.model.transformer import DecoderLayer, TransformerLM
 
 
 def split_evenly(n: int, parts: int) -> list[range]:
@@ -97,3 +97,45 @@ def build_sharded_model(
     model = describe(model.to(device=device, dtype=dtype).eval())
     model.reduce = reduce
     return model
+
+
+MAX_EMULATED_WORLD = 2  # the largest group whose sums one process reproduces
+
+
+def emulate_row_parallel(model: TransformerLM, world: int) -> None:
+    """Make the whole `model` compute its row-parallel projections (o_proj, down_proj) as a
+    group of `world` ranks does: each rank's partial sum from its own input columns, with the
+    same kernel on the same slice of the weight, and the partials added in the activations'
+    dtype in rank order, as the group's all-reduce adds them. Everything else a rank computes
+    (its heads' Q/K/V and attention, its MLP units, the replicated norms and embeddings) is
+    the same bits in one process on our row-independent CPU kernels, so a prefill worker
+    emulating the verifiers' degree hands them the K/V and features their own prefill would
+    have made (for two ranks: the all-reduce's a + b rounds once whatever the order).
+    `world` 1 undoes it. Groups of more than two ranks are refused: gloo's all-reduce then adds
+    the partials in an order that is not even the same on every rank (measured: ranks 2 and 3
+    of four hold other bits than ranks 0 and 1), which one process cannot reproduce."""
+    if world > MAX_EMULATED_WORLD:
+        raise ValueError(
+            f"a group of {world} ranks cannot be emulated bit for bit in one process "
+            f"(at most {MAX_EMULATED_WORLD})"
+        )
+    config = model.config
+    heads = split_evenly(config.num_kv_heads, world)
+    group, d = config.num_heads // config.num_kv_heads, config.head_dim
+    units = split_evenly(config.intermediate_size, world)
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        if world == 1:
+            attn.row_parts, mlp.row_parts = [], []
+            continue
+        columns = [range(kv.start * group * d, kv.stop * group * d) for kv in heads]
+        attn.row_parts = [(c, _columns(attn.o_proj.weight, c)) for c in columns]
+        mlp.row_parts = [(u, _columns(mlp.down_proj.weight, u)) for u in units]
+
+
+def _columns(weight: Weight, columns: range) -> Weight:
+    """The input features `columns` of a projection's weight, as a rank holds them."""
+    if isinstance(weight, torch.Tensor):
+        return weight.detach()[:, columns.start : columns.stop].contiguous()
+    return weight.index_select(1, torch.arange(columns.start, columns.stop))

@@ -13,7 +13,7 @@ the weight). Those weights stay on the CPU and in their blocks whatever `.to()` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +91,9 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.packs = WeightPacks()
+        # Set where this process computes as a tensor-parallel group would (tensor_parallel.py
+        # `emulate_row_parallel`): each rank's input columns and its slice of o_proj.
+        self.row_parts: list[tuple[range, Weight]] = []
 
     def attend(
         self,
@@ -105,7 +108,13 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         q = rotate_and_store(qkv, self.num_heads, angles, key_cache, value_cache, meta.slot_mapping)
         out = backend.forward(q, key_cache, value_cache, plan, self.scale)
-        return self.packs.linear("o", out.reshape(num_tokens, self.q_size), self.o_proj.weight)
+        out = out.reshape(num_tokens, self.q_size)
+        if not self.row_parts:
+            return self.packs.linear("o", out, self.o_proj.weight)
+        return _group_sum(
+            self.packs.linear(f"o{r}", out[:, cols.start : cols.stop].contiguous(), weight)
+            for r, (cols, weight) in enumerate(self.row_parts)
+        )
 
 
 class MLP(nn.Module):
@@ -115,12 +124,42 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.packs = WeightPacks()
+        # As Attention's: each rank's intermediate units and its slice of down_proj.
+        self.row_parts: list[tuple[range, Weight]] = []
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 inter] -> hidden
-        weight = self.down_proj.weight
+        if not self.row_parts:
+            return self._down("down", gate_up, self.down_proj.weight)
+        inter = self.intermediate_size
+        return _group_sum(
+            self._down(
+                f"down{r}",
+                torch.cat(
+                    (
+                        gate_up[:, units.start : units.stop],
+                        gate_up[:, inter + units.start : inter + units.stop],
+                    ),
+                    dim=1,
+                ),
+                weight,
+            )
+            for r, (units, weight) in enumerate(self.row_parts)
+        )
+
+    def _down(self, name: str, gate_up: torch.Tensor, weight: Weight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             return quant.silu_linear(gate_up, weight)
-        return self.packs.linear("down", silu_and_mul(gate_up), weight)
+        return self.packs.linear(name, silu_and_mul(gate_up), weight)
+
+
+def _group_sum(partials: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The ranks' partial sums added in rank order in their own dtype, as the group's all-reduce
+    adds them (for two ranks the order does not matter: a + b rounds once either way)."""
+    total: torch.Tensor | None = None
+    for partial in partials:
+        total = partial if total is None else total + partial
+    assert total is not None
+    return total
 
 
 class DecoderLayer(nn.Module):
