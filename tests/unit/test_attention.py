@@ -303,8 +303,16 @@ def test_flash_matches_reference_on_cuda(query_lens: list[int], seq_lens: list[i
     query, key_cache, value_cache, meta, contexts, _ = build_case(
         query_lens, seq_lens, flash.block_multiple, torch.bfloat16
     )
+    meta_cuda = on_cuda(meta)
+    args = (query.cuda(), key_cache.cuda(), value_cache.cuda())
+    out = flash.forward(*args, flash.prepare(meta_cuda), 0.25)
+    expected = expected_output(query, meta, contexts, 0.25)
+    torch.testing.assert_close(out.cpu(), expected, rtol=2e-2, atol=2e-2)
+
+
+def on_cuda(meta: AttentionMetadata) -> AttentionMetadata:
     cuda = torch.device("cuda")
-    meta_cuda = AttentionMetadata(
+    return AttentionMetadata(
         block_size=meta.block_size,
         query_start_loc=meta.query_start_loc.to(cuda),
         seq_lens=meta.seq_lens.to(cuda),
@@ -313,10 +321,26 @@ def test_flash_matches_reference_on_cuda(query_lens: list[int], seq_lens: list[i
         query_lens_host=meta.query_lens_host,
         seq_lens_host=meta.seq_lens_host,
     )
-    args = (query.to(cuda), key_cache.to(cuda), value_cache.to(cuda))
-    out = flash.forward(*args, flash.prepare(meta_cuda), 0.25)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("query_lens", "seq_lens", "block_size"), CASES)
+def test_sdpa_matches_reference_on_cuda(
+    query_lens: list[int], seq_lens: list[int], block_size: int, dtype: torch.dtype
+) -> None:
+    """SDPA on CUDA, grouped heads under a mask included (each query head given its group's
+    keys, so that a CUDA kernel rather than torch's math backend serves the call)."""
+    query, key_cache, value_cache, meta, contexts, _ = build_case(
+        query_lens, seq_lens, block_size, dtype
+    )
+    backend = SdpaAttention()
+    args = (query.cuda(), key_cache.cuda(), value_cache.cuda())
+    out = backend.forward(*args, backend.prepare(on_cuda(meta)), 0.25)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     expected = expected_output(query, meta, contexts, 0.25)
-    torch.testing.assert_close(out.cpu(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.cpu(), expected, rtol=tol, atol=tol)
 
 
 def test_scattered_block_ids_helper_gives_distinct_blocks() -> None:
