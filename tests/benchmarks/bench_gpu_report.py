@@ -236,12 +236,13 @@ def draft_loop_section(profile: dict[str, Any]) -> list[str]:
     for batch in ("1", "4"):
         for depth, t in profile[f"batch_{batch}"].items():
             rows.append([batch, depth, _f(t["proposal_ms"], 3), _f(t["replay_ms"], 3)])
+    day = profile.get("date", "the day of the first run above")
     kernels = profile["kernels"]
     top = [[name, count, _f(us, 1)] for name, count, us in kernels["top"][:8]]
     return [
         "### EAGLE's draft loop",
-        f"`python -m tests.benchmarks.profile_draft_loop` ({profile.get('card', '?')}, the "
-        "same day): the bundled head over a one-layer target of the bundled model's width with "
+        f"`python -m tests.benchmarks.profile_draft_loop` ({profile.get('card', '?')}, "
+        f"{day}): the bundled head over a one-layer target of the bundled model's width with "
         f"random weights, {profile['context']} rows of history; a proposal as the engine "
         "makes it (staging, replay, read-back, the host's bookkeeping) and its graph's replay "
         "alone, median ms.",

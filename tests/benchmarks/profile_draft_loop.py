@@ -140,6 +140,7 @@ def main() -> None:
     results: dict[str, Any] = {"device": str(device), "k": args.k, "context": args.context}
     if device.type == "cuda":
         results["card"] = torch.cuda.get_device_name(device)
+        results["date"] = time.strftime("%Y-%m-%d")
     with torch.inference_mode():
         for rows in (1, 4):
             drafter, rids = drafter_with_history(device, args.k, rows, args.context)
