@@ -51,7 +51,6 @@ from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import PagedKVCache
-from workers.model.config import ModelConfig
 from workers.model.loader import Checkpoint, build_model, load_checkpoint
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
@@ -65,23 +64,6 @@ K = 4  # draft tokens at most, as served
 # chunks run eagerly, and an eager forward of the bundled model costs about the same for 16 or
 # 256 tokens on a GPU, so fewer, larger prefill steps pay.
 PREFILL_BUDGET = 2048
-LLAMA_8B = ModelConfig(
-    architecture="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    name="Llama-3.1-8B shape, random weights",
-)
-EIGHT_B_COUNTS = (1, 2, 5, 9, 17, 64)
 
 
 def chat_ids(tok: Tokenizer, text: str) -> list[int]:
@@ -212,10 +194,14 @@ def spec_for(method: str) -> RequestSpec:
 
 
 def timed_generate(
-    engine: LLMEngine, prompts: list[list[int]], method: str, max_tokens: int
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    method: str,
+    max_tokens: int,
+    ignore_eos: bool = False,
 ) -> tuple[int, float, float]:
     """(output tokens, seconds, mean acceptance length) of the prompts served together."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
     sync()
     start = time.perf_counter()
     done = engine.generate(prompts, params, spec_for(method))
@@ -291,6 +277,9 @@ def concurrency(
     run's host is shared and noisy: one sample at 256 requests varied by a third)."""
     rates: dict[str, dict[str, list[float]]] = {}
     ratios: dict[str, dict[str, list[float]]] = {}
+    # Every request max_tokens long (EOS ignored), no speculation: the work transformers'
+    # static-cache batch does.
+    equal: dict[str, list[float]] = {}
     for level in levels:
         prompts = [pool[i % len(pool)] for i in range(level)]
         timed_generate(engine, prompts, "none", 4)  # warm-up of the prefill shapes
@@ -303,80 +292,19 @@ def concurrency(
             for method in METHODS:
                 ratio = rates[str(level)][method][-1] / rates[str(level)]["none"][-1]
                 ratios[str(level)][method].append(ratio)
+            if level in levels[-2:]:
+                tokens, seconds, _ = timed_generate(engine, prompts, "none", max_tokens, True)
+                equal.setdefault(str(level), []).append(tokens / seconds)
     return {
         "rounds": rounds,
+        "max_tokens": max_tokens,
+        "equal_work_tokens_per_s": {level: statistics.median(v) for level, v in equal.items()},
         "tokens_per_s": {
             level: {m: statistics.median(v) for m, v in by.items()} for level, by in rates.items()
         },
         "vs_none": {
             level: {m: statistics.median(v) for m, v in by.items()} for level, by in ratios.items()
         },
-    }
-
-
-def random_model(config: ModelConfig, device: torch.device) -> TransformerLM:
-    """`config`'s shape with random bf16 weights, made on the device (nothing on the host)."""
-    model = TransformerLM(config).to(dtype=torch.bfloat16).to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    return model.eval()
-
-
-def eight_b(device: torch.device, copy_gb_s: float, max_tokens: int) -> dict[str, Any]:
-    model = random_model(LLAMA_8B, device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    config = EngineConfig(
-        max_model_len=1024,
-        max_num_seqs=64,
-        num_kv_blocks=64 * 24,
-        spec=SpecConfig(num_speculative_tokens=16, adaptive=False),
-    )
-    start = time.perf_counter()
-    engine = LLMEngine(model, config)
-    startup_s = time.perf_counter() - start
-    blocks = engine.allocator.allocate(-(-(CONTEXT + max(EIGHT_B_COUNTS)) // 16))
-    samples = runner_samples(engine.runner, blocks, EIGHT_B_COUNTS, 10, CONTEXT)
-    # The decode step of 64 sequences alone: 64 one-token sequences over the same context.
-    (batch_step,) = runner_samples(engine.runner, blocks, [64], 10, CONTEXT, width=1)
-    engine.allocator.free(blocks)
-    forward_ms = [1000 * statistics.median(s) for s in samples]
-    kv_per_token = 2 * LLAMA_8B.num_layers * LLAMA_8B.kv_size * 2
-    bandwidth = copy_gb_s * 1e9  # bytes moved per second, as a step reads them
-
-    def floor_ms(batch: int, context: float) -> float:
-        return 1000 * (weight_bytes + batch * context * kv_per_token) / bandwidth
-
-    gen = torch.Generator().manual_seed(0)
-    decode = {}
-    prompt_len = 128
-    for batch in (1, 64):
-        prompts = torch.randint(0, LLAMA_8B.vocab_size, (batch, prompt_len), generator=gen)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        engine.generate(prompts[:, :16].tolist(), SamplingParams(max_tokens=4, temperature=0))
-        sync()
-        t0 = time.perf_counter()
-        engine.generate(prompts.tolist(), params, RequestSpec(enabled=False))
-        sync()
-        seconds = time.perf_counter() - t0
-        decode[str(batch)] = {
-            "tokens_per_s": batch * max_tokens / seconds,
-            "step_ms": 1000 * seconds / max_tokens,  # prefill included
-            "floor_ms": floor_ms(batch, prompt_len + max_tokens / 2),
-        }
-    return {
-        "step_ms": {"1": forward_ms[0], "64": 1000 * statistics.median(batch_step)},
-        "step_floor_ms": {"1": floor_ms(1, CONTEXT), "64": floor_ms(64, CONTEXT)},
-        "weight_gb": weight_bytes / 1e9,
-        "startup_s": startup_s,
-        "counts": list(EIGHT_B_COUNTS),
-        "forward_ms": forward_ms,
-        "decode": decode,
-        "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
 
 
@@ -414,6 +342,7 @@ def measure(args: argparse.Namespace) -> None:
     checkpoint = load_checkpoint(dtype=torch.bfloat16)
     tok = checkpoint.tokenizer
     model = build_model(checkpoint, dtype=torch.bfloat16, device=device)
+    from tests.benchmarks.bench_gpu_8b import eight_b
     from tests.benchmarks.bench_spec import PROMPTS
     from tests.benchmarks.hf import TransformersPeer
 

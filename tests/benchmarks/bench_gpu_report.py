@@ -199,21 +199,39 @@ def concurrency_table(run: dict[str, Any]) -> str:
     return table(["concurrent requests", *levels["1"]], rows)  # fmt: skip
 
 
+def equal_work_lines(run: dict[str, Any]) -> list[str]:
+    """The concurrency part's runs with equal work, beside transformers' static batch."""
+    equal = run["concurrency"].get("equal_work_tokens_per_s", {})
+    if not equal:
+        return []
+    ours = ", ".join(f"{level} requests {_f(rate)} tokens/s" for level, rate in equal.items())
+    hf = run.get("hf_static_batch", {})
+    peer = (
+        f" (transformers' static-cache batch of {hf['batch']}: {_f(hf['tokens_per_s'])})"
+        if "tokens_per_s" in hf
+        else ""
+    )
+    tokens = run["concurrency"].get("max_tokens", 128)
+    return [f"Every request {tokens} tokens (EOS ignored), no speculation: {ours}{peer}."]
+
+
 def eight_b_table(run: dict[str, Any]) -> str:
     big = run["llama_8b_shape"]
+    served = all(big["decode"][b].get("decode_step_ms") for b in ("1", "64"))
     rows = [
         [
             b,
             _f(big["step_ms"][b], 2),
             _f(big["step_floor_ms"][b], 2),
             _x(big["step_ms"][b] / big["step_floor_ms"][b]),
+            *([_f(big["decode"][b]["decode_step_ms"], 2)] if served else []),
             _f(big["decode"][b]["tokens_per_s"]),
         ]
         for b in ("1", "64")
     ]
-    steps = table(
-        ["batch", "decode step ms", "floor ms", "vs floor", "tokens/s, 128-token answers"], rows
-    )
+    head = ["batch", "decode step ms", "floor ms", "vs floor"]
+    head += ["served decode step ms"] if served else []
+    steps = table([*head, "tokens/s, 128-token answers"], rows)
     one = big["forward_ms"][0]
     costs = table(
         ["new tokens", *(str(n) for n in big["counts"])],
@@ -299,6 +317,7 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
                 steps_table(extra),
                 *overhead_line(extra),
                 concurrency_table(extra),
+                *equal_work_lines(extra),
                 goals(extra),
             ]
     for profile in profiles:
@@ -310,6 +329,7 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
         f"transformers' static-cache `generate` at batch 64: "
         f"{_f(run['hf_static_batch']['tokens_per_s'])} tokens/s.",
         concurrency_table(run),
+        *equal_work_lines(run),
         "### A model of Llama-3.1-8B's shape",
         f"Random bf16 weights made on the device ({_f(run['llama_8b_shape']['weight_gb'], 2)} "
         "GB). The floor is the bytes a step must read (the weights, and the KV cache of "

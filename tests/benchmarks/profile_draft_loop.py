@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tests.benchmarks.bench_gpu import random_model
+from tests.benchmarks.bench_gpu_8b import random_model
 from workers.drafting.base import DraftRequest
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.eagle_loop import EagleDraftLoop, LoopConfig, LoopShape

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.benchmarks.bench_spec import Run, paired_ratio
 from tests.benchmarks.report import write_section
@@ -95,6 +96,7 @@ def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> Non
     text = report.read_text()
     assert "<!-- bench_gpu:start -->" in text and "| goal | measured | target | met |" in text
     assert "With exactly 4 draft tokens a step" in text
+    assert "Every request 8 tokens (EOS ignored), no speculation: 1 requests" in text
     ratio = results["concurrency"]["vs_none"]["4"]["eagle"]
     assert "| 4 | " in text and f"({ratio:.2f}x) |" in text  # this run's concurrency table
 
@@ -154,3 +156,17 @@ def test_bench_quant_quick_run(tmp_path: Path) -> None:
     assert "| code edit | Outrider plain, GGUF blocks |" in text
     assert "| code edit | Outrider ngram, GGUF blocks |" in text
     assert "| code edit | Outrider plain, bf16 weights |" in text
+
+
+def test_bench_gpu_8b_shape_part_on_a_small_shape() -> None:
+    """bench_gpu's 8B-shaped part, on a small shape on the CPU: its decode steps are timed
+    apart from its prefill steps."""
+    from tests.benchmarks.bench_gpu_8b import eight_b
+    from tests.factories import tiny_config
+
+    shape = tiny_config(max_position_embeddings=1024, vocab_size=512)
+    result = eight_b(torch.device("cpu"), 10.0, 8, shape)
+    for batch in ("1", "64"):
+        decode = result["decode"][batch]
+        assert decode["decode_step_ms"] > 0 and decode["prefill_steps"] >= 1
+    assert result["decode"]["64"]["prefill_steps"] <= 4  # 64 x 128 prompt tokens, 2048 a step

@@ -64,7 +64,9 @@ def test_a_tokens_logits_do_not_depend_on_its_forward(cpu_format_model: Transfor
 
 @pytest.mark.parametrize("fmt", ["bf16-blocks", "fp32"])
 def test_a_prefill_worker_computes_what_a_group_of_two_ranks_does(
-    fmt: str, checkpoint, quantized_checkpoint  # type: ignore[no-untyped-def]
+    fmt: str,
+    checkpoint,
+    quantized_checkpoint,  # type: ignore[no-untyped-def]
 ) -> None:
     """The bundled model as a prefill worker serving verifier groups of two tensor-parallel
     ranks builds it (`emulate_row_parallel`): a prompt's K/V and its logits are the group's
