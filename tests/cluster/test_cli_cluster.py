@@ -68,16 +68,26 @@ def test_tp_and_prefill_flags_set_the_pools() -> None:
     assert default.prefill.min_remote_prompt_tokens > 1  # the config's threshold stands
 
 
-def test_generate_on_a_tensor_parallel_group_with_remote_prefill(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """`--tp 2 --prefill remote`: the prefill worker computes the prompt, rank 0 passes rank 1
-    its KV heads, and the output is the in-process engine's."""
-    local = run_in_process(capsys, "--spec-method", "ngram")
+def test_generate_on_a_tensor_parallel_group_with_remote_prefill() -> None:
+    """`--tp 2 --prefill remote`: the prefill worker computes the prompt as the group does,
+    rank 0 passes rank 1 its KV heads, and the output is that of the in-process engine whose
+    model sums its row-parallel projections as two ranks do (`emulate_row_parallel`): in bf16
+    over blocks a group of two ranks is other bits than one process, and the same bits as its
+    emulation."""
+    from router.cli import load
+    from router.cli_args import build_parser
+    from workers.engine.sampling_params import SamplingParams
+    from workers.model.tensor_parallel import emulate_row_parallel
+
     remote = run_generate(
         "--tp", "2", "--prefill", "remote", "--spec-method", "draft_model", "--draft-layers", "6"
     )
-    assert remote["token_ids"] == local["token_ids"]
+    local = load(build_parser().parse_args([*ARGS, "--spec-method", "ngram"]), progress=False)
+    emulate_row_parallel(local.engine.runner.model, 2)
+    prompt = local.tokenizer.encode(ARGS[1])
+    (expected,) = local.engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0))
+    assert remote["prompt_token_ids"] == prompt
+    assert remote["token_ids"] == expected.token_ids
     assert remote["served_by"] == {
         "prefill": "prefill-0",
         "verifier": ["verifier-g0-r0", "verifier-g0-r1"],
