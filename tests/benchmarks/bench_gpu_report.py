@@ -268,7 +268,18 @@ def draft_loop_section(profile: dict[str, Any]) -> list[str]:
         f"One replay at depth {profile['k']} for one sequence runs {kernels['kernels']} kernels "
         f"in {_f(kernels['gpu_ms'], 3)} ms of GPU time; the costliest:",
         table(["kernel", "calls", "GPU us"], top),
+        *catch_up_lines(profile),
     ]
+
+
+def catch_up_lines(profile: dict[str, Any]) -> list[str]:
+    """One sequence's catch-up (its new feature rows into the head's cache, eagerly, before
+    the loop drafts) by rows, where the profile measured it."""
+    times = profile.get("catch_up_ms")
+    if not times:
+        return []
+    cells = ", ".join(f"{rows} rows {_f(ms, 2)} ms" for rows, ms in times.items())
+    return [f"A sequence's catch-up before its first loop proposal (eager, median): {cells}."]
 
 
 def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:

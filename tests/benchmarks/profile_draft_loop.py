@@ -99,6 +99,31 @@ def timings(
     }
 
 
+CATCH_UP_ROWS = (8, 64, 256)
+
+
+def catch_up_ms(drafter: EagleDrafter, rows: int, reps: int) -> float:
+    """Median ms of one sequence's catch-up over `rows` new feature rows (a prompt's, before
+    its first loop proposal: EagleDrafter._catch_up), the sequence new each time."""
+    device = drafter.cache.data.device
+    width = len(drafter.head.config.target_layers) * drafter.head.config.hidden_size
+    features = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
+    features = features.to(device, drafter.cache.data.dtype)
+    times = []
+    for i in range(reps + 2):
+        rid = f"catch-up-{rows}-{i}"
+        drafter.add(rid, [7] * (rows + 1), SamplingParams(temperature=0.0))
+        drafter.observe_hidden(rid, 0, features)
+        sync(device)
+        start = time.perf_counter()
+        failed = drafter._catch_up([(rid, drafter._seqs[rid])])
+        sync(device)
+        times.append(time.perf_counter() - start)
+        drafter.remove(rid)
+        assert not failed, "the head's cache is too small for the catch-up"
+    return 1000 * statistics.median(times[2:])
+
+
 def kernels(drafter: EagleDrafter, num_seqs: int, depth: int) -> dict[str, Any]:
     """The kernels of one replay at this shape: count, GPU ms, the costliest."""
     from torch.profiler import ProfilerActivity, profile
@@ -154,6 +179,10 @@ def main() -> None:
                 print(f"  {d}: {t['proposal_ms']:.3f} / {t['replay_ms']:.3f}")
             if rows == 1:
                 results["kernels"] = kernels(drafter, 1, args.k)
+                results["catch_up_ms"] = {
+                    str(n): catch_up_ms(drafter, n, args.reps) for n in CATCH_UP_ROWS
+                }
+                print(f"catch-up ms by new rows: {results['catch_up_ms']}")
     print(json.dumps(results.get("kernels", {}), indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "draft_loop.json").write_text(json.dumps(results, indent=1))

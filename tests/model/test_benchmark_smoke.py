@@ -108,6 +108,11 @@ def test_profile_draft_loop_runs_on_the_cpu(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "draft_loop.json").read_text())
     assert set(results["batch_4"]) == {"1", "2"}
     assert all(t["proposal_ms"] > 0 for t in results["batch_1"].values())
+    assert set(results["catch_up_ms"]) == {"8", "64", "256"}
+    from tests.benchmarks.bench_gpu_report import catch_up_lines
+
+    (line,) = catch_up_lines(results)
+    assert "256 rows" in line
 
 
 def runs_at(*tokens_per_s: float) -> list[Run]:
