@@ -1,9 +1,10 @@
 """Same request, same text, under random schedules: on the bundled model in every dtype and weight
 format a CPU deployment offers, requests arriving at random steps into an engine with a small
 step budget (prefill in chunks, drafts cut short), few KV blocks (preemption and recompute), a
-prompt asked twice (the prefix cache) and speculation beside plain decoding each get the tokens
-they get alone: greedy ones what plain decoding gives, seeded sampled ones what the same request
-draws alone in an engine of its own."""
+prompt asked twice (the prefix cache), a prompt prefilled by a prefill worker, a request moved
+part-way to another engine (a verifier's failure) and speculation beside plain decoding each get
+the tokens they get alone: greedy ones what plain decoding gives, seeded sampled ones what the
+same request draws alone in an engine of its own."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import random
 
 import pytest
 
+from cluster.prefill import PrefillWorker
 from tests.conftest import CPU_FORMATS
 from tests.model.test_speculative_exact import prompt_texts
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import Continuation, Prefilled
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
 from workers.model.transformer import TransformerLM
@@ -63,24 +66,48 @@ def test_a_random_schedule_gives_each_request_its_text_alone(
         num_kv_blocks=8,  # two or three of these requests: the rest wait or are preempted
         spec=SpecConfig(num_speculative_tokens=k, adaptive=False, disable_batch_size=64),
     )
-    engine = LLMEngine(
-        model, config, eos_token_ids=eos, drafters={"ngram": NgramDrafter(NgramConfig(1, 4))}
-    )
+    engines = [
+        LLMEngine(
+            model, config, eos_token_ids=eos, drafters={"ngram": NgramDrafter(NgramConfig(1, 4))}
+        )
+        for _ in range(2)
+    ]
+    engine, other = engines
+    # One request prefilled by a prefill worker (its whole prompt: the engine samples the first
+    # token from the worker's logits), one moved to the other engine after a few tokens.
+    prefilled, moved = rng.sample([n for n in range(repeat) if n != first], 2)
+    move_after, has_moved = rng.randint(2, 8), False
+    worker = PrefillWorker(model, max_model_len=512, block_size=config.block_size)
     arrivals = sorted((rng.randint(0, 12), n) for n in range(repeat))
     tokens: dict[str, list[int]] = {f"r{n}": [] for n in range(len(requests))}
     step = 0
-    while arrivals or engine.has_unfinished_requests():
+    while arrivals or any(e.has_unfinished_requests() for e in engines):
         while arrivals and arrivals[0][0] <= step:
             _, n = arrivals.pop(0)
             prompt, params, spec = requests[n]
-            engine.add_request(f"r{n}", prompt, params, spec)
-        for out in engine.step():
+            remote = None
+            if n == prefilled:
+                result = worker.compute(prompt, ())
+                remote = Prefilled(result.kv, None, result.logits)
+            engine.add_request(f"r{n}", prompt, params, spec, prefilled=remote)
+        for out in [out for e in engines for out in e.step()]:
             tokens[out.request_id] += out.new_token_ids
             if out.request_id == f"r{first}" and len(tokens[out.request_id]) == 1:
                 arrivals = sorted([*arrivals, (step + 1, repeat)])
+            rid = f"r{moved}"
+            due = len(tokens[rid]) >= move_after and not (out.finished or has_moved)
+            if out.request_id == rid and due:
+                engine.abort_request(rid)
+                engine.take_outputs()  # the abort's: its client has moved on
+                prompt, params, spec = requests[moved]
+                other.add_request(
+                    rid, prompt, params, spec, continuation=Continuation(tuple(tokens[rid]))
+                )
+                has_moved = True
         step += 1
     got = [tokens[f"r{n}"] for n in range(len(requests))]
     assert got == expected
+    assert has_moved
     # The schedule did what it was meant to: preempted, hit the prefix cache, and accepted drafts.
     scheduler = engine.scheduler
     assert scheduler.num_preemptions > 0 and scheduler.prefix_hit_tokens > 0
