@@ -16,6 +16,7 @@ under $OUTRIDER_CACHE_DIR/eagle/.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,9 +126,11 @@ def generate_answers(
     seed: int,
     progress: bool = True,
     max_num_seqs: int = 64,
+    deadline: float | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids) per prompt, from the target with our batched engine
-    (`data_engine`)."""
+    (`data_engine`); past `deadline` (`time.monotonic()`) no further chunk of prompts starts,
+    and the answers so far are returned."""
     engine = data_engine(target, tokenizer, 1024, max_num_seqs)
     prompt_ids = [
         tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
@@ -142,6 +145,8 @@ def generate_answers(
     answers: list[tuple[list[int], list[int]]] = []
     batch = prompts_per_chunk(max_num_seqs)
     for start in tqdm(range(0, len(prompts), batch), desc="generate", disable=not progress):
+        if start and deadline is not None and time.monotonic() > deadline:
+            break
         done = engine.generate(prompt_ids[start : start + batch], params[start : start + batch])
         answers += [(c.prompt_token_ids, c.token_ids) for c in done]
     return answers
@@ -154,8 +159,11 @@ def teacher_force(
     target_layers: tuple[int, ...],
     progress: bool = True,
     tokens_per_forward: int = 2048,
+    deadline: float | None = None,
 ) -> EagleData:
-    """Hidden states and top-k next-token log-probabilities at every position of each sequence.
+    """Hidden states and top-k next-token log-probabilities at every position of each sequence
+    (of those before `deadline`, `time.monotonic()`, where one is given: no forward starts
+    after it).
 
     Consecutive sequences share a forward up to `tokens_per_forward` tokens of KV blocks (a
     longer one has a forward of its own). On an H100: 41 sequences/s one per forward, 84 packed
@@ -177,7 +185,9 @@ def teacher_force(
     ids, feats, top_ids, top_lps = [], [], [], []
     offsets, prompt_lens = [0], []
     bar = tqdm(total=len(sequences), desc="features", disable=not progress)
-    for pack in packs:
+    for n_pack, pack in enumerate(packs):
+        if n_pack and deadline is not None and time.monotonic() > deadline:
+            break
         forwards, first_block = [], 0
         for i in pack:
             tokens = sequences[i][0] + sequences[i][1]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -75,12 +76,14 @@ def sample_user_turns(
     max_num_seqs: int = 64,
     progress: bool = True,
     on_chunk: Callable[[list[str]], None] | None = None,
+    deadline: float | None = None,
 ) -> list[str]:
     """`count` distinct user turns sampled from the target (fewer if `max_rounds` chunks of
     samples do not yield enough), in the order they were drawn. Sample i always has seed
     `seed * 1_000_003 + i`, so neither `chunk` nor `max_num_seqs` (how many sequences the
     engine batches: 64 suits a CPU, a few hundred a GPU) changes which turns are drawn.
-    `on_chunk` sees the turns so far after each chunk."""
+    `on_chunk` sees the turns so far after each chunk; past `deadline` (`time.monotonic()`) no
+    further chunk starts."""
     from workers.eagle.prompts import held_out_prompts
 
     held_out = [p for prompts in held_out_prompts().values() for p in prompts]
@@ -90,7 +93,7 @@ def sample_user_turns(
     turns: list[str] = []
     bar = tqdm(total=count, desc="user turns", disable=not progress)
     for round_ in range(max_rounds):
-        if len(turns) >= count:
+        if len(turns) >= count or (round_ and deadline is not None and time.monotonic() > deadline):
             break
         first = seed * 1_000_003 + round_ * chunk  # one sampling seed per draw
         params = [

@@ -48,6 +48,7 @@ from workers.model.loader import build_model, load_checkpoint
 from workers.model.transformer import TransformerLM
 
 STEP_WEIGHT = 0.8
+TIMED_STEPS = 20  # steps timed before a time budget sizes the run
 
 
 @dataclass(slots=True)
@@ -165,7 +166,11 @@ def train(
     log_path: Path | None = None,
     progress: bool = True,
     autocast: bool = True,
+    time_budget_s: float | None = None,
 ) -> tuple[EagleHead, dict[str, object]]:
+    """The head trained on `data` for `epochs`; with `time_budget_s`, for fewer steps where the
+    first ones, timed, say that many would not fit (the schedule then spans the steps that
+    do)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     vocab = draft_vocabulary(data, config.draft_vocab_size)
@@ -236,6 +241,14 @@ def train(
             opt.step()
             recent.append(st)
             step += 1
+            if time_budget_s is not None and step == TIMED_STEPS and total_steps > step:
+                per_step = (time.perf_counter() - start) / step
+                fits = max(step, int(time_budget_s / per_step))
+                if fits < total_steps:
+                    total_steps = fits
+                    warmup = min(warmup, max(1, total_steps // 10))
+                    bar.total = total_steps
+                    emit({"event": "budget", "steps": total_steps, "step_s": round(per_step, 4)})
             bar.update(1)
             bar.set_postfix(loss=f"{st.loss:.3f}")
             if step % 50 == 0 or step == total_steps:
