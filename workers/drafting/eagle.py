@@ -345,9 +345,7 @@ class EagleDrafter(DraftsAhead):
                 (rid, seq, n) for rid, seq, n in fits if rid not in drafts and loop.takes(seq, n)
             ][: loop.max_seqs]
             if looped:
-                drafts |= loop.propose(looped)
-                taken = {rid for rid, _, _ in looped}
-                active = [item for item in active if item[0] not in taken]
+                drafts |= loop.propose(looped)  # a draft, maybe empty, for each of them
         active = [item for item in active if item[0] not in drafts]
         if active:
             drafts |= self._draft_eagerly(active, stop, grammars)

@@ -39,7 +39,7 @@ from workers.eagle.data import EagleData, generate_answers, source_prompts, teac
 from workers.eagle.head import BUNDLED_HEAD, EagleConfig, EagleHead
 from workers.eagle.prompts import held_out_prompts
 from workers.eagle.self_instruct import sample_user_turns
-from workers.eagle.train import as_float, batches_of, evaluate, train
+from workers.eagle.train import attach_in_fp32, batches_of, evaluate, train
 from workers.model.loader import build_model, load_checkpoint
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
@@ -83,12 +83,7 @@ def acceptance_of(
     head: EagleHead, fp32_target: TransformerLM, data: EagleData, depth: int
 ) -> float:
     """The head's mean acceptance length at k = `depth` on `data` (greedy, offline)."""
-    head.to(fp32_target.device)
-    head.attach(fp32_target)
-    head.embed = None if head.embed is None else as_float(head.embed)
-    head.lm_head = None if head.lm_head is None else as_float(head.lm_head)
-    to_draft = torch.full((fp32_target.config.vocab_size,), -1, dtype=torch.int64)
-    to_draft[head.draft_vocab.cpu()] = torch.arange(len(head.draft_vocab))
+    to_draft = attach_in_fp32(head, fp32_target)
     batches = batches_of(data, list(range(data.num_sequences)), 1024, random.Random(0))
     _, _, mean_len = evaluate(head.float(), data, batches, to_draft, depth)
     return mean_len

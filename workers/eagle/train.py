@@ -64,6 +64,20 @@ def as_float(weight: Weight) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.float()
 
 
+def attach_in_fp32(head: EagleHead, target: TransformerLM) -> torch.Tensor:
+    """Put `head` on `target`'s device with the target's embedding and LM head rows in fp32
+    (for training or evaluating it); returns the map from target token ids to draft ids (-1
+    outside the draft vocabulary)."""
+    head.to(target.device)
+    head.attach(target)
+    head.embed = None if head.embed is None else as_float(head.embed)
+    head.lm_head = None if head.lm_head is None else as_float(head.lm_head)
+    vocab = head.draft_vocab.cpu()
+    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
+    to_draft[vocab] = torch.arange(len(vocab))
+    return to_draft
+
+
 def batch_loss(head: EagleHead, batch: Batch, depth: int) -> tuple[torch.Tensor, StepStats]:
     outputs = unrolled_outputs(head, batch.next_tokens, batch.features, depth)
     t = batch.next_tokens.shape[1]
@@ -176,12 +190,7 @@ def train(
     vocab = draft_vocabulary(data, config.draft_vocab_size)
     head = EagleHead(config, vocab)
     head.init_weights(seed)  # on the host, so a seed gives the same start on any device
-    head.to(target.device)
-    head.attach(target)
-    head.embed = None if head.embed is None else as_float(head.embed)
-    head.lm_head = None if head.lm_head is None else as_float(head.lm_head)
-    to_draft = torch.full((target.config.vocab_size,), -1, dtype=torch.int64)
-    to_draft[vocab] = torch.arange(len(vocab))
+    to_draft = attach_in_fp32(head, target)
     coverage = float((to_draft[data.top_ids[:, 0]] >= 0).float().mean())
 
     order = list(range(data.num_sequences))

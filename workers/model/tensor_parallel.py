@@ -47,17 +47,26 @@ def shard_config(config: ModelConfig, rank: int, world: int) -> ModelConfig:
     )
 
 
+def row_parallel_inputs(config: ModelConfig, world: int) -> tuple[list[range], list[range]]:
+    """Each rank's input features of the row-parallel projections: o_proj's (its query heads'
+    outputs, whole query groups per KV head) and down_proj's (its intermediate units)."""
+    group, d = config.num_heads // config.num_kv_heads, config.head_dim
+    heads = split_evenly(config.num_kv_heads, world)
+    columns = [range(kv.start * group * d, kv.stop * group * d) for kv in heads]
+    return columns, split_evenly(config.intermediate_size, world)
+
+
 def shard_weights(
     weights: dict[str, Weight], config: ModelConfig, rank: int, world: int
 ) -> dict[str, Weight]:
     """This rank's weights, under the same Hugging Face names, sliced for `shard_config`
     (a quantized row-parallel weight splits only at its blocks of 32 input features)."""
     kv = split_evenly(config.num_kv_heads, world)[rank]
-    group, d = config.num_heads // config.num_kv_heads, config.head_dim
-    q_rows = torch.arange(kv.start * group * d, kv.stop * group * d)
+    d = config.head_dim
+    attention, units = (parts[rank] for parts in row_parallel_inputs(config, world))
+    q_rows = torch.arange(attention.start, attention.stop)
     kv_rows = torch.arange(kv.start * d, kv.stop * d)
-    inter = split_evenly(config.intermediate_size, world)[rank]
-    mlp_rows = torch.arange(inter.start, inter.stop)
+    mlp_rows = torch.arange(units.start, units.stop)
     out: dict[str, Weight] = {}
     for name, w in weights.items():
         if ".self_attn.q_proj." in name:
@@ -119,17 +128,13 @@ def emulate_row_parallel(model: TransformerLM, world: int) -> None:
             f"a group of {world} ranks cannot be emulated bit for bit in one process "
             f"(at most {MAX_EMULATED_WORLD})"
         )
-    config = model.config
-    heads = split_evenly(config.num_kv_heads, world)
-    group, d = config.num_heads // config.num_kv_heads, config.head_dim
-    units = split_evenly(config.intermediate_size, world)
+    columns, units = row_parallel_inputs(model.config, world)
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
         if world == 1:
             attn.row_parts, mlp.row_parts = [], []
             continue
-        columns = [range(kv.start * group * d, kv.stop * group * d) for kv in heads]
         attn.row_parts = [(c, _columns(attn.o_proj.weight, c)) for c in columns]
         mlp.row_parts = [(u, _columns(mlp.down_proj.weight, u)) for u in units]
 
