@@ -5,24 +5,23 @@ The KV cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_
 owns rows `query_start_loc[i]:query_start_loc[i + 1]` of the query, and its context (cached tokens
 plus the new ones, `seq_lens[i]` in all) lives in the blocks its row of `block_tables` names.
 New token `j` of a sequence sits at position `seq_lens[i] - query_len + j` and sees every context
-position up to and including its own (causal, aligned to the end of the context).
+position up to and including its own (causal, aligned to the end of the context), unless it
+belongs to a draft tree (`AttentionMetadata.tree`: kernels/tree_attention.py).
 
 `SdpaAttention` runs anywhere torch does; `NativeCpuAttention` is the same with our C kernel
 (kernels/native.py) for decode and verification in bf16 on CPUs that run it; `FlashAttention`
-calls the paged flash-attn kernel on CUDA. All take an `AttentionMetadata`, are prepared once
-per forward (`prepare`), then called once per layer (`forward`), and give the same answer
-(tests/unit/test_attention.py).
+(kernels/attention_flash.py) calls the paged flash-attn kernel on CUDA. All take an
+`AttentionMetadata`, are prepared once per forward (`prepare`), then called once per layer
+(`forward`), and give the same answer (tests/unit/test_attention.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels import native
+from kernels.tree_attention import TreeRows, gathered_tree_rows, native_tree_rows
 
 # Sequences with more new tokens than this get their own SDPA call instead of being padded into
 # the shared decode/verify group (padding a prefill chunk's length onto every decode would waste
@@ -53,6 +53,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token's K/V
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # The rows of draft trees, which see listed keys rather than all before them
+    # (kernels/tree_attention.py); None: every sequence is causal.
+    tree: TreeRows | None = None
 
     def __post_init__(self) -> None:
         if len(self.query_lens_host) != len(self.seq_lens_host):
@@ -101,6 +104,7 @@ class AttentionBackend(ABC):
     """Attention over a paged KV cache for a flattened batch of new tokens."""
 
     name: str
+    serves_trees = False  # whether it attends draft trees' rows (`AttentionMetadata.tree`)
 
     @abstractmethod
     def prepare(self, meta: AttentionMetadata) -> Any:
@@ -164,19 +168,24 @@ class SdpaAttention(AttentionBackend):
     """
 
     name = "sdpa"
+    serves_trees = True
 
     def __init__(self, whole_blocks: bool = True) -> None:
         self.whole_blocks = whole_blocks
 
-    def prepare(self, meta: AttentionMetadata) -> list[_SdpaGroup]:
+    def prepare(self, meta: AttentionMetadata) -> list[_SdpaGroup | TreeRows]:
         starts = meta.query_starts_host
         lens = meta.query_lens_host
-        short = [i for i, q in enumerate(lens) if q <= MAX_BATCHED_QUERY_LEN]
-        groups = [
-            self._group(meta, starts, [i]) for i, q in enumerate(lens) if q > MAX_BATCHED_QUERY_LEN
+        in_tree = meta.tree.seqs if meta.tree is not None else frozenset()
+        causal = [i for i in range(len(lens)) if i not in in_tree]
+        short = [i for i in causal if lens[i] <= MAX_BATCHED_QUERY_LEN]
+        groups: list[_SdpaGroup | TreeRows] = [
+            self._group(meta, starts, [i]) for i in causal if lens[i] > MAX_BATCHED_QUERY_LEN
         ]
         if short:
             groups.append(self._group(meta, starts, short))
+        if meta.tree is not None:
+            groups.append(meta.tree)
         return groups
 
     def _group(self, meta: AttentionMetadata, starts: list[int], seqs: list[int]) -> _SdpaGroup:
@@ -224,14 +233,18 @@ class SdpaAttention(AttentionBackend):
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        plan: list[_SdpaGroup],
+        plan: list[_SdpaGroup | TreeRows],
         scale: float,
     ) -> torch.Tensor:
-        if len(plan) == 1 and plan[0].query_rows is None:
-            return self._attend(query, key_cache, value_cache, plan[0], scale)
+        lone = plan[0] if len(plan) == 1 else None
+        if isinstance(lone, _SdpaGroup) and lone.query_rows is None:
+            return self._attend(query, key_cache, value_cache, lone, scale)
         out = torch.empty_like(query)
         for group in plan:
-            if group.query_rows is None:
+            if isinstance(group, TreeRows):
+                rows = _sdpa(*gathered_tree_rows(query, key_cache, value_cache, group), scale)
+                out.index_copy_(0, group.rows, rows.squeeze(2))
+            elif group.query_rows is None:
                 out[group.token_slice] = self._attend(query, key_cache, value_cache, group, scale)
             else:
                 assert group.out_rows is not None and group.token_rows is not None
@@ -265,12 +278,22 @@ class SdpaAttention(AttentionBackend):
             group_size = num_heads // k.shape[1]
             k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
             gqa = False
-        backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
-        with backends:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=gqa
-            )  # [b, num_heads, q_len, head_dim]
+        out = _sdpa(q, k, v, group.mask, scale, gqa)  # [b, num_heads, q_len, head_dim]
         return out.transpose(1, 2).reshape(b * q_len, num_heads, head_dim)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """torch's SDPA, on CUDA among the backends that plan nothing per shape."""
+    backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
+    with backends:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 @dataclass(slots=True)
@@ -282,7 +305,7 @@ class _NativePlan:
     # Once settled, one of: (block tables, query starts, query lengths, sequence lengths) of
     # every sequence for the kernel, or SDPA's groups where the kernel does not serve it.
     native: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    sdpa: list[_SdpaGroup] | None = None
+    sdpa: list[_SdpaGroup | TreeRows] | None = None
 
 
 class NativeCpuAttention(SdpaAttention):
@@ -319,6 +342,11 @@ class NativeCpuAttention(SdpaAttention):
             return super().forward(query, key_cache, value_cache, plan.sdpa, scale)
         out = torch.empty_like(query)
         native.paged_attention(query, key_cache, value_cache, *plan.native, scale, out)
+        tree = plan.meta.tree
+        if tree is not None:
+            out.index_copy_(
+                0, tree.rows, native_tree_rows(query, key_cache, value_cache, tree, scale)
+            )
         return out
 
     def _settle(
@@ -340,11 +368,18 @@ class NativeCpuAttention(SdpaAttention):
         def ints(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32)
 
+        # The kernel takes the causal sequences; a tree's rows go through it row by row.
+        seqs = range(meta.num_seqs)
+        tables = meta.block_tables.to(torch.int32)
+        if meta.tree is not None:
+            seqs = [i for i in seqs if i not in meta.tree.seqs]
+            tables = tables.index_select(0, torch.tensor(seqs, dtype=torch.long))
+        starts = meta.query_starts_host
         plan.native = (
-            meta.block_tables.to(torch.int32).contiguous(),
-            ints(meta.query_starts_host[:-1]),
-            ints(meta.query_lens_host),
-            ints(meta.seq_lens_host),
+            tables.contiguous(),
+            ints([starts[i] for i in seqs]),
+            ints([meta.query_lens_host[i] for i in seqs]),
+            ints([meta.seq_lens_host[i] for i in seqs]),
         )
 
 
@@ -357,115 +392,3 @@ def _gather(
     _, block_size, num_kv_heads, head_dim = cache.shape
     blocks = cache.index_select(0, block_tables.reshape(-1))
     return blocks.view(b, n * block_size, num_kv_heads, head_dim)[:, :kv_len].transpose(1, 2)
-
-
-@dataclass(frozen=True, slots=True)
-class _FlashPlan:
-    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32
-    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32
-    max_query_len: int
-    max_seq_len: int
-
-
-def _load_flash_module() -> ModuleType | None:
-    for name in ("vllm_flash_attn", "flash_attn"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "flash_attn_varlen_func"):
-            return module
-    return None
-
-
-def _flash_block_multiple(module: ModuleType) -> int:
-    """Upstream flash-attn reads a paged cache only in blocks of 256k; vLLM's fork in 16k."""
-    return 16 if module.__name__ == "vllm_flash_attn" else 256
-
-
-class FlashAttention(AttentionBackend):
-    """Paged attention with flash-attn's varlen kernel reading the cache through block tables.
-
-    CUDA only, fp16/bf16 only. Uses `vllm_flash_attn` when installed (vLLM images), else
-    upstream `flash_attn` (the `gpu` extra); both expose the same `flash_attn_varlen_func`.
-    """
-
-    name = "flash"
-
-    def __init__(self) -> None:
-        module = _load_flash_module()
-        if module is None:
-            raise RuntimeError("flash attention needs `vllm_flash_attn` or `flash_attn` installed")
-        self._varlen = module.flash_attn_varlen_func
-        self.block_multiple = _flash_block_multiple(module)
-
-    def prepare(self, meta: AttentionMetadata) -> _FlashPlan:
-        if meta.block_size % self.block_multiple:
-            raise ValueError(
-                f"this flash-attn build needs a KV block size divisible by {self.block_multiple}, "
-                f"got {meta.block_size}"
-            )
-        cu_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=meta.seq_lens.device)
-        torch.cumsum(meta.seq_lens, 0, out=cu_k[1:])
-        return _FlashPlan(
-            cu_seqlens_q=meta.query_start_loc.to(torch.int32),
-            cu_seqlens_k=cu_k,
-            block_tables=meta.block_tables.to(torch.int32),
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-        )
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        plan: _FlashPlan,
-        scale: float,
-    ) -> torch.Tensor:
-        # flash-attn aligns the causal mask to the bottom right when a query is shorter than its
-        # keys, which is exactly "each new token sees the context up to its own position".
-        out: torch.Tensor = self._varlen(
-            query,
-            key_cache,
-            value_cache,
-            cu_seqlens_q=plan.cu_seqlens_q,
-            cu_seqlens_k=plan.cu_seqlens_k,
-            max_seqlen_q=plan.max_query_len,
-            max_seqlen_k=plan.max_seq_len,
-            softmax_scale=scale,
-            causal=True,
-            block_table=plan.block_tables,
-        )
-        return out
-
-
-def flash_attention_available(
-    device: torch.device, dtype: torch.dtype, block_size: int = 16
-) -> bool:
-    """Whether the flash backend can serve this device, dtype and KV block size."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    module = _load_flash_module()
-    return module is not None and block_size % _flash_block_multiple(module) == 0
-
-
-def select_attention_backend(
-    device: torch.device, dtype: torch.dtype, block_size: int = 16, prefer: str | None = None
-) -> AttentionBackend:
-    """`prefer` is "sdpa" (torch's SDPA only), "flash" or None (flash where it can run, else
-    SDPA, with our CPU kernel for decode and verification on a CPU: `NativeCpuAttention`)."""
-    if prefer not in (None, "sdpa", "flash"):
-        raise ValueError(f"unknown attention backend {prefer!r}; choose 'sdpa' or 'flash'")
-    if prefer == "sdpa":
-        return SdpaAttention()
-    if flash_attention_available(device, dtype, block_size):
-        return FlashAttention()
-    if prefer == "flash":
-        raise RuntimeError(
-            f"flash attention is not available for {device.type}/{dtype} with KV blocks of "
-            f"{block_size} (it needs CUDA, fp16/bf16, and vllm_flash_attn, or flash_attn with "
-            "blocks of 256k)"
-        )
-    return NativeCpuAttention() if device.type == "cpu" else SdpaAttention()

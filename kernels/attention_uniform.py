@@ -34,6 +34,8 @@ class UniformPlan:
 
 
 def uniform_plan(meta: AttentionMetadata) -> UniformPlan:
+    if meta.tree is not None:
+        raise ValueError("a uniform batch holds no draft trees")
     widths = set(meta.query_lens_host)
     if len(widths) != 1:
         raise ValueError(f"a uniform batch needs one query length, got {sorted(widths)}")

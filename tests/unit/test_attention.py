@@ -11,13 +11,15 @@ from kernels import native
 from kernels.attention import (
     MAX_BATCHED_QUERY_LEN,
     AttentionMetadata,
-    FlashAttention,
     NativeCpuAttention,
     SdpaAttention,
     causal_mask,
+    write_kv,
+)
+from kernels.attention_flash import (
+    FlashAttention,
     flash_attention_available,
     select_attention_backend,
-    write_kv,
 )
 from tests.factories import scattered_block_ids
 

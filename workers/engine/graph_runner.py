@@ -202,7 +202,8 @@ class GraphRunner(ModelRunner):
         return_final_hidden: bool = False,
     ) -> UniformShape | None:
         """The padded shape this forward runs at, or None where it runs eagerly: any sequence
-        with a prompt chunk to compute before its scored tokens, more sequences or tokens than
+        with a prompt chunk to compute before its scored tokens or a draft tree, more
+        sequences or tokens than
         the buffers hold (padded, past `max_graph_tokens`), layers no graph keeps, or the final
         hidden state wanted."""
         if return_final_hidden or not set(hidden_layers) <= set(self.hidden_layers):
@@ -213,7 +214,7 @@ class GraphRunner(ModelRunner):
         max_width, max_blocks = self.buffers.max_width, self.buffers.max_blocks
         for s in seqs:  # one pass: this runs for every sequence every step
             n = len(s.token_ids)
-            if s.num_logits != n or n > max_width or len(s.block_ids) > max_blocks:
+            if s.num_logits != n or n > max_width or len(s.block_ids) > max_blocks or s.tree:
                 return None
             width = max(width, n)
         b = next(size for size in self.sizes if size >= len(seqs))

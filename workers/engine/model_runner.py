@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionMetadata
+from kernels.tree_attention import TreeShape, tree_rows
 from workers.kv_cache import PagedKVCache
 from workers.model.transformer import ModelOutput, TransformerLM
 
@@ -23,6 +24,8 @@ class SeqForward:
     num_logits: int = 1  # score the last `num_logits` new tokens
     # The block table's `BlockTable.version` (0: unknown): equal versions, equal block ids
     block_version: int = 0
+    # A draft tree's positions and keys (kernels/tree_attention.py); None: a causal chain
+    tree: TreeShape | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -33,6 +36,8 @@ class SeqForward:
             )
         if self.num_computed_tokens < 0:
             raise ValueError("num_computed_tokens must be >= 0")
+        if self.tree is not None and len(self.tree.positions) != len(self.token_ids):
+            raise ValueError("a tree shape needs one position per new token")
 
     @property
     def end(self) -> int:
@@ -72,12 +77,17 @@ def build_inputs(
     slots: list[int] = []
     logits_indices: list[int] = []
     query_start, logits_start = [0], [0]
-    for seq in seqs:
+    trees = []
+    for i, seq in enumerate(seqs):
         seq.check_room(block_size, max_positions)
         start, end = seq.num_computed_tokens, seq.end
         row = len(input_ids)
         input_ids += seq.token_ids
-        positions += range(start, end)
+        if seq.tree is None:
+            positions += range(start, end)
+        else:
+            positions += seq.tree.positions
+            trees.append((i, row, seq.block_ids, seq.tree))
         slots += (
             seq.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
         )
@@ -100,6 +110,7 @@ def build_inputs(
         slot_mapping=as_tensor(slots, torch.int64),
         query_lens_host=tuple(len(s.token_ids) for s in seqs),
         seq_lens_host=tuple(s.num_computed_tokens + len(s.token_ids) for s in seqs),
+        tree=tree_rows(trees, block_size, device) if trees else None,
     )
     return BatchInputs(
         input_ids=as_tensor(input_ids, torch.int64),

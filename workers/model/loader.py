@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kernels import native
-from kernels.attention import AttentionBackend, select_attention_backend
+from kernels.attention import AttentionBackend
+from kernels.attention_flash import select_attention_backend
 from kernels.quant import QuantizedWeight, Weight, quantize
 from workers.model.config import QUANTIZATIONS, ModelConfig
 from workers.model.gguf_loader import (
