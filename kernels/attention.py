@@ -369,7 +369,7 @@ class NativeCpuAttention(SdpaAttention):
             return torch.tensor(values, dtype=torch.int32)
 
         # The kernel takes the causal sequences; a tree's rows go through it row by row.
-        seqs = range(meta.num_seqs)
+        seqs = list(range(meta.num_seqs))
         tables = meta.block_tables.to(torch.int32)
         if meta.tree is not None:
             seqs = [i for i in seqs if i not in meta.tree.seqs]

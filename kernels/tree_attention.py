@@ -48,7 +48,8 @@ def tree_of(num_computed: int, parents: Sequence[int]) -> TreeShape:
     """The shape of a verify step over the last committed token (row 0, at `num_computed`) and
     draft nodes whose parents are `parents` (node i's, -1 for the committed token; parents
     come before their children)."""
-    positions, visible = [num_computed], [(num_computed,)]
+    positions = [num_computed]
+    visible: list[tuple[int, ...]] = [(num_computed,)]
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:
             raise ValueError(f"node {i}'s parent {parent} does not come before it")
