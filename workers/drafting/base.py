@@ -26,18 +26,44 @@ from workers.engine.sampling_params import SamplingParams
 @dataclass(frozen=True, slots=True)
 class Draft:
     """Proposed tokens for one sequence; `probs` is q (`[len(token_ids), vocab]`), or None when
-    the drafter chose deterministically (q is one-hot on its token)."""
+    the drafter chose deterministically (q is one-hot on its token).
+
+    A draft tree (`parents` set) holds candidate continuations: node i's parent is node
+    parents[i] (-1: the last committed token), parents before children, and the target keeps
+    the longest path it agrees with (workers/engine/tree_verification.py). Its nodes are
+    deterministic (no q), ordered by `reach`, the drafter's probability that the target
+    accepts the node and its ancestors, most likely first; so any first n nodes are a tree."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    parents: tuple[int, ...] | None = None
+    reach: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.token_ids):
             raise ValueError("a draft needs one row of q per drafted token")
+        if self.parents is not None:
+            if self.probs is not None or len(self.parents) != len(self.token_ids):
+                raise ValueError("a draft tree needs one parent per node, and no q")
+            if any(not -1 <= p < i for i, p in enumerate(self.parents)):
+                raise ValueError("a draft tree's parents must come before their children")
+
+    @property
+    def depth(self) -> int:
+        """Tokens on the longest path (a chain's length)."""
+        if self.parents is None:
+            return len(self.token_ids)
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(1 + (depths[p] if p >= 0 else 0))
+        return max(depths, default=0)
 
     def truncated(self, k: int) -> Draft:
         if k >= len(self.token_ids):
             return self
+        if self.parents is not None:
+            reach = None if self.reach is None else self.reach[:k]
+            return Draft(self.token_ids[:k], None, self.parents[:k], reach)
         return Draft(self.token_ids[:k], None if self.probs is None else self.probs[:k])
 
 
@@ -48,7 +74,8 @@ EMPTY_DRAFT = Draft([])
 class DraftRequest:
     request_id: str
     num_tokens: int  # committed tokens the drafter should have seen (a consistency check)
-    k: int  # propose at most this many
+    k: int  # propose at most this many (a tree: at most this deep)
+    tree_nodes: int = 0  # a drafter that `drafts_trees` may answer with a tree this large
 
 
 class Drafter(ABC):
@@ -56,6 +83,7 @@ class Drafter(ABC):
 
     method: str
     hidden_layers: tuple[int, ...] = ()  # target layers whose outputs this drafter reads
+    drafts_trees = False  # whether it answers a request for `tree_nodes` with a draft tree
 
     @abstractmethod
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:

@@ -7,7 +7,6 @@ tokens appended, rejected KV slots rolled back, drafters told, stop conditions c
 
 from __future__ import annotations
 
-import difflib
 import functools
 import itertools
 import logging
@@ -30,7 +29,7 @@ from workers.engine.calibration import (
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.graph_runner import make_runner
-from workers.engine.logprobs import TokenLogprob, token_logprobs
+from workers.engine.logprobs import TokenLogprob, committed_logprobs, token_logprobs
 from workers.engine.model_runner import ModelRunner, RunnerOutput
 from workers.engine.outputs import (
     Completion,
@@ -39,6 +38,7 @@ from workers.engine.outputs import (
     RequestOutput,
     RoundReport,
     StepReport,
+    in_order,
 )
 from workers.engine.penalty_rows import PenaltyRows
 from workers.engine.sampler import DeviceSampler, HostSampler, Sampler
@@ -47,7 +47,15 @@ from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
 from workers.engine.structured import Grammars, StructuredOutput
-from workers.engine.verification import DeadEnd, Failed, sample_one, sampling_rows, verify
+from workers.engine.tree_verification import settle
+from workers.engine.verification import (
+    DeadEnd,
+    Failed,
+    kept_rows,
+    sample_one,
+    sampling_rows,
+    verify,
+)
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError
 from workers.kv_cache.block_allocator import block_hashes
 from workers.model.tokenizer import Tokenizer
@@ -194,7 +202,11 @@ class LLMEngine:
                         self._finish(seq, "stop")
                     else:
                         rows = logits.view(1, -1)
-                        self._append(seq, [token], _logprobs(seq, [token], lambda: rows))
+                        self._append(
+                            seq,
+                            [token],
+                            committed_logprobs(seq.params.logprobs, [token], lambda: rows),
+                        )
             except Exception as exc:  # this request's own failure: it ends alone
                 self._fail(seq, exc)
             if seq.finished:
@@ -270,9 +282,12 @@ class LLMEngine:
                         self._send_hidden(scheduled, tokens, output, index, layers)
                     if scheduled.seq.scores_prompt:
                         self._score_prompt(scheduled, output.logits_of(index))
-                    k = len(scheduled.draft.token_ids)
-                    rows = functools.partial(sampling_rows, output, index, k)
-                    self._commit(scheduled, tokens, _logprobs(scheduled.seq, tokens, rows))
+                    rows = functools.partial(sampling_rows, output, index, scheduled)
+                    self._commit(
+                        scheduled,
+                        tokens,
+                        committed_logprobs(scheduled.seq.params.logprobs, tokens, rows),
+                    )
                 except Exception as exc:  # this request's own failure: it ends alone
                     self._fail(scheduled.seq, exc)
             speculator = self.speculator
@@ -339,7 +354,14 @@ class LLMEngine:
         if tokens is None:  # a prefill chunk short of the prompt's end
             seq.num_computed_tokens += scheduled.num_new_tokens
             return
-        num_drafted, num_accepted = len(scheduled.draft.token_ids), len(tokens) - 1
+        num_drafted, num_accepted = scheduled.draft.depth, len(tokens) - 1
+        if scheduled.path is not None:  # a tree's accepted nodes: their K/V to a chain's rows
+            settle(
+                self.runner.kv_cache,
+                seq.block_table.block_ids,
+                seq.num_computed_tokens,
+                scheduled.path,
+            )
         seq.num_computed_tokens += scheduled.num_new_tokens + num_accepted
         if scheduled.decoding:  # a verify step (the first token after prefill is not one)
             seq.stats.record(num_drafted, num_accepted)
@@ -394,7 +416,9 @@ class LLMEngine:
     ) -> None:
         """Features of the positions this forward computed and kept (not rejected drafts)."""
         kept = scheduled.num_new_tokens + (len(tokens) - 1 if tokens else 0)
-        rows = {layer: output.hidden_of(layer, index)[:kept] for layer in layers}
+        rows = {
+            layer: kept_rows(output.hidden_of(layer, index), scheduled, kept) for layer in layers
+        }
         seq = scheduled.seq
         sent = self.speculator.observe_hidden(seq, seq.num_computed_tokens, rows)
         if sent and self.step_listeners:
@@ -452,7 +476,7 @@ class LLMEngine:
         out = self._outputs[seq.request_id]
         out.finished, out.finish_reason = True, reason
         if seq.params.prediction:
-            out.accepted_prediction_tokens = _in_order(seq.params.prediction, seq.output_token_ids)
+            out.accepted_prediction_tokens = in_order(seq.params.prediction, seq.output_token_ids)
         del self._seqs[seq.request_id]
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
@@ -473,21 +497,3 @@ class LLMEngine:
         outputs = list(self._outputs.values())
         self._outputs.clear()
         return outputs
-
-
-def _in_order(prediction: Seq[int], output: Seq[int]) -> int:
-    """How many of the prediction's tokens appear in the output in order (the matching blocks
-    of the two)."""
-    matcher = difflib.SequenceMatcher(None, list(prediction), list(output), autojunk=False)
-    return sum(block.size for block in matcher.get_matching_blocks())
-
-
-def _logprobs(
-    seq: Sequence, tokens: list[int] | None, rows: Callable[[], torch.Tensor]
-) -> list[TokenLogprob]:
-    """The committed tokens' log-probabilities when the request asked for them, token j from
-    row j of `rows()` (its sampling rows; taken only then)."""
-    num_top = seq.params.logprobs
-    if num_top is None or not tokens:
-        return []
-    return token_logprobs(rows(), tokens, num_top)

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -103,3 +105,10 @@ class Completion:
     spec: SpecStats = field(default_factory=SpecStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
+
+
+def in_order(prediction: Sequence[int], output: Sequence[int]) -> int:
+    """How many of the prediction's tokens appear in the output in order (the matching blocks
+    of the two)."""
+    matcher = difflib.SequenceMatcher(None, list(prediction), list(output), autojunk=False)
+    return sum(block.size for block in matcher.get_matching_blocks())

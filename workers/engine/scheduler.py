@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kernels.tree_attention import tree_of
 from workers.drafting.base import EMPTY_DRAFT, Draft
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import SeqForward
@@ -28,6 +29,8 @@ class ScheduledSeq:
     num_new_tokens: int  # of seq.token_ids, starting at seq.num_computed_tokens
     draft: Draft  # verified in the same forward (empty unless decoding)
     decoding: bool  # a verify step: the sequence had its last committed token to feed
+    # A draft tree's accepted path: the rows its committed tokens were decided at (verify)
+    path: list[int] | None = None
 
     @property
     def samples(self) -> bool:
@@ -42,7 +45,9 @@ class ScheduledSeq:
         else:
             num_logits = 1 + len(self.draft.token_ids) if self.samples else 0
         table = self.seq.block_table
-        return SeqForward(new, start, table.block_ids, num_logits, table.version)
+        parents = self.draft.parents
+        tree = None if parents is None else tree_of(start, parents)
+        return SeqForward(new, start, table.block_ids, num_logits, table.version, tree)
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from workers.engine.penalty_rows import PenaltyRows
 from workers.engine.sampler import Sampler
 from workers.engine.scheduler import ScheduledSeq
 from workers.engine.sequence import Sequence as Sequence_
+from workers.engine.tree_verification import verify_tree
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,14 @@ def verify(
         if not (s.decoding or s.samples):
             continue
         draft_ids = s.draft.token_ids
-        if not s.seq.params.greedy:
+        if (
+            s.draft.parents is not None
+        ):  # a tree: its own walk (workers/engine/tree_verification.py)
+            assert not s.seq.adjusts_logits, "a request that adjusts logits drafts no tree"
+            committed[i], s.path = verify_tree(
+                draft_ids, s.draft.parents, s.seq.params, output.logits_of(i), s.seq.generator
+            )
+        elif not s.seq.params.greedy:
             sampled.append(i)
         elif s.seq.adjusts_logits:
             adjusted.append(i)
@@ -176,10 +184,20 @@ def _before_dead_end(tokens: list[int], dead: torch.Tensor) -> list[int] | DeadE
     return tokens[:first] if first > 0 else DeadEnd()
 
 
-def sampling_rows(output: RunnerOutput, index: int, k: int) -> torch.Tensor:
-    """The rows of sequence `index` that verify its k drafts and sample after them."""
-    rows = output.logits_of(index)
-    return rows[rows.shape[0] - k - 1 :]
+def sampling_rows(output: RunnerOutput, index: int, scheduled: ScheduledSeq) -> torch.Tensor:
+    """The rows of sequence `index` that its committed tokens were decided at: the last k + 1
+    (they verify its k drafts and sample after them), or a tree's accepted path."""
+    return kept_rows(output.logits_of(index), scheduled, len(scheduled.draft.token_ids) + 1, True)
+
+
+def kept_rows(
+    rows: torch.Tensor, scheduled: ScheduledSeq, count: int, from_end: bool = False
+) -> torch.Tensor:
+    """Of a sequence's rows in a forward, those of the positions it keeps: `count` of them (the
+    first, or the last `from_end`), or a draft tree's accepted path."""
+    if scheduled.path is not None:
+        return rows.index_select(0, torch.tensor(scheduled.path, device=rows.device))
+    return rows[rows.shape[0] - count :] if from_end else rows[:count]
 
 
 def sample_one(seq: Sequence_, logits: torch.Tensor) -> int | DeadEnd:
