@@ -33,8 +33,6 @@ for those positions exist only after the verify step being waited for.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,16 +41,20 @@ import torch
 from kernels.attention import AttentionBackend, NativeCpuAttention
 from kernels.attention_uniform import select_uniform_backend
 from kernels.sampling import sample_from_probs
+from workers.drafting import eagle_timing
 from workers.drafting.ahead import DraftsAhead
 from workers.drafting.base import (
+    EMPTY_DRAFT,
     ConfidenceStop,
     Draft,
     DraftRequest,
+    check_view,
     draft_random,
     greedy_probability,
 )
 from workers.drafting.eagle_loop import EagleDraftLoop, LoopConfig
 from workers.drafting.eagle_seq import EagleSeq
+from workers.drafting.eagle_tree import TreeDrafter
 from workers.drafting.ngram import LookupIndex, NgramConfig, Prediction, prompt_lookup
 from workers.eagle.head import EagleHead
 from workers.engine.graph_runner import CaptureReport
@@ -121,6 +123,9 @@ class EagleDrafter(DraftsAhead):
         # Requests with structured output get drafts their grammar allows (None: drafts ignore
         # grammars, and the target rejects what they break).
         self.grammars = grammars
+        # Draft trees (workers/drafting/eagle_tree.py), for requests that ask for one.
+        self.trees = TreeDrafter(head, self.cache, self.backend, self.vocab, self.max_model_len)
+        self.drafts_trees = self.backend.serves_trees
 
     def _make_loop(
         self, config: LoopConfig, scratch_block: int, min_confidence: float
@@ -171,6 +176,30 @@ class EagleDrafter(DraftsAhead):
             grammar=grammar,
             prediction=Prediction.of(params, len(prompt_token_ids)),
         )
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        """Chains as `DraftsAhead.propose` makes them; a request for a tree (`tree_nodes`)
+        gets one from the head, unless prompt lookup or its predicted output drafts it (a
+        chain, at no cost), and is never drafted ahead."""
+        asks = [req for req in requests if req.tree_nodes > 0]
+        if not asks:
+            return super().propose(requests)
+        drafts = super().propose([req for req in requests if req.tree_nodes == 0])
+        trees = []
+        for req in asks:
+            seq = self._seqs[req.request_id]
+            check_view(req, len(seq.tokens))
+            seq.ahead.ready, seq.ahead.draft = None, []
+            k = min(req.k, self.max_model_len - len(seq.tokens))
+            drafts[req.request_id] = EMPTY_DRAFT
+            if k <= 0 or not seq.can_draft:
+                continue
+            looked_up = self._draft([(req.request_id, seq, [], k)], lambda: True, lookup_only=True)
+            if looked_up:
+                drafts |= looked_up
+            else:
+                trees.append((req.request_id, seq, k, req.tree_nodes))
+        return drafts | self.trees.propose(trees)
 
     def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
         seq = self._seqs[request_id]
@@ -226,54 +255,14 @@ class EagleDrafter(DraftsAhead):
         seq.looked_up = (len(text), found)
         return found
 
-    @torch.inference_mode()
     def token_seconds(self, context: int = 128, reps: int = 10, rows: int = 1) -> float:
-        """Median seconds to draft one token for one sequence (a one-row head forward and its
-        draft-vocabulary logits) after a `context`-row history. With `rows` > 1, also what
-        each further sequence drafting at once adds (`row_seconds`): a depth's forward serves
-        them all, its host work is per row. With the draft loop, a proposal's fixed part
-        (staging, launch, read-back: `launch_seconds`) is told from what each depth adds,
-        which is the token's price, by timing the loop's shallowest and deepest drafts."""
-        one = self._draft_seconds(context, reps, 1)
-        if self.loop is not None and self.loop.max_depth > 1:
-            deep = self._draft_seconds(context, reps, 1, self.loop.max_depth)
-            depth = max(0.0, (deep - one) / (self.loop.max_depth - 1))
-            self.launch_seconds = max(0.0, one - depth)
-            one = depth
-        if rows > 1:
-            batch = self._draft_seconds(context, reps, rows)
-            single = one + (self.launch_seconds or 0.0)
-            self.row_seconds = max(0.0, (batch - single) / (rows - 1))
-        return one
+        """Median seconds to draft one token for one sequence after a `context`-row history;
+        with `rows` > 1 also `row_seconds`, and with the draft loop `launch_seconds`
+        (workers/drafting/eagle_timing.py)."""
+        return eagle_timing.token_seconds(self, context, reps, rows)
 
     def _can_draft(self, seq: EagleSeq) -> bool:
         return seq.can_draft
-
-    def _draft_seconds(self, context: int, reps: int, rows: int, k: int = 1) -> float:
-        """Median seconds of a `k`-token proposal for `rows` sequences at once."""
-        rids = [f"__calibration_{i}__" for i in range(rows)]
-        lookup, self.lookup = self.lookup, None  # time the head, not a lookup
-        try:
-            width = len(self.hidden_layers) * self.head.config.hidden_size
-            features = torch.randn(context, width, generator=torch.Generator().manual_seed(0))
-            for rid in rids:
-                self.add(rid, [0] * (context + 1), SamplingParams(temperature=0.0))
-                self.observe_hidden(rid, 0, features.to(self.cache.data.dtype))
-            request = [DraftRequest(rid, context + 1, k) for rid in rids]
-            self.propose(request)  # the history; later calls redo only the last row
-            times = []
-            on_gpu = self.cache.data.device.type == "cuda"
-            for _ in range(reps + 1):
-                start = time.perf_counter()
-                self.propose(request)
-                if on_gpu:  # the draft's kernels must have run, not just been launched
-                    torch.cuda.synchronize(self.cache.data.device)
-                times.append(time.perf_counter() - start)
-            return statistics.median(times[1:])
-        finally:
-            for rid in rids:
-                self.remove(rid)
-            self.lookup = lookup
 
     # -- drafting ------------------------------------------------------------------------------
 
@@ -282,6 +271,7 @@ class EagleDrafter(DraftsAhead):
         active: list[tuple[str, EagleSeq, list[int], int]],
         stop: Callable[[], bool],
         abandon: Callable[[], bool] | None = None,
+        lookup_only: bool = False,
     ) -> dict[str, Draft]:
         # The head is one layer: giving up a forward inside it saves nothing worth the
         # bookkeeping, so it stops between forwards only (`stop` covers `abandon`).
@@ -315,7 +305,7 @@ class EagleDrafter(DraftsAhead):
                         rest.append(item)
                 self.looked_up += len(drafts)
                 active = rest
-            if active:
+            if active and not lookup_only:
                 drafts |= self._draft_with_head(active, stop, grammars)
             return drafts
         finally:

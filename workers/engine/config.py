@@ -37,6 +37,9 @@ class SpecConfig:
     verify_costs: tuple[float, ...] | None = None
     # Verification stops being nearly free once the batch is this large: speculate no more.
     disable_batch_size: int = 8
+    # Draft trees of at most this many nodes where the drafter drafts them (EAGLE), each cut
+    # to what pays at the measured verify costs (workers/engine/speculator.py); 0: chains.
+    tree_nodes: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -49,6 +52,8 @@ class SpecConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if not 0 <= self.tree_nodes <= 64:
+            raise ValueError(f"tree_nodes must be in 0..64, got {self.tree_nodes}")
         if self.ngram_fallback_tokens < 0:
             raise ValueError("ngram_fallback_tokens must be >= 0")
         if not 0.0 <= self.min_draft_confidence < 1.0:

@@ -401,7 +401,8 @@ class Speculator:
             # sends its buffered commits and features with the call, so they never pile up.
             pairs = by_method.setdefault(seq.spec_method, [])
             if k > 0:
-                pairs.append((seq, DraftRequest(seq.request_id, len(seq.token_ids), k)))
+                tree = self._tree_nodes(seq)
+                pairs.append((seq, DraftRequest(seq.request_id, len(seq.token_ids), k, tree)))
         for method, pairs in by_method.items():
             try:
                 drafts = self.drafters[method].propose([req for _, req in pairs])
@@ -409,12 +410,44 @@ class Speculator:
                 self._drop(method, [seq for seq, _ in pairs], "propose", exc)
                 continue
             for seq, req in pairs:
-                draft = drafts.get(seq.request_id, EMPTY_DRAFT).truncated(req.k)
+                draft = drafts.get(seq.request_id, EMPTY_DRAFT)
+                # k bounds a chain's tokens; a tree's depth (its nodes: `tree_nodes`).
+                draft = draft.truncated(req.tree_nodes if draft.parents else req.k)
                 if self._valid(draft):
                     seq.draft = draft
                 else:
                     error = ValueError(f"a draft outside the vocabulary: {draft.token_ids}")
                     self._drop(method, [seq], "propose", error)
+        self._trim_trees(seqs)
+
+    def _tree_nodes(self, seq: Sequence) -> int:
+        """The largest draft tree `seq` may get (0: a chain): trees are on (`tree_nodes`), its
+        drafter drafts them, and its settings adjust no logits (a tree's rows would each need
+        their own path's)."""
+        if not self.config.tree_nodes or seq.adjusts_logits:
+            return 0
+        return self.config.tree_nodes if self.drafters[seq.spec_method].drafts_trees else 0
+
+    def _trim_trees(self, seqs: list[Sequence]) -> None:
+        """Cut each draft tree to the nodes that pay: its first n (most likely first) where the
+        step's expected tokens per forward cost are highest, the tree worth 1 + the sum of its
+        nodes' reach (the drafter's probability that the target accepts each), every other
+        sequence 1 token a step (its drafts not counted: trees are cut conservatively)."""
+        tokens = sum(1 + len(seq.draft.token_ids) for seq in seqs)
+        for seq in seqs:
+            reach = seq.draft.reach
+            if seq.draft.parents is None or reach is None:
+                continue
+            others = tokens - 1 - len(reach)
+            value, best = float(len(seqs)), 0
+            best_rate = value / self.forward_cost(others + 1)
+            for n, r in enumerate(reach, start=1):
+                value += r
+                rate = value / self.forward_cost(others + 1 + n)
+                if rate > best_rate:
+                    best, best_rate = n, rate
+            seq.draft = seq.draft.truncated(best) if best else EMPTY_DRAFT
+            tokens = others + 1 + best
 
     def _valid(self, draft: Draft) -> bool:
         """Whether the forward can take the draft: ids in the vocabulary, q as wide as it."""
