@@ -25,8 +25,8 @@ from workers.drafting.ngram import (
 )
 from workers.engine.config import SpecConfig
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import Sequence, SpecStats
-from workers.engine.speculator import SPEC_STEP_OVERHEAD, Speculator, acceptance_curve
+from workers.engine.sequence import Sequence, SpecStats, acceptance_curve
+from workers.engine.speculator import SPEC_STEP_OVERHEAD, Speculator
 from workers.kv_cache import BlockAllocator, BlockTable
 from workers.model.transformer import TransformerLM
 

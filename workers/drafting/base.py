@@ -115,6 +115,9 @@ class Drafter(ABC):
     # Seconds a drafting call costs whatever its depth, where the drafter has measured it (its
     # draft loop's staging, graph launch and read-back): priced once a step for the method.
     launch_seconds: float | None = None
+    # Seconds of one draft tree's proposal for one sequence, where a drafter that `drafts_trees`
+    # has measured it (workers/engine/tree_pricing.py prices a tree by it).
+    tree_seconds: float | None = None
 
     def drafts_for_free(self, request_id: str) -> bool:
         """Whether the sequence's next draft costs the drafter no forward (an EAGLE drafter's

@@ -261,6 +261,12 @@ class EagleDrafter(DraftsAhead):
         (workers/drafting/eagle_timing.py)."""
         return eagle_timing.token_seconds(self, context, reps, rows)
 
+    def measure_tree(self, depth: int, nodes: int, reps: int = 10) -> float:
+        """Median seconds of a tree proposal of `depth` and `nodes` for one sequence after a
+        128-row history (`tree_seconds`, the speculator's price of a tree)."""
+        self.tree_seconds = eagle_timing.proposal_seconds(self, 128, reps, 1, depth, nodes)
+        return self.tree_seconds
+
     def _can_draft(self, seq: EagleSeq) -> bool:
         return seq.can_draft
 

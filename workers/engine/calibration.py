@@ -128,11 +128,13 @@ def relative_token_cost(draft: TransformerLM, target: TransformerLM, reps: int =
 @dataclass(frozen=True, slots=True)
 class DraftCosts:
     """Per method, in one-token target forwards: a drafted token, each further sequence's share
-    of a depth, and a drafting call's fixed part (workers/engine/speculator.py prices them)."""
+    of a depth, a drafting call's fixed part (workers/engine/speculator.py prices them), and a
+    draft tree's proposal (workers/engine/tree_pricing.py)."""
 
     tokens: dict[str, float]
     rows: dict[str, float] = field(default_factory=dict)
     launches: dict[str, float] = field(default_factory=dict)
+    trees: dict[str, float] = field(default_factory=dict)  # a tree proposal, one sequence
 
 
 def draft_costs_in_forwards(
@@ -149,6 +151,7 @@ def draft_costs_in_forwards(
         given.tokens | {m: s / one for m, s in draft_seconds.items()},
         {m: d.row_seconds / one for m, d in measured if d.row_seconds is not None},
         {m: d.launch_seconds / one for m, d in measured if d.launch_seconds is not None},
+        {m: d.tree_seconds / one for m, d in measured if d.tree_seconds is not None},
     )
 
 
@@ -186,6 +189,7 @@ def step_verify_costs(
     # disable_batch_size sequences.
     per_seq = max(spec.num_speculative_tokens, 1) + 1
     max_tokens = min(max(spec.disable_batch_size - 1, 1) * per_seq, 256)
+    max_tokens = max(max_tokens, spec.tree_nodes + 1)  # a lone sequence's draft tree
     if not isinstance(runner, GraphRunner):
         return verify_costs(runner.model, max_tokens)
     counts = calibration_counts(max_tokens)

@@ -146,6 +146,8 @@ def build_drafters(
         # else a drafting sequence costs the step there is not in the model yet.
         rows = 4 if target.device.type == "cuda" else 1
         seconds["eagle"] = eagle.token_seconds(rows=rows)
+        if config.spec.tree_nodes:
+            eagle.measure_tree(config.spec.num_speculative_tokens, config.spec.tree_nodes)
     elif wanted("eagle") and spec.eagle_head is not None:
         raise FileNotFoundError(f"EAGLE head {spec.eagle_head} not found")
     elif required == "eagle" and "eagle" not in skip:

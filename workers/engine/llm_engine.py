@@ -116,6 +116,7 @@ class LLMEngine:
             costs.rows,
             costs.launches,
             one_token_seconds,
+            costs.trees,
         )
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)

@@ -37,6 +37,12 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# Beta prior on a sequence's acceptance rate: as if PRIOR_WEIGHT drafts at the prior's rate
+# (its method's pooled rate, itself under a prior of 1/2) were already seen. Each position's
+# rate is shrunk towards the one before it by as much.
+PRIOR_WEIGHT = 2.0
+
+
 @dataclass(slots=True)
 class SpecStats:
     """Speculation counters of one request (or, summed, of an engine)."""
@@ -174,3 +180,19 @@ class Sequence:
             self.params.prompt_logprobs is not None
             and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
         )
+
+
+def acceptance_curve(stats: SpecStats, prior: float, length: int) -> list[float]:
+    """[i]: the probability that draft token i + 1 is accepted along with every one before it
+    (c_1 ... c_(i+1), see the module docstring), for i < length, from a sequence's `stats` under
+    a prior acceptance rate."""
+    accepted, rejected = stats.accepted, stats.verify_steps_with_rejection
+    rate = (accepted + PRIOR_WEIGHT * prior) / (accepted + rejected + PRIOR_WEIGHT)
+    reach, survive = [], 1.0
+    for i in range(length):
+        hits = stats.accepted_per_position[i] if i < len(stats.accepted_per_position) else 0
+        tries = stats.reached_per_position[i] if i < len(stats.reached_per_position) else 0
+        rate = (hits + PRIOR_WEIGHT * rate) / (tries + PRIOR_WEIGHT)
+        survive *= rate
+        reach.append(survive)
+    return reach

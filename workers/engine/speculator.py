@@ -6,10 +6,10 @@ verify step. A sequence's c_i are measured from its own steps: each is its accep
 position i among the steps that reached i, shrunk towards c_(i-1) (c_1 towards the sequence's
 overall per-token rate, itself shrunk towards a prior: the acceptance its method had over the
 finished requests' drafts, 1/2 before any). With one rate a everywhere that is the geometric
-E(k) = (1 - a^(k+1)) / (1 - a). Measured per position, it also sees text that is being copied
-(an edited file, a quoted passage), where a draft is often wrong at its first token but, once
-that one holds, right for long: one overall rate would end such drafts after a few tokens, as
-if each were as risky as the first.
+E(k) = (1 - a^(k+1)) / (1 - a). Measured per position it also sees copied text (an edited file,
+a quote), often wrong at its first token but then right for long, which one rate would cut
+short (workers/engine/sequence.py `acceptance_curve`). Where the server allows draft trees,
+workers/engine/tree_pricing.py decides whose draft is a tree instead, and how large.
 
 A step is one forward over every decoding sequence's last token and drafts, so its cost depends
 on the batch's total: a forward over n new tokens costs verify(n) one-token forwards (measured at
@@ -51,7 +51,8 @@ import torch
 
 from workers.drafting.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest
 from workers.engine.config import RequestSpec, SpecConfig
-from workers.engine.sequence import Sequence, SpecStats
+from workers.engine.sequence import Sequence, acceptance_curve
+from workers.engine.tree_pricing import TreePricing
 
 # Drafting, rejection sampling and rollback are host work that a verify step does on top of its
 # forward: a few percent of a one-token forward for the bundled model on a CPU. Charged to every
@@ -70,10 +71,6 @@ EXPLORE_EVERY_STEPS = {"draft_model": 64}
 DEFAULT_EXPLORE_EVERY_STEPS = 16
 # The name a free draft (drafted without a forward: prompt lookup) is priced under: no cost.
 LOOKED_UP = "lookup"
-# Beta prior on a sequence's acceptance rate: as if PRIOR_WEIGHT drafts at the prior's rate
-# (its method's pooled rate, itself under a prior of 1/2) were already seen. Each position's
-# rate is shrunk towards the one before it by as much.
-PRIOR_WEIGHT = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +87,7 @@ class Speculator:
         draft_row_costs: dict[str, float] | None = None,
         draft_launch_costs: dict[str, float] | None = None,
         unit_seconds: float | None = None,
+        tree_costs: dict[str, float] | None = None,
     ) -> None:
         self.config = config
         self.drafters = drafters
@@ -116,6 +114,11 @@ class Speculator:
         self.overhead = SPEC_STEP_OVERHEAD
         self.unit_seconds = unit_seconds
         self._planned: tuple[list[str], list[int]] | None = None  # this step's priced choice
+        # Draft trees: when they pay and how large (workers/engine/tree_pricing.py); per
+        # sequence drafting a tree this step, what its chain would have been worth.
+        self.trees = TreePricing(self.forward_cost, config.tree_nodes, dict(tree_costs or {}))
+        self._tree_basis: dict[str, float] = {}
+        self._curves: list[list[float]] = []  # this step's acceptance curves (adaptive k)
         # Per method, over finished requests that drafted: (accepted, rejected) drafts.
         self.pooled: dict[str, tuple[int, int]] = {}
         # Per method: calls into its drafter that raised or proposed an invalid draft.
@@ -202,6 +205,7 @@ class Speculator:
                 solo = self._allocate([acceptance[i]], [methods[i]], [rooms[i]], [0])
                 ks[i] = limits[i] = solo[0]
         ks = self._allocate(acceptance, methods, limits, ks)
+        self._curves = acceptance
         for i, seq in enumerate(seqs):
             if not rooms[i] or ks[i]:
                 continue
@@ -358,6 +362,9 @@ class Speculator:
         return rows.numel() * rows.element_size()
 
     def commit(self, seq: Sequence, token_ids: list[int]) -> None:
+        basis = self._tree_basis.pop(seq.request_id, None)
+        if basis is not None:
+            self.trees.committed(seq.spec_method, len(token_ids), basis)
         if seq.spec_method != "none":
             try:
                 self.drafters[seq.spec_method].commit(seq.request_id, token_ids)
@@ -367,6 +374,7 @@ class Speculator:
     def remove(self, seq: Sequence) -> None:
         """A finished (or aborted) sequence: its drafter forgets it, and its drafts join its
         method's pooled acceptance."""
+        self._tree_basis.pop(seq.request_id, None)
         if seq.spec_method == "none":
             return
         try:
@@ -392,8 +400,10 @@ class Speculator:
         self._planned = None  # set again where this step's lengths are chosen
         by_method: dict[str, list[tuple[Sequence, DraftRequest]]] = {}
         # Nobody drafts past `disable_batch_size`: no per-sequence choice to make.
+        self._curves = []
         ks = self.num_draft_tokens(seqs, load) if self.speculates_at(load) else [0] * len(seqs)
-        for seq, k in zip(seqs, ks, strict=True):
+        step_tokens = len(seqs) + sum(ks)
+        for i, (seq, k) in enumerate(zip(seqs, ks, strict=True)):
             seq.draft = EMPTY_DRAFT
             if seq.spec_method == "none":
                 continue
@@ -401,7 +411,7 @@ class Speculator:
             # sends its buffered commits and features with the call, so they never pile up.
             pairs = by_method.setdefault(seq.spec_method, [])
             if k > 0:
-                tree = self._tree_nodes(seq)
+                tree = self._tree_nodes(seq, i, k, step_tokens - 1 - k)
                 pairs.append((seq, DraftRequest(seq.request_id, len(seq.token_ids), k, tree)))
         for method, pairs in by_method.items():
             try:
@@ -420,33 +430,46 @@ class Speculator:
                     self._drop(method, [seq], "propose", error)
         self._trim_trees(seqs)
 
-    def _tree_nodes(self, seq: Sequence) -> int:
-        """The largest draft tree `seq` may get (0: a chain): trees are on (`tree_nodes`), its
-        drafter drafts them, and its settings adjust no logits (a tree's rows would each need
-        their own path's)."""
-        if not self.config.tree_nodes or seq.adjusts_logits:
+    def _tree_nodes(self, seq: Sequence, index: int, k: int, others: int) -> int:
+        """The largest draft tree `seq` may get this step (0: a chain of k): trees are on
+        (`tree_nodes`), its drafter drafts them and its settings adjust no logits (a tree's
+        rows would each need their own path's), and with adaptive k, a tree pays more than
+        the chain (workers/engine/tree_pricing.py)."""
+        method = seq.spec_method
+        allowed = self.config.tree_nodes and self.drafters[method].drafts_trees
+        if not allowed or seq.adjusts_logits:
             return 0
-        return self.config.tree_nodes if self.drafters[seq.spec_method].drafts_trees else 0
+        if self._curves:
+            if self._priced_as(seq) == LOOKED_UP:  # a looked-up chain costs nothing
+                return 0
+            alone = seq.params.seed is not None and not seq.params.greedy
+            value = 1 + sum(self._curves[index][:k])
+            others = 0 if alone else others
+            drafting = k * self.draft_costs.get(method, 0.0)
+            cost = self.forward_cost(others + 1 + k) + drafting
+            if not self.trees.pays(method, value, cost, others, alone):
+                return 0
+            self._tree_basis[seq.request_id] = value
+        return self.config.tree_nodes
 
     def _trim_trees(self, seqs: list[Sequence]) -> None:
-        """Cut each draft tree to the nodes that pay: its first n (most likely first) where the
-        step's expected tokens per forward cost are highest, the tree worth 1 + the sum of its
-        nodes' reach (the drafter's probability that the target accepts each), every other
-        sequence 1 token a step (its drafts not counted: trees are cut conservatively)."""
+        """With adaptive k, cut each draft tree to the nodes that pay (`TreePricing.cut`); a
+        step with a tree is not timed for the overhead (`observe_step` prices chains)."""
+        trees = [seq for seq in seqs if seq.draft.parents is not None]
+        if not trees:
+            return
+        self._planned = None
+        if not self._curves:
+            return
         tokens = sum(1 + len(seq.draft.token_ids) for seq in seqs)
-        for seq in seqs:
-            reach = seq.draft.reach
-            if seq.draft.parents is None or reach is None:
-                continue
-            others = tokens - 1 - len(reach)
-            value, best = float(len(seqs)), 0
-            best_rate = value / self.forward_cost(others + 1)
-            for n, r in enumerate(reach, start=1):
-                value += r
-                rate = value / self.forward_cost(others + 1 + n)
-                if rate > best_rate:
-                    best, best_rate = n, rate
+        for seq in trees:
+            reach = seq.draft.reach or ()
+            own = 1 + len(seq.draft.token_ids)
+            alone = seq.params.seed is not None and not seq.params.greedy
+            others = 0 if alone else tokens - own
+            best = self.trees.cut(reach, others, 0 if alone else len(seqs) - 1)
             seq.draft = seq.draft.truncated(best) if best else EMPTY_DRAFT
+            self.trees.kept(seq.spec_method, best)
             tokens = others + 1 + best
 
     def _valid(self, draft: Draft) -> bool:
@@ -475,19 +498,3 @@ class Speculator:
             if what != "remove":
                 with contextlib.suppress(Exception):
                     self.drafters[method].remove(seq.request_id)
-
-
-def acceptance_curve(stats: SpecStats, prior: float, length: int) -> list[float]:
-    """[i]: the probability that draft token i + 1 is accepted along with every one before it
-    (c_1 ... c_(i+1), see the module docstring), for i < length, from a sequence's `stats` under
-    a prior acceptance rate."""
-    accepted, rejected = stats.accepted, stats.verify_steps_with_rejection
-    rate = (accepted + PRIOR_WEIGHT * prior) / (accepted + rejected + PRIOR_WEIGHT)
-    reach, survive = [], 1.0
-    for i in range(length):
-        hits = stats.accepted_per_position[i] if i < len(stats.accepted_per_position) else 0
-        tries = stats.reached_per_position[i] if i < len(stats.reached_per_position) else 0
-        rate = (hits + PRIOR_WEIGHT * rate) / (tries + PRIOR_WEIGHT)
-        survive *= rate
-        reach.append(survive)
-    return reach

@@ -1,0 +1,117 @@
+"""When the speculator asks for a draft tree and how much of it it keeps (tree_pricing.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import pytest
+
+from workers.drafting.base import Draft, Drafter, DraftRequest
+from workers.engine.config import SpecConfig
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import Sequence
+from workers.engine.speculator import Speculator
+from workers.engine.tree_pricing import TREE_GAIN_PRIOR, TreePricing
+from workers.kv_cache import BlockAllocator, BlockTable
+
+REACH = (0.9, 0.6, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02)
+
+
+def flat(n: int) -> float:
+    return 1.0
+
+
+def steep(n: int) -> float:
+    return 1.0 + 0.25 * (n - 1)
+
+
+def test_cut_keeps_what_pays_at_the_verify_costs() -> None:
+    assert TreePricing(flat, 8).cut(REACH, 0, 0.0) == 8  # every node adds, nothing costs
+    # At 0.25 a token, a node pays while the rate (1 + reach so far) / cost still grows.
+    assert TreePricing(steep, 8).cut(REACH, 0, 0.0) == 3
+    assert TreePricing(steep, 8).cut((0.1, 0.05), 0, 0.0) == 0  # not worth a token
+
+
+def test_a_tree_pays_where_its_nodes_cost_little_and_gain_is_measured() -> None:
+    pricing = TreePricing(flat, 16, tree_costs={"eagle": 0.3})
+    # Chain worth 2 tokens at cost 1.2 (1.67/unit); a tree 1.3 x 2 at 1 + 0.3 (2.0/unit).
+    assert pricing.pays("eagle", 2.0, 1.2, 0, alone=False)
+    for _ in range(50):  # its trees commit no more than the chain would have
+        pricing.committed("eagle", 2, 2.0)
+    assert pricing.gain["eagle"] == pytest.approx(1.0, abs=0.01)
+    assert not pricing.pays("eagle", 2.0, 1.2, 0, alone=False)
+    # A seeded sampled request judges by the prior alone, whatever others' trees did.
+    assert pricing.pays("eagle", 2.0, 1.2, 0, alone=True)
+    assert not TreePricing(steep, 16, {"eagle": 0.3}).pays("eagle", 2.0, 1.2, 0, alone=False)
+    pricing.kept("eagle", 4)
+    assert pricing.nodes["eagle"] == 4
+
+
+class TreeDrafter(Drafter):
+    """Answers a tree request with a fixed tree, a chain request with a chain."""
+
+    method = "eagle"
+    drafts_trees = True
+
+    def __init__(self) -> None:
+        self.requests: list[DraftRequest] = []
+
+    def add(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> None:
+        pass
+
+    def commit(self, request_id: str, token_ids: Seq[int]) -> None:
+        pass
+
+    def remove(self, request_id: str) -> None:
+        pass
+
+    def propose(self, requests: Seq[DraftRequest]) -> dict[str, Draft]:
+        self.requests += requests
+        parents = (-1, -1, 0, 0, 2, 1, 4, 3)
+        return {
+            r.request_id: Draft(list(range(8)), parents=parents, reach=REACH)
+            if r.tree_nodes
+            else Draft([1] * r.k)
+            for r in requests
+        }
+
+
+def sequence(rid: str, params: SamplingParams) -> Sequence:
+    return Sequence(
+        rid, [1, 2, 3], params, "eagle", 4, BlockTable(BlockAllocator(4), 16), None, 0,
+        token_ids=[1, 2, 3],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("costs", "adaptive", "nodes"),
+    [
+        ((1.0,) * 16, True, 8),  # flat: the tree is asked for and kept whole
+        (tuple(steep(n) for n in range(1, 17)), True, 0),  # steep: a chain pays more
+        (tuple(steep(n) for n in range(1, 17)), False, 8),  # fixed k: trees as configured
+    ],
+)
+def test_the_speculator_asks_for_trees_where_they_pay(
+    costs: tuple[float, ...], adaptive: bool, nodes: int
+) -> None:
+    """`nodes`: the tree's size, or 0 where the sequence drafts a chain."""
+    drafter = TreeDrafter()
+    spec = SpecConfig(method="eagle", adaptive=adaptive, tree_nodes=8, disable_batch_size=64)
+    speculator = Speculator(spec, {"eagle": drafter}, 512, costs)
+    seq = sequence("r", SamplingParams(max_tokens=100, temperature=0))
+    speculator.propose([seq])
+    assert (seq.draft.parents is not None) == (nodes > 0)
+    assert drafter.requests[-1].tree_nodes == (8 if nodes else 0)
+    if nodes:
+        assert len(seq.draft.token_ids) == nodes  # what it committed against the chain's worth moves the method's gain
+        speculator.commit(seq, [1, 2, 3, 4])
+        assert (speculator.trees.gain.get("eagle", TREE_GAIN_PRIOR) != TREE_GAIN_PRIOR) == adaptive
+
+
+def test_requests_that_adjust_logits_get_chains() -> None:
+    drafter = TreeDrafter()
+    spec = SpecConfig(method="eagle", tree_nodes=8, verify_costs=(1.0,) * 16)
+    speculator = Speculator(spec, {"eagle": drafter}, 512, (1.0,) * 16)
+    penalized = sequence("p", SamplingParams(max_tokens=100, presence_penalty=0.5))
+    speculator.propose([penalized])
+    assert drafter.requests[-1].tree_nodes == 0 and penalized.draft.parents is None

@@ -1,0 +1,76 @@
+"""When a draft tree pays instead of a chain, and how many of its nodes (the speculator's).
+
+A sequence whose drafter drafts trees (EAGLE) may get one where the server allows them
+(`SpecConfig.tree_nodes`) and its settings adjust no logits. Each step the speculator first
+chooses its chain length k as for any draft (workers/engine/speculator.py); the chain's worth is
+then E = 1 + c_1 + c_1 c_2 + ... (its acceptance curve), at the step's cost with k more tokens in
+the forward and the chain's drafting. A tree of depth k is expected to commit `gain` times E
+(the method's measured ratio of what its trees committed to what a chain was expected to, a
+running mean from TREE_GAIN_PRIOR), at the cost of a forward over the tree's nodes (as many as
+its trees kept lately) and of drafting it (`tree_costs`: a whole tree proposal, measured at
+start-up in one-token target forwards). The tree is drafted where that is more tokens per cost.
+Drafted, it is cut to its first n nodes (most likely first) where the step's expected tokens
+per cost are highest, each node worth its reach (the drafter's probability that the target
+accepts it and its ancestors). So where verifying grows with tokens (a CPU), trees stay small
+or are not drafted; where a forward of 16 tokens costs what one does (a GPU), they grow.
+
+Other sequences in the step count as one token each (their drafts' worth is not counted, so a
+tree is judged conservatively); a seeded sampled request is judged as if alone under the prior
+alone, so that what it draws never depends on what the engine served before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# What a tree commits against the chain of its depth, before a method's trees are measured
+# (EAGLE's trees of 16 nodes over chains of 4 on held-out prompts: 1.3-1.4x, docs/benchmarks.md).
+TREE_GAIN_PRIOR = 1.3
+GAIN_RATE = 0.1  # a running mean weighing about the last 10 tree steps
+
+
+@dataclass(slots=True)
+class TreePricing:
+    forward_cost: Callable[[int], float]  # a forward over n new tokens, in one-token forwards
+    max_nodes: int  # the server's `tree_nodes`
+    tree_costs: dict[str, float] = field(default_factory=dict)  # drafting a tree, per method
+    gain: dict[str, float] = field(default_factory=dict)  # per method, measured
+    nodes: dict[str, float] = field(default_factory=dict)  # nodes its trees kept, running mean
+
+    def pays(
+        self,
+        method: str,
+        chain_value: float,
+        chain_cost: float,
+        others: int,
+        alone: bool,
+    ) -> bool:
+        """Whether a tree beats the chain worth `chain_value` tokens (1 + its reach) at
+        `chain_cost` (forward and drafting), beside `others` other sequences' tokens."""
+        gain = TREE_GAIN_PRIOR if alone else self.gain.get(method, TREE_GAIN_PRIOR)
+        nodes = self.max_nodes / 2 if alone else self.nodes.get(method, self.max_nodes / 2)
+        cost = self.forward_cost(others + 1 + round(nodes)) + self.tree_costs.get(method, 0.0)
+        return gain * chain_value / cost > chain_value / chain_cost
+
+    def cut(self, reach: tuple[float, ...], others: int, others_value: float) -> int:
+        """How many of a tree's nodes (of reach `reach`, most likely first) to verify beside
+        `others` tokens worth `others_value`: the most tokens per forward cost."""
+        value, best = others_value + 1, 0
+        best_rate = value / self.forward_cost(others + 1)
+        for n, r in enumerate(reach, start=1):
+            value += r
+            rate = value / self.forward_cost(others + 1 + n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+    def kept(self, method: str, nodes: int) -> None:
+        old = self.nodes.get(method)
+        self.nodes[method] = nodes if old is None else old + GAIN_RATE * (nodes - old)
+
+    def committed(self, method: str, tokens: int, chain_value: float) -> None:
+        """A tree step committed `tokens` where the chain was worth `chain_value`."""
+        sample = tokens / chain_value
+        old = self.gain.get(method, TREE_GAIN_PRIOR)
+        self.gain[method] = old + GAIN_RATE * (sample - old)
