@@ -139,7 +139,7 @@ class DrafterActor:
         m = self.metrics
         m.observe("outrider_drafter_step_seconds", reply.handled_s)
         m.observe("outrider_drafter_draft_seconds", reply.seconds)
-        m.inc("outrider_drafter_proposed_tokens", sum(len(ids) for ids, _ in reply.drafts.values()))
+        m.inc("outrider_drafter_proposed_tokens", sum(len(d[0]) for d in reply.drafts.values()))
         m.inc("outrider_drafter_ahead_served", reply.ahead_served)
         width = message.feature_rows * message.feature_width
         m.inc("outrider_drafter_feature_bytes_received", width * _itemsize(message.feature_dtype))

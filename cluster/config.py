@@ -13,7 +13,8 @@ RayCluster). A config is checked as a whole when it is built, and every error na
                   eagle_prompt_lookup: true,    # EAGLE copies where the text repeats
                   ngram_min: 2, ngram_max: 4,   # n-gram sizes prompt lookup matches
                   ngram_fallback_tokens: 8,     # draft after a 1-token match (ngram, suffix)
-                  min_draft_confidence: 0.5}    # a model draft ends where the drafter doubts it
+                  min_draft_confidence: 0.5,    # a model draft ends where the drafter doubts it
+                  tree_nodes: 0}                # EAGLE trees of up to this many nodes (0: chains)
     pools:
       prefill:  {replicas: 1, resources: {cpus: 1, gpus: null}}   # null: a GPU each where
       verifier: {groups: 1, tensor_parallel_size: 1,              # the cluster has enough
@@ -158,6 +159,8 @@ class SpeculativeSettings:
     # A model drafter ends a draft once its own probability of the draft so far falls below
     # this (0: it always drafts k).
     min_draft_confidence: float = DEFAULT_MIN_DRAFT_CONFIDENCE
+    # EAGLE drafts trees of at most this many nodes where they pay more than a chain (0: chains).
+    tree_nodes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +247,11 @@ class DeploymentConfig:
             0.0 <= s.min_draft_confidence < 1.0,
             "speculative.min_draft_confidence",
             f"must be in [0, 1), got {s.min_draft_confidence}",
+        )
+        _check(
+            0 <= s.tree_nodes <= 64,
+            "speculative.tree_nodes",
+            f"must be in 0..64, got {s.tree_nodes}",
         )
         p = self.pools
         _check(p.prefill.replicas >= 0, "pools.prefill.replicas", "must be >= 0")
@@ -334,6 +342,7 @@ class DeploymentConfig:
             ngram_max=s.ngram_max,
             ngram_fallback_tokens=s.ngram_fallback_tokens,
             min_draft_confidence=s.min_draft_confidence,
+            tree_nodes=s.tree_nodes,
         )
         e = self.engine
         return EngineConfig(

@@ -38,7 +38,7 @@ import torch
 
 from cluster.links import LinkAddress, LinkError, TensorLink
 from cluster.step_channel import ChannelAddress, StepServer
-from workers.drafting.base import Drafter, DraftRequest
+from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.engine.sampling_params import SamplingParams
 
 # The longest a step served from drafting ahead that goes on waits for the chains to hold their
@@ -68,9 +68,20 @@ class DraftStep:
     feature_dtype: str = "float32"
 
 
+# A draft as it crosses to the verifier: its tokens, q, and a tree's parents and reach (base.py
+# `Draft`).
+DraftFields = tuple[
+    list[int], torch.Tensor | None, tuple[int, ...] | None, tuple[float, ...] | None
+]
+
+
+def draft_fields(draft: Draft) -> DraftFields:
+    return draft.token_ids, draft.probs, draft.parents, draft.reach
+
+
 @dataclass(slots=True)
 class DraftReply:
-    drafts: dict[str, tuple[list[int], torch.Tensor | None]]
+    drafts: dict[str, DraftFields]
     seconds: float  # drafting time inside the actor
     ahead_served: int = 0  # proposals of this step that were drafted ahead
     kept_going: bool = False  # served while drafting ahead went on (take_ahead)
@@ -117,6 +128,8 @@ class DrafterWorker:
             "name": self.name,
             "method": self.drafter.method,
             "hidden_layers": list(self.drafter.hidden_layers),
+            "drafts_trees": self.drafter.drafts_trees,
+            "tree_seconds": self.drafter.tree_seconds,
             "incarnation": self.incarnation,
             "sequences": len(self._live),  # held for its verifier
             "draft_ahead": self.draft_ahead,
@@ -178,7 +191,7 @@ class DrafterWorker:
         served = self.drafter.ahead_served
         drafts = self.drafter.propose(message.requests) if message.requests else {}
         reply = DraftReply(
-            {rid: (d.token_ids, d.probs) for rid, d in drafts.items()},
+            {rid: draft_fields(d) for rid, d in drafts.items()},
             time.perf_counter() - start,
             self.drafter.ahead_served - served,
         )
@@ -207,7 +220,7 @@ class DrafterWorker:
         if drafts is None:
             return None
         return DraftReply(
-            {rid: (d.token_ids, d.probs) for rid, d in drafts.items()},
+            {rid: draft_fields(d) for rid, d in drafts.items()},
             time.perf_counter() - start,
             ahead_served=sum(bool(d.token_ids) for d in drafts.values()),
             kept_going=True,

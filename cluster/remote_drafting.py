@@ -49,6 +49,9 @@ class ShardedDrafter(Drafter):
         self.shards = list(shards)
         self.method = shards[0].method
         self.hidden_layers = shards[0].hidden_layers
+        self.drafts_trees = all(s.drafts_trees for s in shards)
+        measured = [s.tree_seconds for s in shards if s.tree_seconds is not None]
+        self.tree_seconds = max(measured) if measured else None
         self._owner: dict[str, RemoteDrafter] = {}
         self._served: dict[str, str] = {}  # request -> shard name, kept until asked for
 
@@ -224,11 +227,7 @@ class RemoteDrafter(Drafter):
         self.stats.ahead_kept_going += reply.kept_going
         self.stats.draft_s += reply.seconds
         self.stats.handled_s += reply.handled_s
-        return {
-            rid: Draft(tokens, probs)
-            for rid, (tokens, probs) in reply.drafts.items()
-            if rid in self._seqs
-        }
+        return {rid: Draft(*fields) for rid, fields in reply.drafts.items() if rid in self._seqs}
 
     def _lost(self) -> None:
         """The drafter failed or restarted: reconnect and re-add everything before next time."""

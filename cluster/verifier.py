@@ -127,6 +127,8 @@ class VerifierActor:
                 )
                 for a, i, n in zip(actors, infos, drafter_names, strict=True)
             ]
+            for shard, i in zip(shards, infos, strict=True):  # what each drafter can do
+                shard.drafts_trees, shard.tree_seconds = i["drafts_trees"], i["tree_seconds"]
             self.drafters = ShardedDrafter(shards)
             remote[infos[0]["method"]] = (self.drafters, max(i["token_seconds"] for i in infos))
         self.rank_names = list(rank_names or [])

@@ -85,6 +85,7 @@ def deployment_of(args: argparse.Namespace) -> DeploymentConfig:
         "speculative.ngram_max": args.ngram_max,
         "speculative.ngram_fallback_tokens": args.ngram_fallback_tokens,
         "speculative.min_draft_confidence": args.min_draft_confidence,
+        "speculative.tree_nodes": args.draft_tree_nodes,
         "pools.drafter.replicas": args.drafters,
         "pools.drafter.draft_model": args.draft_model,
         "pools.drafter.draft_layers": args.draft_layers,

@@ -85,6 +85,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="draft_model and eagle end a draft once their probability of it falls below "
         f"this (default {DEFAULT_MIN_DRAFT_CONFIDENCE}; 0: always k)",
     )
+    spec.add_argument(
+        "--draft-tree-nodes",
+        type=int,
+        default=None,
+        help="EAGLE drafts trees of up to this many nodes where they pay more than a chain "
+        "(default 0: chains only)",
+    )
     spec.add_argument("--no-adaptive", action="store_true", help="always draft the full k")
     spec.add_argument(
         "--no-eagle-lookup",
