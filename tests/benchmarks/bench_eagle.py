@@ -30,7 +30,12 @@ from workers.eagle.data import teacher_force
 from workers.eagle.head import BUNDLED_HEAD, EagleHead, head_metadata
 from workers.eagle.prompts import held_out_prompts
 from workers.eagle.trees import acceptance_ranks, best_tree, chain, level_widths, walk
-from workers.engine.calibration import forward_times, relative_token_cost, verify_costs
+from workers.engine.calibration import (
+    DraftCosts,
+    forward_times,
+    relative_token_cost,
+    verify_costs,
+)
 from workers.engine.config import (
     DEFAULT_MIN_DRAFT_CONFIDENCE,
     EngineConfig,
@@ -46,16 +51,20 @@ from workers.model.transformer import TransformerLM
 K = 4
 DRAFT_LAYERS = 12
 SERVED = DEFAULT_MIN_DRAFT_CONFIDENCE  # what `outrider serve` ends a model draft at
-# (label, method, adaptive k, EAGLE's prompt lookup first, the head's min draft confidence)
+TREE_NODES = 16
+# (label, method, adaptive k, EAGLE's prompt lookup first, the head's min draft confidence,
+# the most nodes of a draft tree: 0 for chains)
 CONFIGS = [
-    ("none", "none", False, True, 0.0),
-    ("ngram, k=4", "ngram", False, True, 0.0),
-    ("draft_model (12 layers), k=4", "draft_model", False, True, 0.0),
-    ("eagle, k=4", "eagle", False, True, 0.0),
-    ("eagle head only, k=4", "eagle", False, False, 0.0),
-    ("ngram, adaptive", "ngram", True, True, 0.0),
-    ("eagle, adaptive, whole drafts", "eagle", True, True, 0.0),
-    ("eagle, adaptive", "eagle", True, True, SERVED),
+    ("none", "none", False, True, 0.0, 0),
+    ("ngram, k=4", "ngram", False, True, 0.0, 0),
+    ("draft_model (12 layers), k=4", "draft_model", False, True, 0.0, 0),
+    ("eagle, k=4", "eagle", False, True, 0.0, 0),
+    ("eagle head only, k=4", "eagle", False, False, 0.0, 0),
+    (f"eagle trees of {TREE_NODES}, depth 4", "eagle", False, True, 0.0, TREE_NODES),
+    ("ngram, adaptive", "ngram", True, True, 0.0, 0),
+    ("eagle, adaptive, whole drafts", "eagle", True, True, 0.0, 0),
+    ("eagle, adaptive", "eagle", True, True, SERVED, 0),
+    (f"eagle, adaptive, trees of {TREE_NODES}", "eagle", True, True, SERVED, TREE_NODES),
 ]
 
 
@@ -72,12 +81,15 @@ class Result:
 def engine_for(
     target,
     drafters: dict[str, Drafter],
-    costs: dict[str, float],
+    costs: DraftCosts,
     adaptive: bool,  # type: ignore[no-untyped-def]
     verify: tuple[float, ...],
     tokenizer,
+    tree_nodes: int,
 ) -> LLMEngine:
-    spec = SpecConfig(num_speculative_tokens=K, adaptive=adaptive, verify_costs=verify)
+    spec = SpecConfig(
+        num_speculative_tokens=K, adaptive=adaptive, verify_costs=verify, tree_nodes=tree_nodes
+    )
     config = EngineConfig(
         max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=1024, spec=spec
     )
@@ -229,7 +241,8 @@ def main() -> None:
     target = build_model(checkpoint, dtype=torch.bfloat16)
     draft = build_model(truncate_layers(checkpoint, DRAFT_LAYERS), dtype=torch.bfloat16)
     with torch.inference_mode():
-        verify = verify_costs(target, K + 1, reps=5 if args.quick else 20)  # [k]: k drafts
+        # [n - 1]: a forward over n tokens (k drafts: n = k + 1; a tree of 16 nodes: 17)
+        verify = verify_costs(target, TREE_NODES + 1, reps=5 if args.quick else 20)
         one_token_s = forward_times(target, [1], reps=5 if args.quick else 20)[0]
     eagles = {
         (lookup, confidence): EagleDrafter(
@@ -240,7 +253,7 @@ def main() -> None:
             lookup=NgramConfig() if lookup else None,
             min_confidence=confidence,
         )
-        for _, _, _, lookup, confidence in CONFIGS
+        for _, _, _, lookup, confidence, _ in CONFIGS
     }
     eagle = eagles[True, SERVED]
     eagle_cost = eagle.token_seconds(reps=5 if args.quick else 30) / one_token_s
@@ -248,12 +261,22 @@ def main() -> None:
         "ngram": NgramDrafter(NgramConfig()),
         "draft_model": DraftModelDrafter(draft, num_blocks=512, max_model_len=1024),
     }
-    costs = {"draft_model": relative_token_cost(draft, target), "eagle": eagle_cost}
+    tree_cost = eagle.measure_tree(K, TREE_NODES, reps=5 if args.quick else 20) / one_token_s
+    costs = DraftCosts(
+        {"draft_model": relative_token_cost(draft, target), "eagle": eagle_cost},
+        trees={"eagle": tree_cost},
+    )
     engines = {
-        (adaptive, lookup, confidence): engine_for(
-            target, others | {"eagle": eagles[lookup, confidence]}, costs, adaptive, verify, tok
+        (adaptive, lookup, confidence, nodes): engine_for(
+            target,
+            others | {"eagle": eagles[lookup, confidence]},
+            costs,
+            adaptive,
+            verify,
+            tok,
+            nodes,
         )
-        for _, _, adaptive, lookup, confidence in CONFIGS
+        for _, _, adaptive, lookup, confidence, nodes in CONFIGS
     }
     prompts = {
         kind: [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in ps]
@@ -328,7 +351,9 @@ def main() -> None:
             f"Head: `{args.head.name}`, made by `{meta.get('command', '?')}`. Drafting one token "
             f"costs {eagle_cost:.3f} target forwards (one-row head forward plus its "
             f"{eagle.head.config.draft_vocab_size}-token LM head); a 12-layer draft model token "
-            f"costs {costs['draft_model']:.2f}; verifying 4 drafts costs {verify[K]:.2f}.",
+            f"costs {costs.tokens['draft_model']:.2f}; verifying 4 drafts costs {verify[K]:.2f}, "
+            f"{TREE_NODES} tree nodes {verify[TREE_NODES]:.2f}; drafting a tree of {TREE_NODES} "
+            f"nodes (depth {K}) costs {tree_cost:.2f}.",
             "### Goals",
             table(["goal", "target", "measured"], goal_rows),
             "### Results",
@@ -336,7 +361,11 @@ def main() -> None:
             "first where the text repeats, the head elsewhere; `eagle head only` drafts with the "
             "head at every step. A model drafter's draft ends where its own probability of the "
             f"draft so far falls below `min_draft_confidence` ({SERVED} as served; the rows at "
-            "k = 4 and `whole drafts` draft all k). `acceptance by position`: of the steps that "
+            "k = 4 and `whole drafts` draft all k). `eagle trees` draft EAGLE-2 trees of up to "
+            f"{TREE_NODES} nodes (docs/design.md, Draft trees): at fixed depth 4 whole, and "
+            "adaptive as the speculator prices them (a tree where it pays more than the chain, "
+            "cut to the nodes that pay at the verify costs); for them `drafts/step` counts the "
+            "depth. `acceptance by position`: of the steps that "
             "drafted an i-th token, the share in which it was accepted (so every draft before it "
             "was accepted too).",
             table(
@@ -363,7 +392,7 @@ def main() -> None:
             "forward over the tree's nodes + 1 tokens in one-token forwards (a causal forward: "
             "what a tree mask adds is not measured); `draft cost`: one head forward per depth, "
             "scaled by its LM head's cost at that width; `ideal`: acceptance length over the "
-            "two. The engine drafts chains; trees are not built.",
+            "two. The engine's own trees, drafted and verified, are the `eagle trees` rows above.",
             trees,
         ]
     )

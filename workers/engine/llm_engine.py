@@ -73,7 +73,7 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         eos_token_ids: Seq[int] = (),
         drafters: dict[str, Drafter] | None = None,
-        draft_costs: dict[str, float] | None = None,
+        draft_costs: dict[str, float] | DraftCosts | None = None,
         runner: ModelRunner | None = None,
         sampler: Sampler | None = None,
         draft_seconds: dict[str, float] | None = None,
@@ -81,11 +81,10 @@ class LLMEngine:
     ) -> None:
         """`runner` (default: `make_runner`, a graph runner on a GPU) holds the model and a KV
         cache of at least `config.kv_blocks` blocks; `sampler` (default: on the device for a
-        GPU, on the host elsewhere) turns sampled rows into tokens. A drafted token's cost
-        comes as `draft_costs` (in one-token target forwards) or as `draft_seconds`, which
-        the engine divides by its own one-token forward, timed through its runner (graphs
-        included: on a GPU they make it several times faster than an eager forward).
-        `progress`: a progress bar while CUDA graphs are captured."""
+        GPU, on the host elsewhere) turns sampled rows into tokens. Draft costs come as
+        `draft_costs` (one-token target forwards: a token's per method, or a `DraftCosts`) or
+        as `draft_seconds`, divided by the engine's one-token forward as its runner times it
+        (graphs included). `progress`: a progress bar while CUDA graphs are captured."""
         self.config = config or EngineConfig()
         max_len = min(self.config.max_model_len, model.config.max_position_embeddings)
         self.max_model_len = max_len
@@ -101,7 +100,8 @@ class LLMEngine:
         )
         self.allocator = BlockAllocator(self.config.kv_blocks)
         self.scheduler = Scheduler(self.config)
-        costs = DraftCosts(dict(draft_costs or {}))
+        given = draft_costs or {}
+        costs = given if isinstance(given, DraftCosts) else DraftCosts(dict(given))
         one_token_seconds = None
         if draft_seconds and any(draft_seconds.values()):
             one_token_seconds = runner_one_token_seconds(self.runner, self.allocator)
