@@ -56,6 +56,11 @@ class AttentionMetadata:
     # The rows of draft trees, which see listed keys rather than all before them
     # (kernels/tree_attention.py); None: every sequence is causal.
     tree: TreeRows | None = None
+    # A uniform batch's draft trees (kernels/attention_uniform.py): `[num_seqs, width]` int64,
+    # bit i of new token j's mask set where it sees row i of the tail (its last `tail_len`
+    # rows, 0: the new tokens); None: causal.
+    tail_masks: torch.Tensor | None = None
+    tail_len: int = 0
 
     def __post_init__(self) -> None:
         if len(self.query_lens_host) != len(self.seq_lens_host):

@@ -66,6 +66,7 @@ def _kernel() -> Any:
         out_ptr,
         block_tables_ptr,
         seq_lens_ptr,
+        masks_ptr,
         scale,
         stride_q_tok,
         stride_q_head,
@@ -76,12 +77,14 @@ def _kernel() -> Any:
         stride_o_tok,
         stride_o_head,
         width,
+        tail_len,
         GROUP: tl.constexpr,
         ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
         IEEE: tl.constexpr,
+        TREE: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -94,6 +97,9 @@ def _kernel() -> Any:
         q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None], other=0.0)
         seq_len = tl.load(seq_lens_ptr + seq)
         position = seq_len - width + token  # [ROWS]
+        tail = seq_len - tail_len
+        if TREE:  # each new token's tail mask: which new tokens it sees
+            tail_mask = tl.load(masks_ptr + seq * width + token, mask=row_ok, other=0)
         m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -115,7 +121,13 @@ def _kernel() -> Any:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 scores = tl.dot(q, tl.trans(k))
-            visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
+            if TREE:
+                bit = tl.where(keys >= tail, keys - tail, 0).to(tl.int64)
+                named = ((tail_mask[:, None] >> bit[None, :]) & 1) == 1
+                visible = tl.where(keys[None, :] >= tail, named, keys[None, :] < tail)
+                visible = visible & key_ok[None, :]
+            else:
+                visible = (keys[None, :] <= position[:, None]) & key_ok[None, :]
             scores = tl.where(visible, scores * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             alpha = tl.exp(m_i - m_new)
@@ -149,6 +161,8 @@ def triton_uniform_attention(
     width: int,
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs * width, num_heads, head_dim]
+    tail_masks: torch.Tensor | None = None,  # [num_seqs, width] int64: a draft tree's step
+    tail_len: int = 0,  # rows the masks cover (0: width)
 ) -> torch.Tensor:
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -166,6 +180,7 @@ def triton_uniform_attention(
         out,
         block_tables,
         seq_lens,
+        seq_lens if tail_masks is None else tail_masks,  # not read without a tree
         scale,
         query.stride(0),
         query.stride(1),
@@ -176,12 +191,14 @@ def triton_uniform_attention(
         out.stride(0),
         out.stride(1),
         width,
+        tail_len or width,
         GROUP=group,
         ROWS=rows,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
         IEEE=query.dtype == torch.float32,
+        TREE=tail_masks is not None,
         num_warps=4,
     )
     return out
@@ -204,5 +221,13 @@ class TritonUniformAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         return triton_uniform_attention(
-            query, key_cache, value_cache, plan.block_tables, plan.seq_lens, plan.width, scale
+            query,
+            key_cache,
+            value_cache,
+            plan.block_tables,
+            plan.seq_lens,
+            plan.width,
+            scale,
+            tail_masks=plan.tail_masks,
+            tail_len=plan.tail_len,
         )

@@ -32,7 +32,16 @@ needs_cuda = [
 ]
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 SPEC = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
-METHODS = ["ngram", "suffix", "draft_model", "self_draft", "eagle"]
+# EAGLE's draft trees of 12 nodes, kept whole (k fixed): on a GPU their steps replay graphs of
+# widths 9 and 13 (workers/engine/graph_runner.py `tree_widths`).
+TREE_SPEC = SpecConfig(
+    num_speculative_tokens=4, adaptive=False, disable_batch_size=64, tree_nodes=12
+)
+METHODS = ["ngram", "suffix", "draft_model", "self_draft", "eagle", "eagle_tree"]
+
+
+def spec_for(method: str) -> SpecConfig:
+    return TREE_SPEC if method == "eagle_tree" else SPEC
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,16 +91,18 @@ def make_drafter(method: str, model: TransformerLM) -> Drafter:
         return NgramDrafter(NgramConfig(1, 3))
     if method == "suffix":
         return SuffixDrafter(NgramConfig(1, 3))
-    if method == "eagle":
+    if method in ("eagle", "eagle_tree"):  # trees where the engine's spec asks for them
         return EagleDrafter(tiny_eagle_head(model), model, num_blocks=256, block_size=8)
     # A model that disagrees with the target often, or the target itself (always agrees).
     net = model if method == "self_draft" else tiny_model(seed=5).to(model.device)
     return DraftModelDrafter(net, num_blocks=256, block_size=8)
 
 
-def engine(model: TransformerLM, drafter: Drafter | None = None) -> LLMEngine:
+def engine(
+    model: TransformerLM, drafter: Drafter | None = None, spec: SpecConfig = SPEC
+) -> LLMEngine:
     drafters = {} if drafter is None else {drafter.method: drafter}
-    config = EngineConfig(max_model_len=512, block_size=8, spec=SPEC)
+    config = EngineConfig(max_model_len=512, block_size=8, spec=spec)
     return LLMEngine(model, config, drafters=drafters)
 
 
@@ -119,7 +130,7 @@ def test_greedy_speculation_on_cuda_equals_plain_decoding(
     plain = SequentialEngine(model, max_model_len=512)
     expected = [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
     drafter = make_drafter(method, model)
-    eng = engine(model, drafter)
+    eng = engine(model, drafter, spec_for(method))
     got = run_staggered(eng, prompt_ids, GREEDY, RequestSpec(method=drafter.method))
     assert got == expected
     assert eng.stats.drafted > 0
@@ -195,7 +206,11 @@ def test_graph_replay_gives_eagers_output(
     for eager in (True, False):
         drafter = make_drafter(method, graph_model)
         config = EngineConfig(
-            max_model_len=512, block_size=8, max_num_seqs=64, spec=SPEC, enforce_eager=eager
+            max_model_len=512,
+            block_size=8,
+            max_num_seqs=64,
+            spec=spec_for(method),
+            enforce_eager=eager,
         )
         eng = LLMEngine(graph_model, config, drafters={drafter.method: drafter})
         assert isinstance(eng.runner, GraphRunner) is not eager
@@ -208,30 +223,36 @@ def test_graph_replay_gives_eagers_output(
     assert outputs[0] == outputs[1] == expected
 
 
-@pytest.mark.parametrize(("batch", "kv_blocks"), [(1, 0), (4, 0), (16, 48), (64, 0)])
+@pytest.mark.parametrize(
+    ("batch", "kv_blocks", "trees"),
+    [(1, 0, False), (4, 0, False), (16, 48, False), (64, 0, False), (1, 0, True), (4, 0, True)],
+)
 @pytest.mark.parametrize("_", [pytest.param(None, marks=needs_cuda)])
 def test_graph_drafted_eagle_gives_plain_decodings_output(
-    _: None, graph_model: TransformerLM, batch: int, kv_blocks: int
+    _: None, graph_model: TransformerLM, batch: int, kv_blocks: int, trees: bool
 ) -> None:
     """EAGLE drafting from its captured draft loop (up to 64 sequences a replay), the target
     replaying its graphs: greedy output equals plain decoding, fp32, also where a KV cache too
-    small for the batch preempts and recomputes requests (`kv_blocks`)."""
+    small for the batch preempts and recomputes requests (`kv_blocks`), and with draft trees
+    drafted by the tree loop's graphs and verified by the runner's tree widths (`trees`)."""
     from workers.drafting.eagle_loop import LoopConfig
 
     prompt_ids = prompts(batch, seed=batch + 70)
     plain = SequentialEngine(graph_model, max_model_len=512)
     expected = [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
     head = tiny_eagle_head(graph_model)
-    loop = LoopConfig(max_seqs=64, max_depth=SPEC.num_speculative_tokens)
+    spec = TREE_SPEC if trees else SPEC
+    loop = LoopConfig(64, spec.num_speculative_tokens, tree_nodes=spec.tree_nodes)
     drafter = EagleDrafter(head, graph_model, num_blocks=1024, block_size=8, loop=loop)
     assert drafter.capture() is not None
     config = EngineConfig(
-        max_model_len=512, block_size=8, max_num_seqs=64, num_kv_blocks=kv_blocks, spec=SPEC
+        max_model_len=512, block_size=8, max_num_seqs=64, num_kv_blocks=kv_blocks, spec=spec
     )
     eng = LLMEngine(graph_model, config, drafters={"eagle": drafter})
     got = run_staggered(eng, prompt_ids, GREEDY, RequestSpec(method="eagle"), gap=1)
     assert got == expected
-    assert drafter.loop is not None and drafter.loop.num_replays > 0
+    replayed = drafter.tree_loop if trees else drafter.loop  # trees asked for every step
+    assert replayed is not None and replayed.num_replays > 0
     if kv_blocks:
         assert eng.scheduler.num_preemptions > 0
 

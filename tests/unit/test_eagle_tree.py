@@ -13,6 +13,7 @@ from cluster.drafter_worker import DrafterWorker, DraftStep
 from tests.factories import tiny_eagle_head, tiny_model
 from workers.drafting.base import Draft, DraftRequest
 from workers.drafting.eagle import EagleDrafter
+from workers.drafting.eagle_loop import LoopConfig
 from workers.drafting.eagle_tree import BRANCH
 from workers.eagle.unroll import unrolled_outputs
 from workers.engine.sampling_params import SamplingParams
@@ -89,3 +90,37 @@ def test_a_drafter_actor_answers_with_a_tree(target) -> None:  # type: ignore[no
     tokens, probs, parents, reach = reply.drafts["a"]
     assert len(tokens) == 8 and probs is None and parents is not None and reach is not None
     assert Draft(tokens, probs, parents, reach).depth <= 3
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_the_tree_loop_drafts_the_eager_drafters_trees(target, depth: int) -> None:  # type: ignore[no-untyped-def]
+    """The fixed-shape tree program (a graph on a GPU, run eagerly here) against the eager tree
+    drafter, for three sequences at once, twice (the second after commits, its fed rows rolled
+    back)."""
+    head = tiny_eagle_head(target)
+    loop = LoopConfig(max_seqs=4, max_depth=4, tree_nodes=12)
+    eager = EagleDrafter(head, target, num_blocks=64, block_size=4)
+    looped = EagleDrafter(head, target, num_blocks=64, block_size=4, loop=loop)
+    assert looped.tree_loop is not None
+    gen = torch.Generator().manual_seed(6)
+    width = len(head.config.target_layers) * target.config.hidden_size
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in (4, 9, 6)]
+    features = [torch.randn(len(p) + 2, width, generator=gen) for p in prompts]
+    for drafter in (eager, looped):
+        for i, p in enumerate(prompts):
+            drafter.add(f"r{i}", p, GREEDY)
+            drafter.observe_hidden(f"r{i}", 0, features[i][: len(p) - 1])
+    asks = [DraftRequest(f"r{i}", len(p), depth, 12) for i, p in enumerate(prompts)]
+    for round_ in range(2):
+        want, got = eager.propose(asks), looped.propose(asks)
+        for rid in want:
+            assert got[rid].token_ids == want[rid].token_ids, (round_, rid)
+            assert got[rid].parents == want[rid].parents
+            assert got[rid].reach == pytest.approx(want[rid].reach, rel=1e-4)
+        # The first node and its bonus token accepted: their features and tokens come.
+        for drafter in (eager, looped):
+            for i, p in enumerate(prompts):
+                drafter.observe_hidden(f"r{i}", len(p) - 1, features[i][len(p) - 1 : len(p) + 1])
+                drafter.commit(f"r{i}", [want[f"r{i}"].token_ids[0], 7])
+        asks = [DraftRequest(f"r{i}", len(p) + 2, depth, 12) for i, p in enumerate(prompts)]
+    assert looped.tree_loop.num_eager_runs == 2

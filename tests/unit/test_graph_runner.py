@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from kernels.attention_uniform import UniformTorchAttention
+from kernels.tree_attention import tree_of
 from tests.factories import tiny_model
 from tests.model.helpers import run_staggered
-from tests.unit.test_cuda import GREEDY, METHODS, SPEC, make_drafter, prompts
+from tests.unit.test_cuda import GREEDY, METHODS, SPEC, make_drafter, prompts, spec_for
 from workers.drafting.base import Drafter
-from workers.engine.config import EngineConfig, RequestSpec
-from workers.engine.graph_runner import GraphRunner, capture_sizes, make_runner
+from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.graph_runner import GraphRunner, capture_sizes, make_runner, tree_widths
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sequential import SequentialEngine
@@ -33,31 +34,38 @@ def model() -> TransformerLM:
     return tiny_model(seed=4, max_position_embeddings=512)
 
 
-def config() -> EngineConfig:
+def config(spec: SpecConfig = SPEC) -> EngineConfig:
     return EngineConfig(
-        max_model_len=512, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS, spec=SPEC
+        max_model_len=512, block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS, spec=spec
     )
 
 
-def padded_runner(model: TransformerLM, drafter: Drafter | None) -> GraphRunner:
+def padded_runner(
+    model: TransformerLM, drafter: Drafter | None, spec: SpecConfig = SPEC
+) -> GraphRunner:
+    """The graph runner's padded path (with the tree widths `spec`'s trees need)."""
     blocks = config().kv_blocks
     cache = PagedKVCache(model.config, blocks + 1, BLOCK_SIZE, model.dtype, model.device)
+    width = 1 + spec.num_speculative_tokens
     return GraphRunner(
         model,
         cache,
         attention=UniformTorchAttention(),
         max_num_seqs=MAX_NUM_SEQS,
-        max_width=1 + SPEC.num_speculative_tokens,
+        max_width=width,
         max_graph_tokens=512,
         scratch_block=blocks,
         hidden_layers=() if drafter is None else drafter.hidden_layers,
+        tree_widths=tree_widths(spec.tree_nodes, width),
+        max_tree_seqs=MAX_NUM_SEQS,
     )
 
 
 def engine(model: TransformerLM, method: str, padded: bool) -> LLMEngine:
     drafter = make_drafter(method, model)
-    runner = padded_runner(model, drafter) if padded else None
-    return LLMEngine(model, config(), drafters={drafter.method: drafter}, runner=runner)
+    spec = spec_for(method)
+    runner = padded_runner(model, drafter, spec) if padded else None
+    return LLMEngine(model, config(spec), drafters={drafter.method: drafter}, runner=runner)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
@@ -224,3 +232,40 @@ def test_the_cpu_gets_the_eager_runner_and_a_gpu_config_can_ask_for_it(
     runner = make_runner(model, config())
     assert type(runner) is ModelRunner
     assert runner.kv_cache.num_blocks == config().kv_blocks
+
+
+TREE_PARENTS = (-1, -1, 0, 0, 1, 2)  # six nodes: two at each of three depths
+
+
+def test_a_tree_step_takes_the_next_captured_tree_width(model: TransformerLM) -> None:
+    runner = padded_runner(model, None, spec_for("eagle_tree"))  # tree widths 9 and 13
+    blocks = list(range(8))
+    decode = SeqForward([5], 10, blocks, num_logits=1)
+    tree = SeqForward([5] * 7, 10, blocks, num_logits=7, tree=tree_of(10, TREE_PARENTS))
+    assert runner.uniform_shape([decode, tree]) == UniformShape(2, 9)
+    ten = tree_of(10, (-1, *range(9)))
+    wide = SeqForward([5] * 11, 10, blocks, num_logits=11, tree=ten)
+    assert runner.uniform_shape([wide]) == UniformShape(1, 13)
+    assert padded_runner(model, None).uniform_shape([tree]) is None  # no tree widths: eager
+
+
+def test_a_padded_tree_step_computes_what_the_eager_one_does(model: TransformerLM) -> None:
+    """A chain's verify and a tree's in one step, padded to a tree width and attending through
+    tail masks, against the eager forward's tree rows (kernels/tree_attention.py)."""
+    spec = spec_for("eagle_tree")
+    padded = padded_runner(model, None, spec)
+    cache = PagedKVCache(model.config, padded.kv_cache.num_blocks, BLOCK_SIZE, model.dtype)
+    eager = ModelRunner(model, cache)
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 90, (n,), generator=gen).tolist() for n in (19, 11)]
+    tables = [list(range(0, 5)), list(range(5, 10))]
+    for runner in (padded, eager):
+        runner.forward([SeqForward(p, 0, t, 1) for p, t in zip(prompts, tables, strict=True)])
+    step = [
+        SeqForward([7, 8, 9], 19, tables[0], 3),
+        SeqForward([7, *range(20, 26)], 11, tables[1], 7, tree=tree_of(11, TREE_PARENTS)),
+    ]
+    got, want = padded.forward(step), eager.forward(step)
+    assert padded.num_padded_steps == 1
+    for i in range(2):
+        torch.testing.assert_close(got.logits_of(i), want.logits_of(i), rtol=1e-4, atol=1e-4)

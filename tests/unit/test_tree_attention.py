@@ -3,13 +3,20 @@ ancestors, against a plain-torch reference, and a node's output is bit for bit i
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import native
 from kernels.attention import AttentionMetadata, NativeCpuAttention, SdpaAttention
+from kernels.attention_uniform import causal_tail_masks, uniform_attention_reference
 from kernels.tree_attention import TreeShape, tree_of, tree_rows
 from tests.factories import scattered_block_ids
 
@@ -156,3 +163,65 @@ def test_a_tree_path_equals_its_chain_bit_for_bit(dtype: torch.dtype) -> None:
     tree_out = backend.forward(tree_q, key_cache, value_cache, backend.prepare(meta), scale)
     assert torch.equal(tree_out[path], chain_out)
     assert not math.isnan(float(tree_out.float().sum()))
+
+
+def test_tail_masks_give_a_uniform_batch_its_trees(tmp_path: Path) -> None:
+    """The graph path's form of a tree step (kernels/attention_uniform.py): a chain and a tree
+    of 7 nodes padded to one width, the tree's new tokens seeing the cache and their own tail
+    bits: every row as the reference has it."""
+    head_dim, width = 16, 1 + len(PARENTS)
+    key_cache, value_cache = _cache(torch.float32, head_dim, 4)
+    contexts = [13, 6]
+    tables = [scattered_block_ids(c + width, BLOCK, 40, 7 + i) for i, c in enumerate(contexts)]
+    shape = tree_of(contexts[1], PARENTS)
+    masks = torch.tensor(
+        [
+            causal_tail_masks(width),
+            [sum(1 << (v - contexts[1]) for v in keys) for keys in shape.visible],
+        ]
+    )
+    seq_lens = torch.tensor([c + width for c in contexts])
+    block_tables = torch.tensor([t + [0] * (12 - len(t)) for t in tables])
+    gen = torch.Generator().manual_seed(5)
+    query = torch.randn(2 * width, NUM_HEADS, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    out = uniform_attention_reference(
+        query, key_cache, value_cache, block_tables, seq_lens, width, scale, masks
+    )
+    flat_k = key_cache.view(-1, NUM_KV_HEADS, head_dim)
+    flat_v = value_cache.view(-1, NUM_KV_HEADS, head_dim)
+    for seq, context in enumerate(contexts):
+        for j in range(width):
+            keys = [*range(context), *shape.visible[j]] if seq else list(range(context + j + 1))
+            slots = torch.tensor([tables[seq][p // BLOCK] * BLOCK + p % BLOCK for p in keys])
+            want = _reference(query[seq * width + j], flat_k[slots], flat_v[slots], scale)
+            torch.testing.assert_close(out[seq * width + j].double(), want, rtol=1e-5, atol=1e-5)
+    # The Triton kernel, interpreted on the CPU (a subprocess, as test_attention_uniform.py's),
+    # reads the same masks.
+    if importlib.util.find_spec("triton") is None:
+        return
+    case = tmp_path / "tree_case.pt"
+    torch.save(
+        (query, key_cache, value_cache, block_tables, seq_lens, width, scale, masks, out), case
+    )
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from kernels.attention_triton import triton_uniform_attention
+        *inputs, masks, want = torch.load({str(case)!r})
+        got = triton_uniform_attention(*inputs, tail_masks=masks)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        print("ok")
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

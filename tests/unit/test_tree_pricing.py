@@ -103,7 +103,9 @@ def test_the_speculator_asks_for_trees_where_they_pay(
     assert (seq.draft.parents is not None) == (nodes > 0)
     assert drafter.requests[-1].tree_nodes == (8 if nodes else 0)
     if nodes:
-        assert len(seq.draft.token_ids) == nodes  # what it committed against the chain's worth moves the method's gain
+        assert (
+            len(seq.draft.token_ids) == nodes
+        )  # what it committed against the chain's worth moves the method's gain
         speculator.commit(seq, [1, 2, 3, 4])
         assert (speculator.trees.gain.get("eagle", TREE_GAIN_PRIOR) != TREE_GAIN_PRIOR) == adaptive
 

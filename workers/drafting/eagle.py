@@ -54,11 +54,11 @@ from workers.drafting.base import (
 )
 from workers.drafting.eagle_loop import EagleDraftLoop, LoopConfig
 from workers.drafting.eagle_seq import EagleSeq
-from workers.drafting.eagle_tree import TreeDrafter
+from workers.drafting.eagle_tree import BRANCH, TreeDrafter
+from workers.drafting.eagle_tree_loop import EagleTreeLoop
 from workers.drafting.ngram import LookupIndex, NgramConfig, Prediction, prompt_lookup
 from workers.eagle.head import EagleHead
 from workers.engine.graph_runner import CaptureReport
-from workers.engine.model_runner import SeqForward, build_inputs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import Grammars, GrammarState
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError, PagedKVCache
@@ -111,6 +111,11 @@ class EagleDrafter(DraftsAhead):
         self.backend = attention or NativeCpuAttention()
         self.max_model_len = max_model_len or target.config.max_position_embeddings
         self.loop = None if loop is None else self._make_loop(loop, num_blocks, min_confidence)
+        self.tree_loop: EagleTreeLoop | None = None
+        if loop is not None and loop.tree_nodes:  # trees drafted on the device too
+            tree_loop = self._make_loop(loop, num_blocks, min_confidence, trees=True)
+            assert isinstance(tree_loop, EagleTreeLoop)
+            self.tree_loop = tree_loop
         self.vocab = head.draft_vocab.cpu()  # sampling is host work (per-request generators)
         self.full_vocab_size = target.config.vocab_size
         self._seqs: dict[str, EagleSeq] = {}
@@ -128,10 +133,11 @@ class EagleDrafter(DraftsAhead):
         self.drafts_trees = self.backend.serves_trees
 
     def _make_loop(
-        self, config: LoopConfig, scratch_block: int, min_confidence: float
+        self, config: LoopConfig, scratch_block: int, min_confidence: float, trees: bool = False
     ) -> EagleDraftLoop:
+        """The chain's draft loop, or (`trees`) the tree's (workers/drafting/eagle_tree_loop.py)."""
         shape = self.head.config
-        width = config.max_depth + 1
+        width = max(config.max_depth + 1, BRANCH if trees else 1)
         attention = config.attention or select_uniform_backend(
             self.cache.data.device,
             self.cache.data.dtype,
@@ -139,23 +145,31 @@ class EagleDrafter(DraftsAhead):
             shape.num_heads // shape.num_kv_heads,
             width,
         )
+        head, layer, block_size = self.head, self.cache.layers[0], self.cache.block_size
+        slot, seqs, depth = scratch_block * block_size, config.max_seqs, config.max_depth
+        if trees:
+            return EagleTreeLoop(
+                head, layer, attention, block_size=block_size, scratch_slot=slot,
+                max_seqs=seqs, max_depth=depth, max_rows=self.max_model_len,
+            )  # fmt: skip
         return EagleDraftLoop(
-            self.head,
-            self.cache.layers[0],
-            attention,
-            block_size=self.cache.block_size,
-            scratch_slot=scratch_block * self.cache.block_size,
-            max_seqs=config.max_seqs,
-            max_depth=config.max_depth,
-            max_rows=self.max_model_len,
-            min_confidence=min_confidence,
-        )
+            head, layer, attention, block_size=block_size, scratch_slot=slot, max_seqs=seqs,
+            max_depth=depth, max_rows=self.max_model_len, min_confidence=min_confidence,
+        )  # fmt: skip
 
     def capture(self) -> CaptureReport | None:
-        """Capture the draft loop's CUDA graphs (None without a loop or a GPU)."""
+        """Capture the draft loops' CUDA graphs (None without a loop or a GPU)."""
         if self.loop is None or self.cache.data.device.type != "cuda":
             return None
-        return self.loop.capture()
+        report = self.loop.capture()
+        if self.tree_loop is None:
+            return report
+        trees = self.tree_loop.capture()
+        return CaptureReport(
+            report.num_graphs + trees.num_graphs,
+            report.seconds + trees.seconds,
+            report.memory_bytes + trees.memory_bytes,
+        )
 
     # -- the Drafter boundary ------------------------------------------------------------------
 
@@ -199,6 +213,19 @@ class EagleDrafter(DraftsAhead):
                 drafts |= looked_up
             else:
                 trees.append((req.request_id, seq, k, req.tree_nodes))
+        loop = self.tree_loop
+        if loop is not None and trees:  # in the tree loop, a prompt's rows fed to it first
+            behind = [(rid, seq) for rid, seq, _, _ in trees if seq.num_pending > loop.width]
+            done = (
+                {rid: Draft([]) for rid in self._catch_up(behind[: loop.max_seqs])}
+                if behind
+                else {}
+            )
+            looped = [t for t in trees if t[0] not in done and loop.takes(t[1], t[2])]
+            if looped := looped[: loop.max_seqs]:
+                done |= loop.propose_trees(looped)
+            drafts |= done
+            trees = [t for t in trees if t[0] not in done]
         return drafts | self.trees.propose(trees)
 
     def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
@@ -349,28 +376,9 @@ class EagleDrafter(DraftsAhead):
 
     def _catch_up(self, seqs: list[tuple[str, EagleSeq]]) -> list[str]:
         """Feed every pending feature row of these sequences but the last into the head's
-        cache, in one eager forward, so that the draft loop can take them (one new row
-        each); returns the sequences that ran out of head cache (they start over later)."""
-        head = self.head
-        batch: list[tuple[EagleSeq, torch.Tensor]] = []
-        rows: list[torch.Tensor] = []
-        for _, seq in seqs:
-            features = seq.new_rows()
-            assert features is not None  # it has pending rows
-            earlier = features[:-1]
-            next_ids = torch.tensor(seq.next_ids(earlier.shape[0]), device=features.device)
-            batch.append((seq, head.layer_input(head.fuse_features(earlier), next_ids)))
-            rows.append(features)
-        try:
-            self._forward(batch)
-        except NoFreeBlocksError:
-            for _, seq in seqs:
-                seq.reset()
-            return [rid for rid, _ in seqs]
-        for (_, seq), features in zip(seqs, rows, strict=True):
-            seq.fed(features[:-1])
-            seq.pending = [features[-1:]]
-        return []
+        cache, so that a draft loop can take them (one new row each); returns the sequences
+        that ran out of head cache (they start over later)."""
+        return [] if self.trees.catch_up([seq for _, seq in seqs]) else [rid for rid, _ in seqs]
 
     def _draft_eagerly(
         self,
@@ -449,23 +457,7 @@ class EagleDrafter(DraftsAhead):
 
     def _forward(self, batch: list[tuple[EagleSeq, torch.Tensor]]) -> torch.Tensor:
         """Head outputs for the last new row of each sequence, `[len(batch), hidden]`."""
-        forwards = []
-        for seq, x in batch:
-            seq.table.prepare_write(seq.cached, seq.cached + x.shape[0])
-            forwards.append(SeqForward([0] * x.shape[0], seq.cached, seq.table.block_ids))
-        inputs = build_inputs(
-            forwards, self.cache.block_size, self.max_model_len + 1, self.cache.data.device
-        )
-        for seq, x in batch:
-            seq.cached += x.shape[0]
-        a = self.head.forward_paged(
-            torch.cat([x for _, x in batch]),
-            inputs.positions,
-            inputs.meta,
-            self.cache.layers[0],
-            self.backend,
-        )
-        return a.index_select(0, inputs.logits_indices)
+        return self.trees.forward([(seq, x, None) for seq, x in batch])
 
     def _allowed_only(self, grammar: GrammarState, logits: torch.Tensor) -> torch.Tensor | None:
         """The head's draft-vocabulary logits (`[1, n]`) with what the grammar forbids at -inf;

@@ -52,6 +52,7 @@ class LoopConfig:
     max_seqs: int
     max_depth: int
     attention: AttentionBackend | None = None  # default: the uniform backend for the device
+    tree_nodes: int = 0  # with draft trees: their loop too (workers/drafting/eagle_tree_loop.py)
 
 
 def loop_config(config: EngineConfig, device: torch.device) -> LoopConfig | None:
@@ -62,7 +63,8 @@ def loop_config(config: EngineConfig, device: torch.device) -> LoopConfig | None
     k = config.spec.num_speculative_tokens
     if device.type != "cuda" or config.enforce_eager or k == 0:
         return None
-    return LoopConfig(min(config.max_num_seqs, config.spec.disable_batch_size), k)
+    seqs = min(config.max_num_seqs, config.spec.disable_batch_size)
+    return LoopConfig(seqs, k, tree_nodes=config.spec.tree_nodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,7 @@ class EagleDraftLoop:
         max_depth: int,
         max_rows: int,  # the most head-cache rows a sequence has (its context and a draft)
         min_confidence: float = 0.0,  # the drafts' confidence bar (base.py `ConfidenceStop`)
+        draft_rows: int = 0,  # rows a proposal writes past its new ones (default: a chain's)
     ) -> None:
         if max_depth < 1:
             raise ValueError("the draft loop drafts at least one token")
@@ -165,7 +168,7 @@ class EagleDraftLoop:
         self.max_positions = head.config.max_positions
         device, dtype = kv_cache[0].device, kv_cache[0].dtype
         config = head.config
-        max_blocks = -(-(max_rows + self.width + max_depth) // block_size)
+        max_blocks = -(-(max_rows + self.width + (draft_rows or max_depth)) // block_size)
         self.buffers = LoopBuffers(
             self.sizes[-1],
             self.width,
@@ -347,6 +350,8 @@ class EagleDraftLoop:
         seq_lens: torch.Tensor,  # [b] each sequence's rows, these included
         tables: torch.Tensor,  # [b, max_blocks]
         width: int,
+        tail_masks: torch.Tensor | None = None,  # [b, width]: a tree's rows (tree loop)
+        tail_len: int = 0,
     ) -> torch.Tensor:
         num_seqs = tables.shape[0]
         meta = AttentionMetadata(
@@ -357,5 +362,7 @@ class EagleDraftLoop:
             slot_mapping=slots,
             query_lens_host=(width,) * num_seqs,
             seq_lens_host=(width,) * num_seqs,
+            tail_masks=tail_masks,
+            tail_len=tail_len,
         )
         return self.head.forward_paged(x, positions, meta, self.kv_cache, self.attention)

@@ -57,15 +57,24 @@ class _Tree:
     layer: tuple[int, int] = (0, 0)  # the last depth's nodes
 
     def draft(self) -> Draft:
-        """The `size` nodes of highest reach, most likely first, parents re-indexed."""
         nodes = self.nodes
-        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, i))[: self.size]
-        index = {old: new for new, old in enumerate(order)}
-        return Draft(
-            [nodes[i].token for i in order],
-            parents=tuple(index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order),
-            reach=tuple(math.exp(nodes[i].score) for i in order),
+        return tree_draft(
+            [n.token for n in nodes], [n.score for n in nodes], [n.parent for n in nodes], self.size
         )
+
+
+def tree_draft(
+    tokens: Sequence[int], scores: Sequence[float], parents: Sequence[int], size: int
+) -> Draft:
+    """The `size` nodes of highest reach (log reach `scores`) of a drafted tree, most likely
+    first (ties: the earlier made, so a parent before its child), parents re-indexed."""
+    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:size]
+    index = {old: new for new, old in enumerate(order)}
+    return Draft(
+        [tokens[i] for i in order],
+        parents=tuple(index[parents[i]] if parents[i] >= 0 else -1 for i in order),
+        reach=tuple(math.exp(scores[i]) for i in order),
+    )
 
 
 class TreeDrafter:
@@ -102,7 +111,7 @@ class TreeDrafter:
         if not trees:
             return drafts
         try:
-            a = self._forward([(t.seq, x, None) for t, x in zip(trees, inputs, strict=True)])
+            a = self.forward([(t.seq, x, None) for t, x in zip(trees, inputs, strict=True)])
         except NoFreeBlocksError:  # out of head cache: these sequences start over later
             for t in trees:
                 t.seq.reset()
@@ -162,7 +171,7 @@ class TreeDrafter:
             )
             batch.append((t.seq, x, shape))
             fed.append(chosen)
-        a = self._forward(batch, all_rows=True)
+        a = self.forward(batch, all_rows=True)
         offset = 0
         for t, chosen in zip(trees, fed, strict=True):
             parents = [
@@ -171,12 +180,38 @@ class TreeDrafter:
             offset += len(chosen)
             self._grow(t, parents)
 
-    def _forward(
+    def catch_up(self, seqs: list[EagleSeq]) -> bool:
+        """Feed every pending feature row of these sequences but the last into the head's
+        cache in one forward (a draft loop takes a few new rows a sequence); False, with each
+        sequence started over, where the head cache ran out."""
+        head = self.head
+        batch: list[tuple[EagleSeq, torch.Tensor, TreeShape | None]] = []
+        rows: list[torch.Tensor] = []
+        for seq in seqs:
+            features = seq.new_rows()
+            assert features is not None  # it has pending rows
+            earlier = features[:-1]
+            next_ids = torch.tensor(seq.next_ids(earlier.shape[0]), device=features.device)
+            batch.append((seq, head.layer_input(head.fuse_features(earlier), next_ids), None))
+            rows.append(features)
+        try:
+            self.forward(batch)
+        except NoFreeBlocksError:
+            for seq in seqs:
+                seq.reset()
+            return False
+        for seq, features in zip(seqs, rows, strict=True):
+            seq.fed(features[:-1])
+            seq.pending = [features[-1:]]
+        return True
+
+    def forward(
         self,
         batch: list[tuple[EagleSeq, torch.Tensor, TreeShape | None]],
         all_rows: bool = False,
     ) -> torch.Tensor:
-        """Head outputs: every new row's (`all_rows`) or each sequence's last."""
+        """Head outputs over each sequence's new rows (`x`, written after its cached rows; a
+        tree's with its shape): every new row's (`all_rows`) or each sequence's last."""
         forwards = []
         for seq, x, shape in batch:
             n = x.shape[0]

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.attention_uniform import select_uniform_backend
+from kernels.attention_uniform import MAX_TREE_WIDTH, select_uniform_backend
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.engine.step_buffers import StepBuffers, UniformShape
@@ -119,10 +119,15 @@ class GraphRunner(ModelRunner):
         scratch_block: int,
         hidden_layers: Sequence[int] = (),
         max_model_len: int | None = None,
+        tree_widths: Sequence[int] = (),
+        max_tree_seqs: int = 0,
     ) -> None:
         """`max_model_len` (default: the model's whole context) sizes the block tables: each
         step stages and copies `max_num_seqs` of them, so a 128k-context model served at 8k
-        stages a sixteenth of what its full context would take."""
+        stages a sixteenth of what its full context would take. `tree_widths`: wider steps
+        captured for draft trees (a tree's nodes and its root, padded up to the next), at
+        batch sizes up to `max_tree_seqs`; with them every graph reads tail masks
+        (kernels/attention_uniform.py) and a tree's step replays as a chain's does."""
         super().__init__(model, kv_cache)
         if not 0 <= scratch_block < kv_cache.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is not in the cache")
@@ -131,6 +136,9 @@ class GraphRunner(ModelRunner):
         self.hidden_layers = tuple(sorted(set(hidden_layers)))
         self.sizes = capture_sizes(max_num_seqs)
         self.max_graph_tokens = max_graph_tokens
+        self.tree_widths = tuple(sorted(w for w in set(tree_widths) if w > max_width))
+        self.max_tree_seqs = max_tree_seqs if self.tree_widths else 0
+        widest = max((max_width, *self.tree_widths))
         block_size = kv_cache.block_size
         max_len = min(
             max_model_len or model.config.max_position_embeddings,
@@ -138,12 +146,13 @@ class GraphRunner(ModelRunner):
         )
         self.buffers = StepBuffers(
             max_num_seqs=self.sizes[-1],
-            max_width=max_width,
-            max_blocks=-(-(max_len + max_width) // block_size),
+            max_width=widest,
+            max_blocks=-(-(max_len + widest) // block_size),
             block_size=block_size,
             scratch_slot=scratch_block * block_size,
             max_positions=model.config.max_position_embeddings,
             device=model.device,
+            trees=bool(self.tree_widths),
         )
         # The fixed outputs hold the widest padded step a graph or the padded path serves: no
         # more than a step's token budget (a 128k vocabulary's fp32 logits are 0.5 MB a row).
@@ -168,9 +177,15 @@ class GraphRunner(ModelRunner):
         return [
             UniformShape(b, w)
             for b in reversed(self.sizes)
-            for w in range(self.max_width, 0, -1)
+            for w in reversed(self._widths(b))
             if b * w <= self.max_graph_tokens
         ]
+
+    def _widths(self, num_seqs: int) -> list[int]:
+        """The widths captured at batch size `num_seqs`: 1 .. max_width, and the tree widths
+        where trees are drafted (up to `max_tree_seqs` sequences)."""
+        chains = list(range(1, self.max_width + 1))
+        return chains + list(self.tree_widths) if num_seqs <= self.max_tree_seqs else chains
 
     @property
     def num_graphs(self) -> int:
@@ -210,14 +225,20 @@ class GraphRunner(ModelRunner):
             return None
         if not seqs or len(seqs) > self.sizes[-1]:
             return None
-        width = 0
+        width, trees = 0, False
         max_width, max_blocks = self.buffers.max_width, self.buffers.max_blocks
         for s in seqs:  # one pass: this runs for every sequence every step
             n = len(s.token_ids)
-            if s.num_logits != n or n > max_width or len(s.block_ids) > max_blocks or s.tree:
+            if s.num_logits != n or n > max_width or len(s.block_ids) > max_blocks:
                 return None
-            width = max(width, n)
+            width, trees = max(width, n), trees or s.tree is not None
         b = next(size for size in self.sizes if size >= len(seqs))
+        if trees or width > self.max_width:  # a captured width that holds it, if any
+            if not self.tree_widths or b > self.max_tree_seqs:
+                return None
+            width = next((w for w in self._widths(b) if w >= width), 0)
+            if not width:
+                return None
         return UniformShape(b, width) if b * width <= self.max_rows else None
 
     @torch.inference_mode()
@@ -260,6 +281,7 @@ class GraphRunner(ModelRunner):
             slot_mapping=t.slot_mapping,
             query_lens_host=(shape.width,) * shape.num_seqs,
             seq_lens_host=(shape.width,) * shape.num_seqs,
+            tail_masks=t.tail_masks if self.buffers.trees else None,
         )
         out = self.model(
             t.input_ids,
@@ -290,9 +312,14 @@ def make_runner(
         return ModelRunner(model, cache)
     cache = PagedKVCache(model.config, num_blocks + 1, block_size, model.dtype, model.device)
     max_width = 1 + config.spec.num_speculative_tokens
+    trees = tree_widths(config.spec.tree_nodes, max_width)
     shape = model.config
     attention = select_uniform_backend(
-        model.device, model.dtype, shape.head_dim, shape.num_heads // shape.num_kv_heads, max_width
+        model.device,
+        model.dtype,
+        shape.head_dim,
+        shape.num_heads // shape.num_kv_heads,
+        max((max_width, *trees)),
     )
     log.info(
         "decode/verify attention: %s; other forwards: %s", attention.name, model.attention.name
@@ -307,6 +334,18 @@ def make_runner(
         scratch_block=num_blocks,
         hidden_layers=hidden_layers,
         max_model_len=config.max_model_len,
+        tree_widths=trees,
+        max_tree_seqs=config.spec.disable_batch_size,
     )
     runner.capture(progress)
     return runner
+
+
+def tree_widths(tree_nodes: int, max_width: int) -> list[int]:
+    """The widths a graph runner captures for draft trees of up to `tree_nodes` nodes: 9, 17,
+    33 up to the largest tree (its nodes and its root), within a tail mask's bits."""
+    if not tree_nodes:
+        return []
+    largest = min(tree_nodes + 1, MAX_TREE_WIDTH)
+    steps = [w for w in (9, 17, 33) if max_width < w < largest]
+    return [*steps, largest] if largest > max_width else steps

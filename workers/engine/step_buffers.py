@@ -6,6 +6,9 @@ batch size. All of it lives in one int64 device buffer, written each step from a
 buffer with one copy: token ids, positions, cache slots, context lengths and block tables
 (`StepTensors` are views into it, at fixed addresses).
 
+A draft tree's step (with `trees` on) also stages each new token's tail mask (which new tokens
+it sees: kernels/attention_uniform.py) and its tree position; a chain's masks are causal.
+
 Padding never touches a sequence's data: a padded token (after a short draft) or a padded
 sequence writes its K/V into the scratch slot, which no sequence owns; its position is clamped
 into the rotary table; a padded sequence's context is its `width` tokens over the first block
@@ -15,6 +18,7 @@ are computed and never read.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,6 +26,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from kernels.attention_uniform import causal_tail_masks
 from workers.engine.model_runner import SeqForward
 
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)
@@ -40,6 +45,7 @@ class StepTensors:
     input_ids: torch.Tensor  # [num_seqs * width] int64
     positions: torch.Tensor  # [num_seqs * width] int64
     slot_mapping: torch.Tensor  # [num_seqs * width] int64
+    tail_masks: torch.Tensor  # [num_seqs, width] int64 (written only with `trees` on)
     seq_lens: torch.Tensor  # [num_seqs] int64, cached tokens + width
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
 
@@ -85,14 +91,17 @@ class StepBuffers:
         scratch_slot: int,
         max_positions: int,
         device: torch.device,
+        trees: bool = False,
     ) -> None:
         self.max_num_seqs, self.max_width, self.max_blocks = max_num_seqs, max_width, max_blocks
         self.block_size, self.scratch_slot = block_size, scratch_slot
         self.max_positions = max_positions
+        self.trees = trees
         num_tokens = max_num_seqs * max_width
-        # Regions: ids, positions, slots (num_tokens each), seq_lens, then the block tables.
-        self._tokens_at = (0, num_tokens, 2 * num_tokens)
-        self._lens_at = 3 * num_tokens
+        # Regions: ids, positions, slots, tail masks (num_tokens each), seq_lens, then the block
+        # tables (last: a step copies only its own sequences' rows of them).
+        self._tokens_at = (0, num_tokens, 2 * num_tokens, 3 * num_tokens)
+        self._lens_at = 4 * num_tokens
         self._tables_at = self._lens_at + max_num_seqs
         self.staging = Staging(self._tables_at + max_num_seqs * max_blocks, device)
         # The block table version each row of the host buffer holds (0: none known): a row is
@@ -103,14 +112,15 @@ class StepBuffers:
         return StepTensors(*self._regions(self.staging.device, shape))
 
     def _regions(self, buffer: Buffer, shape: UniformShape) -> tuple[Buffer, ...]:
-        """`shape`'s token ids, positions and slots (`[num_seqs * width]` each), context lengths
-        (`[num_seqs]`) and block tables (`[num_seqs, max_blocks]`) in `buffer`, the device's
-        or the host's."""
+        """`shape`'s token ids, positions and slots (`[num_seqs * width]` each), tail masks
+        (`[num_seqs, width]`), context lengths (`[num_seqs]`) and block tables (`[num_seqs,
+        max_blocks]`) in `buffer`, the device's or the host's."""
         b, n = shape.num_seqs, shape.num_seqs * shape.width
-        ids, pos, slots = (buffer[at : at + n] for at in self._tokens_at)
+        ids, pos, slots, masks = (buffer[at : at + n] for at in self._tokens_at)
         lens = buffer[self._lens_at : self._lens_at + b]
         tables = buffer[self._tables_at : self._tables_at + b * self.max_blocks]
-        return ids, pos, slots, lens, tables.reshape(b, self.max_blocks)
+        masks = masks.reshape(b, shape.width)
+        return ids, pos, slots, masks, lens, tables.reshape(b, self.max_blocks)
 
     def stage(self, seqs: Sequence[SeqForward], shape: UniformShape) -> None:
         """Write the step's inputs, padded to `shape`, and copy them to the device.
@@ -124,7 +134,9 @@ class StepBuffers:
         n = len(seqs)
         if n > b:
             raise ValueError(f"{n} sequences do not fit a uniform step of {b}")
-        flat_ids, flat_pos, flat_slots, lens, tables = self._regions(self.staging.host(), shape)
+        flat_ids, flat_pos, flat_slots, masks, lens, tables = self._regions(
+            self.staging.host(), shape
+        )
         ids, pos, slots = (x.reshape(b, w) for x in (flat_ids, flat_pos, flat_slots))
         starts = np.zeros(b, dtype=np.int64)
         counts = np.zeros(b, dtype=np.int64)
@@ -146,6 +158,22 @@ class StepBuffers:
         real = offsets[None, :] < counts[:, None]
         blocks = np.take_along_axis(tables, np.where(real, positions // bs, 0), axis=1)
         slots[:] = np.where(real, blocks * bs + positions % bs, self.scratch_slot)
+        if self.trees:
+            masks[:] = _causal_masks(w)
+            for i, seq in enumerate(seqs):
+                if seq.tree is not None:  # its nodes' depths and ancestors
+                    count = len(seq.tree.positions)
+                    positions[i, :count] = seq.tree.positions
+                    start = seq.num_computed_tokens
+                    masks[i, :count] = [
+                        sum(1 << (v - start) for v in keys) for keys in seq.tree.visible
+                    ]
         pos[:] = np.minimum(positions, self.max_positions - 1)
         lens[:] = starts + w
         self.staging.send(self._tables_at + b * self.max_blocks)
+
+
+@functools.cache
+def _causal_masks(width: int) -> np.ndarray:
+    """A chain's tail masks at `width` (kernels/attention_uniform.py `causal_tail_masks`)."""
+    return np.array(causal_tail_masks(width), dtype=np.int64)
