@@ -155,15 +155,17 @@ def bundled_engine(
     max_num_seqs: int,
     k: int = K,
     adaptive: bool = True,
+    tree_nodes: int = 0,
 ) -> tuple[LLMEngine, float]:
     """One engine serving every method (per request), graphs captured; its start-up seconds.
-    `adaptive=False` drafts k tokens every step (what the head accepts when it drafts)."""
+    `adaptive=False` drafts k tokens every step (what the head accepts when it drafts);
+    `tree_nodes`: EAGLE drafts trees of up to that many nodes where they pay."""
     head = EagleHead.load(Path(BUNDLED_HEAD))
     config = EngineConfig(
         max_model_len=2048,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=PREFILL_BUDGET,
-        spec=SpecConfig(num_speculative_tokens=k, adaptive=adaptive),
+        spec=SpecConfig(num_speculative_tokens=k, adaptive=adaptive, tree_nodes=tree_nodes),
     )
     ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
     eagle = EagleDrafter(
@@ -179,6 +181,8 @@ def bundled_engine(
     start = time.perf_counter()
     eagle.capture()
     eagle_seconds = eagle.token_seconds(rows=4)  # as served on a GPU (workers/engine/factory.py)
+    if tree_nodes:  # a tree proposal's price, as served
+        eagle.measure_tree(k, tree_nodes)
     engine = LLMEngine(
         model,
         config,
@@ -213,10 +217,11 @@ def timed_generate(
 
 
 def draft_replays(engine: LLMEngine) -> int:
-    """Proposals the EAGLE drafter's draft loop has served from its graphs so far."""
+    """Proposals the EAGLE drafter's draft loops (chains, trees) served from graphs so far."""
     eagle = engine.speculator.drafters.get("eagle")
-    loop = eagle.loop if isinstance(eagle, EagleDrafter) else None
-    return 0 if loop is None else loop.num_replays
+    if not isinstance(eagle, EagleDrafter):
+        return 0
+    return sum(loop.num_replays for loop in (eagle.loop, eagle.tree_loop) if loop is not None)
 
 
 def single_stream(
@@ -335,7 +340,12 @@ def measure(args: argparse.Namespace) -> None:
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "gpu.json"
-    results: dict[str, Any] = {"parts": args.parts, "k": args.k, "adaptive": not args.fixed_k}
+    results: dict[str, Any] = {
+        "parts": args.parts,
+        "k": args.k,
+        "adaptive": not args.fixed_k,
+        "tree_nodes": args.tree_nodes,
+    }
     max_tokens = 8 if args.quick else 128
     rounds = 1 if args.quick else args.rounds
     run_part(results, "environment", out, lambda: environment(device))
@@ -354,17 +364,20 @@ def measure(args: argparse.Namespace) -> None:
     engine_box: dict[str, LLMEngine] = {}
 
     def start_engine() -> dict[str, Any]:
-        engine, seconds = bundled_engine(checkpoint, model, max(levels), args.k, not args.fixed_k)
+        engine, seconds = bundled_engine(
+            checkpoint, model, max(levels), args.k, not args.fixed_k, args.tree_nodes
+        )
         freeze_startup_heap()  # as a server does once it has started
         engine_box["engine"] = engine
         runner = engine.runner
         graphs = runner.num_graphs if isinstance(runner, GraphRunner) else 0
         eagle = engine.speculator.drafters["eagle"]
-        loop = eagle.loop if isinstance(eagle, EagleDrafter) else None
+        loops = (eagle.loop, eagle.tree_loop) if isinstance(eagle, EagleDrafter) else ()
         return {
             "startup_s": seconds,
             "graphs": graphs,
-            "draft_graphs": 0 if loop is None else loop.num_graphs,
+            "draft_graphs": sum(loop.num_graphs for loop in loops if loop is not None),
+            "tree_costs": engine.speculator.trees.tree_costs,
             "verify_costs": engine.speculator.verify_costs[:8],
             # A draft token for one sequence, and each further sequence's share at a depth,
             # in one-token target forwards: what adaptive k prices EAGLE at.
@@ -423,6 +436,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--fixed-k", action="store_true", help="draft k tokens every step (adaptive k off)"
+    )
+    parser.add_argument(
+        "--tree-nodes", type=int, default=0, help="EAGLE drafts trees of up to N nodes (0: chains)"
     )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-8b", action="store_true")

@@ -68,15 +68,17 @@ def goals(run: dict[str, Any]) -> str:
         rows.append(
             ["ngram vs plain, code edit, single stream", _x(ratio), ">= 2.5x", ratio >= 2.5]
         )
+        trees = run.get("tree_nodes", 0)
         for kind, by_method in single.items():
             if "eagle" in by_method:
-                ratio, want = (
-                    by_method["eagle"] / by_method["none"],
-                    1.6 if kind == "open chat" else 2,
-                )
+                # Issue 50's goals with trees, issue 49's with chains.
+                chat = kind == "open chat"
+                want = (2 if chat else 2.5) if trees else (1.6 if chat else 2)
+                ratio = by_method["eagle"] / by_method["none"]
+                drafter = f"eagle (trees of {trees})" if trees else "eagle"
                 rows.append(
                     [
-                        f"eagle vs plain, {kind}, single stream",
+                        f"{drafter} vs plain, {kind}, single stream",
                         _x(ratio),
                         f">= {want}x",
                         ratio >= want,
@@ -313,8 +315,10 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
     ]
     for extra in runs[1:]:
         fixed = not extra.get("adaptive", True)
+        trees = f" --tree-nodes {extra['tree_nodes']}" if extra.get("tree_nodes") else ""
         flags = (
-            f"--k {extra['k']}{' --fixed-k' if fixed else ''} --parts {','.join(extra['parts'])}"
+            f"--k {extra['k']}{' --fixed-k' if fixed else ''}{trees} "
+            f"--parts {','.join(extra['parts'])}"
         )
         drafts = f"exactly {extra['k']}" if fixed else f"at most {extra['k']}"
         note = f" {extra['note']}" if "note" in extra else ""
@@ -323,6 +327,8 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
             f"{when(extra, run)}, `{flags}`).{note}",
             single_table(extra, with_hf=False),
         ]
+        if extra.get("tree_nodes") and "concurrency" not in extra:
+            parts += [steps_table(extra), goals(extra)]
         if "concurrency" in extra:  # a run of its own: its steps, concurrency and goals too
             parts += [
                 steps_table(extra),

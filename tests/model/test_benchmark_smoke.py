@@ -78,10 +78,11 @@ def test_bench_spec_quick_run(tmp_path: Path) -> None:
 
 
 def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> None:
-    """The GPU benchmark's engine parts run on the CPU (no graphs there), and its section
-    renders from the stored H200 runs and this one's."""
+    """The GPU benchmark's engine parts run on the CPU (no graphs there; EAGLE trees priced as
+    served), and its section renders from the stored H200 runs and this one's."""
     root = Path(__file__).resolve().parents[2]
     parts = ["--device", "cpu", "--quick", "--parts", "environment,engine,single,concurrency"]
+    parts += ["--tree-nodes", "8"]  # EAGLE drafts trees where they pay
     run_script("bench_gpu", *parts, "--out", str(tmp_path))
     results = json.loads((tmp_path / "gpu.json").read_text())
     for part in ("engine", "single", "concurrency"):
@@ -96,6 +97,7 @@ def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> Non
     text = report.read_text()
     assert "<!-- bench_gpu:start -->" in text and "| goal | measured | target | met |" in text
     assert "With exactly 4 draft tokens a step" in text
+    assert "--tree-nodes 8 --parts" in text and "eagle" in results["engine"]["tree_costs"]
     assert "Every request 8 tokens (EOS ignored), no speculation: 1 requests" in text
     ratio = results["concurrency"]["vs_none"]["4"]["eagle"]
     assert "| 4 | " in text and f"({ratio:.2f}x) |" in text  # this run's concurrency table
