@@ -139,16 +139,19 @@ def test_greedy_speculation_on_cuda_equals_plain_decoding(
     assert eng.allocator.num_free_blocks == eng.config.kv_blocks
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle", "eagle_tree"])
 def test_a_seeded_sampled_request_draws_the_same_alone_or_in_a_batch(
     model: TransformerLM, method: str
 ) -> None:
+    """(With trees, the adjusted requests draft chains and the others trees.)"""
     prompt_ids = prompts(4, seed=21)
     params = seeded_params(4)
-    spec = RequestSpec(enabled=False) if method == "none" else RequestSpec(method=method)
+    drafted_by = "eagle" if method == "eagle_tree" else method
+    spec = RequestSpec(enabled=False) if method == "none" else RequestSpec(method=drafted_by)
 
     def fresh() -> LLMEngine:
-        return engine(model, None if method == "none" else make_drafter(method, model))
+        drafter = None if method == "none" else make_drafter(method, model)
+        return engine(model, drafter, spec_for(method))
 
     together = run_staggered(fresh(), prompt_ids, params, spec)
     pairs = zip(prompt_ids, params, strict=True)

@@ -92,3 +92,29 @@ def test_draft_trees_truncate_to_trees() -> None:
     assert tree.truncated(3) == Draft([3, 1, 2], parents=(-1, -1, 0), reach=(0.9, 0.5, 0.4))
     with pytest.raises(ValueError, match="before"):
         Draft([1, 2], parents=(1, -1))
+
+
+def test_logprobs_through_trees_are_plain_decodings() -> None:
+    """A request asking for log-probabilities gets, through tree steps, the tokens and
+    log-probabilities plain decoding gives (each from its path row)."""
+    from tests.factories import tiny_eagle_head, tiny_model
+    from workers.drafting.eagle import EagleDrafter
+    from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+    from workers.engine.llm_engine import LLMEngine
+    from workers.engine.sampling_params import SamplingParams
+
+    model = tiny_model(seed=4, max_position_embeddings=512)
+    prompt = [5, 17, 33, 8, 60, 2, 71, 5, 17, 33]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    plain = LLMEngine(model, EngineConfig(max_model_len=512, block_size=8))
+    want = plain.generate([prompt], params, RequestSpec(enabled=False))[0]
+    spec = SpecConfig(method="eagle", adaptive=False, tree_nodes=8, disable_batch_size=64)
+    drafter = EagleDrafter(tiny_eagle_head(model), model, num_blocks=64, block_size=8)
+    trees = LLMEngine(
+        model, EngineConfig(max_model_len=512, block_size=8, spec=spec), drafters={"eagle": drafter}
+    )
+    got = trees.generate([prompt], params, RequestSpec(method="eagle"))[0]
+    assert drafter.trees.drafted > 0 and got.token_ids == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
