@@ -231,7 +231,10 @@ class GraphRunner(ModelRunner):
             n = len(s.token_ids)
             if s.num_logits != n or n > max_width or len(s.block_ids) > max_blocks:
                 return None
-            width, trees = max(width, n), trees or s.tree is not None
+            if n > width:
+                width = n
+            if s.tree is not None:
+                trees = True
         b = next(size for size in self.sizes if size >= len(seqs))
         if trees or width > self.max_width:  # a captured width that holds it, if any
             if not self.tree_widths or b > self.max_tree_seqs:

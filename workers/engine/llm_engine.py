@@ -7,7 +7,6 @@ tokens appended, rejected KV slots rolled back, drafters told, stop conditions c
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import random
@@ -283,12 +282,12 @@ class LLMEngine:
                         self._send_hidden(scheduled, tokens, output, index, layers)
                     if scheduled.seq.scores_prompt:
                         self._score_prompt(scheduled, output.logits_of(index))
-                    rows = functools.partial(sampling_rows, output, index, scheduled)
-                    self._commit(
-                        scheduled,
-                        tokens,
-                        committed_logprobs(scheduled.seq.params.logprobs, tokens, rows),
-                    )
+                    num_top = scheduled.seq.params.logprobs
+                    if num_top is None or not tokens:  # most requests: no rows to take
+                        self._commit(scheduled, tokens, [])
+                    else:
+                        rows = sampling_rows(output, index, scheduled)
+                        self._commit(scheduled, tokens, token_logprobs(rows, tokens, num_top))
                 except Exception as exc:  # this request's own failure: it ends alone
                     self._fail(scheduled.seq, exc)
             speculator = self.speculator
@@ -355,14 +354,12 @@ class LLMEngine:
         if tokens is None:  # a prefill chunk short of the prompt's end
             seq.num_computed_tokens += scheduled.num_new_tokens
             return
-        num_drafted, num_accepted = scheduled.draft.depth, len(tokens) - 1
+        draft = scheduled.draft
+        num_drafted = len(draft.token_ids) if draft.parents is None else draft.depth
+        num_accepted = len(tokens) - 1
         if scheduled.path is not None:  # a tree's accepted nodes: their K/V to a chain's rows
-            settle(
-                self.runner.kv_cache,
-                seq.block_table.block_ids,
-                seq.num_computed_tokens,
-                scheduled.path,
-            )
+            start, path = seq.num_computed_tokens, scheduled.path
+            settle(self.runner.kv_cache, seq.block_table.block_ids, start, path)
         seq.num_computed_tokens += scheduled.num_new_tokens + num_accepted
         if scheduled.decoding:  # a verify step (the first token after prefill is not one)
             seq.stats.record(num_drafted, num_accepted)

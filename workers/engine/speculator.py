@@ -428,7 +428,8 @@ class Speculator:
                 else:
                     error = ValueError(f"a draft outside the vocabulary: {draft.token_ids}")
                     self._drop(method, [seq], "propose", error)
-        self._trim_trees(seqs)
+        if self.config.tree_nodes:
+            self._trim_trees(seqs)
 
     def _tree_nodes(self, seq: Sequence, index: int, k: int, others: int) -> int:
         """The largest draft tree `seq` may get this step (0: a chain of k): trees are on
@@ -453,8 +454,7 @@ class Speculator:
         return self.config.tree_nodes
 
     def _trim_trees(self, seqs: list[Sequence]) -> None:
-        """With adaptive k, cut each draft tree to the nodes that pay (`TreePricing.cut`); a
-        step with a tree is not timed for the overhead (`observe_step` prices chains)."""
+        """Cut each tree to the nodes that pay (adaptive k); `observe_step` times chains only."""
         trees = [seq for seq in seqs if seq.draft.parents is not None]
         if not trees:
             return
