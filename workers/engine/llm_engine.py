@@ -176,6 +176,7 @@ class LLMEngine:
             grammar=grammar,
             rng_key=key_of_seed(params.seed if params.seed is not None else random.getrandbits(64)),
         )
+        seq.token_limit = min(seq.token_limit, self.max_model_len)
         if continuation is not None:
             seq.token_ids += carried
             seq.stats.merge(continuation.stats)
@@ -376,8 +377,9 @@ class LLMEngine:
                 reason = "stop"
         del logprobs[len(tokens) :]
         seq.token_ids += tokens
-        seq.draft = EMPTY_DRAFT
-        seq.block_table.truncate(seq.num_computed_tokens)  # roll back rejected draft slots
+        if seq.draft.token_ids:  # roll back rejected draft slots (a plain step has none)
+            seq.block_table.truncate(seq.num_computed_tokens)
+            seq.draft = EMPTY_DRAFT
         if self.config.enable_prefix_caching:
             seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
         detok = self._detokenizers.get(seq.request_id)
@@ -424,10 +426,9 @@ class LLMEngine:
 
     def _cut_at_stop(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str | None]:
         """Keep tokens up to the first stop condition; the reason, if one was met."""
-        room = min(
-            seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)
-        )
-        ends = seq.end_token_ids
+        room, ends = seq.token_limit - len(seq.token_ids), seq.end_token_ids
+        if len(tokens) == 1:  # a decode step's one token
+            return tokens, "stop" if tokens[0] in ends else "length" if room <= 1 else None
         for n, token in enumerate(tokens, start=1):
             if token in ends:
                 return tokens[:n], "stop"
@@ -459,9 +460,8 @@ class LLMEngine:
             out.text += text
             out.logprobs += logprobs
             out.num_output_tokens = num_output
-        first = bool(tokens) and num_output == len(tokens)
-        if first and seq.params.prompt_logprobs is not None:
-            out.prompt_logprobs = list(seq.prompt_logprobs)
+        if seq.params.prompt_logprobs is not None and tokens and num_output == len(tokens):
+            out.prompt_logprobs = list(seq.prompt_logprobs)  # with the first token
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason

@@ -123,6 +123,9 @@ class Sequence:
     end_token_ids: frozenset[int] = field(init=False)
     # `params.adjusts_logits`, worked out once: verification asks every step
     adjusts_logits: bool = field(init=False)
+    # How long `token_ids` may grow: the prompt and `max_tokens` (the engine caps it at its
+    # context), worked out once: every commit checks it
+    token_limit: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -130,6 +133,7 @@ class Sequence:
         eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
         self.end_token_ids = frozenset(self.params.stop_token_ids) | eos
         self.adjusts_logits = self.params.adjusts_logits
+        self.token_limit = len(self.prompt_token_ids) + self.params.max_tokens
 
     def reseed(self) -> None:
         """Restart a seeded request's generator for this step's draws (its drafts' and its
