@@ -117,3 +117,13 @@ def test_requests_that_adjust_logits_get_chains() -> None:
     penalized = sequence("p", SamplingParams(max_tokens=100, presence_penalty=0.5))
     speculator.propose([penalized])
     assert drafter.requests[-1].tree_nodes == 0 and penalized.draft.parents is None
+
+
+def test_a_tree_near_the_end_of_the_context_keeps_a_row_for_each_node() -> None:
+    """Each node takes a cache row: three tokens from the context's end, a tree keeps three."""
+    drafter = TreeDrafter()
+    spec = SpecConfig(method="eagle", adaptive=False, tree_nodes=8, disable_batch_size=64)
+    speculator = Speculator(spec, {"eagle": drafter}, 6, (1.0,) * 16)
+    seq = sequence("r", SamplingParams(max_tokens=100, temperature=0))  # 3 tokens of 6
+    speculator.propose([seq])
+    assert seq.draft.parents is not None and len(seq.draft.token_ids) == 3

@@ -421,8 +421,10 @@ class Speculator:
                 continue
             for seq, req in pairs:
                 draft = drafts.get(seq.request_id, EMPTY_DRAFT)
-                # k bounds a chain's tokens; a tree's depth (its nodes: `tree_nodes`).
-                draft = draft.truncated(req.tree_nodes if draft.parents else req.k)
+                # k bounds a chain's tokens; a tree's depth (its nodes: `tree_nodes`, and the
+                # context left, as each node takes a cache row).
+                room = min(req.tree_nodes, self.max_model_len - len(seq.token_ids))
+                draft = draft.truncated(room if draft.parents else req.k)
                 if self._valid(draft):
                     seq.draft = draft
                 else:
@@ -432,10 +434,8 @@ class Speculator:
             self._trim_trees(seqs)
 
     def _tree_nodes(self, seq: Sequence, index: int, k: int, others: int) -> int:
-        """The largest draft tree `seq` may get this step (0: a chain of k): trees are on
-        (`tree_nodes`), its drafter drafts them and its settings adjust no logits (a tree's
-        rows would each need their own path's), and with adaptive k, a tree pays more than
-        the chain (workers/engine/tree_pricing.py)."""
+        """The largest tree `seq` may get this step (0: a chain of k): trees are on, its
+        drafter drafts them, it adjusts no logits, and (adaptive k) a tree pays (tree_pricing)."""
         method = seq.spec_method
         allowed = self.config.tree_nodes and self.drafters[method].drafts_trees
         if not allowed or seq.adjusts_logits:
