@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -221,6 +222,47 @@ def tree_section(
     )
 
 
+TREE_SHAPES = ((4, 0), (6, 0), (4, 16), (6, 16), (6, 32), (8, 32), (8, 48))  # (k, nodes)
+
+
+def shapes_section(
+    target: TransformerLM,
+    head_path: Path,
+    prompts: dict[str, list[list[int]]],
+    tokenizer: Any,
+    max_tokens: int,
+    quick: bool,
+) -> str:
+    """Acceptance of whole chains (nodes 0) and trees of each (depth, node budget)."""
+    head = EagleHead.load(head_path)
+    rows = []
+    for k, nodes in TREE_SHAPES[:3] if quick else TREE_SHAPES:
+        spec = SpecConfig(
+            method="eagle",
+            num_speculative_tokens=k,
+            adaptive=False,
+            disable_batch_size=64,
+            tree_nodes=nodes,
+            verify_costs=(1.0,) * 64,  # nothing cut
+            eagle_prompt_lookup=False,
+            min_draft_confidence=0.0,
+        )
+        drafter = EagleDrafter(head, target, num_blocks=1024, max_model_len=1024)
+        engine = LLMEngine(
+            target,
+            EngineConfig(max_model_len=1024, spec=spec),
+            eos_token_ids=tokenizer.eos_token_ids,
+            drafters={"eagle": drafter},
+        )
+        row: list[str] = [str(k), str(nodes) if nodes else "chain"]
+        for ids in prompts.values():
+            done = [run_one(engine, [p], "eagle", max_tokens).completions[0] for p in ids]
+            steps = sum(c.spec.verify_steps for c in done)
+            row.append(f"{(sum(c.spec.accepted for c in done) + steps) / max(steps, 1):.2f}")
+        rows.append(row)
+    return table(["depth (k)", "nodes", *prompts], rows)
+
+
 def lm_head_seconds(lm_head: torch.Tensor, rows: int, reps: int) -> float:
     """Median time of the draft-vocabulary logits for `rows` rows (bf16)."""
     x = torch.randn(rows, lm_head.shape[1], dtype=lm_head.dtype)
@@ -325,6 +367,7 @@ def main() -> None:
     trees = tree_section(
         checkpoint, target, args.head, answers, eagle_cost, reps=3 if args.quick else 20
     )
+    shapes = shapes_section(target, args.head, prompts, tok, args.max_tokens, args.quick)
     meta = head_metadata(args.head)
     lengths = [goals[(kind, "eagle, k=4")][1] for kind in prompts]
     goal_rows = [
@@ -380,6 +423,13 @@ def main() -> None:
                 ],
                 rows,
             ),
+            "### Draft trees by shape",
+            "Mean acceptance length (tokens a step) of EAGLE's own trees (the engine's, drafted "
+            "and verified: docs/design.md, Draft trees) by depth and node budget, every tree "
+            "kept whole, the head alone (no prompt lookup), greedy, the held-out prompts once "
+            "each. Acceptance does not depend on the device (what a step costs does): this "
+            "is what a GPU's trees of each shape accept too.",
+            shapes,
             "### Draft trees (offline)",
             "Would verifying a tree of drafts in one forward pay? Along an accepted path the head "
             "reads the target's own tokens, so a tree's greedy acceptance follows from the rank "
