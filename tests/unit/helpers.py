@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -38,3 +42,16 @@ def draft_ends_where_its_probability_falls_below_the_bar(
     greedy = SamplingParams(temperature=0.0)
     assert len(drafted(0.0, greedy).token_ids) == k
     assert len(drafted(1 - 1e-9, greedy).token_ids) == 1  # a tiny model is never that sure
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_interpreted(code: str) -> None:
+    """Run `code` (which prints "ok" when its checks pass) in a subprocess under Triton's
+    interpreter: on the CPU, and never cached in a process that has a GPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

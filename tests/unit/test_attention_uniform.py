@@ -8,16 +8,13 @@ process that has a GPU; `pytest -m cuda` runs it compiled, bf16 included."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.attention_uniform import UniformTorchAttention, select_uniform_backend
+from tests.unit.helpers import run_interpreted
 from tests.unit.test_attention import NUM_KV_HEADS, build_case, expected_output
 
 UNIFORM_CASES = [
@@ -98,17 +95,7 @@ INTERPRETED = textwrap.dedent(
 
 @needs_triton
 def test_the_triton_kernel_matches_the_torch_version_interpreted() -> None:
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    done = subprocess.run(
-        [sys.executable, "-c", INTERPRETED],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(INTERPRETED)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

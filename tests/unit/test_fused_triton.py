@@ -5,14 +5,12 @@ cached in a process with a GPU), compiled on CUDA (`pytest -m cuda`, bf16 too)."
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.unit.helpers import run_interpreted
 
 CHECKS = textwrap.dedent(
     """
@@ -67,7 +65,6 @@ CHECKS = textwrap.dedent(
     """
 )
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @needs_triton
@@ -75,11 +72,7 @@ def test_the_kernels_match_torch_interpreted() -> None:
     code = CHECKS.replace(
         "DEVICE_AND_DTYPES", "check('cpu', torch.float32); check('cpu', torch.float16)"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(code)
 
 
 @pytest.mark.cuda

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from kernels.attention import AttentionMetadata, NativeCpuAttention, SdpaAttenti
 from kernels.attention_uniform import causal_tail_masks, uniform_attention_reference
 from kernels.tree_attention import TreeShape, tree_of, tree_rows
 from tests.factories import scattered_block_ids
+from tests.unit.helpers import run_interpreted
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2
 BLOCK = 4
@@ -214,14 +212,4 @@ def test_tail_masks_give_a_uniform_batch_its_trees(tmp_path: Path) -> None:
         print("ok")
         """
     )
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_interpreted(script)

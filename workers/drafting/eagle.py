@@ -398,10 +398,7 @@ class EagleDrafter(DraftsAhead):
             features = seq.new_rows()
             if features is None:
                 continue
-            next_ids = torch.tensor(seq.next_ids(features.shape[0]), device=features.device)
-            batch.append(
-                (rid, seq, forced, n, head.layer_input(head.fuse_features(features), next_ids))
-            )
+            batch.append((rid, seq, forced, n, self.trees.feature_rows(seq, features)))
             fed_features.append(features)
         try:
             a = self._forward([(seq, x) for _, seq, _, _, x in batch])

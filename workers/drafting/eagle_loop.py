@@ -209,25 +209,46 @@ class EagleDraftLoop:
         ready = 1 <= new <= self.width or (new == 0 and seq.last_feature is not None)
         return k <= self.max_depth and ready
 
+    def prepare(
+        self, items: list[tuple[str, EagleSeq, int]], draft_rows: int
+    ) -> tuple[list[tuple[str, EagleSeq, int, torch.Tensor]], list[LoopSeq], dict[str, Draft]]:
+        """Each (request id, sequence, its number) as the loop takes it: its new feature rows,
+        its `LoopSeq` with cache rows for them and `draft_rows` more; an empty draft for those
+        the head cache has no room for (they start over later)."""
+        fed: list[tuple[str, EagleSeq, int, torch.Tensor]] = []
+        seqs: list[LoopSeq] = []
+        failed: dict[str, Draft] = {}
+        for rid, seq, number in items:
+            features = seq.new_rows()
+            assert features is not None  # `takes` checked
+            count = features.shape[0]
+            try:
+                seq.table.prepare_write(seq.cached, seq.cached + count + draft_rows)
+            except NoFreeBlocksError:
+                seq.reset()
+                failed[rid] = Draft([])
+                continue
+            seqs.append(LoopSeq(seq.next_ids(count), seq.cached, list(seq.table.block_ids)))
+            fed.append((rid, seq, number, features))
+        return fed, seqs, failed
+
+    def run(self, seqs: list[LoopSeq], features: list[torch.Tensor], depth: int) -> None:
+        """Stage a proposal and run it (or replay its graph), its outputs left on the device."""
+        if any(not 1 <= len(s.next_ids) <= self.width for s in seqs):
+            raise ValueError(f"the loop takes 1..{self.width} new rows a sequence")
+        shape = self.shape_for(len(seqs), depth)
+        self.buffers.stage(seqs, features, shape.num_seqs)
+        if replay_or_run(self._graphs, shape, self._run):
+            self.num_replays += 1
+        else:
+            self.num_eager_runs += 1
+
     def propose(self, items: list[tuple[str, EagleSeq, int]]) -> dict[str, Draft]:
         """Greedy drafts of at most k tokens for these (request id, sequence, k) in one run
         (or graph replay), each cut where the head's confidence in it falls below the bar."""
         depth = max(k for _, _, k in items)
-        drafts: dict[str, Draft] = {}
-        fed: list[tuple[str, EagleSeq, int, torch.Tensor]] = []
-        seqs: list[LoopSeq] = []
-        for rid, seq, k in items:
-            features = seq.new_rows()
-            assert features is not None  # `takes` checked
-            count = features.shape[0]
-            try:  # its new rows, then a row for each drafted token but the last
-                seq.table.prepare_write(seq.cached, seq.cached + count + depth - 1)
-            except NoFreeBlocksError:  # out of head cache: it starts over later
-                seq.reset()
-                drafts[rid] = Draft([])
-                continue
-            seqs.append(LoopSeq(seq.next_ids(count), seq.cached, list(seq.table.block_ids)))
-            fed.append((rid, seq, k, features))
+        # Its new rows, then a row for each drafted token but the last.
+        fed, seqs, drafts = self.prepare(items, depth - 1)
         if not fed:
             return drafts
         tokens, probs = self.draft(seqs, [features for *_, features in fed], depth)
@@ -250,14 +271,7 @@ class EagleDraftLoop:
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Every sequence's `depth` greedy draft tokens (target ids) and the head's probability
         of each (1.0 where the loop keeps no `confidence`)."""
-        if any(not 1 <= len(s.next_ids) <= self.width for s in seqs):
-            raise ValueError(f"the loop takes 1..{self.width} new rows a sequence")
-        shape = self.shape_for(len(seqs), depth)
-        self.buffers.stage(seqs, features, shape.num_seqs)
-        if replay_or_run(self._graphs, shape, self._run):
-            self.num_replays += 1
-        else:
-            self.num_eager_runs += 1
+        self.run(seqs, features, depth)
         n = len(seqs)
         self._tokens_host[:depth, :n].copy_(self._tokens[:depth, :n], non_blocking=True)
         if self.confidence:
@@ -294,12 +308,13 @@ class EagleDraftLoop:
         )
         return report
 
-    def _run(self, shape: LoopShape) -> None:
-        """The draft at `shape` on the persistent buffers, into the fixed outputs."""
-        head, b, w = self.head, shape.num_seqs, self.width
+    def _extend(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head over each sequence's new feature rows: its output at the last of them
+        (`[b, hidden]`), with the sequences' first rows, row counts and block tables."""
+        head, w = self.head, self.width
         ids, firsts, counts, tables = self.buffers.views(b)
         device = ids.device
-        # The extend: row j of sequence i is cache row firsts[i] + j, real while j < counts[i].
+        # Row j of sequence i is cache row firsts[i] + j, real while j < counts[i].
         offsets = torch.arange(w, device=device)
         rows = firsts.view(-1, 1) + offsets.view(1, -1)  # [b, w]
         real = offsets.view(1, -1) < counts.view(-1, 1)
@@ -307,7 +322,13 @@ class EagleDraftLoop:
         slots, positions = self._places(rows, real, tables)
         a = self._layer(x, slots.reshape(-1), positions.reshape(-1), rows[:, 0] + w, tables, w)
         last = torch.arange(b, device=device) * w + (counts - 1).clamp(min=0)
-        a = a.index_select(0, last)  # [b, hidden]: the output at each last new row
+        return a.index_select(0, last), firsts, counts, tables
+
+    def _run(self, shape: LoopShape) -> None:
+        """The draft at `shape` on the persistent buffers, into the fixed outputs."""
+        head, b = self.head, shape.num_seqs
+        a, firsts, counts, tables = self._extend(b)
+        device = a.device
         # Every later depth's row at once, `[depth - 1, b]` (each depth's own row contiguous):
         # sequence i's d-th drawn token goes into cache row firsts[i] + counts[i] + d.
         if shape.depth > 1:

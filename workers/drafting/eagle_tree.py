@@ -96,15 +96,13 @@ class TreeDrafter:
     def propose(self, requests: Sequence[tuple[str, EagleSeq, int, int]]) -> dict[str, Draft]:
         """Trees for (request id, sequence, deepest depth, nodes) of sequences that can draft
         (an empty draft where the head cache ran out)."""
-        head = self.head
         trees: list[_Tree] = []
         inputs: list[torch.Tensor] = []
         for rid, seq, depth, size in requests:
             features = seq.new_rows()
             if features is None:
                 continue
-            next_ids = torch.tensor(seq.next_ids(features.shape[0]), device=features.device)
-            inputs.append(head.layer_input(head.fuse_features(features), next_ids))
+            inputs.append(self.feature_rows(seq, features))
             seq.fed(features)
             trees.append(_Tree(rid, seq, depth, size))
         drafts = {rid: Draft([]) for rid, _, _, _ in requests}
@@ -180,19 +178,22 @@ class TreeDrafter:
             offset += len(chosen)
             self._grow(t, parents)
 
+    def feature_rows(self, seq: EagleSeq, features: torch.Tensor) -> torch.Tensor:
+        """The head's input rows for target features that follow the sequence's feature rows
+        in its cache: each fused with the token after its position."""
+        next_ids = torch.tensor(seq.next_ids(features.shape[0]), device=features.device)
+        return self.head.layer_input(self.head.fuse_features(features), next_ids)
+
     def catch_up(self, seqs: list[EagleSeq]) -> bool:
         """Feed every pending feature row of these sequences but the last into the head's
         cache in one forward (a draft loop takes a few new rows a sequence); False, with each
         sequence started over, where the head cache ran out."""
-        head = self.head
         batch: list[tuple[EagleSeq, torch.Tensor, TreeShape | None]] = []
         rows: list[torch.Tensor] = []
         for seq in seqs:
             features = seq.new_rows()
             assert features is not None  # it has pending rows
-            earlier = features[:-1]
-            next_ids = torch.tensor(seq.next_ids(earlier.shape[0]), device=features.device)
-            batch.append((seq, head.layer_input(head.fuse_features(earlier), next_ids), None))
+            batch.append((seq, self.feature_rows(seq, features[:-1]), None))
             rows.append(features)
         try:
             self.forward(batch)

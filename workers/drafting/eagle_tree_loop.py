@@ -25,8 +25,6 @@ from workers.drafting.eagle_loop import EagleDraftLoop, LoopSeq, LoopShape
 from workers.drafting.eagle_seq import EagleSeq
 from workers.drafting.eagle_tree import BRANCH, tree_draft
 from workers.eagle.head import EagleHead
-from workers.engine.graph_runner import replay_or_run
-from workers.kv_cache import NoFreeBlocksError
 
 
 def tree_size(depth: int) -> int:
@@ -76,21 +74,8 @@ class EagleTreeLoop(EagleDraftLoop):
     def propose_trees(self, items: list[tuple[str, EagleSeq, int, int]]) -> dict[str, Draft]:
         """Trees for these (request id, sequence, depth, nodes) in one run or replay."""
         depth = max(d for _, _, d, _ in items)
-        drafts: dict[str, Draft] = {}
-        fed: list[tuple[str, EagleSeq, int, torch.Tensor]] = []
-        seqs: list[LoopSeq] = []
-        for rid, seq, _, nodes in items:
-            features = seq.new_rows()
-            assert features is not None  # `takes` checked
-            count = features.shape[0]
-            try:  # its new rows, then the tree's fed rows
-                seq.table.prepare_write(seq.cached, seq.cached + count + fed_rows(depth))
-            except NoFreeBlocksError:  # out of head cache: it starts over later
-                seq.reset()
-                drafts[rid] = Draft([])
-                continue
-            seqs.append(LoopSeq(seq.next_ids(count), seq.cached, list(seq.table.block_ids)))
-            fed.append((rid, seq, nodes, features))
+        # Its new rows, then the tree's fed rows.
+        fed, seqs, drafts = self.prepare([(r, s, n) for r, s, _, n in items], fed_rows(depth))
         if not fed:
             return drafts
         tokens, scores, parents = self.draft_trees(seqs, [f for *_, f in fed], depth)
@@ -105,14 +90,7 @@ class EagleTreeLoop(EagleDraftLoop):
         self, seqs: list[LoopSeq], features: list[torch.Tensor], depth: int
     ) -> tuple[list[list[int]], list[list[float]], list[list[int]]]:
         """Every sequence's tree before its cut: each node's token, log reach and parent."""
-        if any(not 1 <= len(s.next_ids) <= self.width for s in seqs):
-            raise ValueError(f"the loop takes 1..{self.width} new rows a sequence")
-        shape = self.shape_for(len(seqs), depth)
-        self.buffers.stage(seqs, features, shape.num_seqs)
-        if replay_or_run(self._graphs, shape, self._run):
-            self.num_replays += 1
-        else:
-            self.num_eager_runs += 1
+        self.run(seqs, features, depth)
         n, size = len(seqs), tree_size(depth)
         host = self._nodes_host[:, :n, :size]
         host.copy_(self._nodes[:, :n, :size], non_blocking=True)
@@ -127,17 +105,9 @@ class EagleTreeLoop(EagleDraftLoop):
 
     def _run(self, shape: LoopShape) -> None:
         """The tree at `shape` on the persistent buffers, into the node outputs."""
-        head, b, w, k = self.head, shape.num_seqs, self.width, BRANCH
-        ids, firsts, counts, tables = self.buffers.views(b)
-        device = ids.device
-        offsets = torch.arange(w, device=device)
-        rows = firsts.view(-1, 1) + offsets.view(1, -1)  # [b, w]
-        real = offsets.view(1, -1) < counts.view(-1, 1)
-        x = head.layer_input(head.fuse_features(self.buffers.features[: b * w]), ids.reshape(-1))
-        slots, positions = self._places(rows, real, tables)
-        a = self._layer(x, slots.reshape(-1), positions.reshape(-1), rows[:, 0] + w, tables, w)
-        last = torch.arange(b, device=device) * w + (counts - 1).clamp(min=0)
-        source = a.index_select(0, last)  # [b, hidden]
+        head, b, k = self.head, shape.num_seqs, BRANCH
+        source, firsts, counts, tables = self._extend(b)  # [b, hidden]: after the context
+        device = source.device
         context = firsts + counts  # the tree's first row
         hidden = source.shape[-1]
         # The first depth: the BRANCH likeliest tokens after the context.
