@@ -13,7 +13,7 @@ import torch
 
 from kernels import native
 from kernels.attention import AttentionMetadata, NativeCpuAttention, SdpaAttention
-from kernels.attention_uniform import causal_tail_masks, uniform_attention_reference
+from kernels.attention_uniform import uniform_attention_reference
 from kernels.tree_attention import TreeShape, tree_of, tree_rows
 from tests.factories import scattered_block_ids
 from tests.unit.helpers import run_interpreted
@@ -163,53 +163,86 @@ def test_a_tree_path_equals_its_chain_bit_for_bit(dtype: torch.dtype) -> None:
     assert not math.isnan(float(tree_out.float().sum()))
 
 
-def test_tail_masks_give_a_uniform_batch_its_trees(tmp_path: Path) -> None:
-    """The graph path's form of a tree step (kernels/attention_uniform.py): a chain and a tree
-    of 7 nodes padded to one width, the tree's new tokens seeing the cache and their own tail
-    bits: every row as the reference has it."""
-    head_dim, width = 16, 1 + len(PARENTS)
-    key_cache, value_cache = _cache(torch.float32, head_dim, 4)
+def _tail_case(
+    dtype: torch.dtype, width: int
+) -> tuple[tuple[torch.Tensor, ...], int, list[list[list[int]]]]:
+    """A uniform batch of two sequences whose last rows are a tail of 8 (`tail_len`): the
+    first a chain (causal masks), the second the tree of `PARENTS` with its root. With `width`
+    8 the step verifies the tree (its tail is its new tokens); with fewer, its last `width`
+    rows are new and see earlier rows of the tail by their bits, as the tree loop feeds a
+    depth. Returns the kernel's inputs, the tail length, and each new token's logical rows."""
+    head_dim, tail_len = 16, 1 + len(PARENTS)
+    key_cache, value_cache = _cache(dtype, head_dim, 4)
     contexts = [13, 6]
-    tables = [scattered_block_ids(c + width, BLOCK, 40, 7 + i) for i, c in enumerate(contexts)]
+    tables = [scattered_block_ids(c + tail_len, BLOCK, 40, 7 + i) for i, c in enumerate(contexts)]
     shape = tree_of(contexts[1], PARENTS)
-    masks = torch.tensor(
-        [
-            causal_tail_masks(width),
-            [sum(1 << (v - contexts[1]) for v in keys) for keys in shape.visible],
-        ]
-    )
-    seq_lens = torch.tensor([c + width for c in contexts])
+    first_new = tail_len - width  # the tail's rows fed before this forward
+    chain_masks = [(1 << (first_new + j + 1)) - 1 for j in range(width)]
+    tree_keys = shape.visible[first_new:]
+    tree_masks = [sum(1 << (v - contexts[1]) for v in keys) for keys in tree_keys]
+    seq_lens = torch.tensor([c + tail_len for c in contexts])
     block_tables = torch.tensor([t + [0] * (12 - len(t)) for t in tables])
     gen = torch.Generator().manual_seed(5)
-    query = torch.randn(2 * width, NUM_HEADS, head_dim, generator=gen)
-    scale = head_dim**-0.5
-    out = uniform_attention_reference(
-        query, key_cache, value_cache, block_tables, seq_lens, width, scale, masks
+    query = torch.randn(2 * width, NUM_HEADS, head_dim, generator=gen).to(dtype)
+    visible = [
+        [list(range(contexts[0] + first_new + j + 1)) for j in range(width)],
+        [[*range(contexts[1]), *keys] for keys in tree_keys],
+    ]
+    masks = torch.tensor([chain_masks, tree_masks])
+    inputs = (query, key_cache, value_cache, block_tables, seq_lens, masks, tables)
+    return inputs, tail_len, visible
+
+
+@pytest.mark.parametrize("width", [8, 5])
+def test_tail_masks_give_a_uniform_batch_its_trees(tmp_path: Path, width: int) -> None:
+    """The graph path's form of a tree step (kernels/attention_uniform.py): a chain and a tree
+    of 7 nodes, the new tokens seeing the cache before the tail and the tail rows their bits
+    name, as the verifier's step (a tail of the new tokens) and as the tree loop's (three of
+    the tree's rows fed before): every row as the reference has it; and the Triton kernel,
+    interpreted on the CPU, the same."""
+    (query, keys, values, tables, seq_lens, masks, logical), tail_len, visible = _tail_case(
+        torch.float32, width
     )
-    flat_k = key_cache.view(-1, NUM_KV_HEADS, head_dim)
-    flat_v = value_cache.view(-1, NUM_KV_HEADS, head_dim)
-    for seq, context in enumerate(contexts):
+    scale = query.shape[-1] ** -0.5
+    out = uniform_attention_reference(
+        query, keys, values, tables, seq_lens, width, scale, masks, tail_len
+    )
+    dim = query.shape[-1]
+    flat_k, flat_v = keys.view(-1, NUM_KV_HEADS, dim), values.view(-1, NUM_KV_HEADS, dim)
+    for seq in range(2):
         for j in range(width):
-            keys = [*range(context), *shape.visible[j]] if seq else list(range(context + j + 1))
-            slots = torch.tensor([tables[seq][p // BLOCK] * BLOCK + p % BLOCK for p in keys])
+            rows = visible[seq][j]
+            slots = torch.tensor([logical[seq][p // BLOCK] * BLOCK + p % BLOCK for p in rows])
             want = _reference(query[seq * width + j], flat_k[slots], flat_v[slots], scale)
             torch.testing.assert_close(out[seq * width + j].double(), want, rtol=1e-5, atol=1e-5)
-    # The Triton kernel, interpreted on the CPU (a subprocess, as test_attention_uniform.py's),
-    # reads the same masks.
     if importlib.util.find_spec("triton") is None:
         return
     case = tmp_path / "tree_case.pt"
-    torch.save(
-        (query, key_cache, value_cache, block_tables, seq_lens, width, scale, masks, out), case
-    )
+    torch.save((query, keys, values, tables, seq_lens, width, scale, masks, tail_len, out), case)
     script = textwrap.dedent(
         f"""
         import torch
         from kernels.attention_triton import triton_uniform_attention
-        *inputs, masks, want = torch.load({str(case)!r})
-        got = triton_uniform_attention(*inputs, tail_masks=masks)
+        *inputs, masks, tail_len, want = torch.load({str(case)!r})
+        got = triton_uniform_attention(*inputs, tail_masks=masks, tail_len=tail_len)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         print("ok")
         """
     )
     run_interpreted(script)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [8, 5])
+def test_tail_masks_on_cuda(dtype: torch.dtype, width: int) -> None:
+    from kernels.attention_triton import triton_uniform_attention
+
+    (query, keys, values, tables, seq_lens, masks, _), tail_len, _ = _tail_case(dtype, width)
+    scale = query.shape[-1] ** -0.5
+    args = [t.cuda() for t in (query, keys, values, tables, seq_lens)]
+    got = triton_uniform_attention(*args, width, scale, tail_masks=masks.cuda(), tail_len=tail_len)
+    want = uniform_attention_reference(*args, width, scale, masks.cuda(), tail_len)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
