@@ -7,10 +7,10 @@
   each weight it loads serves up to 8 rows, so 8 rows cost ~1.1x one row's time.
 - `linear_bf16` multiplies rows by an unpacked weight with AVX512 dot products: faster than
   torch's kernels for one row, but dearer per extra row.
-- `linear_quant` multiplies fp32 or bf16 rows by a weight kept in GGUF's quantized blocks
-  (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; kernels/quant.py): each row is quantized to int8 per block
-  of 32 and the dot products are exact integer ones (VNNI), so a step streams 4.5-8.5 bits a
-  weight.
+- `linear_quant` (kernels/native_quant.py) multiplies fp32 or bf16 rows by a weight kept in
+  GGUF's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; kernels/quant.py): each row is
+  quantized to int8 per block of 32 and the dot products are exact integer ones (VNNI), so a
+  step streams 4.5-8.5 bits a weight.
 - `rms_norm_bf16` is RMSNorm, optionally fused with the residual add before it, in one call
   instead of half a dozen torch ops.
 - `paged_attention` attends each sequence's new tokens (bf16 or fp32) over the paged KV cache
@@ -30,7 +30,6 @@ import contextlib
 import ctypes
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -107,7 +106,7 @@ def paged_attention_problem(
     return None
 
 
-def _lib() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
     lib = native_build.load_library()[0]
     if lib is None:
         raise RuntimeError(f"native kernels are unavailable: {unavailable_reason()}")
@@ -127,7 +126,7 @@ def pack_bf16(
     """`weight` [out, in] re-laid in AMX tile order (out padded to a multiple of 16 with zeros),
     for `linear_amx` and `linear_packed`; `in` must be a multiple of 32. Call only when
     `available()`."""
-    lib = _lib()
+    lib = library()
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         raise TypeError("pack_bf16 takes a 2-D bf16 CPU weight")
     out_features, in_features = weight.shape
@@ -160,7 +159,7 @@ def linear_packed(
     """`x W^T + b` with AVX512 dot products over a weight `pack_bf16` re-laid, fp32 sums rounded
     once to bf16; a row's result does not depend on the other rows nor on the thread count. For
     CPUs without AMX. Call only when `available()`."""
-    return _project_packed(_lib().outrider_linear_packed, x, packed, out_features, bias)
+    return _project_packed(library().outrider_linear_packed, x, packed, out_features, bias)
 
 
 def linear_bf16(
@@ -192,7 +191,7 @@ def _linear_unpacked(
     bias: torch.Tensor | None,  # [out_features]
 ) -> torch.Tensor:  # [rows, out_features]
     """The checks and the call of the unpacked projection kernel's `dtype` build (`name`)."""
-    kernel = getattr(_lib(), f"outrider_{name}")
+    kernel = getattr(library(), f"outrider_{name}")
     if x.dtype != dtype or weight.dtype != dtype:
         raise TypeError(f"{name} takes {dtype} tensors")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -202,210 +201,6 @@ def _linear_unpacked(
     if not weight.is_contiguous():
         raise ValueError("the weight must be contiguous")
     return _project(kernel, x, weight, bias, weight.shape[0])
-
-
-@dataclass(frozen=True, slots=True)
-class QuantKernelArgs:
-    """A quantized weight as `linear_quant` passes it to the kernel: checked once, when made
-    (`quant_kernel_args`), so that each call costs little more than the kernel."""
-
-    codes: int  # pointers into tensors the weight keeps alive
-    scales: int
-    mins: int | None
-    min_per_scale: int
-    bits: int
-    in_features: int
-    out_features: int
-
-
-def quant_block_bytes(bits: int) -> int:
-    """Bytes of a block of 32 features of a panel of 16 outputs in linear_quant.c's layout."""
-    return {4: 256, 5: 320, 8: 512}[bits]
-
-
-def quant_kernel_args(
-    codes: torch.Tensor,  # uint8 [panels of 16 outputs, blocks * quant_block_bytes]
-    scales: torch.Tensor,  # fp16 [panels, blocks * 16] (kernels/quant.py)
-    mins: torch.Tensor | None,  # fp16 like scales (Q4_1), or None: m = min_per_scale d
-    min_per_scale: int,
-    bits: int,  # 4, 5 or 8
-    in_features: int,
-    out_features: int,
-) -> QuantKernelArgs:
-    """The kernel's view of a weight in quantized blocks; raises where the tensors do not fit.
-    The caller keeps the tensors alive while it uses the result."""
-    panels, blocks = -(-out_features // 16), in_features // 32
-    tensors = [codes, scales] + ([] if mins is None else [mins])
-    if (
-        bits not in (4, 5, 8)
-        or in_features <= 0
-        or in_features % 32
-        or codes.dtype != torch.uint8
-        or codes.shape != (panels, blocks * quant_block_bytes(bits))
-        or scales.dtype != torch.float16
-        or scales.shape != (panels, blocks * 16)
-        or (mins is not None and (mins.shape != scales.shape or mins.dtype != torch.float16))
-        or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
-    ):
-        raise ValueError(f"not a quantized weight of {out_features} x {in_features}")
-    return QuantKernelArgs(
-        codes.data_ptr(),
-        scales.data_ptr(),
-        None if mins is None else mins.data_ptr(),
-        int(min_per_scale),
-        bits,
-        in_features,
-        out_features,
-    )
-
-
-def linear_quant(
-    x: torch.Tensor,  # [rows, in_features] fp32 or bf16
-    weight: QuantKernelArgs,
-    bias: torch.Tensor | None = None,  # [out_features], x's dtype
-) -> torch.Tensor:  # [rows, out_features], x's dtype
-    """`x W^T + b` from a weight in quantized blocks (kernels/csrc/linear_quant.c): each block of
-    32 values of a row quantized to int8, exact integer dot products, fp32 sums, rounded once to
-    bf16 for bf16 rows. A row's result does not depend on the other rows nor on the thread
-    count. Call only when `available()`. (A decode step makes a hundred of these calls: the
-    checks are the few that keep the kernel inside its tensors.)"""
-    x_f32 = _QUANT_ROWS.get(x.dtype)
-    if x_f32 is None or x.dim() != 2 or not x.is_cpu:
-        raise TypeError("linear_quant takes 2-D fp32 or bf16 CPU rows")
-    rows, out_features = x.shape[0], weight.out_features
-    if x.shape[1] != weight.in_features:
-        raise ValueError(f"x {tuple(x.shape)} does not fit {weight.in_features} in features")
-    if bias is not None and (
-        bias.dtype != x.dtype or bias.shape != (out_features,) or not bias.is_contiguous()
-    ):
-        raise ValueError("the bias must be a contiguous vector of out_features in x's dtype")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    y = torch.empty(rows, out_features, dtype=x.dtype)
-    if rows and out_features:
-        _scratch_had(
-            _lib().outrider_linear_quant(x.data_ptr(), x_f32, *_weight_args(weight, bias, y))
-        )
-    return y
-
-
-def linear_quant_after_norm(
-    x: torch.Tensor,  # [rows, in_features] bf16
-    residual: torch.Tensor | None,  # [rows, in_features] bf16
-    norm_weight: torch.Tensor,  # [in_features] bf16
-    eps: float,
-    weight: QuantKernelArgs,
-    bias: torch.Tensor | None = None,  # [out_features] bf16
-) -> tuple[torch.Tensor, torch.Tensor]:  # (projection of the norm, x + residual)
-    """`linear_quant(rms_norm_bf16(x, norm_weight, eps, residual)[0], weight, bias)` and the
-    sum, in one call, the same bits. Call only when `available()`."""
-    tensors = [x, norm_weight] + [t for t in (residual, bias) if t is not None]
-    if any(t.dtype != torch.bfloat16 or not t.is_cpu or not t.is_contiguous() for t in tensors):
-        raise TypeError("linear_quant_after_norm takes contiguous bf16 CPU tensors")
-    rows, in_features = x.shape
-    if (
-        in_features != weight.in_features
-        or norm_weight.shape != (in_features,)
-        or (residual is not None and residual.shape != x.shape)
-        or (bias is not None and bias.shape != (weight.out_features,))
-    ):
-        raise ValueError("x, residual, norm weight and bias do not fit the weight")
-    total = x if residual is None else torch.empty_like(x)
-    y = torch.empty(rows, weight.out_features, dtype=torch.bfloat16)
-    if rows:
-        sum_out = None if residual is None else total
-        _linear_quant_after(1, x, residual, norm_weight, eps, sum_out, weight, bias, y)
-    return y, total
-
-
-def linear_quant_after_silu(
-    gate_up: torch.Tensor,  # [rows, 2 in_features] bf16
-    weight: QuantKernelArgs,
-) -> torch.Tensor:  # [rows, out_features]
-    """`linear_quant(silu_mul_bf16(gate_up), weight)` in one call, the same bits. Call only when
-    `available()`."""
-    if gate_up.dtype != torch.bfloat16 or not gate_up.is_cpu or not gate_up.is_contiguous():
-        raise TypeError("linear_quant_after_silu takes contiguous bf16 CPU rows")
-    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * weight.in_features:
-        raise ValueError(f"gate_up {tuple(gate_up.shape)} does not fit the weight")
-    y = torch.empty(gate_up.shape[0], weight.out_features, dtype=torch.bfloat16)
-    if gate_up.shape[0]:
-        _linear_quant_after(2, gate_up, None, None, 0.0, None, weight, None, y)
-    return y
-
-
-def _linear_quant_after(
-    prologue: int,  # 1: RMSNorm, 2: SwiGLU (linear_quant.c)
-    a: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
-    eps: float,
-    sum_out: torch.Tensor | None,
-    weight: QuantKernelArgs,
-    bias: torch.Tensor | None,
-    y: torch.Tensor,
-) -> None:
-    code = _lib().outrider_linear_quant_after(
-        prologue,
-        a.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        None if norm_weight is None else norm_weight.data_ptr(),
-        eps,
-        None if sum_out is None else sum_out.data_ptr(),
-        *_weight_args(weight, bias, y),
-    )
-    _scratch_had(code)
-
-
-def _weight_args(
-    weight: QuantKernelArgs, bias: torch.Tensor | None, y: torch.Tensor
-) -> tuple[object, ...]:
-    """The arguments both quantized entry points end with: the weight, bias, output, sizes."""
-    return (
-        weight.codes,
-        weight.scales,
-        weight.mins,
-        weight.min_per_scale,
-        weight.bits,
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        y.shape[0],
-        weight.in_features,
-        weight.out_features,
-        torch.get_num_threads(),
-    )
-
-
-def _scratch_had(code: int) -> None:
-    if code:
-        raise MemoryError("linear_quant could not allocate its scratch")
-
-
-_QUANT_ROWS = {torch.float32: 1, torch.bfloat16: 0}  # the dtypes linear_quant takes: x_f32
-
-
-def quantize_rows(
-    x: torch.Tensor,  # [rows, in_features] fp32 or bf16, in_features % 32 == 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q int8 [rows, in], dx, sx [rows, blocks]
-    """The rows as `linear_quant` quantizes them."""
-    lib = _lib()
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] % 32:
-        raise ValueError("quantize_rows takes [rows, 32 k] fp32 or bf16 rows")
-    x = x.contiguous()
-    rows, in_features = x.shape
-    q = torch.empty(rows, in_features, dtype=torch.int8)
-    dx = torch.empty(rows, in_features // 32)
-    sx = torch.empty(rows, in_features // 32)
-    lib.outrider_quantize_rows(
-        x.data_ptr(),
-        int(x.dtype == torch.float32),
-        rows,
-        in_features,
-        q.data_ptr(),
-        dx.data_ptr(),
-        sx.data_ptr(),
-    )
-    return q, dx, sx
 
 
 def _project_packed(
@@ -466,7 +261,7 @@ def rms_norm_bf16(
     """RMSNorm of `x + residual` (of `x` alone without one), in fp32, rounded once to bf16; the
     sum is rounded to bf16 first, as torch's add does. Returns the sum too (`x` itself when
     there is no residual). Call only when `available()`."""
-    lib = _lib()
+    lib = library()
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     tensors = [x, weight] if residual is None else [x, weight, residual]
@@ -532,7 +327,7 @@ def rotary_kv_bf16(
     cache slot (kernels/csrc/rotary_kv_bf16.c). head_dim must be a multiple of 32. Raises
     IndexError, before writing anything, for a position or slot out of range. Call only when
     `available()`."""
-    lib = _lib()
+    lib = library()
     problem = rotary_kv_problem(qkv, cos_table, key_cache, value_cache)
     if problem:
         raise ValueError(problem)
@@ -575,7 +370,7 @@ def rotary_kv_bf16(
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2 inter] -> [rows, inter]
     """`silu(gate) * up` of rows `[gate | up]`, in fp32, rounded once to bf16
     (kernels/csrc/silu_mul_bf16.c). Call only when `available()`."""
-    lib = _lib()
+    lib = library()
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(
             f"gate_up must be [rows, 2 * inter] with unit-stride rows, not {gate_up.shape}"
@@ -610,7 +405,7 @@ def paged_attention(
     """Causal attention of each sequence's new tokens over its cached context, read from the
     blocks in place (see kernels/csrc/paged_attention_bf16.c; paged_attention_f32.c is the same
     in fp32). head_dim must be a multiple of 32 (at most 256). Call only when `available()`."""
-    lib = _lib()
+    lib = library()
     problem = paged_attention_problem(query, key_cache, value_cache) or (
         paged_attention_problem(out, key_cache, value_cache)
         if out.shape == query.shape

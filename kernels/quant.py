@@ -11,10 +11,10 @@ along `in` with an fp16 scale each:
   of them are `w = d u + m` with unsigned u, which is what the kernel multiplies).
 
 `linear` computes `x W^T + b` from them without widening the weight: on CPUs with our native
-kernels, `native.linear_quant` (kernels/csrc/linear_quant.c) quantizes each block of 32 values of
-a row to int8 with its own scale, as llama.cpp does, and takes exact integer dot products;
-elsewhere `reference_linear` does the same arithmetic in torch (same answer up to the order of
-fp32 sums, and slower). `dequantize` gives the weight back as floats: the plain reference the
+kernels, `linear_quant` (kernels/native_quant.py, kernels/csrc/linear_quant.c) quantizes each
+block of 32 values of a row to int8 with its own scale, as llama.cpp does, and takes exact
+integer dot products; elsewhere `reference_linear` does the same arithmetic in torch (same
+answer up to the order of fp32 sums, and slower). `dequantize` gives the weight back as floats: the plain reference the
 tests hold both against, and what an embedding lookup reads.
 
 Layout (linear_quant.c has the why): outputs go sixteen to a panel, and a panel's block of 32
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import native
+from kernels import native, native_quant
 from kernels.activation import silu_and_mul
 from kernels.norm import rms_norm
 
@@ -58,7 +58,7 @@ class QuantizedWeight:
     mins: torch.Tensor | None  # fp16 like scales: m of each block (Q4_1, Q5_1); None otherwise
     in_features: int
     out_features: int
-    _kernel: native.QuantKernelArgs | None = field(default=None, init=False, repr=False)
+    _kernel: native_quant.QuantKernelArgs | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -66,7 +66,7 @@ class QuantizedWeight:
         if self.in_features <= 0 or self.in_features % BLOCK:
             raise ValueError(f"{self.in_features} in features are not blocks of {BLOCK}")
         panels, blocks = -(-self.out_features // PANEL), self.in_features // BLOCK
-        bytes_per_panel = blocks * native.quant_block_bytes(self.bits)
+        bytes_per_panel = blocks * native_quant.quant_block_bytes(self.bits)
         if self.codes.shape != (panels, bytes_per_panel):
             raise ValueError(f"codes of shape {tuple(self.codes.shape)} do not fit {self.shape}")
         if self.scales.shape != (panels, blocks * PANEL):
@@ -83,10 +83,10 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
-    def kernel_args(self) -> native.QuantKernelArgs:
-        """What `native.linear_quant` takes, checked once and kept."""
+    def kernel_args(self) -> native_quant.QuantKernelArgs:
+        """What `native_quant.linear_quant` takes, checked once and kept."""
         if self._kernel is None:
-            args = native.quant_kernel_args(
+            args = native_quant.quant_kernel_args(
                 self.codes,
                 self.scales,
                 self.mins,
@@ -323,7 +323,7 @@ def linear(
     """`x W^T + b` from the quantized blocks: our kernel where it runs, else the same arithmetic
     in torch. Rows of another dtype are computed in fp32 and cast back."""
     kernel = weight._kernel
-    if (  # the decode step's case, with as few checks as keep it right (native.linear_quant's)
+    if (  # the decode step's case, with as few checks as keep it right (linear_quant's)
         kernel is not None
         and bias is None
         and use_native
@@ -331,7 +331,7 @@ def linear(
         and native.grad_free(x)
         and native.available()
     ):
-        return native.linear_quant(x, kernel)
+        return native_quant.linear_quant(x, kernel)
     if x.dim() != 2 or x.shape[1] != weight.in_features:
         raise ValueError(f"x {tuple(x.shape)} does not fit a weight of shape {weight.shape}")
     dtype = x.dtype
@@ -340,7 +340,7 @@ def linear(
     if bias is not None and bias.dtype != dtype:
         bias = bias.to(dtype)
     if use_native and native.available() and native.grad_free(x, bias):
-        return native.linear_quant(x, weight.kernel_args(), bias)
+        return native_quant.linear_quant(x, weight.kernel_args(), bias)
     return reference_linear(x, weight, bias)
 
 
@@ -363,7 +363,7 @@ def norm_linear(
         and (residual is None or (residual.dtype == torch.bfloat16 and residual.is_contiguous()))
     ):
         kernel_bias = None if bias is None else bias.to(torch.bfloat16)
-        return native.linear_quant_after_norm(
+        return native_quant.linear_quant_after_norm(
             x, residual, norm_weight, eps, weight.kernel_args(), kernel_bias
         )
     normed, total = rms_norm(x, norm_weight, eps, residual)
@@ -374,7 +374,7 @@ def silu_linear(gate_up: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """The projection of SwiGLU's `silu(gate) * up`: one kernel call for bf16 rows on our
     kernels (the same bits as the two apart), else the two."""
     if _fusable(gate_up):
-        return native.linear_quant_after_silu(gate_up, weight.kernel_args())
+        return native_quant.linear_quant_after_silu(gate_up, weight.kernel_args())
     return linear(silu_and_mul(gate_up), weight)
 
 

@@ -16,7 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from kernels import linear as linear_module
-from kernels import native, quant
+from kernels import native, native_quant, quant
 from kernels.quant import QuantizedWeight
 from workers.model.gguf_loader import unpermute_qk
 
@@ -122,7 +122,7 @@ def test_the_rows_are_quantized_as_the_reference_quantizes_them() -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 96, generator=gen).bfloat16()
     x[2, :32] = 0  # an all-zero block: scale 0
-    q, dx, sx = native.quantize_rows(x)
+    q, dx, sx = native_quant.quantize_rows(x)
     want_q, want_dx, want_sx = quant.quantize_rows(x)
     assert torch.equal(q, want_q) and torch.equal(dx, want_dx)
     torch.testing.assert_close(sx, want_sx)
@@ -161,7 +161,7 @@ def test_without_our_kernels_the_torch_path_gives_the_same_answer() -> None:
 
 AVX512F_SCRIPT = """
 import json, sys, torch
-from kernels import native, quant
+from kernels import native, native_quant, quant
 out = {}
 for kind in ("q4_1", "q8_0"):
     torch.manual_seed(0)
@@ -200,11 +200,11 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         quant.linear(torch.randn(64), q)
     with pytest.raises(TypeError):
-        native.linear_quant(torch.randn(2, 64).half(), q.kernel_args())
+        native_quant.linear_quant(torch.randn(2, 64).half(), q.kernel_args())
     with pytest.raises(ValueError, match="bias"):
-        native.linear_quant(torch.randn(2, 64), q.kernel_args(), torch.randn(7))
+        native_quant.linear_quant(torch.randn(2, 64), q.kernel_args(), torch.randn(7))
     with pytest.raises(ValueError, match="not a quantized weight"):
-        native.quant_kernel_args(q.codes, q.scales[:, :16], None, -128, 8, 64, 8)
+        native_quant.quant_kernel_args(q.codes, q.scales[:, :16], None, -128, 8, 64, 8)
     with pytest.raises(ValueError, match="not blocks of 32"):
         quant.quantize(torch.randn(4, 40), "q4_0")
     with pytest.raises(ValueError, match="kind"):
