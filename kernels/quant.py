@@ -14,8 +14,8 @@ along `in` with an fp16 scale each:
 kernels, `linear_quant` (kernels/native_quant.py, kernels/csrc/linear_quant.c) quantizes each
 block of 32 values of a row to int8 with its own scale, as llama.cpp does, and takes exact
 integer dot products; elsewhere `reference_linear` does the same arithmetic in torch (same
-answer up to the order of fp32 sums, and slower). `dequantize` gives the weight back as floats: the plain reference the
-tests hold both against, and what an embedding lookup reads.
+answer up to the order of fp32 sums, and slower). `dequantize` gives the weight back as
+floats: the plain reference the tests hold both against, and what an embedding lookup reads.
 
 Layout (linear_quant.c has the why): outputs go sixteen to a panel, and a panel's block of 32
 input features is eight vectors of 64 bytes, vector v holding features 4v..4v+3 of the sixteen
