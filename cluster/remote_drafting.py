@@ -120,6 +120,7 @@ class RemoteStats:
     feature_bytes: int = 0
     ahead_served: int = 0  # proposals the drafter had drafted ahead
     ahead_kept_going: int = 0  # steps answered while its drafting ahead went on
+    trees: int = 0  # draft trees received (speculative.tree_nodes)
     draft_s: float = 0.0  # drafting inside the actor, over answered steps
     handled_s: float = 0.0  # the actor's whole calls (drafting included), over answered steps
     wait_s: float = 0.0  # the verifier's wait from sending a step to its drafts, over all steps
@@ -227,7 +228,9 @@ class RemoteDrafter(Drafter):
         self.stats.ahead_kept_going += reply.kept_going
         self.stats.draft_s += reply.seconds
         self.stats.handled_s += reply.handled_s
-        return {rid: Draft(*fields) for rid, fields in reply.drafts.items() if rid in self._seqs}
+        drafts = {rid: Draft(*f) for rid, f in reply.drafts.items() if rid in self._seqs}
+        self.stats.trees += sum(d.parents is not None for d in drafts.values())
+        return drafts
 
     def _lost(self) -> None:
         """The drafter failed or restarted: reconnect and re-add everything before next time."""

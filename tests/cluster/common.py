@@ -18,12 +18,16 @@ TEXTS = [
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
-def deployment(method: str, drafters: int, prefill: int = 0, **drafter: object) -> DeploymentConfig:
+def deployment(
+    method: str, drafters: int, prefill: int = 0, tree_nodes: int = 0, **drafter: object
+) -> DeploymentConfig:
+    """A deployment config for the cluster tests (`tree_nodes`: EAGLE drafts trees)."""
+    speculative = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
     return from_dict(
         {
             "dtype": "float32",
             "quantization": "none",  # float weights: the fp32 oracle's own tokens
-            "speculative": {"method": method, "num_speculative_tokens": 4, "adaptive": False},
+            "speculative": {**speculative, "tree_nodes": tree_nodes},
             "pools": {
                 # Remote prefill for every prompt (no length threshold) when there is a worker.
                 "prefill": {"replicas": prefill, "min_remote_prompt_tokens": 1},

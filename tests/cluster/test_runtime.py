@@ -26,7 +26,10 @@ def eagle_runtime() -> Iterator[object]:
     # The actors export their metrics every second (Ray's default: 10 s), for the scrape below.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_metrics_report_interval_ms", "1000")
-        runtime = Runtime.start(deployment("eagle", drafters=2, prefill=1), num_cpus=4)
+        # EAGLE's drafter actors draft trees (every step, k fixed) for the requests that may
+        # have them; structured output and predicted outputs draft chains.
+        config = deployment("eagle", drafters=2, prefill=1, tree_nodes=8)
+        runtime = Runtime.start(config, num_cpus=4)
     yield runtime
     runtime.shutdown()
 
@@ -35,12 +38,12 @@ def test_eagle_pool_with_remote_prefill_is_exact_and_drafts(
     eagle_runtime, prompts, expected
 ) -> None:  # type: ignore[no-untyped-def]
     """Every prompt prefills on the prefill worker (K/V into the verifier's blocks, hidden
-    states on to the EAGLE drafters), drafts come from two drafter actors."""
+    states on to the EAGLE drafters), draft trees come from two drafter actors."""
     assert run_all(eagle_runtime, prompts, "eagle") == expected
     (stats,) = eagle_runtime.verifier_stats()
     assert stats["spec"]["accepted"] > 0  # drafts came back from the drafter actors and held
     remote = stats["remote_drafting"]
-    assert remote["feature_bytes"] > 0 and remote["failures"] == 0
+    assert remote["feature_bytes"] > 0 and remote["failures"] == 0 and remote["trees"] > 0
     assert remote["wait_s"] > 0 and remote["handled_s"] >= remote["draft_s"] > 0
     steps = stats["steps"]
     # Engine steps, batched: fewer than the sequences' verify steps.
