@@ -26,10 +26,29 @@ def steep(n: int) -> float:
 
 
 def test_cut_keeps_what_pays_at_the_verify_costs() -> None:
-    assert TreePricing(flat, 8).cut(REACH, 0, 0.0) == 8  # every node adds, nothing costs
+    assert TreePricing(flat, 8).cut(REACH, 0, 0.0, "eagle") == 8  # every node adds, none costs
     # At 0.25 a token, a node pays while the rate (1 + reach so far) / cost still grows.
-    assert TreePricing(steep, 8).cut(REACH, 0, 0.0) == 3
-    assert TreePricing(steep, 8).cut((0.1, 0.05), 0, 0.0) == 0  # not worth a token
+    assert TreePricing(steep, 8).cut(REACH, 0, 0.0, "eagle") == 3
+    assert TreePricing(steep, 8).cut((0.1, 0.05), 0, 0.0, "eagle") == 0  # not worth a token
+
+
+def test_a_head_whose_trees_accept_less_than_their_reach_gets_smaller_trees() -> None:
+    """Trees that commit 1 draft token a step whatever their reach: the first cut keeps three
+    nodes (reach 2.0), the method's calibration falls, cuts keep two (reach 1.5), and the
+    calibration settles at what those bear out (1 / 1.5); a seeded sampled request's cut stays
+    at the prior's."""
+    pricing = TreePricing(steep, 8)
+    for step in range(40):
+        pricing.expect(f"r{step}", 2.0)
+        kept = pricing.cut(REACH, 0, 0.0, "eagle", f"r{step}")
+        pricing.committed(f"r{step}", "eagle", 2)  # one draft token and the bonus
+        if step == 0:
+            assert kept == 3 and sum(REACH[:kept]) == pytest.approx(2.0)
+    assert pricing.calibration["eagle"] == pytest.approx(1 / 1.5, abs=0.02)
+    assert pricing.cut(REACH, 0, 0.0, "eagle") == 2
+    assert pricing.cut(REACH, 0, 0.0, "eagle", alone=True) == 3
+    pricing.committed("unknown", "eagle", 5)  # no tree this step: nothing moves
+    assert pricing.calibration["eagle"] == pytest.approx(1 / 1.5, abs=0.02)
 
 
 def test_a_tree_pays_where_its_nodes_cost_little_and_gain_is_measured() -> None:
@@ -37,13 +56,14 @@ def test_a_tree_pays_where_its_nodes_cost_little_and_gain_is_measured() -> None:
     # Chain worth 2 tokens at cost 1.2 (1.67/unit); a tree 1.3 x 2 at 1 + 0.3 (2.0/unit).
     assert pricing.pays("eagle", 2.0, 1.2, 0, alone=False)
     for _ in range(50):  # its trees commit no more than the chain would have
-        pricing.committed("eagle", 2, 2.0)
+        pricing.expect("r", 2.0)
+        pricing.committed("r", "eagle", 2)
     assert pricing.gain["eagle"] == pytest.approx(1.0, abs=0.01)
     assert not pricing.pays("eagle", 2.0, 1.2, 0, alone=False)
     # A seeded sampled request judges by the prior alone, whatever others' trees did.
     assert pricing.pays("eagle", 2.0, 1.2, 0, alone=True)
     assert not TreePricing(steep, 16, {"eagle": 0.3}).pays("eagle", 2.0, 1.2, 0, alone=False)
-    pricing.kept("eagle", 4)
+    pricing.cut(REACH[:4], 0, 0.0, "eagle")
     assert pricing.nodes["eagle"] == 4
 
 

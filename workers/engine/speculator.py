@@ -114,10 +114,8 @@ class Speculator:
         self.overhead = SPEC_STEP_OVERHEAD
         self.unit_seconds = unit_seconds
         self._planned: tuple[list[str], list[int]] | None = None  # this step's priced choice
-        # Draft trees: when they pay and how large (workers/engine/tree_pricing.py); per
-        # sequence drafting a tree this step, what its chain would have been worth.
+        # Draft trees: when they pay and how large (workers/engine/tree_pricing.py).
         self.trees = TreePricing(self.forward_cost, config.tree_nodes, dict(tree_costs or {}))
-        self._tree_basis: dict[str, float] = {}
         self._curves: list[list[float]] = []  # this step's acceptance curves (adaptive k)
         # Per method, over finished requests that drafted: (accepted, rejected) drafts.
         self.pooled: dict[str, tuple[int, int]] = {}
@@ -362,9 +360,8 @@ class Speculator:
         return rows.numel() * rows.element_size()
 
     def commit(self, seq: Sequence, token_ids: list[int]) -> None:
-        basis = self._tree_basis.pop(seq.request_id, None)
-        if basis is not None:
-            self.trees.committed(seq.spec_method, len(token_ids), basis)
+        if self.config.tree_nodes:  # what a tree drafted this step was worth
+            self.trees.committed(seq.request_id, seq.spec_method, len(token_ids))
         if seq.spec_method != "none":
             try:
                 self.drafters[seq.spec_method].commit(seq.request_id, token_ids)
@@ -374,7 +371,7 @@ class Speculator:
     def remove(self, seq: Sequence) -> None:
         """A finished (or aborted) sequence: its drafter forgets it, and its drafts join its
         method's pooled acceptance."""
-        self._tree_basis.pop(seq.request_id, None)
+        self.trees.forget(seq.request_id)
         if seq.spec_method == "none":
             return
         try:
@@ -450,7 +447,7 @@ class Speculator:
             cost = self.forward_cost(others + 1 + k) + drafting
             if not self.trees.pays(method, value, cost, others, alone):
                 return 0
-            self._tree_basis[seq.request_id] = value
+            self.trees.expect(seq.request_id, value)
         return self.config.tree_nodes
 
     def _trim_trees(self, seqs: list[Sequence]) -> None:
@@ -467,9 +464,11 @@ class Speculator:
             own = 1 + len(seq.draft.token_ids)
             alone = seq.params.seed is not None and not seq.params.greedy
             others = 0 if alone else tokens - own
-            best = self.trees.cut(reach, others, 0 if alone else len(seqs) - 1)
+            others_value = 0 if alone else len(seqs) - 1
+            best = self.trees.cut(
+                reach, others, others_value, seq.spec_method, seq.request_id, alone
+            )
             seq.draft = seq.draft.truncated(best) if best else EMPTY_DRAFT
-            self.trees.kept(seq.spec_method, best)
             tokens = others + 1 + best
 
     def _valid(self, draft: Draft) -> bool:

@@ -14,9 +14,13 @@ per cost are highest, each node worth its reach (the drafter's probability that 
 accepts it and its ancestors). So where verifying grows with tokens (a CPU), trees stay small
 or are not drafted; where a forward of 16 tokens costs what one does (a GPU), they grow.
 
+The reach is the head's own estimate, and a head may be over- or under-confident: what a
+method's cut trees accepted against the reach they were cut with (a running mean,
+`calibration`, from 1) scales the reach a cut counts.
+
 Other sequences in the step count as one token each (their drafts' worth is not counted, so a
-tree is judged conservatively); a seeded sampled request is judged as if alone under the prior
-alone, so that what it draws never depends on what the engine served before it.
+tree is judged conservatively); a seeded sampled request is judged as if alone under the
+priors alone, so that what it draws never depends on what the engine served before it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 # (EAGLE's trees of 16 nodes over chains of 4 on held-out prompts: 1.3-1.4x, docs/benchmarks.md).
 TREE_GAIN_PRIOR = 1.3
 GAIN_RATE = 0.1  # a running mean weighing about the last 10 tree steps
+MAX_CALIBRATION = 4.0  # the most (and 1 / it the least) one step's reach is scaled by
 
 
 @dataclass(slots=True)
@@ -37,6 +42,9 @@ class TreePricing:
     tree_costs: dict[str, float] = field(default_factory=dict)  # drafting a tree, per method
     gain: dict[str, float] = field(default_factory=dict)  # per method, measured
     nodes: dict[str, float] = field(default_factory=dict)  # nodes its trees kept, running mean
+    calibration: dict[str, float] = field(default_factory=dict)  # accepted / reach, per method
+    # Per sequence drafting a tree this step: its chain's worth, and the reach its cut kept.
+    _steps: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def pays(
         self,
@@ -53,24 +61,49 @@ class TreePricing:
         cost = self.forward_cost(others + 1 + round(nodes)) + self.tree_costs.get(method, 0.0)
         return gain * chain_value / cost > chain_value / chain_cost
 
-    def cut(self, reach: tuple[float, ...], others: int, others_value: float) -> int:
+    def expect(self, request_id: str, chain_value: float) -> None:
+        """The sequence drafts a tree this step where its chain was worth `chain_value`."""
+        self._steps[request_id] = (chain_value, 0.0)
+
+    def cut(
+        self,
+        reach: tuple[float, ...],
+        others: int,
+        others_value: float,
+        method: str,
+        request_id: str = "",
+        alone: bool = False,
+    ) -> int:
         """How many of a tree's nodes (of reach `reach`, most likely first) to verify beside
-        `others` tokens worth `others_value`: the most tokens per forward cost."""
+        `others` tokens worth `others_value`: the most tokens per forward cost, each node worth
+        its reach as the method's trees have borne it out (`calibration`)."""
+        scale = 1.0 if alone else self.calibration.get(method, 1.0)
         value, best = others_value + 1, 0
         best_rate = value / self.forward_cost(others + 1)
         for n, r in enumerate(reach, start=1):
-            value += r
+            value += r * scale
             rate = value / self.forward_cost(others + 1 + n)
             if rate > best_rate:
                 best, best_rate = n, rate
+        if request_id in self._steps:
+            self._steps[request_id] = (self._steps[request_id][0], sum(reach[:best]))
+        old = self.nodes.get(method)
+        self.nodes[method] = best if old is None else old + GAIN_RATE * (best - old)
         return best
 
-    def kept(self, method: str, nodes: int) -> None:
-        old = self.nodes.get(method)
-        self.nodes[method] = nodes if old is None else old + GAIN_RATE * (nodes - old)
-
-    def committed(self, method: str, tokens: int, chain_value: float) -> None:
-        """A tree step committed `tokens` where the chain was worth `chain_value`."""
-        sample = tokens / chain_value
+    def committed(self, request_id: str, method: str, tokens: int) -> None:
+        """The sequence's step committed `tokens`: what its tree (if it drafted one this step)
+        was worth against its chain, and against the reach it was cut with."""
+        step = self._steps.pop(request_id, None)
+        if step is None:
+            return
+        chain_value, reach = step
         old = self.gain.get(method, TREE_GAIN_PRIOR)
-        self.gain[method] = old + GAIN_RATE * (sample - old)
+        self.gain[method] = old + GAIN_RATE * (tokens / chain_value - old)
+        if reach > 0:
+            sample = min(max((tokens - 1) / reach, 1 / MAX_CALIBRATION), MAX_CALIBRATION)
+            old = self.calibration.get(method, 1.0)
+            self.calibration[method] = old + GAIN_RATE * (sample - old)
+
+    def forget(self, request_id: str) -> None:
+        self._steps.pop(request_id, None)
