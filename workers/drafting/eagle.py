@@ -214,15 +214,9 @@ class EagleDrafter(DraftsAhead):
             else:
                 trees.append((req.request_id, seq, k, req.tree_nodes))
         loop = self.tree_loop
-        if loop is not None and trees:  # in the tree loop, a prompt's rows fed to it first
-            behind = [(rid, seq) for rid, seq, _, _ in trees if seq.num_pending > loop.width]
-            done = (
-                {rid: Draft([]) for rid in self._catch_up(behind[: loop.max_seqs])}
-                if behind
-                else {}
-            )
-            looped = [t for t in trees if t[0] not in done and loop.takes(t[1], t[2])]
-            if looped := looped[: loop.max_seqs]:
+        if loop is not None and trees:
+            done, taken = self._loop_takes(loop, [(rid, seq, k) for rid, seq, k, _ in trees])
+            if looped := [t for t in trees if t[0] in taken]:
                 done |= loop.propose_trees(looped)
             drafts |= done
             trees = [t for t in trees if t[0] not in done]
@@ -359,20 +353,27 @@ class EagleDrafter(DraftsAhead):
                 for rid, seq, forced, n in active
                 if not forced and rid not in grammars and seq.params.greedy and n <= loop.max_depth
             ]
-            # More new feature rows than the loop's width (a prompt's, or several steps'
-            # drafted by prompt lookup): all but the last go into the head's cache first.
-            behind = [(rid, seq) for rid, seq, _ in fits if seq.num_pending > loop.width]
-            if behind:
-                drafts = {rid: Draft([]) for rid in self._catch_up(behind[: loop.max_seqs])}
-            looped = [
-                (rid, seq, n) for rid, seq, n in fits if rid not in drafts and loop.takes(seq, n)
-            ][: loop.max_seqs]
-            if looped:
+            drafts, taken = self._loop_takes(loop, fits)
+            if looped := [item for item in fits if item[0] in taken]:
                 drafts |= loop.propose(looped)  # a draft, maybe empty, for each of them
         active = [item for item in active if item[0] not in drafts]
         if active:
             drafts |= self._draft_eagerly(active, stop, grammars)
         return drafts
+
+    def _loop_takes(
+        self, loop: EagleDraftLoop, items: list[tuple[str, EagleSeq, int]]
+    ) -> tuple[dict[str, Draft], set[str]]:
+        """Which of these (request id, sequence, k) a draft loop drafts now (at most its
+        `max_seqs`). A sequence with more new feature rows than the loop's width (a prompt's,
+        or several steps' drafted by prompt lookup) has all but the last fed to the head's
+        cache first; those that ran out of head cache get an empty draft."""
+        behind = [(rid, seq) for rid, seq, _ in items if seq.num_pending > loop.width]
+        failed = (
+            {rid: Draft([]) for rid in self._catch_up(behind[: loop.max_seqs])} if behind else {}
+        )
+        taken = [rid for rid, seq, k in items if rid not in failed and loop.takes(seq, k)]
+        return failed, set(taken[: loop.max_seqs])
 
     def _catch_up(self, seqs: list[tuple[str, EagleSeq]]) -> list[str]:
         """Feed every pending feature row of these sequences but the last into the head's
