@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -47,9 +48,12 @@ class FlashAttention(AttentionBackend):
 
     CUDA only, fp16/bf16 only. Uses `vllm_flash_attn` when installed (vLLM images), else
     upstream `flash_attn` (the `gpu` extra); both expose the same `flash_attn_varlen_func`.
+    flash-attn masks causally only: a forward holding a draft tree's rows goes to SDPA whole
+    (an eager tree step: the graphs take most of them as tail masks).
     """
 
     name = "flash"
+    serves_trees = True
 
     def __init__(self) -> None:
         module = _load_flash_module()
@@ -57,10 +61,12 @@ class FlashAttention(AttentionBackend):
             raise RuntimeError("flash attention needs `vllm_flash_attn` or `flash_attn` installed")
         self._varlen = module.flash_attn_varlen_func
         self.block_multiple = _flash_block_multiple(module)
+        self._trees = SdpaAttention()
 
-    def prepare(self, meta: AttentionMetadata) -> _FlashPlan:
+    def prepare(self, meta: AttentionMetadata) -> Any:
+        """A `_FlashPlan`, or (a forward with a draft tree) SDPA's plan."""
         if meta.tree is not None:
-            raise ValueError("flash attention serves no draft trees")
+            return self._trees.prepare(meta)
         if meta.block_size % self.block_multiple:
             raise ValueError(
                 f"this flash-attn build needs a KV block size divisible by {self.block_multiple}, "
@@ -81,9 +87,11 @@ class FlashAttention(AttentionBackend):
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        plan: _FlashPlan,
+        plan: Any,
         scale: float,
     ) -> torch.Tensor:
+        if not isinstance(plan, _FlashPlan):  # a draft tree's forward
+            return self._trees.forward(query, key_cache, value_cache, plan, scale)
         # flash-attn aligns the causal mask to the bottom right when a query is shorter than its
         # keys, which is exactly "each new token sees the context up to its own position".
         out: torch.Tensor = self._varlen(

@@ -11,11 +11,13 @@ so that every backend attends over the same keys as a chain would:
   of one new token whose "block table" is its slot table. The kernel's arithmetic follows the
   keys, not the blocks, so a node's output equals its chain's bit for bit: speculation with
   trees commits what plain decoding does;
-- SDPA gathers each row's keys and masks the padding.
+- SDPA gathers each row's keys and masks the padding (flash-attn, causal only, hands a forward
+  with a tree to SDPA).
 
 The EAGLE head drafts a tree the same way: each depth's nodes see the head's context and their
-ancestors written by earlier depths' forwards. Backends that take no trees (flash-attn, the
-uniform graph backends) refuse a batch with them; `serves_trees` says which do.
+ancestors written by earlier depths' forwards. The uniform graph backends take trees as tail
+masks instead (kernels/attention_uniform.py) and refuse these rows; `serves_trees` says which
+backends take them.
 """
 
 from __future__ import annotations

@@ -246,3 +246,27 @@ def test_tail_masks_on_cuda(dtype: torch.dtype, width: int) -> None:
     want = uniform_attention_reference(*args, width, scale, masks.cuda(), tail_len)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_flash_attention_hands_a_tree_forward_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn masks causally only: a forward with a tree's rows is SDPA's, whole (a fake
+    flash module here, which would fail the test if called), and gives SDPA's answer."""
+    import types
+
+    from kernels import attention_flash
+
+    def never(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("flash-attn was asked to attend a tree")
+
+    fake = types.SimpleNamespace(__name__="vllm_flash_attn", flash_attn_varlen_func=never)
+    monkeypatch.setattr(attention_flash, "_load_flash_module", lambda: fake)
+    flash = attention_flash.FlashAttention()
+    key_cache, value_cache = _cache(torch.float32, 16, 0)
+    lens = [(3, 13), (1 + len(PARENTS), 9 + 1 + len(PARENTS))]
+    tables = [scattered_block_ids(s, BLOCK, 40, seed) for seed, (_, s) in enumerate(lens)]
+    meta = _metadata(lens, {1: tree_of(9, PARENTS)}, tables)
+    query = torch.randn(meta.num_tokens, NUM_HEADS, 16, generator=torch.Generator().manual_seed(1))
+    got = flash.forward(query, key_cache, value_cache, flash.prepare(meta), 0.25)
+    sdpa = SdpaAttention()
+    want = sdpa.forward(query, key_cache, value_cache, sdpa.prepare(meta), 0.25)
+    assert torch.equal(got, want)
