@@ -373,19 +373,17 @@ class NativeCpuAttention(SdpaAttention):
         def ints(values: Sequence[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32)
 
-        # The kernel takes the causal sequences; a tree's rows go through it row by row.
-        seqs = list(range(meta.num_seqs))
+        starts: Sequence[int] = meta.query_starts_host[:-1]
+        query_lens: Sequence[int] = meta.query_lens_host
+        seq_lens: Sequence[int] = meta.seq_lens_host
         tables = meta.block_tables.to(torch.int32)
-        if meta.tree is not None:
-            seqs = [i for i in seqs if i not in meta.tree.seqs]
+        if meta.tree is not None:  # the kernel takes the causal ones; a tree's rows one by one
+            seqs = [i for i in range(meta.num_seqs) if i not in meta.tree.seqs]
+            starts = [starts[i] for i in seqs]
+            query_lens = [query_lens[i] for i in seqs]
+            seq_lens = [seq_lens[i] for i in seqs]
             tables = tables.index_select(0, torch.tensor(seqs, dtype=torch.long))
-        starts = meta.query_starts_host
-        plan.native = (
-            tables.contiguous(),
-            ints([starts[i] for i in seqs]),
-            ints([meta.query_lens_host[i] for i in seqs]),
-            ints([meta.seq_lens_host[i] for i in seqs]),
-        )
+        plan.native = (tables.contiguous(), ints(starts), ints(query_lens), ints(seq_lens))
 
 
 def _gather(
