@@ -28,7 +28,7 @@ from workers.engine.calibration import (
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.graph_runner import make_runner
-from workers.engine.logprobs import TokenLogprob, committed_logprobs, token_logprobs
+from workers.engine.logprobs import TokenLogprob, token_logprobs
 from workers.engine.model_runner import ModelRunner, RunnerOutput
 from workers.engine.outputs import (
     Completion,
@@ -202,12 +202,9 @@ class LLMEngine:
                     if isinstance(token, DeadEnd):
                         self._finish(seq, "stop")
                     else:
-                        rows = logits.view(1, -1)
-                        self._append(
-                            seq,
-                            [token],
-                            committed_logprobs(seq.params.logprobs, [token], lambda: rows),
-                        )
+                        num_top, rows = seq.params.logprobs, logits.view(1, -1)
+                        logprobs = [] if num_top is None else token_logprobs(rows, [token], num_top)
+                        self._append(seq, [token], logprobs)
             except Exception as exc:  # this request's own failure: it ends alone
                 self._fail(seq, exc)
             if seq.finished:

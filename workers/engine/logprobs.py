@@ -9,7 +9,6 @@ the same logits a forward without drafts gives that position.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +47,3 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int) -> 
         TokenLogprob(t, lp, tuple(zip(i, v, strict=True)), r)
         for t, lp, i, v, r in zip(token_ids, values, top_ids, top_values, ranks, strict=True)
     ]
-
-
-def committed_logprobs(
-    num_top: int | None, tokens: list[int] | None, rows: Callable[[], torch.Tensor]
-) -> list[TokenLogprob]:
-    """Committed tokens' log-probabilities when the request asked for them (`num_top`, its
-    `logprobs`), token j from row j of `rows()` (its sampling rows; taken only then)."""
-    if num_top is None or not tokens:
-        return []
-    return token_logprobs(rows(), tokens, num_top)
