@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend
+from kernels.attention_uniform import MAX_TREE_WIDTH
 from workers.drafting.base import Draft
 from workers.drafting.eagle_loop import EagleDraftLoop, LoopSeq, LoopShape
 from workers.drafting.eagle_seq import EagleSeq
@@ -69,7 +70,7 @@ class EagleTreeLoop(EagleDraftLoop):
         self._nodes_host = torch.zeros(3, b, n, dtype=torch.float64, pin_memory=pinned)
 
     def takes(self, seq: EagleSeq, k: int) -> bool:
-        return super().takes(seq, k) and fed_rows(k) <= 63
+        return super().takes(seq, k) and fed_rows(k) <= MAX_TREE_WIDTH  # a tail mask's bits
 
     def propose_trees(self, items: list[tuple[str, EagleSeq, int, int]]) -> dict[str, Draft]:
         """Trees for these (request id, sequence, depth, nodes) in one run or replay."""
