@@ -112,6 +112,10 @@ def test_pools_that_name_their_gpus_claim_them_first() -> None:
             {"speculative": {"min_draft_confidence": 1}},
             "speculative.min_draft_confidence: must be in [0, 1), got 1.0",
         ),
+        (
+            {"speculative": {"tree_nodes": 65}},
+            "speculative.tree_nodes: must be in 0..64, got 65",
+        ),
         ({"engine": []}, "engine: must be a mapping"),
         (
             {"engine": {"max_num_batched_tokens": 4}},
@@ -152,6 +156,8 @@ def test_overrides_apply_dotted_keys_and_skip_unset_flags() -> None:
     assert not off.engine_config().spec.eagle_prompt_lookup  # what verifiers and drafters build
     sure = config.with_overrides({"speculative.min_draft_confidence": 0.4})
     assert sure.engine_config().spec.min_draft_confidence == 0.4
+    trees = config.with_overrides({"speculative.tree_nodes": 16})
+    assert trees.engine_config().spec.tree_nodes == 16
     gpu = config.with_overrides(
         {"engine.max_num_batched_tokens": 2048, "engine.enforce_eager": True}
     )
