@@ -33,7 +33,7 @@ from workers.engine.heap import freeze_startup_heap
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.kv_cache import PagedKVCache
 from workers.model.tensor_parallel import build_sharded_model, emulate_row_parallel
-from workers.model.transformer import TransformerLM
+from workers.model.transformer import TransformerLM, make_deterministic
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,8 @@ class PrefillActor:
             spec.load(deployment.model), dtype=parse_dtype(spec.dtype), device=self.device
         )
         compute_as_group(model, deployment.pools.verifier.tensor_parallel_size)
+        if deployment.engine.deterministic:  # as its verifiers compute (a GPU's kernels)
+            make_deterministic(model, deployment.speculative.tree_nodes)
         self.worker = PrefillWorker(
             model, deployment.engine.max_model_len, deployment.engine.block_size
         )
@@ -341,6 +343,8 @@ class VerifierRankActor:
         spec = deployment.model_spec(device)
         checkpoint = spec.load(deployment.model)
         model = build_sharded_model(checkpoint, rank, world, None, parse_dtype(spec.dtype), device)
+        if deployment.engine.deterministic:  # as rank 0's engine does
+            make_deterministic(model, deployment.speculative.tree_nodes)
         blocks = deployment.engine_config().kv_blocks
         block_size = deployment.engine.block_size
         cache = PagedKVCache(model.config, blocks, block_size, model.dtype, model.device)

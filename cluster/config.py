@@ -141,6 +141,8 @@ class EngineSettings:
     # On a GPU, decode and verify steps replay captured CUDA graphs; true runs every forward
     # eagerly (no capture at start-up).
     enforce_eager: bool = False
+    # On a GPU, batch-invariant kernels: the same text whatever the batch (operations.md).
+    deterministic: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -351,6 +353,7 @@ class DeploymentConfig:
             block_size=e.block_size,
             max_num_batched_tokens=e.max_num_batched_tokens,
             enforce_eager=e.enforce_eager,
+            deterministic=e.deterministic,
             spec=spec,
         )
 

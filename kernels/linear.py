@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import native, quant
+from kernels import batch_invariant, native, quant
 from kernels.quant import QuantizedWeight, Weight
 
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -92,6 +92,9 @@ class WeightPacks:
     def __init__(self) -> None:
         self._packs: dict[str, PackedWeight | None] = {}
         self._unpackable: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        # Every row count through the fixed-tile kernel (kernels/batch_invariant.py), so a row's
+        # result never depends on its batch: `--deterministic` on a GPU.
+        self.batch_invariant = False
 
     def get(self, name: str, weight: Weight) -> PackedWeight | None:
         if isinstance(weight, QuantizedWeight):
@@ -118,6 +121,8 @@ class WeightPacks:
         """`linear` with the pack this holder keeps for `weight` under `name`."""
         if type(weight) is QuantizedWeight:  # the hot path of a quantized model's step
             return quant.linear(x, weight, bias)
+        if self.batch_invariant and isinstance(weight, torch.Tensor):
+            return batch_invariant.linear(x, weight, bias)
         return linear(x, weight, bias, self.get(name, weight))
 
     def nbytes(self) -> int:

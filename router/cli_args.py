@@ -43,6 +43,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on a GPU, run every forward eagerly: no CUDA graphs captured at start-up",
     )
+    model.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="on a GPU, batch-invariant kernels: a request's text never depends on the batch, "
+        "the prefix cache or speculation (slower; the CPU's kernels are so always)",
+    )
     model.add_argument("--max-model-len", type=int, default=None, help="context (default 4096)")
     model.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default 32)")
     model.add_argument(

@@ -118,3 +118,50 @@ def speculative_engine(
         eos_token_ids=eos_token_ids,
         drafters={method: drafter},
     )
+
+
+# A prompt and the tokens fed after it (as decode steps or as drafts), for the row-independence
+# check below; taken modulo a tiny model's vocabulary.
+ROW_PROMPT = [1, 504, 3458, 314, 253, 4016, 1789, 30, 2, 198, 1, 9690, 198, 4982, 2444, 282, 4536]
+ROW_NEW = [338, 1085, 3145, 411, 260, 4413]
+
+
+def assert_logits_independent_of_forward(model: TransformerLM, block_size: int = 16) -> None:
+    """A token's logits are the same bits however its forward was made up: alone in a decode
+    step, inside a verification of drafts beside another sequence's prompt chunk, or in a
+    prompt chunk after a cached prefix (what speculation's and the prefix cache's exactness
+    rest on)."""
+    vocab = model.config.vocab_size
+    prompt = [t % vocab for t in ROW_PROMPT]
+    new = [t % vocab for t in ROW_NEW]
+    tokens = prompt + new
+    cache = PagedKVCache(model.config, 8, block_size, model.dtype, model.device)
+    runner = ModelRunner(model, cache)
+    blocks = [0, 1]  # the sequence under test
+    other = [4, 5]  # a second sequence sharing some forwards
+
+    def logits_of(forwards: list[SeqForward]) -> list[torch.Tensor]:
+        output = runner.forward(forwards)
+        return [output.logits_of(i).clone() for i in range(len(forwards))]
+
+    def prefill() -> torch.Tensor:  # the whole prompt at once; every position's row
+        (rows,) = logits_of([SeqForward(prompt, 0, blocks, len(prompt))])
+        return rows
+
+    whole = prefill()
+    stepped = [whole[-1:]]  # decode steps: one new token a forward
+    for j, token in enumerate(new):
+        (row,) = logits_of([SeqForward([token], len(prompt) + j, blocks)])
+        stepped.append(row)
+    prefill()
+    verified, _ = logits_of(
+        [SeqForward(new, len(prompt), blocks, len(new)), SeqForward(tokens[::-1][:20], 0, other, 3)]
+    )
+    # The prompt in two chunks, then the new tokens: every position scored.
+    (first,) = logits_of([SeqForward(tokens[:7], 0, blocks, 7)])
+    (rest,) = logits_of([SeqForward(tokens[7:], 7, blocks, len(tokens) - 7)])
+    chunked = torch.cat([first, rest])
+    assert torch.equal(whole, chunked[: len(prompt)])
+    for j in range(len(new)):  # row j scores the position after new[j]
+        assert torch.equal(stepped[j + 1][0], verified[j]), j
+        assert torch.equal(stepped[j + 1][0], chunked[len(prompt) + j]), j

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.model.helpers import ROW_PROMPT, assert_logits_independent_of_forward
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.kv_cache import PagedKVCache
 from workers.model.transformer import TransformerLM
@@ -16,8 +17,7 @@ from workers.model.transformer import TransformerLM
 pytestmark = pytest.mark.slow
 
 BLOCK = 16
-PROMPT = [1, 504, 3458, 314, 253, 4016, 1789, 30, 2, 198, 1, 9690, 198, 4982, 2444, 282, 4536]
-NEW = [338, 1085, 3145, 411, 260, 4413]  # fed after the prompt, as decode steps or as drafts
+PROMPT = ROW_PROMPT
 
 
 def logits_of(runner: ModelRunner, forwards: list[SeqForward]) -> list[torch.Tensor]:
@@ -26,40 +26,7 @@ def logits_of(runner: ModelRunner, forwards: list[SeqForward]) -> list[torch.Ten
 
 
 def test_a_tokens_logits_do_not_depend_on_its_forward(cpu_format_model: TransformerLM) -> None:
-    model = cpu_format_model
-    cache = PagedKVCache(model.config, 8, BLOCK, model.dtype)
-    runner = ModelRunner(model, cache)
-    tokens = PROMPT + NEW
-    blocks = [0, 1]  # the sequence under test
-    other = [4, 5]  # a second sequence sharing some forwards
-
-    def prefill() -> torch.Tensor:  # the whole prompt at once; the last position's row
-        (rows,) = logits_of(runner, [SeqForward(PROMPT, 0, blocks, len(PROMPT))])
-        return rows
-
-    whole = prefill()
-    # Decode steps: one new token a forward.
-    stepped = [whole[-1:]]
-    for j, token in enumerate(NEW):
-        (row,) = logits_of(runner, [SeqForward([token], len(PROMPT) + j, blocks)])
-        stepped.append(row)
-    # A verification: every new token in one forward, beside another sequence's prompt.
-    prefill()
-    verified, _ = logits_of(
-        runner,
-        [
-            SeqForward(NEW, len(PROMPT), blocks, len(NEW)),
-            SeqForward(tokens[::-1][:20], 0, other, 3),
-        ],
-    )
-    # The prompt in two chunks, then the new tokens: every position scored.
-    (first,) = logits_of(runner, [SeqForward(tokens[:7], 0, blocks, 7)])
-    (rest,) = logits_of(runner, [SeqForward(tokens[7:], 7, blocks, len(tokens) - 7)])
-    chunked = torch.cat([first, rest])
-    assert torch.equal(whole, chunked[: len(PROMPT)])
-    for j in range(len(NEW)):  # row j scores the position after NEW[j]
-        assert torch.equal(stepped[j + 1][0], verified[j]), j
-        assert torch.equal(stepped[j + 1][0], chunked[len(PROMPT) + j]), j
+    assert_logits_independent_of_forward(cpu_format_model, BLOCK)
 
 
 @pytest.mark.parametrize("fmt", ["bf16-blocks", "fp32"])

@@ -94,6 +94,10 @@ class EngineConfig:
     # On a GPU, uniform decode/verify steps replay CUDA graphs captured at start-up
     # (workers/engine/graph_runner.py); True runs every forward eagerly.
     enforce_eager: bool = False
+    # On a GPU, every forward through kernels whose rows do not depend on the batch, the step
+    # or the prefill chunk (kernels/batch_invariant.py, attention_invariant.py): a request's
+    # greedy and seeded text then depends on the request alone. Our CPU kernels are so always.
+    deterministic: bool = False
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:

@@ -31,12 +31,13 @@ import torch
 from tqdm import tqdm
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention_invariant import InvariantAttention
 from kernels.attention_uniform import MAX_TREE_WIDTH, select_uniform_backend
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.engine.step_buffers import StepBuffers, UniformShape
 from workers.kv_cache import PagedKVCache
-from workers.model.transformer import ModelOutput, TransformerLM
+from workers.model.transformer import ModelOutput, TransformerLM, make_deterministic
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +311,8 @@ def make_runner(
     `config.enforce_eager`), elsewhere a plain `ModelRunner`. The cache holds
     `config.kv_blocks` blocks, plus the scratch block padding writes into."""
     num_blocks, block_size = config.kv_blocks, config.block_size
+    if config.deterministic:
+        make_deterministic(model, config.spec.tree_nodes)
     if model.device.type != "cuda" or config.enforce_eager:
         cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
         return ModelRunner(model, cache)
@@ -317,12 +320,16 @@ def make_runner(
     max_width = 1 + config.spec.num_speculative_tokens
     trees = tree_widths(config.spec.tree_nodes, max_width)
     shape = model.config
-    attention = select_uniform_backend(
-        model.device,
-        model.dtype,
-        shape.head_dim,
-        shape.num_heads // shape.num_kv_heads,
-        max((max_width, *trees)),
+    attention = (
+        InvariantAttention(uniform=True)
+        if config.deterministic
+        else select_uniform_backend(
+            model.device,
+            model.dtype,
+            shape.head_dim,
+            shape.num_heads // shape.num_kv_heads,
+            max((max_width, *trees)),
+        )
     )
     log.info(
         "decode/verify attention: %s; other forwards: %s", attention.name, model.attention.name

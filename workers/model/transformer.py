@@ -13,6 +13,7 @@ the weight). Those weights stay on the CPU and in their blocks whatever `.to()` 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,11 +23,14 @@ from torch import nn
 from kernels import quant
 from kernels.activation import silu_and_mul
 from kernels.attention import AttentionBackend, AttentionMetadata, NativeCpuAttention
+from kernels.attention_invariant import InvariantAttention
 from kernels.linear import WeightPacks
 from kernels.norm import rms_norm
 from kernels.quant import QuantizedWeight, Weight, cat_rows
 from kernels.rotary import RotaryAngles, rope_cos_sin, rotate_and_store
 from workers.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -256,6 +260,17 @@ class TransformerLM(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
+    def use_batch_invariant_kernels(self) -> None:
+        """Project and attend through kernels whose every row is computed alike in any batch,
+        step or prefill chunk (kernels/batch_invariant.py, attention_invariant.py): a token's
+        logits then depend on its sequence alone. `--deterministic` on a GPU; norms, SwiGLU and
+        rotary are row-wise already there."""
+        for module in self.modules():
+            packs = getattr(module, "packs", None)
+            if isinstance(packs, WeightPacks):
+                packs.batch_invariant = True
+        self.attention = InvariantAttention()
+
     def load_hf_weights(self, weights: dict[str, Weight]) -> None:
         """Take weights under Hugging Face names, fusing q/k/v and gate/up. Quantized weights
         (`QuantizedWeight`) keep their blocks: their modules become `QuantizedLinear` or
@@ -374,6 +389,23 @@ class TransformerLM(nn.Module):
         if self._cos.device != positions.device:
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
         return RotaryAngles(self._cos, self._sin, positions, self.dtype)
+
+
+def make_deterministic(model: TransformerLM, tree_nodes: int = 0) -> TransformerLM:
+    """`--deterministic`: a GPU model's forwards through batch-invariant kernels
+    (`TransformerLM.use_batch_invariant_kernels`), so that a token's logits depend on its
+    sequence alone; a CPU model's kernels are so already. Draft trees are refused there: a
+    node's attention sums its keys in other tiles than the same token's in a chain."""
+    if model.device.type != "cuda":
+        return model
+    if tree_nodes:
+        raise ValueError(
+            "deterministic kernels on a GPU verify draft chains only: set speculative.tree_nodes "
+            "to 0 (--draft-tree-nodes 0) or drop --deterministic"
+        )
+    model.use_batch_invariant_kernels()
+    log.info("deterministic: batch-invariant projections and attention (%s)", model.attention.name)
+    return model
 
 
 def _stack(parts: list[Weight]) -> Weight:
