@@ -11,10 +11,13 @@ short keeps what it measured; a part that raises is recorded and the next one ru
 3. single stream (greedy, 128 tokens) for no speculation, ngram and eagle on code edits, a
    summary and open chat (bench_spec's prompts), adaptive k as served;
 4. 1, 16, 64 and 256 concurrent requests (held-out prompts) for each method;
-5. a model of Llama-3.1-8B's shape with random bf16 weights made on the device: forward costs
+5. `--deterministic` (batch-invariant kernels) beside the default kernels: single stream,
+   16 and 64 concurrent, and how many greedy texts change alone vs together
+   (tests/benchmarks/bench_gpu_deterministic.py);
+6. a model of Llama-3.1-8B's shape with random bf16 weights made on the device: forward costs
    and plain decode at batch 1 and 64 against their floor (weight and KV bytes a step reads
    over the measured copy bandwidth);
-6. transformers on the same weights: `generate` eager, with `cache_implementation="static"`
+7. transformers on the same weights: `generate` eager, with `cache_implementation="static"`
    (which compiles the forward and replays CUDA graphs), eager with prompt lookup, and the
    static cache at batch 64.
 
@@ -316,7 +319,16 @@ def concurrency(
 # -- driver -----------------------------------------------------------------------------------
 
 
-PARTS = ("environment", "forward", "engine", "single", "concurrency", "llama_8b_shape", "hf")
+PARTS = (
+    "environment",
+    "forward",
+    "engine",
+    "single",
+    "concurrency",
+    "deterministic",
+    "llama_8b_shape",
+    "hf",
+)
 
 
 def run_part(results: dict[str, Any], name: str, out: Path, fn: Callable[[], Any]) -> None:
@@ -400,6 +412,19 @@ def measure(args: argparse.Namespace) -> None:
     gc.unfreeze()  # the engine's cycles may go now
     gc.collect()
     torch.cuda.empty_cache()
+    if "deterministic" in args.parts:  # two more engines, the default's and --deterministic's
+        from tests.benchmarks.bench_gpu_deterministic import deterministic_part
+
+        run_part(
+            results,
+            "deterministic",
+            out,
+            lambda: deterministic_part(
+                checkpoint, device, prompts, pool, rounds, max_tokens, args.k
+            ),
+        )
+        gc.collect()
+        torch.cuda.empty_cache()
     if not args.skip_8b and "llama_8b_shape" in args.parts:
         copy = results.get("environment", {}).get("copy_gb_s", 4000.0)
         run_part(results, "llama_8b_shape", out, lambda: eight_b(device, copy, max_tokens))

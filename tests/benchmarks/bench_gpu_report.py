@@ -284,6 +284,68 @@ def catch_up_lines(profile: dict[str, Any]) -> list[str]:
     return [f"A sequence's catch-up before its first loop proposal (eager, median): {cells}."]
 
 
+def deterministic_section(
+    part: dict[str, Any], extra: dict[str, Any], first: dict[str, Any]
+) -> list[str]:
+    """bench_gpu_deterministic's part of the run `extra` (`first`'s when it is that run)."""
+    if "error" in part:
+        return ["### Deterministic kernels (`--deterministic`)", "The part failed."]
+    modes = ("default", "deterministic")  # bench_gpu_deterministic.MODES
+    default, det = (part["single_tokens_per_s"][m] for m in modes)
+    rows = [[row, f"{default[row]:,.0f}", f"{det[row]:,.0f}", f"{det[row] / default[row]:.2f}x"]
+            for row in default]  # fmt: skip
+    default, det = (part["concurrent_tokens_per_s"][m] for m in modes)
+    rows += [
+        [f"{lv} concurrent, none", f"{default[lv]:,.0f}", f"{det[lv]:,.0f}",
+         f"{det[lv] / default[lv]:.2f}x"]
+        for lv in default
+    ]  # fmt: skip
+    same = part["same_text"]
+    texts = "; ".join(
+        f"{mode}: {same[mode]['differ_together']} together, {same[mode]['differ_ngram']} with "
+        f"n-gram speculation"
+        for mode in modes
+    )
+    return [
+        "### Deterministic kernels (`--deterministic`)",
+        f"Batch-invariant projections and attention beside the default kernels in one run "
+        f"({extra['environment']['card']}, {when(extra, first)}, `--parts "
+        f"{','.join(extra['parts'])}`): tokens/s, greedy, 128 tokens, medians over rounds that "
+        "alternate the modes. Goal: at most 15% slower than the default (ratio >= 0.87x).",
+        table(["", "default", "deterministic", "ratio"], rows),
+        f"Greedy outputs of {same['default']['prompts']} held-out prompts that differ from "
+        f"each prompt's lone run: {texts}.",
+    ]
+
+
+def extra_run_lines(extra: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    """A later run's single-stream table (and, where it ran them, its steps, concurrency and
+    goals), with the flags it ran with."""
+    fixed = not extra.get("adaptive", True)
+    trees = f" --tree-nodes {extra['tree_nodes']}" if extra.get("tree_nodes") else ""
+    flags = (
+        f"--k {extra['k']}{' --fixed-k' if fixed else ''}{trees} --parts {','.join(extra['parts'])}"
+    )
+    drafts = f"exactly {extra['k']}" if fixed else f"at most {extra['k']}"
+    note = f" {extra['note']}" if "note" in extra else ""
+    parts = [
+        f"With {drafts} draft tokens a step ({extra['environment']['card']}, "
+        f"{when(extra, run)}, `{flags}`).{note}",
+        single_table(extra, with_hf=False),
+    ]
+    if extra.get("tree_nodes") and "concurrency" not in extra:
+        parts += [steps_table(extra), goals(extra)]
+    if "concurrency" in extra:  # a run of its own: its steps, concurrency and goals too
+        parts += [
+            steps_table(extra),
+            *overhead_line(extra),
+            concurrency_table(extra),
+            *equal_work_lines(extra),
+            goals(extra),
+        ]
+    return parts
+
+
 def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
     profiles = [r for r in runs if "batch_1" in r]  # profile_draft_loop's, not bench_gpu's
     runs = [r for r in runs if "batch_1" not in r]
@@ -314,29 +376,10 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
         *overhead_line(run),
     ]
     for extra in runs[1:]:
-        fixed = not extra.get("adaptive", True)
-        trees = f" --tree-nodes {extra['tree_nodes']}" if extra.get("tree_nodes") else ""
-        flags = (
-            f"--k {extra['k']}{' --fixed-k' if fixed else ''}{trees} "
-            f"--parts {','.join(extra['parts'])}"
-        )
-        drafts = f"exactly {extra['k']}" if fixed else f"at most {extra['k']}"
-        note = f" {extra['note']}" if "note" in extra else ""
-        parts += [
-            f"With {drafts} draft tokens a step ({extra['environment']['card']}, "
-            f"{when(extra, run)}, `{flags}`).{note}",
-            single_table(extra, with_hf=False),
-        ]
-        if extra.get("tree_nodes") and "concurrency" not in extra:
-            parts += [steps_table(extra), goals(extra)]
-        if "concurrency" in extra:  # a run of its own: its steps, concurrency and goals too
-            parts += [
-                steps_table(extra),
-                *overhead_line(extra),
-                concurrency_table(extra),
-                *equal_work_lines(extra),
-                goals(extra),
-            ]
+        if "single" in extra:
+            parts += extra_run_lines(extra, run)
+        if "deterministic" in extra:
+            parts += deterministic_section(extra["deterministic"], extra, run)
     for profile in profiles:
         parts += draft_loop_section(profile)
     parts += [
@@ -353,4 +396,6 @@ def render(runs: list[dict[str, Any]], path: Path = DEFAULT_REPORT) -> None:
         "256-token contexts) over the measured copy rate.",
         eight_b_table(run),
     ]
+    if "deterministic" in run:
+        parts += deterministic_section(run["deterministic"], run, run)
     write_section(SECTION, "\n\n".join(parts), path)

@@ -81,12 +81,16 @@ def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> Non
     """The GPU benchmark's engine parts run on the CPU (no graphs there; EAGLE trees priced as
     served), and its section renders from the stored H200 runs and this one's."""
     root = Path(__file__).resolve().parents[2]
-    parts = ["--device", "cpu", "--quick", "--parts", "environment,engine,single,concurrency"]
+    parts = ["--device", "cpu", "--quick", "--parts"]
+    parts += ["environment,engine,single,concurrency,deterministic"]
     parts += ["--tree-nodes", "8"]  # EAGLE drafts trees where they pay
     run_script("bench_gpu", *parts, "--out", str(tmp_path))
     results = json.loads((tmp_path / "gpu.json").read_text())
-    for part in ("engine", "single", "concurrency"):
+    for part in ("engine", "single", "concurrency", "deterministic"):
         assert "error" not in results[part], results[part]
+    # Our CPU kernels give every row its own bits: no text changes in a batch, either mode.
+    same = results["deterministic"]["same_text"].values()
+    assert all(s["differ_together"] == s["differ_ngram"] == 0 for s in same)
     assert set(results["single"]["tokens_per_s"]["code edit"]) == {"none", "ngram", "eagle"}
     assert results["concurrency"]["vs_none"]["4"]["none"] == 1.0
     report = tmp_path / "benchmarks.md"
@@ -99,6 +103,7 @@ def test_bench_gpu_engine_parts_on_the_cpu_and_its_report(tmp_path: Path) -> Non
     assert "With exactly 4 draft tokens a step" in text
     assert "--tree-nodes 8 --parts" in text and "eagle" in results["engine"]["tree_costs"]
     assert "Every request 8 tokens (EOS ignored), no speculation: 1 requests" in text
+    assert "### Deterministic kernels" in text and "| 64 concurrent, none |" in text
     ratio = results["concurrency"]["vs_none"]["4"]["eagle"]
     assert "| 4 | " in text and f"({ratio:.2f}x) |" in text  # this run's concurrency table
 
