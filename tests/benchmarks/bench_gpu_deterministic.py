@@ -84,6 +84,7 @@ def deterministic_part(
                 tokens, seconds, _ = timed_generate(engine, batch, "none", max_tokens)
                 together[mode].setdefault(str(level), []).append(tokens / seconds)
     return {
+        "max_tokens": max_tokens,
         "single_tokens_per_s": {
             m: {row: statistics.median(v) for row, v in by.items()} for m, by in single.items()
         },

@@ -310,8 +310,9 @@ def deterministic_section(
         "### Deterministic kernels (`--deterministic`)",
         f"Batch-invariant projections and attention beside the default kernels in one run "
         f"({extra['environment']['card']}, {when(extra, first)}, `--parts "
-        f"{','.join(extra['parts'])}`): tokens/s, greedy, 128 tokens, medians over rounds that "
-        "alternate the modes. Goal: at most 15% slower than the default (ratio >= 0.87x).",
+        f"{','.join(extra['parts'])}`): tokens/s, greedy, {part.get('max_tokens', 128)} "
+        "tokens, medians over rounds that alternate the modes. Goal: at most 15% slower than "
+        "the default (ratio >= 0.87x).",
         table(["", "default", "deterministic", "ratio"], rows),
         f"Greedy outputs of {same['default']['prompts']} held-out prompts that differ from "
         f"each prompt's lone run: {texts}.",
