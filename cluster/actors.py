@@ -240,6 +240,8 @@ class TensorParallelRunner(ModelRunner):
     busy node), not awaited; the forward's all-reduces keep the ranks in step. Their replies
     (None, or the `Failure` a rank raised) are read as they come."""
 
+    feeds_tokens = False  # the other ranks replay plans of host tokens
+
     def __init__(
         self,
         runner: ModelRunner,
@@ -276,9 +278,12 @@ class TensorParallelRunner(ModelRunner):
         hidden_layers: Sequence[int] = (),
         return_final_hidden: bool = False,
         interrupt: Callable[[], bool] | None = None,
+        input_tokens: torch.Tensor | None = None,
     ) -> RunnerOutput:
         if interrupt is not None:  # every rank must run every layer (their all-reduces pair up)
             raise ValueError("a tensor-parallel forward cannot be interrupted")
+        if input_tokens is not None:
+            raise ValueError("a tensor-parallel group's ranks need their tokens on the host")
         # The other ranks need no logits: only rank 0 samples.
         writes, self._writes = self._writes, []
         plan = StepPlan(

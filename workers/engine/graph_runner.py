@@ -252,13 +252,21 @@ class GraphRunner(ModelRunner):
         hidden_layers: Sequence[int] = (),
         return_final_hidden: bool = False,
         interrupt: Callable[[], bool] | None = None,
+        input_tokens: torch.Tensor | None = None,
     ) -> RunnerOutput:
         shape = None if interrupt else self.uniform_shape(seqs, hidden_layers, return_final_hidden)
         if shape is None:
-            return super().forward(seqs, hidden_layers, return_final_hidden, interrupt)
+            return super().forward(
+                seqs, hidden_layers, return_final_hidden, interrupt, input_tokens
+            )
         for seq in seqs:
             seq.check_room(self.block_size, self.model.config.max_position_embeddings)
         self.buffers.stage(seqs, shape)
+        if input_tokens is not None:  # each sequence's one token, over what was staged
+            if any(len(s.token_ids) != 1 for s in seqs):
+                raise ValueError("fed tokens need one new token a sequence")
+            width = shape.width
+            self.buffers.views(shape).input_ids[: len(seqs) * width : width].copy_(input_tokens)
         if replay_or_run(self._graphs, shape, self._run):
             self.num_replays += 1
         else:

@@ -151,6 +151,10 @@ class RunnerOutput:
 class ModelRunner:
     """Owns a model and its paged KV cache; runs forwards over batches of `SeqForward`."""
 
+    # Whether `forward` takes `input_tokens` (a tensor-parallel group's ranks need every
+    # token on the host: cluster/actors.py)
+    feeds_tokens = True
+
     def __init__(self, model: TransformerLM, kv_cache: PagedKVCache) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -174,10 +178,18 @@ class ModelRunner:
         hidden_layers: Sequence[int] = (),
         return_final_hidden: bool = False,
         interrupt: Callable[[], bool] | None = None,
+        input_tokens: torch.Tensor | None = None,  # [num_seqs] int64, on the model's device
     ) -> RunnerOutput:
+        """`input_tokens`: each sequence's one new token, in place of its `token_ids` (a step
+        fed the tokens the step before it sampled, before the host has read them:
+        workers/engine/overlap.py)."""
         inputs = build_inputs(
             seqs, self.block_size, self.model.config.max_position_embeddings, self.model.device
         )
+        if input_tokens is not None:
+            if len(inputs.input_ids) != len(seqs):
+                raise ValueError("fed tokens need one new token a sequence")
+            inputs.input_ids.copy_(input_tokens)
         output = self.model(
             inputs.input_ids,
             inputs.positions,
