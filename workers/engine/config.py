@@ -98,6 +98,9 @@ class EngineConfig:
     # or the prefill chunk (kernels/batch_invariant.py, attention_invariant.py): a request's
     # greedy and seeded text then depends on the request alone. Our CPU kernels are so always.
     deterministic: bool = False
+    # Launch the next plain decode step before reading this one's tokens, so that the host's
+    # work overlaps the device's forward (workers/engine/overlap.py says which steps).
+    async_scheduling: bool = False
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:

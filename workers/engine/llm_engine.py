@@ -35,10 +35,13 @@ from workers.engine.outputs import (
     Continuation,
     Prefilled,
     RequestOutput,
-    RoundReport,
     StepReport,
+    StepTimes,
     in_order,
+    record_output,
+    step_report,
 )
+from workers.engine.overlap import Launched, launch, may_go_ahead, plain_decode
 from workers.engine.penalty_rows import PenaltyRows
 from workers.engine.sampler import DeviceSampler, HostSampler, Sampler
 from workers.engine.sampling_params import SamplingParams
@@ -130,6 +133,10 @@ class LLMEngine:
         # Called after every step that ran a forward (tracing); must not raise.
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self._feature_bytes: dict[str, int] = {}
+        # A plain decode step launched and not yet committed (async scheduling: overlap.py),
+        # and how many steps were launched so, since start.
+        self._launched: Launched | None = None
+        self.num_async_steps = 0
 
     def add_request(
         self,
@@ -243,6 +250,13 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
+        if self.config.async_scheduling and self.runner.feeds_tokens:
+            launched, self._launched = self._launched, None
+            self._launched = self._launch_ahead(launched)  # before reading `launched`'s tokens
+            if launched is not None:
+                self._commit_launched(launched)
+            if launched is not None or self._launched is not None:
+                return self.take_outputs()
         start_ns, start = time.time_ns(), time.perf_counter()
         load = self.scheduler.num_unfinished  # what speculation is judged by this step
         decoding = self.scheduler.decoding()
@@ -293,29 +307,48 @@ class LLMEngine:
                 # A decode step whose draft lengths were chosen: what they cost, as served.
                 speculator.observe_step(len(batch.seqs), time.perf_counter() - start)
             if self.step_listeners:
-                self._report(batch.seqs, results, start_ns, drafted - start, drafted)
+                self._report(batch.seqs, results, (start_ns, drafted - start, drafted))
         return self.take_outputs()
 
-    def _report(
-        self,
-        seqs: list[ScheduledSeq],
-        results: list[list[int] | None],
-        start_ns: int,
-        draft_s: float,
-        drafted: float,
-    ) -> None:
-        rounds = [
-            RoundReport(
-                s.seq.request_id,
-                s.seq.spec_method,
-                0 if s.decoding else s.num_new_tokens,
-                len(s.draft.token_ids),
-                len(tokens) - 1 if tokens else 0,
-                self._feature_bytes.pop(s.seq.request_id, 0),
-            )
-            for s, tokens in zip(seqs, results, strict=True)
-        ]
-        report = StepReport(start_ns, draft_s, time.perf_counter() - drafted, rounds)
+    def _launch_ahead(self, ahead: Launched | None) -> Launched | None:
+        """The next step launched where it is a plain decode of every running sequence, fed
+        `ahead`'s tokens on the device where that step is still to be committed; None where
+        this step runs synchronously (workers/engine/overlap.py says when)."""
+        running, load = self.scheduler.running, self.scheduler.num_unfinished
+        budget = self.config.max_num_batched_tokens
+        if self.scheduler.waiting or not may_go_ahead(running, ahead, budget):
+            return None
+        drafting = any(s.spec_method != "none" for s in running)
+        if (drafting and self.speculator.speculates_at(load)) or self.speculator.hidden_layers(
+            running, load
+        ):
+            return None
+        step = plain_decode(running, ahead, self.max_model_len)
+        if step is None:
+            return None
+        if drafting:  # nobody drafts at this load; drafters still take their call
+            self.speculator.propose(running, load)
+        self.num_async_steps += 1
+        return launch(self.runner, step, ahead)
+
+    def _commit_launched(self, launched: Launched) -> None:
+        """Commit a launched step's tokens as a synchronous step would, but for sequences that
+        ended after it was launched (stopped by the step before, or aborted)."""
+        results: list[list[int] | None] = []
+        for scheduled, token in zip(launched.seqs, launched.read(), strict=True):
+            ended = scheduled.seq.finished
+            results.append(None if ended else [token])
+            try:
+                if not ended:
+                    self._commit(scheduled, [token], [])
+            except Exception as exc:  # this request's own failure: it ends alone
+                self._fail(scheduled.seq, exc)
+        if self.step_listeners:
+            self._report(launched.seqs, results, (launched.start_ns, 0.0, launched.start))
+
+    def _report(self, seqs: list[ScheduledSeq], results: list, times: StepTimes) -> None:
+        """The step's report (`step_report`) to its listeners."""
+        report = step_report(seqs, results, times, self._feature_bytes)
         for listener in self.step_listeners:
             listener(report)
 
@@ -387,7 +420,7 @@ class LLMEngine:
         text = "" if detok is None else detok.add(shown)
         if detok is not None and detok.stopped:
             reason = "stop"
-        self._record_output(seq, tokens, text, logprobs)
+        record_output(self._outputs, seq, tokens, text, logprobs)
         if reason:
             self._finish(seq, reason)
         else:
@@ -433,33 +466,6 @@ class LLMEngine:
                 return tokens[:n], "length"
         return tokens, None
 
-    def _record_output(
-        self, seq: Sequence, tokens: list[int], text: str, logprobs: Seq[TokenLogprob] = ()
-    ) -> None:
-        num_output = seq.num_output_tokens
-        out = self._outputs.get(seq.request_id)
-        if out is None:  # its first this step
-            out = RequestOutput(
-                seq.request_id,
-                list(tokens),
-                text,
-                False,
-                None,
-                seq.num_prompt_tokens,
-                num_output,
-                seq.stats,
-                list(logprobs),
-                num_cached_tokens=seq.num_cached_tokens,
-            )
-            self._outputs[seq.request_id] = out
-        else:
-            out.new_token_ids += tokens
-            out.text += text
-            out.logprobs += logprobs
-            out.num_output_tokens = num_output
-        if seq.params.prompt_logprobs is not None and tokens and num_output == len(tokens):
-            out.prompt_logprobs = list(seq.prompt_logprobs)  # with the first token
-
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         self.scheduler.remove(seq)
@@ -467,7 +473,7 @@ class LLMEngine:
         self.penalties.release(seq.request_id)
         detok = self._detokenizers.pop(seq.request_id, None)
         ended = reason not in ("abort", "error")  # the text held back is the answer's end
-        self._record_output(seq, [], detok.flush() if detok and ended else "")
+        record_output(self._outputs, seq, [], detok.flush() if detok and ended else "")
         out = self._outputs[seq.request_id]
         out.finished, out.finish_reason = True, reason
         if seq.params.prediction:
@@ -481,7 +487,7 @@ class LLMEngine:
         if seq.request_id in self._seqs:
             self._finish(seq, "error")
         else:  # it had finished before the failure: the error replaces its end
-            self._record_output(seq, [], "")
+            record_output(self._outputs, seq, [], "")
         out = self._outputs[seq.request_id]
         out.finished, out.finish_reason = True, "error"
         out.error = f"{type(exc).__name__}: {exc}"

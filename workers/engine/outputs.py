@@ -6,13 +6,19 @@
 from __future__ import annotations
 
 import difflib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.engine.logprobs import TokenLogprob
+from workers.engine.sequence import Sequence as Sequence_
 from workers.engine.sequence import SpecStats
+
+if TYPE_CHECKING:  # the scheduler's module imports the engine's others
+    from workers.engine.scheduler import ScheduledSeq
 
 
 @dataclass(slots=True)
@@ -112,3 +118,64 @@ def in_order(prediction: Sequence[int], output: Sequence[int]) -> int:
     of the two)."""
     matcher = difflib.SequenceMatcher(None, list(prediction), list(output), autojunk=False)
     return sum(block.size for block in matcher.get_matching_blocks())
+
+
+def record_output(
+    outputs: dict[str, RequestOutput],
+    seq: Sequence_,
+    tokens: list[int],
+    text: str,
+    logprobs: Sequence[TokenLogprob] = (),
+) -> None:
+    """Add what a step committed for `seq` to its output of this step in `outputs` (made on its
+    first commit of the step)."""
+    num_output = seq.num_output_tokens
+    out = outputs.get(seq.request_id)
+    if out is None:  # its first this step
+        out = RequestOutput(
+            seq.request_id,
+            list(tokens),
+            text,
+            False,
+            None,
+            seq.num_prompt_tokens,
+            num_output,
+            seq.stats,
+            list(logprobs),
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+        outputs[seq.request_id] = out
+    else:
+        out.new_token_ids += tokens
+        out.text += text
+        out.logprobs += logprobs
+        out.num_output_tokens = num_output
+    if seq.params.prompt_logprobs is not None and tokens and num_output == len(tokens):
+        out.prompt_logprobs = list(seq.prompt_logprobs)  # with the first token
+
+
+# A step's start (`time.time_ns`), its drafting's seconds, and when its forward began
+# (`time.perf_counter`)
+StepTimes = tuple[int, float, float]
+
+
+def step_report(
+    seqs: Sequence[ScheduledSeq],
+    results: Sequence[list[int] | None],  # each sequence's committed tokens (None: none)
+    times: StepTimes,
+    feature_bytes: dict[str, int],  # bytes of features sent to drafters, taken out by request
+) -> StepReport:
+    """What a step did, for its listeners (traces, metrics)."""
+    start_ns, draft_s, drafted = times
+    rounds = [
+        RoundReport(
+            s.seq.request_id,
+            s.seq.spec_method,
+            0 if s.decoding else s.num_new_tokens,
+            len(s.draft.token_ids),
+            len(tokens) - 1 if tokens else 0,
+            feature_bytes.pop(s.seq.request_id, 0),
+        )
+        for s, tokens in zip(seqs, results, strict=True)
+    ]
+    return StepReport(start_ns, draft_s, time.perf_counter() - drafted, rounds)
