@@ -135,14 +135,12 @@ class EngineSettings:
     max_model_len: int = 4096
     max_num_seqs: int = 32
     block_size: int = 16
-    # Tokens a step may bring (prefill chunks, decode and draft tokens). Prefill runs eagerly
-    # on a GPU, where a larger budget (2048, say) means fewer, cheaper prefill steps.
+    # Tokens a step may bring (prefill chunks, decode and draft tokens; on a GPU 2048, say).
     max_num_batched_tokens: int = 512
-    # On a GPU, decode and verify steps replay captured CUDA graphs; true runs every forward
-    # eagerly (no capture at start-up).
+    # workers/engine/config.py EngineConfig says what these do.
     enforce_eager: bool = False
-    # On a GPU, batch-invariant kernels: the same text whatever the batch (operations.md).
     deterministic: bool = False
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +352,7 @@ class DeploymentConfig:
             max_num_batched_tokens=e.max_num_batched_tokens,
             enforce_eager=e.enforce_eager,
             deterministic=e.deterministic,
+            async_scheduling=e.async_scheduling,
             spec=spec,
         )
 

@@ -49,6 +49,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="on a GPU, batch-invariant kernels: a request's text never depends on the batch, "
         "the prefix cache or speculation (slower; the CPU's kernels are so always)",
     )
+    model.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="launch each plain decode step before reading the last one's tokens, so that "
+        "the host's work overlaps the GPU's (greedy requests at loads that do not speculate)",
+    )
     model.add_argument("--max-model-len", type=int, default=None, help="context (default 4096)")
     model.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default 32)")
     model.add_argument(

@@ -156,20 +156,22 @@ def bundled_engine(
     checkpoint: Checkpoint,
     model: TransformerLM,
     max_num_seqs: int,
-    k: int = K,
-    adaptive: bool = True,
-    tree_nodes: int = 0,
+    spec: SpecConfig | None = None,
+    async_scheduling: bool = False,
 ) -> tuple[LLMEngine, float]:
     """One engine serving every method (per request), graphs captured; its start-up seconds.
-    `adaptive=False` drafts k tokens every step (what the head accepts when it drafts);
-    `tree_nodes`: EAGLE drafts trees of up to that many nodes where they pay."""
+    `spec` (default: at most K drafts, adaptive): `adaptive=False` drafts k tokens every step
+    (what the head accepts when it drafts); `tree_nodes`: EAGLE drafts trees of up to that many
+    nodes where they pay."""
     head = EagleHead.load(Path(BUNDLED_HEAD))
     config = EngineConfig(
         max_model_len=2048,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=PREFILL_BUDGET,
-        spec=SpecConfig(num_speculative_tokens=k, adaptive=adaptive, tree_nodes=tree_nodes),
+        async_scheduling=async_scheduling,
+        spec=spec or SpecConfig(num_speculative_tokens=K),
     )
+    k, tree_nodes = config.spec.num_speculative_tokens, config.spec.tree_nodes
     ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
     eagle = EagleDrafter(
         head,
@@ -320,14 +322,8 @@ def concurrency(
 
 
 PARTS = (
-    "environment",
-    "forward",
-    "engine",
-    "single",
-    "concurrency",
-    "deterministic",
-    "llama_8b_shape",
-    "hf",
+    *("environment", "forward", "engine", "single", "concurrency"),
+    *("deterministic", "llama_8b_shape", "hf"),
 )
 
 
@@ -357,6 +353,7 @@ def measure(args: argparse.Namespace) -> None:
         "k": args.k,
         "adaptive": not args.fixed_k,
         "tree_nodes": args.tree_nodes,
+        "async_scheduling": args.async_scheduling,
     }
     max_tokens = 8 if args.quick else 128
     rounds = 1 if args.quick else args.rounds
@@ -376,9 +373,11 @@ def measure(args: argparse.Namespace) -> None:
     engine_box: dict[str, LLMEngine] = {}
 
     def start_engine() -> dict[str, Any]:
-        engine, seconds = bundled_engine(
-            checkpoint, model, max(levels), args.k, not args.fixed_k, args.tree_nodes
+        spec = SpecConfig(
+            num_speculative_tokens=args.k, adaptive=not args.fixed_k, tree_nodes=args.tree_nodes
         )
+        overlap = args.async_scheduling
+        engine, seconds = bundled_engine(checkpoint, model, max(levels), spec, overlap)
         freeze_startup_heap()  # as a server does once it has started
         engine_box["engine"] = engine
         runner = engine.runner
@@ -464,6 +463,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--tree-nodes", type=int, default=0, help="EAGLE drafts trees of up to N nodes (0: chains)"
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the engine launches plain decode steps ahead (EngineConfig.async_scheduling)",
     )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-8b", action="store_true")

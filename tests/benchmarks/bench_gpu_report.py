@@ -324,6 +324,7 @@ def extra_run_lines(extra: dict[str, Any], run: dict[str, Any]) -> list[str]:
     goals), with the flags it ran with."""
     fixed = not extra.get("adaptive", True)
     trees = f" --tree-nodes {extra['tree_nodes']}" if extra.get("tree_nodes") else ""
+    trees += " --async-scheduling" if extra.get("async_scheduling") else ""
     flags = (
         f"--k {extra['k']}{' --fixed-k' if fixed else ''}{trees} --parts {','.join(extra['parts'])}"
     )

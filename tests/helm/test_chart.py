@@ -245,8 +245,9 @@ def test_gpu_values_use_existing_secrets_external_redis_and_lockdown(chart) -> N
     assert config.telemetry.otlp_endpoint == "http://otel-collector.observability:4317"
     assert not config.engine.deterministic  # the fast kernels unless asked
     values = load_values(CHART / "ci" / "gpu-values.yaml")
-    values.setdefault("engine", {})["deterministic"] = True
-    assert deployment_of(render(chart, values)).engine_config().deterministic
+    values.setdefault("engine", {}).update(deterministic=True, asyncScheduling=True)
+    switched = deployment_of(render(chart, values)).engine_config()
+    assert switched.deterministic and switched.async_scheduling
     env = {e["name"]: e for e in container(one(objects, "Deployment")["spec"]["template"])["env"]}
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "outrider-redis"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == config.telemetry.otlp_endpoint

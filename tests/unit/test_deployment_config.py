@@ -163,11 +163,13 @@ def test_overrides_apply_dotted_keys_and_skip_unset_flags() -> None:
             "engine.max_num_batched_tokens": 2048,
             "engine.enforce_eager": True,
             "engine.deterministic": True,
+            "engine.async_scheduling": True,
         }
     )
     assert gpu.engine_config().max_num_batched_tokens == 2048
     assert gpu.engine_config().enforce_eager and not config.engine_config().enforce_eager
     assert gpu.engine_config().deterministic and not config.engine_config().deterministic
+    assert gpu.engine_config().async_scheduling and not config.engine_config().async_scheduling
     sizes = config.with_overrides({"speculative.ngram_min": 3, "speculative.ngram_max": 6})
     assert (sizes.engine_config().spec.ngram_min, sizes.engine_config().spec.ngram_max) == (3, 6)
     with pytest.raises(ConfigError, match=r"pools\.verifier\.gpus: no such setting"):
@@ -208,6 +210,7 @@ def test_flags_become_engine_settings_in_one_place() -> None:
     assert (engine.spec.method, engine.spec.num_speculative_tokens) == ("ngram", 6)
     assert engine.max_num_seqs == 8 and not engine.spec.adaptive
     assert config("--deterministic").engine_config().deterministic
+    assert config("--async-scheduling").engine_config().async_scheduling
     assert not engine.deterministic
     assert config(*flags).dtype == "bfloat16"
     deployed = config("--cluster")  # a deployment's own defaults
