@@ -39,6 +39,7 @@ from workers.kv_cache import PagedKVCache
 from workers.model.transformer import TransformerLM
 
 PROMPT_TOKENS = 16
+ASYNC = "greedy, async scheduling"  # the row of an engine launching each step ahead
 SIZES = (16, 64, 256)
 MODES = {
     "greedy": SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True),
@@ -85,10 +86,15 @@ class NullRunner(GraphRunner):
 
 
 def build_engine(
-    tokenizer: Any, vocab_size: int, num_seqs: int, prompt_tokens: int = PROMPT_TOKENS
+    tokenizer: Any,
+    vocab_size: int,
+    num_seqs: int,
+    prompt_tokens: int = PROMPT_TOKENS,
+    async_scheduling: bool = False,
 ) -> LLMEngine:
     """A plain-decoding engine for `num_seqs` sequences of `prompt_tokens`-token prompts over
-    a null runner whose logits are `vocab_size` wide."""
+    a null runner whose logits are `vocab_size` wide (`async_scheduling`: launching each step
+    ahead of the last one's commit, workers/engine/overlap.py)."""
     model = tiny_model(0, vocab_size=vocab_size, max_position_embeddings=8192, num_layers=1)
     config = EngineConfig(
         max_model_len=8192,
@@ -96,6 +102,7 @@ def build_engine(
         max_num_batched_tokens=min(max(512, num_seqs * prompt_tokens), 16384),
         # Room for the prompts and every token the prefill and the timed steps add.
         num_kv_blocks=num_seqs * -(-(prompt_tokens + 256) // 16),
+        async_scheduling=async_scheduling,
         spec=SpecConfig(method="none", adaptive=False),
     )
     return LLMEngine(
@@ -165,10 +172,13 @@ def measure(
     """Every mode at every size; then, with `long_prompts`, greedy at the largest size with
     prompts that long (a block table of a hundred blocks and more a sequence)."""
     results: dict[str, dict[str, Any]] = {mode: {} for mode in MODES}
+    results[ASYNC] = {}
     for n in sizes:
         engine = build_engine(tokenizer, vocab, n)
         for mode, params in MODES.items():
             results[mode][str(n)] = _row(n, *time_steps(engine, n, params, steps))
+        engine = build_engine(tokenizer, vocab, n, async_scheduling=True)
+        results[ASYNC][str(n)] = _row(n, *time_steps(engine, n, MODES["greedy"], steps))
     if long_prompts:
         n = sizes[-1]
         engine = build_engine(tokenizer, vocab, n, long_prompts)
@@ -211,7 +221,10 @@ def render(results: dict[str, dict[str, Any]], command: str, steps: int, vocab: 
         "0.8, top-p 0.95, frequency penalty 0.5, repetition penalty 1.1, no seed. The sampler "
         "column is the time in the host sampler (the sampling transform over the vocabulary, "
         "a top-p sort among it, and the draws: a GPU's device sampler runs them on the "
-        "device); the last column is the step's time beside it, per sequence.\n\n"
+        "device); the last column is the step's time beside it, per sequence. Async "
+        "scheduling: each step launched before the last one's tokens are read "
+        "(`EngineConfig.async_scheduling`), its host work timed the same way (on a GPU it "
+        "runs beside the device's forward).\n\n"
         + table([*header, "beside the sampler (us per sequence)"], rows)
     )
 

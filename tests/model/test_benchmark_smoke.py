@@ -50,7 +50,7 @@ def test_bench_host_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     text = quick_run("bench_host", tmp_path)
     assert "<!-- bench_host:start -->" in text and "| greedy | 64 |" in text
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for mode in ("greedy", "sampled"):
+    for mode in ("greedy", "sampled", "greedy, async scheduling"):
         assert set(last[mode]) == {"16", "64"}
         assert all(row["us_per_seq"] > 0 for row in last[mode].values())
 
