@@ -3,6 +3,11 @@
 The same transform (temperature, then top-k, top-p, min-p, in that order as transformers applies
 them) is applied to target and draft distributions, so the rejection test compares like with like.
 A row with temperature 0 is greedy: its distribution is one-hot on the argmax.
+
+A row's probabilities are the same bits in any batch: a row that does not use top-p or min-p
+keeps its softmax as it is, rather than going through the mask and the renormalization (a sum
+of about 1 that moves the last bits) because another row in the batch uses them. So a seeded
+request draws the same tokens whoever shares its step.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor, check: bool = True) -
 
 
 def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor, check: bool = True) -> torch.Tensor:
-    if check and bool((top_p >= 1).all()):
+    used = top_p < 1
+    if check and not bool(used.any()):
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -68,18 +74,26 @@ def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor, check: bool = True) ->
     drop_sorted = mass_before >= top_p.unsqueeze(1)
     drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return _renormalize(probs.masked_fill(drop, 0.0))
+    return _renormalize_rows(probs, drop, used)
 
 
 def _mask_min_p(probs: torch.Tensor, min_p: torch.Tensor, check: bool = True) -> torch.Tensor:
-    if check and bool((min_p <= 0).all()):
+    used = min_p > 0
+    if check and not bool(used.any()):
         return probs
     threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-    return _renormalize(probs.masked_fill(probs < threshold, 0.0))
+    return _renormalize_rows(probs, probs < threshold, used)
 
 
-def _renormalize(probs: torch.Tensor) -> torch.Tensor:
-    return probs / probs.sum(dim=-1, keepdim=True)
+def _renormalize_rows(
+    probs: torch.Tensor,  # [num_rows, vocab]
+    drop: torch.Tensor,  # [num_rows, vocab] bool: tokens the mask drops
+    used: torch.Tensor,  # [num_rows] bool: rows that use the mask
+) -> torch.Tensor:
+    """The rows that use a mask with its tokens dropped and renormalized; the others as they
+    were, bit for bit."""
+    kept = probs.masked_fill(drop, 0.0)
+    return torch.where(used.unsqueeze(1), kept / kept.sum(dim=-1, keepdim=True), probs)
 
 
 def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int:

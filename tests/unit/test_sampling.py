@@ -69,6 +69,23 @@ def test_rows_use_their_own_parameters() -> None:
     assert (probs[1] > 0).tolist() == [True, False, False, False, True]
 
 
+def test_a_rows_probabilities_do_not_depend_on_its_batch() -> None:
+    """A row without top-p or min-p is not renormalized because another row uses them: its
+    probabilities are the bits it gets alone (a seeded request draws the same tokens whoever
+    shares its step)."""
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    params = (
+        torch.tensor([0.8, 0.7, 1.0, 0.0]),  # temperature (the last row greedy)
+        torch.tensor([0, 50, 0, 0]),  # top-k
+        torch.tensor([1.0, 0.9, 0.95, 1.0]),  # top-p
+        torch.tensor([0.0, 0.0, 0.05, 0.0]),  # min-p
+    )
+    batch = logits_to_probs(logits, *params)
+    for i in range(4):
+        alone = logits_to_probs(logits[i : i + 1], *(p[i : i + 1] for p in params))
+        assert torch.equal(alone[0], batch[i]), i
+
+
 def test_seeded_sampling_is_reproducible_and_follows_probs() -> None:
     probs = torch.tensor([[0.2, 0.0, 0.8]]).repeat(4000, 1)
     gens = [torch.Generator().manual_seed(7)] * 4000
