@@ -53,7 +53,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action="store_true",
         help="launch each plain decode step before reading the last one's tokens, so that "
-        "the host's work overlaps the GPU's (greedy requests at loads that do not speculate)",
+        "the host's work overlaps the GPU's (plain decoding at loads that do not speculate)",
     )
     model.add_argument("--max-model-len", type=int, default=None, help="context (default 4096)")
     model.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default 32)")

@@ -16,6 +16,7 @@ from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.graph_runner import GraphRunner
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.engine.sampler import DeviceSampler, Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import PagedKVCache
 from workers.model.transformer import TransformerLM
@@ -34,7 +35,12 @@ def model() -> TransformerLM:
 
 
 def make_engine(
-    model: TransformerLM, runner: str, overlap: bool, kv_blocks: int = 0, ngram: bool = False
+    model: TransformerLM,
+    runner: str,
+    overlap: bool,
+    kv_blocks: int = 0,
+    ngram: bool = False,
+    sampler: Sampler | None = None,
 ) -> LLMEngine:
     spec = SpecConfig(num_speculative_tokens=3, adaptive=False, disable_batch_size=4)
     config = EngineConfig(
@@ -59,7 +65,9 @@ def make_engine(
             scratch_block=blocks,
         )
     drafters = {"ngram": NgramDrafter(NgramConfig(1, 3))} if ngram else {}
-    return LLMEngine(model, config, eos_token_ids=[EOS], runner=graphs, drafters=drafters)
+    return LLMEngine(
+        model, config, eos_token_ids=[EOS], runner=graphs, drafters=drafters, sampler=sampler
+    )
 
 
 def requests(n: int) -> list[tuple[list[int], SamplingParams, RequestSpec]]:
@@ -117,6 +125,31 @@ def test_async_steps_commit_what_synchronous_steps_do(model: TransformerLM, runn
     tokens, reason = got.pop("r2")
     assert reason == "abort" and tokens == whole["r2"][0][: len(tokens)]
     assert got == {rid: out for rid, out in whole.items() if rid != "r2"}
+
+
+@pytest.mark.parametrize("runner", ["eager", "padded"])
+def test_seeded_sampled_requests_go_ahead_with_a_device_sampler(
+    model: TransformerLM, runner: str
+) -> None:
+    """With the device sampler (counter-based draws keyed by request and position), sampled
+    requests go ahead too, each drawing the tokens the synchronous engine draws."""
+    work = [
+        (p, SamplingParams(max_tokens=10 + i, temperature=0.9, top_p=0.9, seed=i), RequestSpec())
+        for i, p in enumerate(prompts(10, seed=8))
+    ]
+    work[3] = (work[3][0], SamplingParams(max_tokens=12, temperature=0), RequestSpec())
+    work[6] = (
+        work[6][0],
+        SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=1),
+        RequestSpec(),
+    )
+    expected = serve(make_engine(model, runner, False, sampler=DeviceSampler()), work, 1)
+    engine = make_engine(model, runner, True, sampler=DeviceSampler())
+    assert serve(engine, work, 1) == expected
+    assert engine.num_async_steps > 10
+    assert serve(make_engine(model, runner, True), work, 1) == serve(
+        make_engine(model, runner, False), work, 1
+    )  # the host sampler: sampled requests run their steps synchronously
 
 
 def test_speculation_runs_synchronously_below_disable_batch_size(model: TransformerLM) -> None:

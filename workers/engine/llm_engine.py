@@ -133,8 +133,7 @@ class LLMEngine:
         # Called after every step that ran a forward (tracing); must not raise.
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self._feature_bytes: dict[str, int] = {}
-        # A plain decode step launched and not yet committed (async scheduling: overlap.py),
-        # and how many steps were launched so, since start.
+        # Async scheduling (overlap.py): the step launched, not yet committed; steps so since start
         self._launched: Launched | None = None
         self.num_async_steps = 0
 
@@ -316,7 +315,8 @@ class LLMEngine:
         this step runs synchronously (workers/engine/overlap.py says when)."""
         running, load = self.scheduler.running, self.scheduler.num_unfinished
         budget = self.config.max_num_batched_tokens
-        if self.scheduler.waiting or not may_go_ahead(running, ahead, budget):
+        on_device = self.sampler if isinstance(self.sampler, DeviceSampler) else None
+        if self.scheduler.waiting or not may_go_ahead(running, ahead, budget, on_device):
             return None
         drafting = any(s.spec_method != "none" for s in running)
         if (drafting and self.speculator.speculates_at(load)) or self.speculator.hidden_layers(
@@ -329,7 +329,7 @@ class LLMEngine:
         if drafting:  # nobody drafts at this load; drafters still take their call
             self.speculator.propose(running, load)
         self.num_async_steps += 1
-        return launch(self.runner, step, ahead)
+        return launch(self.runner, step, ahead, on_device)
 
     def _commit_launched(self, launched: Launched) -> None:
         """Commit a launched step's tokens as a synchronous step would, but for sequences that

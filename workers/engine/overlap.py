@@ -20,13 +20,15 @@ after it) can use them. A sequence that reaches its `max_tokens` at step N is le
 N + 1.
 
 Only steps the host need not look into go ahead: every running sequence decoding, nobody waiting
-to be admitted, no drafts (nobody speculates at this load, or nobody asks to), greedy requests
-without logit adjustments, log-probabilities or a grammar, no hidden states for drafters, a
+to be admitted, no drafts (nobody speculates at this load, or nobody asks to), greedy requests,
+or sampled ones where the engine samples on the device (`DeviceSampler.sample_next`, keyed by
+the request and the position, so the token is the one a synchronous step draws), without logit
+adjustments, log-probabilities or a grammar, no hidden states for drafters, a
 runner that can feed tokens on the device (not a tensor-parallel group's, whose other ranks need
 them on the host) and room in the cache without preempting. Any other step runs synchronously,
-after the launched one is committed. Greedy output is the synchronous engine's, token for token
-(tests/unit/test_async_scheduling.py); on a CPU, where a forward runs in the caller's thread,
-nothing overlaps, and the path is tested for that.
+after the launched one is committed. Greedy and seeded output is the synchronous engine's,
+token for token (tests/unit/test_async_scheduling.py); on a CPU, where a forward runs in the
+caller's thread, nothing overlaps, and the path is tested for that.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 
 from workers.drafting.base import EMPTY_DRAFT
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
+from workers.engine.sampler import DeviceSampler
 from workers.engine.scheduler import ScheduledSeq
 from workers.engine.sequence import Sequence
 from workers.kv_cache import NoFreeBlocksError
@@ -62,12 +65,13 @@ class Launched:
         return self.host.tolist()
 
 
-def goes_ahead(seq: Sequence) -> bool:
+def goes_ahead(seq: Sequence, sampler: DeviceSampler | None) -> bool:
     """Whether this sequence's decode step may be launched before the host reads the last one:
-    greedy, nothing to adjust, nothing to score, no grammar."""
+    greedy, or sampled where `sampler` draws on the device; nothing to adjust, nothing to
+    score, no grammar."""
     params = seq.params
     return (
-        params.greedy
+        (params.greedy or sampler is not None)
         and not seq.adjusts_logits
         and params.logprobs is None
         and seq.grammar is None
@@ -84,11 +88,15 @@ class PlainDecode:
     copies: list[tuple[int, int]]
 
 
-def may_go_ahead(running: Seq[Sequence], ahead: Launched | None, budget: int) -> bool:
+def may_go_ahead(
+    running: Seq[Sequence], ahead: Launched | None, budget: int, sampler: DeviceSampler | None
+) -> bool:
     """Whether the running sequences' next step may be a plain decode launched ahead (of
     `ahead`, where it is still to be committed): each of them goes ahead (`goes_ahead`), all of
     them in `ahead` or, without one, all of them decoding, and no more than `budget` tokens."""
-    if not running or len(running) > budget or not all(goes_ahead(s) for s in running):
+    if not running or len(running) > budget:
+        return False
+    if not all(goes_ahead(s, sampler) for s in running):
         return False
     if ahead is None:
         return all(s.is_decoding for s in running)
@@ -118,9 +126,12 @@ def plain_decode(
     return step if step.steps else None
 
 
-def launch(runner: ModelRunner, step: PlainDecode, ahead: Launched | None) -> Launched:
+def launch(
+    runner: ModelRunner, step: PlainDecode, ahead: Launched | None, sampler: DeviceSampler | None
+) -> Launched:
     """Queue the step's block copies and forward (fed `ahead`'s tokens where given), its
-    argmax and the tokens' copy to the host."""
+    tokens (the argmax, or `sampler`'s draw for sampled requests) and their copy to the
+    host."""
     start_ns, start = time.time_ns(), time.perf_counter()
     steps = step.steps
     runner.copy_blocks(step.copies)
@@ -132,7 +143,17 @@ def launch(runner: ModelRunner, step: PlainDecode, ahead: Launched | None) -> La
         if index != list(range(len(ahead.seqs))):
             fed = fed.index_select(0, torch.tensor(index, device=fed.device))
     output = runner.forward([f for _, f in steps], input_tokens=fed)
-    tokens = last_rows(output).argmax(dim=-1)
+    rows = last_rows(output)
+    tokens = rows.argmax(dim=-1)
+    sampled = [i for i, (s, _) in enumerate(steps) if not s.seq.params.greedy]
+    if sampled:
+        assert sampler is not None, "sampled requests go ahead only with a device sampler"
+        seqs = [steps[i][0].seq for i in sampled]
+        at = torch.tensor(sampled, device=rows.device)
+        drawn = sampler.sample_next(
+            rows.index_select(0, at).float(), seqs, [steps[i][1].end for i in sampled]
+        )
+        tokens.index_copy_(0, at, drawn)
     if tokens.is_cuda:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)

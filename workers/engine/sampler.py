@@ -110,6 +110,30 @@ class DeviceSampler(Sampler):
         draft_probs: Sequence[torch.Tensor | None],
         seqs: Sequence[Sequence_],
     ) -> list[list[int]]:
+        positions = [len(seq.token_ids) for seq in seqs]  # where this step's first token goes
+        return _unpadded(self._sample(logits, draft_ids, draft_probs, seqs, positions))
+
+    def sample_next(
+        self,
+        logits: torch.Tensor,  # [num_seqs, vocab] fp32: each sequence's last row
+        seqs: Sequence[Sequence_],
+        positions: Sequence[int],  # where each sequence's token goes
+    ) -> torch.Tensor:  # [num_seqs] int64, on the logits' device (nothing read back)
+        """Each sequence's next token without drafts, as `sample` draws it, left on the device
+        (async scheduling: workers/engine/overlap.py)."""
+        num_seqs = len(seqs)
+        no_drafts = [()] * num_seqs
+        logits = logits.view(num_seqs, 1, -1)
+        return self._sample(logits, no_drafts, [None] * num_seqs, seqs, positions)[:, 0]
+
+    def _sample(
+        self,
+        logits: torch.Tensor,  # [num_seqs, max_k + 1, vocab]
+        draft_ids: Sequence[Sequence[int]],
+        draft_probs: Sequence[torch.Tensor | None],
+        seqs: Sequence[Sequence_],
+        positions: Sequence[int],
+    ) -> torch.Tensor:  # [num_seqs, max_k + 1] int64, padded with PLACEHOLDER_TOKEN_ID
         num_seqs, width, vocab = logits.shape
         device = logits.device
         params = [seq.params for seq in seqs]
@@ -126,13 +150,13 @@ class DeviceSampler(Sampler):
             host[n, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
             host[n, max_k] = len(ids)
             host[n, max_k + 1] = seq.rng_key
-            host[n, max_k + 2] = len(seq.token_ids)  # the position this step samples from
+            host[n, max_k + 2] = positions[n]  # the position this step samples from
         host = host.to(device, non_blocking=True)
         q, has_q = _stacked_probs(draft_probs, num_seqs, max_k, vocab, device)
         tokens, _ = rejection_sample_batched(
             host[:, :max_k], host[:, max_k], q, has_q, target_probs, host[:, -2], host[:, -1]
         )
-        return _unpadded(tokens)
+        return tokens
 
 
 def _unpadded(tokens: torch.Tensor) -> list[list[int]]:  # [num_seqs, max_k + 1], padded
