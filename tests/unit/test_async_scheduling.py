@@ -41,12 +41,13 @@ def make_engine(
     kv_blocks: int = 0,
     ngram: bool = False,
     sampler: Sampler | None = None,
+    max_num_seqs: int = 16,
 ) -> LLMEngine:
     spec = SpecConfig(num_speculative_tokens=3, adaptive=False, disable_batch_size=4)
     config = EngineConfig(
         max_model_len=256,
         block_size=BLOCK,
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         num_kv_blocks=kv_blocks,
         async_scheduling=overlap,
         spec=spec,
@@ -119,6 +120,10 @@ def test_async_steps_commit_what_synchronous_steps_do(model: TransformerLM, runn
         assert engine.num_async_steps > 0
         if kv_blocks:  # too few blocks for everyone: preempted, and async steps fell back
             assert engine.scheduler.num_preemptions > 0
+    # A full batch (4 of 12) admits nobody: its steps go ahead while the others wait.
+    full = make_engine(model, runner, True, max_num_seqs=4)
+    assert serve(full, work, 0) == serve(make_engine(model, runner, False, max_num_seqs=4), work, 0)
+    assert full.num_async_steps > 20
     # Aborted mid-answer: what it got so far is its answer's start (an async engine commits a
     # step later than a synchronous one), and the others are untouched.
     got = serve(make_engine(model, runner, True), work, 3, abort=(2, 9))

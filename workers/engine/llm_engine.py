@@ -313,10 +313,10 @@ class LLMEngine:
         """The next step launched where it is a plain decode of every running sequence, fed
         `ahead`'s tokens on the device where that step is still to be committed; None where
         this step runs synchronously (workers/engine/overlap.py says when)."""
-        running, load = self.scheduler.running, self.scheduler.num_unfinished
-        budget = self.config.max_num_batched_tokens
+        running, load, config = self.scheduler.running, self.scheduler.num_unfinished, self.config
+        admits = self.scheduler.waiting and len(running) < config.max_num_seqs  # a step of its own
         on_device = self.sampler if isinstance(self.sampler, DeviceSampler) else None
-        if self.scheduler.waiting or not may_go_ahead(running, ahead, budget, on_device):
+        if admits or not may_go_ahead(running, ahead, config.max_num_batched_tokens, on_device):
             return None
         drafting = any(s.spec_method != "none" for s in running)
         if (drafting and self.speculator.speculates_at(load)) or self.speculator.hidden_layers(

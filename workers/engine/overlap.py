@@ -20,15 +20,15 @@ after it) can use them. A sequence that reaches its `max_tokens` at step N is le
 N + 1.
 
 Only steps the host need not look into go ahead: every running sequence decoding, nobody waiting
-to be admitted, no drafts (nobody speculates at this load, or nobody asks to), greedy requests,
-or sampled ones where the engine samples on the device (`DeviceSampler.sample_next`, keyed by
-the request and the position, so the token is the one a synchronous step draws), without logit
-adjustments, log-probabilities or a grammar, no hidden states for drafters, a
-runner that can feed tokens on the device (not a tensor-parallel group's, whose other ranks need
-them on the host) and room in the cache without preempting. Any other step runs synchronously,
-after the launched one is committed. Greedy and seeded output is the synchronous engine's,
-token for token (tests/unit/test_async_scheduling.py); on a CPU, where a forward runs in the
-caller's thread, nothing overlaps, and the path is tested for that.
+who could be admitted (a full batch admits nobody), no drafts (nobody speculates at this load, or
+nobody asks to), greedy requests, or sampled ones where the engine samples on the device
+(`DeviceSampler.sample_next`, keyed by the request and the position, so the token is the one a
+synchronous step draws), without logit adjustments, log-probabilities or a grammar, no hidden
+states for drafters, a runner that can feed tokens on the device (not a tensor-parallel group's,
+whose other ranks need them on the host) and room in the cache without preempting. Any other step
+runs synchronously, after the launched one is committed. Greedy and seeded output is the
+synchronous engine's, token for token (tests/unit/test_async_scheduling.py); on a CPU, where a
+forward runs in the caller's thread, nothing overlaps, and the path is tested for that.
 """
 
 from __future__ import annotations
