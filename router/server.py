@@ -27,7 +27,8 @@ from router import keys as api_keys
 from router.backends import Backend
 from router.keys import KeyLimits, KeyLine, KeyRing
 from router.protocol import RequestBuilder
-from router.service import RouterService, RoutingPolicy
+from router.routing import RoutingPolicy
+from router.service import RouterService
 from router.state import KEYS_TTL_S, SharedState
 from router.tls import TlsFiles
 

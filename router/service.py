@@ -27,17 +27,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import random
 import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, TypeVar
-
-from redis.exceptions import RedisError
 
 from cluster import logs
 from cluster.config import MigrationSettings
@@ -49,6 +46,7 @@ from router.metrics import RouterMetrics
 from router.protocol import GenerateRequest, RequestBuilder
 from router.registry import RedisWatch
 from router.resume import resumed_request, settings_json
+from router.routing import GroupChooser, RoutingPolicy
 from router.state import Registration, SharedState
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.outputs import Continuation
@@ -64,17 +62,8 @@ T = TypeVar("T")
 # A choice of a request: its first step, and its steps after that.
 Choice = tuple[Step, AsyncGenerator[Step, None]]
 
-LOAD_TTL_S = 0.1  # how long one poll of the verifiers' load is reused
 REGISTRY_FLUSH_S = 0.25  # committed tokens reach the registry at least this often
 MIGRATION_POLL_S = 0.5  # how often a migrating request asks whether a group is back
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingPolicy:
-    """Cache affinity gives way when the cached group is this much busier than the lightest."""
-
-    balance_threshold: int = 8
-    seed: int | None = None
 
 
 class RouterService:
@@ -93,7 +82,6 @@ class RouterService:
         self.backend, self.builder, self.state = backend, builder, state
         self.keys = keys or KeyRing()
         self.block_size, self.max_queue = block_size, max_queue
-        self.policy = policy or RoutingPolicy()
         self.migration = migration or MigrationSettings()
         self.replica = replica or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.metrics = RouterMetrics()
@@ -103,12 +91,9 @@ class RouterService:
         self.admission = Admission(self.keys, state, self.redis)
         self.draining = False  # shutting down: new requests are refused (Router.drain)
         self.cut = False  # the drain's grace is over: requests in flight end at their next step
-        self._random = random.Random(self.policy.seed)
-        self._load: list[LoopLoad] = []
-        self._load_at = 0.0
-        # Requests this replica sent to each group since the last poll: a burst that arrives
-        # between polls spreads out instead of all landing on the group that looked lightest.
-        self._sent_since_poll: list[int] = []
+        self.routing = GroupChooser(
+            backend, state, self.redis, self.metrics, block_size, policy or RoutingPolicy()
+        )
         self._tasks: set[asyncio.Task[Any]] = set()
         # Parsing, validating and tokenizing a request (chat templates, grammars) is CPU work
         # that takes a second for a large prompt: it runs on these threads, so the event loop
@@ -141,57 +126,10 @@ class RouterService:
         return "degraded" if self.redis.serving_without_redis else None
 
     async def load(self) -> list[LoopLoad]:
-        now = time.monotonic()
-        if now - self._load_at > LOAD_TTL_S:
-            try:
-                self._load = await self.backend.load()
-            except Exception as exc:  # a group is down: route on what was last known
-                log.warning("verifier load unavailable: %r", exc)
-                if len(self._load) != len(self.backend.groups):
-                    self._load = [LoopLoad(0, 0, 0.0) for _ in self.backend.groups]
-            self._load_at = now
-            self._sent_since_poll = [0] * len(self.backend.groups)
-            for name, load in zip(self.backend.groups, self._load, strict=True):
-                self.metrics.queue_depth.labels(name).set(load.queue_depth)
-                self.metrics.kv_usage.labels(name).set(load.kv_usage)
-        return self._load
+        return await self.routing.load()
 
     async def choose_group(self, prompt_ids: Sequence[int], salt: int = 0) -> tuple[int, str]:
-        """(group index, why): longest cached prefix (of the prompt's blocks under cache
-        salt `salt`), then power of two choices by load."""
-        groups = self.backend.groups
-        if len(groups) == 1:
-            return 0, "only"
-        loads = await self.load()
-        cached = dict.fromkeys(groups, 0)  # without prefix hints, routed by load alone
-        if self.redis.up:
-            try:
-                cached = await self.state.cached_blocks(prompt_ids, self.block_size, groups, salt)
-            except RedisError as exc:
-                self.redis.failed(exc)
-        score = [
-            (g.queue_depth + sent, g.kv_usage)
-            for g, sent in zip(loads, self._sent_since_poll, strict=True)
-        ]
-        choice, reason = self._pick(score, [cached[name] for name in groups])
-        self._sent_since_poll[choice] += 1
-        return choice, reason
-
-    def _pick(self, score: list[tuple[int, float]], cached: list[int]) -> tuple[int, str]:
-        lightest = min(s[0] for s in score)
-        best = max(cached)
-        if best > 0:
-            holders = [i for i, depth in enumerate(cached) if depth == best]
-            fit = [i for i in holders if score[i][0] - lightest <= self.policy.balance_threshold]
-            if fit:
-                return self._two_choices(fit, score), "prefix"
-        return self._two_choices(list(range(len(score))), score), "load"
-
-    def _two_choices(self, candidates: list[int], score: list[tuple[int, float]]) -> int:
-        if len(candidates) == 1:
-            return candidates[0]
-        a, b = self._random.sample(candidates, 2)
-        return a if score[a] <= score[b] else b
+        return await self.routing.choose(prompt_ids, salt)
 
     async def start(self, requests: Sequence[GenerateRequest], request_id: str) -> list[Choice]:
         """The choices of a request (one `GenerateRequest` per prompt of a batch), each past
@@ -414,7 +352,7 @@ class RouterService:
             if healthy:
                 loads = await self.load()
                 score = [(load.queue_depth, load.kv_usage) for load in loads]
-                return self._two_choices(others or healthy, score)
+                return self.routing.lighter_of_two(others or healthy, score)
             if time.monotonic() >= deadline:
                 raise exc
             await asyncio.sleep(MIGRATION_POLL_S)

@@ -15,7 +15,8 @@ from router.backends import Step
 from router.keys import ApiKey, KeyLimits, key_digest
 from router.protocol import GenerateRequest
 from router.redis_server import EmbeddedRedis
-from router.service import RouterService, RoutingPolicy
+from router.routing import RoutingPolicy
+from router.service import RouterService
 from router.state import MAX_RESUME_BYTES, Registration, SharedState
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.sampling_params import SamplingParams
@@ -214,7 +215,7 @@ def test_routing_prefers_the_cached_prefix_then_the_lighter_group(state) -> None
         warm = await service.choose_group(prompt)
         # The cached group is far busier than the lightest: affinity gives way.
         loads[0] = LoopLoad(12, 3, 0.8)
-        service._load_at = 0.0
+        service.routing._load_at = 0.0
         busy = await service.choose_group(prompt)
         # A served request records its blocks for the next one.
         steps = [st async for st in service.generate(_request(list(range(500, 520))), "q1")]
