@@ -54,3 +54,9 @@ def open_router(local_engine, checkpoint, redis_server) -> Iterator[RunningRoute
     running = start_router(LocalBackend(local_engine), checkpoint.tokenizer, redis_server, db=1)
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def server(open_router) -> str:  # type: ignore[no-untyped-def]
+    """The URL of the module's router (`open_router`)."""
+    return open_router.url

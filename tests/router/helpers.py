@@ -156,3 +156,14 @@ def small_workload(folder: Any) -> str:
     with open(path, "w") as out:
         out.writelines(json.dumps(row) + "\n" for row in rows)
     return path
+
+
+def plain_greedy(model_fp32, checkpoint, prompt_ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """The bundled model's greedy tokens for a prompt, decoded plainly (fp32)."""
+    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.sequential import SequentialEngine
+
+    engine = SequentialEngine(
+        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=256
+    )
+    return engine.generate(prompt_ids, SamplingParams(max_tokens=n, temperature=0)).token_ids

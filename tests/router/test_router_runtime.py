@@ -27,7 +27,7 @@ from tests.router.helpers import (
     sse_events,
     start_router,
 )
-from tests.router.test_http_api import BAD
+from tests.router.test_http_choices import BAD
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
