@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -167,3 +168,65 @@ def plain_greedy(model_fp32, checkpoint, prompt_ids: list[int], n: int) -> list[
         model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=256
     )
     return engine.generate(prompt_ids, SamplingParams(max_tokens=n, temperature=0)).token_ids
+
+
+def group_of(router: RunningRouter, request_id: str) -> str:
+    """The verifier group that served a request, once the registry has its end."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        code, record = get(f"{router.url}/v1/requests/{request_id}")
+        if code == 200 and record["state"] == "finished":
+            return str(record["group"])
+        time.sleep(0.05)
+    raise AssertionError(f"{request_id} never finished in the registry")
+
+
+def routed_counts(router: RunningRouter) -> dict[tuple[str, str], float]:
+    """outrider_routed_total by (group, reason), from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, text = get(router.url + "/metrics")
+    counts = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "outrider_routed_total":
+                counts[(sample.labels["group"], sample.labels["reason"])] = sample.value
+    return counts
+
+
+def leave_mid_stream(
+    router: RunningRouter, body: dict[str, Any], path: str = "/v1/completions"
+) -> str:
+    """Start a stream, read its first event, hang up; the request's id."""
+    with raw_completion_stream(router.port, body, path) as sock:
+        received = b""
+        while b"data: " not in received.partition(b"\r\n\r\n")[2]:
+            received += sock.recv(4096)
+    head = received.partition(b"\r\n\r\n")[0].decode()
+    return next(
+        line.split(":", 1)[1].strip()
+        for line in head.splitlines()
+        if line.lower().startswith("x-request-id:")
+    )
+
+
+def record_when_finished(router: RunningRouter, request_id: str) -> dict[str, Any]:
+    """The request's registry entry, read through `router`, once the replica serving it has
+    recorded its end in Redis."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        _, record = get(f"{router.url}/v1/requests/{request_id}")
+        if record.get("state") == "finished":
+            break
+        time.sleep(0.05)
+    return record
+
+
+def migration_count(router: RunningRouter) -> float:
+    """outrider_migrations_total, from /metrics."""
+    text = urllib.request.urlopen(router.url + "/metrics").read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("outrider_migrations_total")
+    )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,8 +20,13 @@ from tests.router.helpers import (
     MODEL,
     RunningRouter,
     get,
+    group_of,
+    leave_mid_stream,
+    migration_count,
     post,
     raw_completion_stream,
+    record_when_finished,
+    routed_counts,
     small_workload,
     sse_events,
     start_router,
@@ -178,7 +182,7 @@ def test_several_choices_over_the_runtime(router, runtime) -> None:  # type: ign
     _, one, _, _ = post(router.url + "/v1/completions", body)
     _, three, _, _ = post(router.url + "/v1/completions", {**body, "n": 3})
     assert [c["text"] for c in three["choices"]] == [one["choices"][0]["text"]] * 3
-    groups = {_group_of(router, f"{three['id']}-{i}") for i in range(3)}
+    groups = {group_of(router, f"{three['id']}-{i}") for i in range(3)}
     assert len(groups) == 1
     _, _, raw, _ = post(router.url + "/v1/completions", {**body, "n": 2, "stream": True})
     texts = ["", ""]
@@ -203,45 +207,22 @@ def test_the_verifier_refusing_a_request_is_a_400_and_the_groups_keep_serving(ro
         assert post(router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[0] == 200
 
 
-def _group_of(router: RunningRouter, request_id: str) -> str:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        code, record = get(f"{router.url}/v1/requests/{request_id}")
-        if code == 200 and record["state"] == "finished":
-            return str(record["group"])
-        time.sleep(0.05)
-    raise AssertionError(f"{request_id} never finished in the registry")
-
-
 def test_a_shared_prefix_goes_back_to_the_group_that_cached_it(router) -> None:  # type: ignore[no-untyped-def]
     url = router.url + "/v1/chat/completions"
-    before = _routed(router)
+    before = routed_counts(router)
     groups = []
     for question in ("Name a river.", "Name a mountain.", "Name a city.", "Name a sea."):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
         code, out, _, _ = post(url, {"messages": messages, "max_tokens": 4, "temperature": 0})
         assert code == 200
-        groups.append(_group_of(router, out["id"]))
+        groups.append(group_of(router, out["id"]))
         time.sleep(0.1)  # the prefix index is written just after the first token
     assert len(set(groups)) == 1, groups
-    after = _routed(router)
+    after = routed_counts(router)
     assert after.get((groups[0], "prefix"), 0) - before.get((groups[0], "prefix"), 0) >= 3
     # Both groups are reported to Prometheus.
     _, metrics = get(router.url + "/metrics")
     assert 'outrider_verifier_queue_depth{group="verifier-g1-r0"}' in metrics
-
-
-def _routed(router: RunningRouter) -> dict[tuple[str, str], float]:
-    """outrider_routed_total by (group, reason), from /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    _, text = get(router.url + "/metrics")
-    counts = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "outrider_routed_total":
-                counts[(sample.labels["group"], sample.labels["reason"])] = sample.value
-    return counts
 
 
 def _idle(runtime) -> bool:  # type: ignore[no-untyped-def]
@@ -298,39 +279,11 @@ def test_bad_requests_over_the_runtime(router, body, status, message, param) -> 
     assert post(router.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})[0] == 200
 
 
-def _leave_mid_stream(
-    router: RunningRouter, body: dict[str, Any], path: str = "/v1/completions"
-) -> str:
-    """Start a stream, read its first event, hang up; the request's id."""
-    with raw_completion_stream(router.port, body, path) as sock:
-        received = b""
-        while b"data: " not in received.partition(b"\r\n\r\n")[2]:
-            received += sock.recv(4096)
-    head = received.partition(b"\r\n\r\n")[0].decode()
-    return next(
-        line.split(":", 1)[1].strip()
-        for line in head.splitlines()
-        if line.lower().startswith("x-request-id:")
-    )
-
-
-def _record_when_finished(router: RunningRouter, request_id: str) -> dict[str, Any]:
-    """The request's registry entry, read through `router`, once the replica serving it has
-    recorded its end in Redis."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        _, record = get(f"{router.url}/v1/requests/{request_id}")
-        if record.get("state") == "finished":
-            break
-        time.sleep(0.05)
-    return record
-
-
 def test_another_replica_resumes_a_request_whose_client_left(router, router_b) -> None:  # type: ignore[no-untyped-def]
     body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     _, whole, _, _ = post(router.url + "/v1/completions", body)
-    request_id = _leave_mid_stream(router, body)
-    record = _record_when_finished(router_b, request_id)
+    request_id = leave_mid_stream(router, body)
+    record = record_when_finished(router_b, request_id)
     assert record["finish_reason"] == "abort" and 0 < len(record["token_ids"]) < 40
     code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")
     assert code == 200, out
@@ -362,8 +315,8 @@ def test_structured_output_over_the_runtime_and_its_resume(router, router_b) -> 
     text = whole["choices"][0]["text"]
     assert re.fullmatch(body["guided_regex"], text), text
     assert whole["choices"][0]["finish_reason"] == "stop"
-    request_id = _leave_mid_stream(router, body)
-    record = _record_when_finished(router_b, request_id)
+    request_id = leave_mid_stream(router, body)
+    record = record_when_finished(router_b, request_id)
     assert record["finish_reason"] == "abort"
     assert 0 < len(record["token_ids"]) < whole["usage"]["completion_tokens"]
     code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")
@@ -386,8 +339,8 @@ def test_a_forced_tool_call_resumed_on_another_replica(router, router_b) -> None
     code, whole, _, _ = post(router.url + url, body)
     assert code == 200, whole
     (call,) = whole["choices"][0]["message"]["tool_calls"]
-    request_id = _leave_mid_stream(router, body, url)
-    record = _record_when_finished(router_b, request_id)
+    request_id = leave_mid_stream(router, body, url)
+    record = record_when_finished(router_b, request_id)
     assert record["finish_reason"] == "abort"
     assert 0 < len(record["token_ids"]) < whole["usage"]["completion_tokens"]
     code, out, _, _ = post(f"{router_b.url}/v1/requests/{request_id}/resume", b"")
@@ -430,15 +383,6 @@ def _kill_group_of(router: RunningRouter, runtime: Any, request_id: str) -> tupl
     return actor, pid
 
 
-def _migrations(router: RunningRouter) -> float:
-    text = urllib.request.urlopen(router.url + "/metrics").read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("outrider_migrations_total")
-    )
-
-
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 11}])
 def test_a_stream_whose_verifier_dies_goes_on_on_another_group(  # type: ignore[no-untyped-def]
     router, runtime, sampling
@@ -448,7 +392,7 @@ def test_a_stream_whose_verifier_dies_goes_on_on_another_group(  # type: ignore[
     client sees no error and the text, usage and finish reason of an uninterrupted run."""
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
     whole = client.completions.create(model=MODEL, **MOVING, **sampling)
-    before = _migrations(router)
+    before = migration_count(router)
     raw = client.completions.with_raw_response.create(
         model=MODEL, stream=True, stream_options={"include_usage": True}, **MOVING, **sampling
     )
@@ -464,7 +408,7 @@ def test_a_stream_whose_verifier_dies_goes_on_on_another_group(  # type: ignore[
     assert "".join(pieces) == whole.choices[0].text
     assert finish == whole.choices[0].finish_reason == "length"
     assert usage.completion_tokens == whole.usage.completion_tokens == 96
-    assert _migrations(router) == before + 1
+    assert migration_count(router) == before + 1
     # The request's span on its new group says it continued from the committed tokens.
     from cluster import telemetry
 
