@@ -362,8 +362,8 @@ def measure(args: argparse.Namespace) -> None:
     tok = checkpoint.tokenizer
     model = build_model(checkpoint, dtype=torch.bfloat16, device=device)
     from tests.benchmarks.bench_gpu_8b import eight_b
-    from tests.benchmarks.bench_spec import PROMPTS
     from tests.benchmarks.hf import TransformersPeer
+    from tests.benchmarks.spec_prompts import PROMPTS
 
     prompts = {kind: [chat_ids(tok, t) for t in texts] for kind, texts in PROMPTS.items()}
     pool = [chat_ids(tok, t) for texts in held_out_prompts().values() for t in texts]

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tests.benchmarks.bench_spec import CODE, JS, PROMPTS, SCRIPT
 from tests.benchmarks.report import bench_args, bench_parser, machine_line, table, write_section
+from tests.benchmarks.spec_prompts import CODE, JS, PROMPTS, SCRIPT
 from workers.eagle.prompts import HELD_OUT
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import ModelSpec, build_engine

@@ -32,7 +32,6 @@ from gguf import GGUFReader
 
 from tests.benchmarks.bench_spec import (
     Run,
-    chat_prompts,
     interleaved,
     median_tps,
     merged_stats,
@@ -46,6 +45,7 @@ from tests.benchmarks.report import (
     table,
     write_section,
 )
+from tests.benchmarks.spec_prompts import chat_prompts
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.factory import LoadedEngine, ModelSpec, build_engine
 from workers.engine.outputs import Completion

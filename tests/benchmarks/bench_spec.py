@@ -35,11 +35,11 @@ from tests.benchmarks.report import (
     table,
     write_section,
 )
+from tests.benchmarks.spec_prompts import chat_prompts
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
 from workers.engine.calibration import forward_times, relative_token_cost
 from workers.engine.config import (
-    DEFAULT_MIN_DRAFT_CONFIDENCE,
     EngineConfig,
     RequestSpec,
     SpecConfig,
@@ -48,84 +48,8 @@ from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import Completion
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import Checkpoint, build_model, load_checkpoint, truncate_layers
-from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
 
-CODE = """def load_users(path):
-    users = []
-    with open(path) as f:
-        for line in f:
-            name, age = line.strip().split(",")
-            users.append({"name": name, "age": int(age)})
-    return users
-
-
-def adults(users):
-    result = []
-    for user in users:
-        if user["age"] >= 18:
-            result.append(user)
-    return result
-"""
-PASSAGE = (
-    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 "
-    "individual reefs and 900 islands stretching for over 2,300 kilometres. The reef is located "
-    "in the Coral Sea, off the coast of Queensland, Australia. It can be seen from outer space "
-    "and is the world's biggest single structure made by living organisms. The reef structure "
-    "is composed of and built by billions of tiny organisms, known as coral polyps. It supports "
-    "a wide diversity of life and was selected as a World Heritage Site in 1981."
-)
-SCRIPT = """import sys
-
-
-def read_scores(path):
-    scores = {}
-    with open(path) as f:
-        for line in f:
-            name, score = line.split(":")
-            scores[name.strip()] = float(score)
-    return scores
-
-
-def main():
-    tmp = read_scores(sys.argv[1])
-    for name in sorted(tmp):
-        print(name, tmp[name])
-
-
-if __name__ == "__main__":
-    main()
-"""
-JS = """function totalPrice(items, taxRate) {
-  let total = 0;
-  for (const item of items) {
-    if (item.quantity = 0) {
-      continue;
-    }
-    total += item.price * item.quantity;
-  }
-  return total * (1 + taxRate);
-}
-
-function cheapest(items) {
-  return items.reduce((best, item) => (item.price < best.price ? item : best));
-}
-"""
-# Each kind is a list: a kind's tokens/s pools its prompts, run one after another. Code edits
-# are three, because one prompt's copy can hold in one process and drift in the next (see the
-# section's text), which swings a single prompt's speed-up by a third.
-PROMPTS = {
-    "code edit": [
-        "Fix the typo in this code and show the full corrected code:\n\n"
-        f"```python\n{CODE.replace('result.append', 'result.apend')}```",
-        "Rename the variable `tmp` to `scores` in this script and show the whole script:\n\n"
-        f"```python\n{SCRIPT}```",
-        "Fix the bug in this JavaScript code (the `if` uses `=` instead of `===`) and show the "
-        f"full corrected code:\n\n```javascript\n{JS}```",
-    ],
-    "summary": [f"Summarize this passage, quoting its most important sentences:\n\n{PASSAGE}"],
-    "open chat": ["What are some good habits for staying healthy while working from home?"],
-}
 METHODS = ("none", "ngram", "suffix", "draft_model")
 STAT_COLUMNS = [
     "prompt",
@@ -416,69 +340,9 @@ def transformers_section(
     return table(header, rows), ratios
 
 
-def qwen_pair_section(runs: int, max_tokens: int) -> str:
-    """Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B (`make models-qwen`), single stream."""
-    target_ck = load_checkpoint("qwen2.5-coder-1.5b")
-    draft_ck = load_checkpoint("qwen2.5-coder-0.5b")
-    target = build_model(target_ck, dtype=torch.bfloat16)
-    draft = build_model(draft_ck, dtype=torch.bfloat16)
-    # As served (drafts end where the draft model doubts them), and with whole drafts; the
-    # engines share the weights.
-    engine = build_engine(target, draft, target_ck, min_confidence=DEFAULT_MIN_DRAFT_CONFIDENCE)
-    whole = build_engine(target, draft, target_ck)
-    tok = target_ck.tokenizer
-    prompt_ids = chat_prompts(tok)
-    fixed_k = build_engine(target, draft, target_ck, adaptive=False, k=4)
-    rows = []
-    for kind, ids in prompt_ids.items():
-        jobs = {
-            m: (lambda m=m, ids=ids: run_each(engine, ids, m, max_tokens))
-            for m in ("none", "ngram", "draft_model")
-        }
-        jobs["draft_model, whole drafts"] = lambda ids=ids: run_each(
-            whole, ids, "draft_model", max_tokens
-        )
-        jobs["draft_model, k = 4 fixed, whole drafts"] = lambda ids=ids: run_each(
-            fixed_k, ids, "draft_model", max_tokens
-        )
-        results = interleaved(runs, jobs, f"qwen pair, {kind}")
-        for name, rs in results.items():
-            length, k_mean, alpha = merged_stats(rs)
-            tps = median_tps(rs)
-            rows.append(
-                [
-                    kind,
-                    name,
-                    f"{tps:.2f}",
-                    f"{paired_ratio(rs, results['none']):.2f}x",
-                    f"{length:.2f}",
-                    f"{k_mean:.2f}",
-                    f"{alpha:.2f}",
-                ]
-            )
-    cost = engine.speculator.draft_costs["draft_model"]
-    return (
-        "Qwen2.5-Coder-1.5B-Instruct (target) with Qwen2.5-Coder-0.5B-Instruct drafting, both bf16 "
-        f"from their GGUFs; a draft token costs {cost:.2f} target forwards here. Adaptive k weighs "
-        "that against the measured acceptance; the fixed-k row shows what drafting regardless "
-        "would do. `draft_model` is as served: a draft ends where the draft model's probability "
-        f"of it falls below {DEFAULT_MIN_DRAFT_CONFIDENCE} (`min_draft_confidence`); the `whole "
-        "drafts` rows draft all k.\n\n"
-        + table(
-            STAT_COLUMNS,
-            rows,
-        )
-    )
-
-
-def chat_prompts(tok: Tokenizer) -> dict[str, list[list[int]]]:
-    return {
-        kind: [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-        for kind, texts in PROMPTS.items()
-    }
-
-
 def main() -> None:
+    from tests.benchmarks.bench_spec_qwen import qwen_pair_section
+
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
