@@ -56,3 +56,21 @@ def test_the_check_sees_imports_inside_functions() -> None:
         "x.py:5 imports cluster",
     ]
     assert against_the_layers("router", source, "x.py") == []
+
+
+MAX_LINES = 500  # one concern a file (the developers' guide)
+SOURCES = (*LAYERS, "tests")
+
+
+def test_no_source_file_is_longer_than_500_lines() -> None:
+    """Every Python module and C source of the code and its tests, generated code aside."""
+    too_long = []
+    for folder in SOURCES:
+        for path in sorted((ROOT / folder).rglob("*")):
+            name = path.relative_to(ROOT).as_posix()
+            if path.suffix not in (".py", ".c", ".h") or name.startswith(GENERATED):
+                continue
+            num_lines = path.read_text().count("\n")
+            if num_lines > MAX_LINES:
+                too_long.append(f"{name}: {num_lines} lines")
+    assert too_long == []
