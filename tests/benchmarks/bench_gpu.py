@@ -28,6 +28,7 @@ detokenizes. Free of Ray, Redis and OpenTelemetry imports: the lent GPU machines
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -426,7 +427,9 @@ def measure(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
     if not args.skip_8b and "llama_8b_shape" in args.parts:
         copy = results.get("environment", {}).get("copy_gb_s", 4000.0)
-        run_part(results, "llama_8b_shape", out, lambda: eight_b(device, copy, max_tokens))
+        overlap = args.async_scheduling
+        big = functools.partial(eight_b, device, copy, max_tokens, async_scheduling=overlap)
+        run_part(results, "llama_8b_shape", out, big)
         torch.cuda.empty_cache()
     if args.skip_hf or "hf" not in args.parts:
         return

@@ -55,10 +55,15 @@ def random_model(config: ModelConfig, device: torch.device) -> TransformerLM:
 
 
 def eight_b(
-    device: torch.device, copy_gb_s: float, max_tokens: int, shape: ModelConfig = LLAMA_8B
+    device: torch.device,
+    copy_gb_s: float,
+    max_tokens: int,
+    shape: ModelConfig = LLAMA_8B,
+    async_scheduling: bool = False,
 ) -> dict[str, Any]:
     """The part's measurements for a model of `shape` (Llama-3.1-8B's; a small one checks the
-    script on a CPU)."""
+    script on a CPU). With `async_scheduling` a decode step's time runs from its launch to its
+    commit, one step later (workers/engine/overlap.py)."""
     model = random_model(shape, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     config = EngineConfig(
@@ -66,6 +71,7 @@ def eight_b(
         max_num_seqs=64,
         max_num_batched_tokens=PREFILL_BUDGET,  # a GPU's: the CPU's 512 split prefills in four
         num_kv_blocks=64 * 24,
+        async_scheduling=async_scheduling,
         spec=SpecConfig(num_speculative_tokens=16, adaptive=False),
     )
     start = time.perf_counter()

@@ -172,13 +172,14 @@ def test_bench_quant_quick_run(tmp_path: Path) -> None:
 
 def test_bench_gpu_8b_shape_part_on_a_small_shape() -> None:
     """bench_gpu's 8B-shaped part, on a small shape on the CPU: its decode steps are timed
-    apart from its prefill steps."""
+    apart from its prefill steps, also with async scheduling."""
     from tests.benchmarks.bench_gpu_8b import eight_b
     from tests.factories import tiny_config
 
     shape = tiny_config(max_position_embeddings=1024, vocab_size=512)
-    result = eight_b(torch.device("cpu"), 10.0, 8, shape)
-    for batch in ("1", "64"):
-        decode = result["decode"][batch]
-        assert decode["decode_step_ms"] > 0 and decode["prefill_steps"] >= 1
-    assert result["decode"]["64"]["prefill_steps"] <= 4  # 64 x 128 prompt tokens, 2048 a step
+    for overlap in (False, True):
+        result = eight_b(torch.device("cpu"), 10.0, 8, shape, async_scheduling=overlap)
+        for batch in ("1", "64"):
+            decode = result["decode"][batch]
+            assert decode["decode_step_ms"] > 0 and decode["prefill_steps"] >= 1
+        assert result["decode"]["64"]["prefill_steps"] <= 4  # 64 x 128 prompt tokens, 2048 a step
