@@ -34,7 +34,7 @@ from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.attention_invariant import InvariantAttention
 from kernels.attention_uniform import MAX_TREE_WIDTH, select_uniform_backend
 from workers.engine.config import EngineConfig
-from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
+from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward, check_fed
 from workers.engine.step_buffers import StepBuffers, UniformShape
 from workers.kv_cache import PagedKVCache
 from workers.model.transformer import ModelOutput, TransformerLM, make_deterministic
@@ -263,8 +263,7 @@ class GraphRunner(ModelRunner):
             seq.check_room(self.block_size, self.model.config.max_position_embeddings)
         self.buffers.stage(seqs, shape)
         if input_tokens is not None:  # each sequence's one token, over what was staged
-            if any(len(s.token_ids) != 1 for s in seqs):
-                raise ValueError("fed tokens need one new token a sequence")
+            check_fed(seqs)
             width = shape.width
             self.buffers.views(shape).input_ids[: len(seqs) * width : width].copy_(input_tokens)
         if replay_or_run(self._graphs, shape, self._run):

@@ -323,7 +323,7 @@ class LLMEngine:
             running, load
         ):
             return None
-        step = plain_decode(running, ahead, self.max_model_len)
+        step = plain_decode(running, ahead)
         if step is None:
             return None
         if drafting:  # nobody drafts at this load; drafters still take their call

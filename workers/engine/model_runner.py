@@ -56,6 +56,12 @@ class SeqForward:
             )
 
 
+def check_fed(seqs: Sequence[SeqForward]) -> None:
+    """Raise unless each sequence brings one new token, which fed tokens stand in for."""
+    if any(len(s.token_ids) != 1 for s in seqs):
+        raise ValueError("fed tokens need one new token a sequence")
+
+
 @dataclass(frozen=True, slots=True)
 class BatchInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -187,8 +193,7 @@ class ModelRunner:
             seqs, self.block_size, self.model.config.max_position_embeddings, self.model.device
         )
         if input_tokens is not None:
-            if len(inputs.input_ids) != len(seqs):
-                raise ValueError("fed tokens need one new token a sequence")
+            check_fed(seqs)
             inputs.input_ids.copy_(input_tokens)
         output = self.model(
             inputs.input_ids,

@@ -103,9 +103,7 @@ def may_go_ahead(
     return {id(s) for s in running} <= {id(s.seq) for s in ahead.seqs}
 
 
-def plain_decode(
-    seqs: Seq[Sequence], ahead: Launched | None, max_model_len: int
-) -> PlainDecode | None:
+def plain_decode(seqs: Seq[Sequence], ahead: Launched | None) -> PlainDecode | None:
     """Each sequence's decode step, one position past `ahead`'s where that step is still to be
     committed (its token fed on the device), with its cache slot made writable; None where a
     sequence cannot take one without preempting (the slots already made stay: later steps
@@ -113,7 +111,7 @@ def plain_decode(
     step = PlainDecode([], [])
     for seq in seqs:
         position = seq.num_computed_tokens + (ahead is not None)
-        if ahead is not None and position + 1 >= min(seq.token_limit, max_model_len):
+        if ahead is not None and position + 1 >= seq.token_limit:  # the context's end too
             continue  # its step in `ahead` commits its last token
         table = seq.block_table
         try:
