@@ -49,6 +49,43 @@ def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
     assert (transform(LOGITS, p=1e-6)[0] > 0).tolist() == [False, False, False, False, True]
 
 
+def test_top_p_keeps_the_tokens_tied_with_the_last_one_kept() -> None:
+    logits = torch.tensor([[3.0, 1.0, 2.0, 1.0, 1.0, 0.0]])
+    base = torch.softmax(logits, -1)[0]
+    # The prefix reaching p ends at the first 1.0; its ties stay whatever order a sort gives.
+    probs = transform(logits, p=float(base[0] + base[2]) + 1e-3)[0]
+    assert (probs > 0).tolist() == [True, True, True, True, True, False]
+
+
+def reference_top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Row by row over the whole sorted row: the value of the last token of the smallest prefix
+    whose mass before a token reaches top_p (the mass summed as the kernel sums it)."""
+    floors = []
+    for row, p in zip(probs, top_p.tolist(), strict=True):
+        values = row.sort(descending=True).values
+        before = (values.cumsum(0) - values).tolist()
+        end = next((i for i, mass in enumerate(before) if mass >= p), len(before))
+        floors.append(values[end - 1])
+    return torch.stack(floors).unsqueeze(1)
+
+
+def test_top_p_from_candidates_is_the_whole_rows_sort() -> None:
+    """The CPU's top-p looks at a row's likeliest 16, 256 and 2,048 before sorting it whole: for
+    peaked rows, flat ones (past every candidate count), ties from bf16 logits and small and
+    large p in one batch, the floor is the whole sort's, bit for bit, and the mask keeps what
+    is at least the floor."""
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.tensor([0.1, 1.0, 3.0, 8.0, 20.0]).repeat_interleave(8)
+    logits = (torch.randn(40, 4096, generator=gen) * scales.unsqueeze(1)).bfloat16().float()
+    probs = torch.softmax(logits, -1)
+    top_p = torch.rand(40, generator=gen) * 0.99 + 0.005
+    floor = kernels.sampling.top_p_floor(probs, top_p, kernels.sampling.TOP_P_CANDIDATES)
+    assert torch.equal(floor, reference_top_p_floor(probs, top_p))
+    assert torch.equal(floor, kernels.sampling.top_p_floor(probs, top_p))
+    kept = transform(logits, p=0.9) > 0
+    assert torch.equal(kept, probs >= reference_top_p_floor(probs, torch.full((40,), 0.9)))
+
+
 def test_min_p_drops_tokens_below_fraction_of_max() -> None:
     base = torch.softmax(LOGITS, -1)[0]
     ratio = float(base[1] / base[4])  # token 1 sits exactly at the threshold and stays

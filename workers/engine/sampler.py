@@ -88,7 +88,8 @@ class HostSampler(Sampler):
         target_probs = _transform(logits, params, None)
         drafts = torch.full((num_seqs, width - 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
         for n, ids in enumerate(draft_ids):
-            drafts[n, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+            if ids:  # most rows at load draft nothing
+                drafts[n, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
         sampled = rejection_sample(
             drafts,
             [len(ids) for ids in draft_ids],
@@ -145,13 +146,14 @@ class DeviceSampler(Sampler):
         )
         target_probs = _transform(logits, params, uses)
         max_k = width - 1
-        host = torch.full((num_seqs, max_k + 3), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
-        for n, (ids, seq) in enumerate(zip(draft_ids, seqs, strict=True)):
-            host[n, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
-            host[n, max_k] = len(ids)
-            host[n, max_k + 1] = seq.rng_key
-            host[n, max_k + 2] = positions[n]  # the position this step samples from
-        host = host.to(device, non_blocking=True)
+        # A row a sequence: its drafts (padded), how many, its random key and the position
+        # this step samples from; built as lists and made a tensor once.
+        pad = [PLACEHOLDER_TOKEN_ID] * max_k
+        rows = [
+            [*ids, *pad[len(ids) :], len(ids), seq.rng_key, position]
+            for ids, seq, position in zip(draft_ids, seqs, positions, strict=True)
+        ]
+        host = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
         q, has_q = _stacked_probs(draft_probs, num_seqs, max_k, vocab, device)
         tokens, _ = rejection_sample_batched(
             host[:, :max_k], host[:, max_k], q, has_q, target_probs, host[:, -2], host[:, -1]
