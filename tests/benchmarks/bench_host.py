@@ -3,15 +3,16 @@
 `python -m tests.benchmarks.bench_host` fills an engine with 16, 64 and 256 decoding sequences
 (the bundled model's tokenizer, plain decoding, as served) and times its steps with the runner a
 GPU decodes with (`GraphRunner`: inputs staged into persistent buffers, padded to a captured
-batch size; an 8k context) minus its model call, its logits made beforehand: what is left is
-the step's host work (scheduling, inputs, sampling and verification, committing tokens,
-detokenizing, outputs). Greedy, and sampled with temperature,
-top-p and penalties. The logits are `--vocab` wide (1,024): the math over a whole vocabulary
-(argmax, softmax, top-p's sort: 3.5 ms for a greedy step of 256 rows of the bundled model's
-49,152 on the 2-core VM) is the device's on a GPU, and `--vocab 49152` puts it back. Prints a
-table, writes its section of docs/benchmarks.md, and ends with one JSON line:
-`{"greedy": {"16": {"us_per_seq": ...}, ...}, "sampled": {...}}`. On a GPU the same work runs
-between the device's forwards; this measures it on the CPU alone.
+batch size; an 8k context) minus its model call: what is left is the step's host work
+(scheduling, inputs, sampling and verification, committing tokens, detokenizing, outputs).
+Greedy, and sampled with temperature, top-p and penalties. The logits are the bundled model's
+where it answers held-out chat questions (what a served step samples from), each row narrowed
+to its `--vocab` largest (1,024): the math over a whole vocabulary (argmax, softmax, top-p:
+3.5 ms for a greedy step of 256 rows of the bundled model's 49,152 on the 2-core VM) is the
+device's on a GPU, and `--vocab 49152` puts it back. Prints a table and the CPU's top-p at the
+whole vocabulary (bench_host_sampling.py), writes its section of docs/benchmarks.md, and ends
+with one JSON line: `{"greedy": {"16": {"us_per_seq": ...}, ...}, "sampled": {...}}`. On a GPU
+the same work runs between the device's forwards; this measures it on the CPU alone.
 """
 
 from __future__ import annotations
@@ -27,15 +28,21 @@ from typing import Any
 import torch
 
 from kernels.attention_uniform import select_uniform_backend
+from tests.benchmarks.bench_host_sampling import top_p_section
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 from tests.factories import tiny_model
+from tests.model.helpers import all_logits
+from workers.eagle.prompts import HELD_OUT
+from workers.engine import factory
 from workers.engine.config import EngineConfig, SpecConfig
+from workers.engine.factory import LoadedEngine
 from workers.engine.graph_runner import GraphRunner
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_buffers import UniformShape
 from workers.kv_cache import PagedKVCache
+from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
 
 PROMPT_TOKENS = 16
@@ -55,13 +62,51 @@ MODES = {
 }
 
 
+def answer_rows(answer_tokens: int = 64) -> tuple[torch.Tensor, LoadedEngine]:
+    """The bundled model's logits where it answers held-out chat prompts (bf16 over the GGUF's
+    blocks, greedy, `answer_tokens` a prompt; `[rows, vocab]` fp32), and its engine: the
+    distributions a served step samples from, a few likely tokens and a long tail (top-p 0.95
+    at temperature 0.8 keeps 3 tokens in the median row, 29 at the 90th percentile)."""
+    spec = factory.ModelSpec(dtype="bfloat16", quantization="auto")
+    loaded = factory.build_engine(spec, EngineConfig(spec=SpecConfig(method="none")), False)
+    greedy = SamplingParams(max_tokens=answer_tokens, temperature=0.0)
+    rows = []
+    for prompt in chat_prompts(loaded.tokenizer, 4):
+        answer = loaded.engine.generate([prompt], greedy)[0].token_ids
+        logits = all_logits(loaded.engine.runner.model, prompt + answer)
+        rows.append(logits[len(prompt) - 1 : -1].float())
+    return torch.cat(rows), loaded
+
+
+def chat_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
+    """`count` held-out chat questions under the chat template (cycled where fewer)."""
+    questions = HELD_OUT["chat"]
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": questions[i % len(questions)]}]
+            ),
+            add_special_tokens=False,
+        )
+        for i in range(count)
+    ]
+
+
+def narrowed(rows: torch.Tensor, vocab: int) -> torch.Tensor:  # [rows, vocab]
+    """Each row's `vocab` largest logits, in an order of its own (so that sequences fed the
+    rows in turn have argmaxes of their own)."""
+    largest = rows.topk(vocab, dim=-1).values
+    shuffle = torch.rand(largest.shape, generator=torch.Generator().manual_seed(0)).argsort(-1)
+    return largest.gather(1, shuffle)
+
+
 class NullRunner(GraphRunner):
     """The runner a GPU serves decode steps with (`GraphRunner`: inputs staged into its
     persistent buffers, padded to a captured batch size), with the model call removed: its
-    logits are what the buffers held before (random, so sampling and penalties have real work
-    to do). Prefill steps run the (one-layer) model eagerly, untimed."""
+    logits are `answer_rows`, narrowed, a window of them a step. Prefill steps run the
+    (one-layer) model eagerly, untimed."""
 
-    def __init__(self, model: TransformerLM, config: EngineConfig) -> None:
+    def __init__(self, model: TransformerLM, config: EngineConfig, logits: torch.Tensor) -> None:
         shape = model.config
         cache = PagedKVCache(shape, config.kv_blocks + 1, config.block_size, torch.float32)
         attention = select_uniform_backend(
@@ -77,25 +122,29 @@ class NullRunner(GraphRunner):
             scratch_block=config.kv_blocks,
             max_model_len=config.max_model_len,
         )
-        self._logits.copy_(
-            torch.randn(self._logits.shape, generator=torch.Generator().manual_seed(0))
-        )
+        # Every window of max_rows consecutive rows of `logits`, repeated: a step's logits are
+        # the next window (a view), so each sequence meets another distribution each step.
+        self._windows = logits[torch.arange(self.max_rows + len(logits)) % len(logits)]
+        self._step = 0
 
     def _run(self, shape: UniformShape) -> None:
-        """Nothing: the step's logits are the buffer's."""
+        """No forward: the next window of logits is the step's."""
+        start = self._step % (len(self._windows) - self.max_rows)
+        self._logits = self._windows[start : start + self.max_rows]
+        self._step += 1
 
 
 def build_engine(
     tokenizer: Any,
-    vocab_size: int,
+    logits: torch.Tensor,
     num_seqs: int,
     prompt_tokens: int = PROMPT_TOKENS,
     async_scheduling: bool = False,
 ) -> LLMEngine:
     """A plain-decoding engine for `num_seqs` sequences of `prompt_tokens`-token prompts over
-    a null runner whose logits are `vocab_size` wide (`async_scheduling`: launching each step
+    a null runner whose logits are `logits`' rows (`async_scheduling`: launching each step
     ahead of the last one's commit, workers/engine/overlap.py)."""
-    model = tiny_model(0, vocab_size=vocab_size, max_position_embeddings=8192, num_layers=1)
+    model = tiny_model(0, vocab_size=logits.shape[1], max_position_embeddings=8192, num_layers=1)
     config = EngineConfig(
         max_model_len=8192,
         max_num_seqs=num_seqs,
@@ -106,7 +155,11 @@ def build_engine(
         spec=SpecConfig(method="none", adaptive=False),
     )
     return LLMEngine(
-        model, config, tokenizer=tokenizer, eos_token_ids=(0,), runner=NullRunner(model, config)
+        model,
+        config,
+        tokenizer=tokenizer,
+        eos_token_ids=(0,),
+        runner=NullRunner(model, config, logits),
     )
 
 
@@ -167,21 +220,21 @@ def time_steps(
 
 
 def measure(
-    tokenizer: Any, vocab: int, sizes: Sequence[int], steps: int, long_prompts: int
+    tokenizer: Any, logits: torch.Tensor, sizes: Sequence[int], steps: int, long_prompts: int
 ) -> dict[str, dict[str, Any]]:
     """Every mode at every size; then, with `long_prompts`, greedy at the largest size with
     prompts that long (a block table of a hundred blocks and more a sequence)."""
     results: dict[str, dict[str, Any]] = {mode: {} for mode in MODES}
     results[ASYNC] = {}
     for n in sizes:
-        engine = build_engine(tokenizer, vocab, n)
+        engine = build_engine(tokenizer, logits, n)
         for mode, params in MODES.items():
             results[mode][str(n)] = _row(n, *time_steps(engine, n, params, steps))
-        engine = build_engine(tokenizer, vocab, n, async_scheduling=True)
+        engine = build_engine(tokenizer, logits, n, async_scheduling=True)
         results[ASYNC][str(n)] = _row(n, *time_steps(engine, n, MODES["greedy"], steps))
     if long_prompts:
         n = sizes[-1]
-        engine = build_engine(tokenizer, vocab, n, long_prompts)
+        engine = build_engine(tokenizer, logits, n, long_prompts)
         timed = time_steps(engine, n, MODES["greedy"], steps, long_prompts)
         results[f"greedy, {long_prompts}-token prompts"] = {str(n): _row(n, *timed)}
     return results
@@ -217,10 +270,11 @@ def render(results: dict[str, dict[str, Any]], command: str, steps: int, vocab: 
         "every sequence decoding, an 8k "
         "context, and the runner a GPU decodes with (`GraphRunner`: inputs staged into its "
         "persistent buffers, padded to a captured batch size) minus its model call: its logits "
-        f"({vocab} wide) were made beforehand. Median of {steps} steps. Sampled: temperature "
-        "0.8, top-p 0.95, frequency penalty 0.5, repetition penalty 1.1, no seed. The sampler "
-        "column is the time in the host sampler (the sampling transform over the vocabulary, "
-        "a top-p sort among it, and the draws: a GPU's device sampler runs them on the "
+        "are the bundled model's where it answers held-out chat questions, each row narrowed "
+        f"to its {vocab:,} largest, the next rows each step. Median of {steps} steps. Sampled: "
+        "temperature 0.8, top-p 0.95, frequency penalty 0.5, repetition penalty 1.1, no seed. "
+        "The sampler column is the time in the host sampler (the sampling transform over the "
+        "vocabulary, top-p among it, and the draws: a GPU's device sampler runs them on the "
         "device); the last column is the step's time beside it, per sequence. Async "
         "scheduling: each step launched before the last one's tokens are read "
         "(`EngineConfig.async_scheduling`), its host work timed the same way (on a GPU it "
@@ -243,16 +297,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sizes, steps = ((16, 64), 3) if args.quick else (SIZES, args.steps)
     long_prompts = 0 if args.quick else args.long_prompts
-    from workers.model.loader import load_checkpoint
-
-    tokenizer = load_checkpoint().tokenizer
-    results = measure(tokenizer, args.vocab, sizes, steps, long_prompts)
+    rows, loaded = answer_rows()
+    results = measure(loaded.tokenizer, narrowed(rows, args.vocab), sizes, steps, long_prompts)
     command = "python -m tests.benchmarks.bench_host" + (" --quick" if args.quick else "")
     if args.vocab != 1024:
         command += f" --vocab {args.vocab}"
     if long_prompts != 2000 and not args.quick:
         command += f" --long-prompts {long_prompts}"
-    text = render(results, command, steps, args.vocab)
+    text = render(results, command, steps, args.vocab) + "\n\n"
+    text += top_p_section(rows, loaded, chat_prompts(loaded.tokenizer, 32), args.quick)
     print(text)
     write_section("bench_host", text, args.output)
     print(json.dumps(results))
