@@ -127,7 +127,6 @@ class LLMEngine:
         self.penalties = PenaltyRows(vocab, model.device)
         self.stats = SpecStats()
         self._seqs: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._outputs: dict[str, RequestOutput] = {}
         self._arrivals = itertools.count()
         # Called after every step that ran a forward (tracing); must not raise.
@@ -197,7 +196,7 @@ class LLMEngine:
             )
             if carried:  # the text the other engine sent (and held back) comes first
                 detokenizer.add(carried)
-            self._detokenizers[request_id] = detokenizer
+            seq.detokenizer = detokenizer
         self.speculator.add(seq)
         if prefilled is not None:
             try:
@@ -405,14 +404,15 @@ class LLMEngine:
             tokens = tokens[: seq.grammar.advance(tokens)]
             if seq.grammar.stopped:  # the answer is complete: EOS, the only token left, is moot
                 reason = "stop"
-        del logprobs[len(tokens) :]
+        if logprobs:
+            del logprobs[len(tokens) :]
         seq.token_ids += tokens
         if seq.draft.token_ids:  # roll back rejected draft slots (a plain step has none)
             seq.block_table.truncate(seq.num_computed_tokens)
             seq.draft = EMPTY_DRAFT
         if self.config.enable_prefix_caching:
             seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
-        detok = self._detokenizers.get(seq.request_id)
+        detok = seq.detokenizer
         # A stop token or EOS ends the text without being in it (as vLLM does), whether or not
         # the text shows special tokens; unless the request asks for it.
         ended = bool(reason and tokens) and tokens[-1] in seq.end_token_ids
@@ -471,7 +471,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.speculator.remove(seq)
         self.penalties.release(seq.request_id)
-        detok = self._detokenizers.pop(seq.request_id, None)
+        detok, seq.detokenizer = seq.detokenizer, None
         ended = reason not in ("abort", "error")  # the text held back is the answer's end
         record_output(self._outputs, seq, [], detok.flush() if detok and ended else "")
         out = self._outputs[seq.request_id]

@@ -28,15 +28,14 @@ class SeqForward:
     tree: TreeShape | None = None
 
     def __post_init__(self) -> None:
-        if not self.token_ids:
-            raise ValueError("a sequence in a forward needs at least one new token")
-        if not 0 <= self.num_logits <= len(self.token_ids):
-            raise ValueError(
-                f"num_logits must be in 0..{len(self.token_ids)}, got {self.num_logits}"
-            )
-        if self.num_computed_tokens < 0:
-            raise ValueError("num_computed_tokens must be >= 0")
-        if self.tree is not None and len(self.tree.positions) != len(self.token_ids):
+        n = len(self.token_ids)
+        if not 0 <= self.num_logits <= n or not n or self.num_computed_tokens < 0:
+            if not n:
+                raise ValueError("a sequence in a forward needs at least one new token")
+            if self.num_computed_tokens < 0:
+                raise ValueError("num_computed_tokens must be >= 0")
+            raise ValueError(f"num_logits must be in 0..{n}, got {self.num_logits}")
+        if self.tree is not None and len(self.tree.positions) != n:
             raise ValueError("a tree shape needs one position per new token")
 
     @property
@@ -46,13 +45,14 @@ class SeqForward:
 
     def check_room(self, block_size: int, max_positions: int) -> None:
         """Raise unless its new tokens lie inside the context and its block table covers them."""
-        if self.end > max_positions:
+        end = self.num_computed_tokens + len(self.token_ids)
+        if end > max_positions:
             raise ValueError(
-                f"sequence reaches position {self.end - 1}, past the context {max_positions}"
+                f"sequence reaches position {end - 1}, past the context {max_positions}"
             )
-        if -(-self.end // block_size) > len(self.block_ids):
+        if -(-end // block_size) > len(self.block_ids):
             raise ValueError(
-                f"block table holds {len(self.block_ids)} blocks, {self.end} tokens need more"
+                f"block table holds {len(self.block_ids)} blocks, {end} tokens need more"
             )
 
 

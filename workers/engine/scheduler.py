@@ -38,14 +38,14 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
 
     def forward(self) -> SeqForward:
-        start = self.seq.num_computed_tokens
-        new = self.seq.token_ids[start : start + self.num_new_tokens] + self.draft.token_ids
-        if self.seq.scores_prompt:  # every position of the prompt chunk (the sampling row last)
-            num_logits = self.num_new_tokens
+        seq, draft, num_new = self.seq, self.draft.token_ids, self.num_new_tokens
+        start = seq.num_computed_tokens
+        new = seq.token_ids[start : start + num_new] + draft
+        if seq.scores_prompt:  # every position of the prompt chunk (the sampling row last)
+            num_logits = num_new
         else:
-            num_logits = 1 + len(self.draft.token_ids) if self.samples else 0
-        table = self.seq.block_table
-        parents = self.draft.parents
+            num_logits = 1 + len(draft) if start + num_new == len(seq.token_ids) else 0
+        table, parents = seq.block_table, self.draft.parents
         tree = None if parents is None else tree_of(start, parents)
         return SeqForward(new, start, table.block_ids, num_logits, table.version, tree)
 
