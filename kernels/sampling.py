@@ -85,10 +85,14 @@ def _mask_top_p(probs: torch.Tensor, top_p: torch.Tensor, check: bool = True) ->
     if check and not bool(used.any()):
         return probs
     if probs.device.type != "cpu":  # every row sorted: nothing read back from the device
-        return _renormalize_rows(probs, probs < top_p_floor(probs, top_p), used)
-    floor = torch.zeros(probs.shape[0], 1, dtype=probs.dtype)
-    rows = used.nonzero().squeeze(1)
-    floor[rows] = top_p_floor(probs[rows], top_p[rows], TOP_P_CANDIDATES)
+        floor = torch.where(used.unsqueeze(1), top_p_floor(probs, top_p), 0.0)
+        return _renormalize_rows(probs, probs < floor, used)
+    if bool(used.all()):  # no copy of the rows
+        floor = top_p_floor(probs, top_p, TOP_P_CANDIDATES)
+    else:
+        floor = torch.zeros(probs.shape[0], 1, dtype=probs.dtype)
+        rows = used.nonzero().squeeze(1)
+        floor[rows] = top_p_floor(probs[rows], top_p[rows], TOP_P_CANDIDATES)
     return _renormalize_rows(probs, probs < floor, used)
 
 
@@ -141,10 +145,12 @@ def _renormalize_rows(
     drop: torch.Tensor,  # [num_rows, vocab] bool: tokens the mask drops
     used: torch.Tensor,  # [num_rows] bool: rows that use the mask
 ) -> torch.Tensor:
-    """The rows that use a mask with its tokens dropped and renormalized; the others as they
-    were, bit for bit."""
-    kept = probs.masked_fill(drop, 0.0)
-    return torch.where(used.unsqueeze(1), kept / kept.sum(dim=-1, keepdim=True), probs)
+    """The rows that use a mask with its tokens dropped and renormalized, in place (`drop`
+    drops nothing in the other rows, which stay as they were, bit for bit: x / 1 is x). One
+    pass each and no new tensor of the batch's size: on a CPU a fresh one page-faults."""
+    probs.masked_fill_(drop, 0.0)
+    sums = probs.sum(dim=-1, keepdim=True)
+    return probs.div_(torch.where(used.unsqueeze(1), sums, 1.0))
 
 
 def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int:
