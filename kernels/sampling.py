@@ -12,7 +12,7 @@ request draws the same tokens whoever shares its step.
 Top-k and top-p keep every token tied with the last one kept (a threshold on the value, not a
 position in a sorted order), so which of equal values a sort puts first decides nothing. Neither
 sorts the whole vocabulary on a CPU where a few candidates settle it: sorting a 49,152-token row
-there costs ~2 ms, half a decode step, while a language model's nucleus is a few dozen tokens
+there costs ~2 ms, a fifth of a decode step, while a language model's nucleus is a few dozen tokens
 (docs/benchmarks.md, "Top-p over the whole vocabulary"). Top-k takes the k largest values; top-p
 takes the largest 16, then 256, then 2,048, and sorts only the rows still short of their mass,
 with the same sums.
