@@ -78,9 +78,10 @@ def answer_rows(answer_tokens: int = 64) -> tuple[torch.Tensor, LoadedEngine]:
     return torch.cat(rows), loaded
 
 
-def chat_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
-    """`count` held-out chat questions under the chat template (cycled where fewer)."""
-    questions = HELD_OUT["chat"]
+def chat_prompts(
+    tokenizer: Tokenizer, count: int, questions: Sequence[str] = HELD_OUT["chat"]
+) -> list[list[int]]:
+    """`count` of the questions (the held-out chat ones) under the chat template, cycled."""
     return [
         tokenizer.encode(
             tokenizer.apply_chat_template(

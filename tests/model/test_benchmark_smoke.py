@@ -55,6 +55,14 @@ def test_bench_host_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert all(row["us_per_seq"] > 0 for row in last[mode].values())
 
 
+def test_bench_eagle_gap_quick_run(tmp_path: Path) -> None:
+    """Its rows come out for both kinds (the script itself checks that the gap leaves the
+    tokens as they were)."""
+    text = quick_run("bench_eagle_gap", tmp_path)
+    assert "<!-- bench_eagle_gap:start -->" in text
+    assert "| chat | 1 |" in text and "| code | 1 |" in text
+
+
 def test_bench_forward_quick_run(tmp_path: Path) -> None:
     text = quick_run("bench_forward", tmp_path)
     # Its own section on a CPU without AVX512-BF16 (see the script's main).
