@@ -25,7 +25,10 @@ from tests.unit.test_rejection import (
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampler import DeviceSampler
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequence import Sequence
 from workers.engine.sequential import SequentialEngine
+from workers.kv_cache import BlockAllocator, BlockTable
 
 P = PLACEHOLDER_TOKEN_ID
 
@@ -140,3 +143,32 @@ def test_engine_with_the_device_sampler() -> None:
         alone = [run_staggered(engine(method), [p], [sp], spec)[0] for p, sp in pairs]
         assert together == alone
         assert all(len(tokens) == 12 for tokens in together)
+
+
+def test_a_batchs_transform_rows_are_made_again_when_its_sequences_change() -> None:
+    """The device sampler keeps a batch's transform parameters while its sequences stay the
+    same; the next batch of as many other sequences gets its own: greedy ones take their
+    argmax, not a draw at the sampled ones' temperature, and the sampled ones then draw what
+    a fresh sampler draws."""
+    logits = torch.randn(2, 1, 50, generator=torch.Generator().manual_seed(3)) * 0.1
+    no_drafts: list[tuple[int, ...]] = [(), ()]
+
+    def seqs(params: SamplingParams) -> list[Sequence]:
+        made = []
+        for key in (11, 12):
+            table = BlockTable(BlockAllocator(1), 16)
+            made.append(Sequence(f"s{key}", [1, 2], params, "none", 0, table, None, 0))
+            made[-1].rng_key = key
+        return made
+
+    sampled = seqs(SamplingParams(temperature=1.0, top_p=0.9))
+    greedy = seqs(SamplingParams(temperature=0.0))
+    sampler = DeviceSampler()
+    drawn = sampler.sample(logits, no_drafts, [None, None], sampled)
+    assert drawn == sampler.sample(logits, no_drafts, [None, None], sampled)  # kept
+    argmax = [[int(t)] for t in logits[:, 0].argmax(dim=-1)]
+    assert drawn != argmax
+    assert sampler.sample(logits, no_drafts, [None, None], greedy) == argmax
+    other = seqs(SamplingParams(temperature=1.0, top_p=0.9))
+    assert sampler.sample(logits, no_drafts, [None, None], other) == drawn
+    assert DeviceSampler().sample(logits, no_drafts, [None, None], sampled) == drawn

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -51,23 +52,63 @@ def _per_row(values: list[float] | list[int], dtype: torch.dtype, repeat: int) -
     return torch.tensor(values, dtype=dtype).repeat_interleave(repeat)
 
 
-def _transform(
-    logits: torch.Tensor, params: list[SamplingParams], uses: TransformUse | None
-) -> torch.Tensor:  # [num_seqs, width, vocab] probabilities
-    num_seqs, width, vocab = logits.shape
-    device = logits.device
+def _transform_rows(
+    params: list[SamplingParams], width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each logits row's temperature, top-k, top-p and min-p (`width` rows a sequence)."""
 
     def rows(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
         return _per_row(values, dtype, width).to(device, non_blocking=True)
 
-    return logits_to_probs(
-        logits.view(-1, vocab),
+    return (
         rows([p.temperature for p in params], torch.float32),
         rows([p.top_k for p in params], torch.long),
         rows([p.top_p for p in params], torch.float32),
         rows([p.min_p for p in params], torch.float32),
-        uses,
-    ).view(num_seqs, width, vocab)
+    )
+
+
+def _transform(
+    logits: torch.Tensor,  # [num_seqs, width, vocab]
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # `_transform_rows`
+    uses: TransformUse | None,
+) -> torch.Tensor:  # [num_seqs, width, vocab] probabilities
+    return logits_to_probs(logits.view(-1, logits.shape[-1]), *rows, uses).view(logits.shape)
+
+
+@dataclass(slots=True)
+class _BatchRows:
+    """A batch's transform parameters on its device and which parts of the transform it
+    uses, kept while the batch's sequences stay the same (most decode steps): made again
+    when a sequence joins or leaves, not every step."""
+
+    seqs: list[Sequence_]  # held, so that none of them is another object at the same address
+    width: int
+    vocab: int
+    device: torch.device
+    rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    uses: TransformUse
+
+    @classmethod
+    def of(
+        cls, seqs: Sequence[Sequence_], width: int, vocab: int, device: torch.device
+    ) -> _BatchRows:
+        params = [seq.params for seq in seqs]
+        uses = TransformUse(
+            greedy=any(p.greedy for p in params),
+            top_k=any(0 < p.top_k < vocab for p in params),
+            top_p=any(p.top_p < 1 for p in params),
+            min_p=any(p.min_p > 0 for p in params),
+        )
+        rows = _transform_rows(params, width, device)
+        return cls(list(seqs), width, vocab, device, rows, uses)
+
+    def fits(self, seqs: Sequence[Sequence_], width: int, vocab: int, device: torch.device) -> bool:
+        return (
+            (width, vocab, device) == (self.width, self.vocab, self.device)
+            and len(seqs) == len(self.seqs)
+            and all(a is b for a, b in zip(seqs, self.seqs, strict=True))
+        )
 
 
 class HostSampler(Sampler):
@@ -85,7 +126,7 @@ class HostSampler(Sampler):
     ) -> list[list[int]]:
         num_seqs, width, _ = logits.shape
         params = [seq.params for seq in seqs]
-        target_probs = _transform(logits, params, None)
+        target_probs = _transform(logits, _transform_rows(params, width, logits.device), None)
         drafts = torch.full((num_seqs, width - 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
         for n, ids in enumerate(draft_ids):
             if ids:  # most rows at load draft nothing
@@ -103,6 +144,9 @@ class HostSampler(Sampler):
 
 class DeviceSampler(Sampler):
     name = "device"
+
+    def __init__(self) -> None:
+        self._batch: _BatchRows | None = None  # the last step's
 
     def sample(
         self,
@@ -137,14 +181,10 @@ class DeviceSampler(Sampler):
     ) -> torch.Tensor:  # [num_seqs, max_k + 1] int64, padded with PLACEHOLDER_TOKEN_ID
         num_seqs, width, vocab = logits.shape
         device = logits.device
-        params = [seq.params for seq in seqs]
-        uses = TransformUse(
-            greedy=any(p.greedy for p in params),
-            top_k=any(0 < p.top_k < vocab for p in params),
-            top_p=any(p.top_p < 1 for p in params),
-            min_p=any(p.min_p > 0 for p in params),
-        )
-        target_probs = _transform(logits, params, uses)
+        batch = self._batch
+        if batch is None or not batch.fits(seqs, width, vocab, device):
+            batch = self._batch = _BatchRows.of(seqs, width, vocab, device)
+        target_probs = _transform(logits, batch.rows, batch.uses)
         max_k = width - 1
         # A row a sequence: its drafts (padded), how many, its random key and the position
         # this step samples from; built as lists and made a tensor once.
