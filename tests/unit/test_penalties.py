@@ -160,8 +160,8 @@ def test_penalty_rows_kept_across_steps_equal_counts_made_afresh() -> None:
 def test_penalty_rows_give_each_sequence_what_adjust_gives_it_alone() -> None:
     """A step's penalties applied to all its sequences at once (workers/engine/penalty_rows.py):
     different penalties (some off), drafts of different lengths padded to one width, output
-    growing across steps, finished sequences' rows reused and the rows grown: every real row
-    bit for bit what `adjust` gives that sequence alone."""
+    growing across steps, finished sequences' rows reused, the rows grown and the batch in
+    another order: every real row bit for bit what `adjust` gives that sequence alone."""
     from workers.engine.penalty_rows import PenaltyRows
     from workers.engine.sequence import Sequence
     from workers.kv_cache import BlockAllocator, BlockTable
@@ -190,6 +190,8 @@ def test_penalty_rows_give_each_sequence_what_adjust_gives_it_alone() -> None:
                 rows.release(seq.request_id)
             seqs = seqs[2:] + [new_seq(made + n) for n in range(4 if step == 3 else 2)]
             made += 4 if step == 3 else 2
+        if step == 8:  # the same sequences in another order, none released: rows made again
+            seqs = seqs[::-1]
         for seq in seqs:
             seq.token_ids += torch.randint(vocab, (step % 3,), generator=gen).tolist()
         drafts = [torch.randint(vocab, (n % 4,), generator=gen).tolist() for n in range(len(seqs))]

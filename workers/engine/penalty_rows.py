@@ -14,11 +14,29 @@ x - 0 are x exactly).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kernels.penalties import apply_row_penalties
 from workers.engine.sequence import Sequence as Sequence_
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A step's penalized sequences, their rows and penalties on the device, kept while the
+    next steps bring the same sequences (most decode steps): made again when one joins or
+    leaves, not every step."""
+
+    seqs: list[Sequence_]  # held, so that none of them is another object at the same address
+    rows: list[int]
+    index: torch.Tensor  # the rows, on the device
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # repetition, frequency, presence
+
+    def fits(self, seqs: Sequence[Sequence_]) -> bool:
+        return len(seqs) == len(self.seqs) and all(
+            a is b for a, b in zip(seqs, self.seqs, strict=True)
+        )
 
 
 class PenaltyRows:
@@ -29,6 +47,7 @@ class PenaltyRows:
         self._rows: dict[str, int] = {}  # request id -> its row
         self._counted: list[int] = []  # per row: the output tokens its counts hold
         self._free: list[int] = []
+        self._batch: _Batch | None = None  # the last step's
 
     def __len__(self) -> int:
         """Rows in use."""
@@ -43,9 +62,11 @@ class PenaltyRows:
         """The sequences' penalties on their rows (rows past a sequence's k + 1, padding,
         are penalized as its last)."""
         width = logits.shape[1]
-        rows = [self._row(seq) for seq in seqs]
+        batch = self._batch
+        if batch is None or not batch.fits(seqs):
+            batch = self._batch = self._batch_of(seqs)
+        rows, index = batch.rows, batch.index
         self._catch_up(seqs, rows)
-        index = torch.tensor(rows, device=self.device)
         counts = self._counts.index_select(0, index).unsqueeze(1).repeat(1, width, 1)
         # Draft t counts in every row after it: rows t + 1 .. width - 1.
         marks = [
@@ -59,26 +80,30 @@ class PenaltyRows:
             ones = torch.ones(where.shape[1], device=self.device)
             counts.index_put_((where[0], where[1], where[2]), ones, accumulate=True)
         in_prompt = self._in_prompt.index_select(0, index).unsqueeze(1)
+        penalized = apply_row_penalties(logits.to(self.device), counts, in_prompt, *batch.penalties)
+        return penalized.to(logits.device)
+
+    def _batch_of(self, seqs: Sequence[Sequence_]) -> _Batch:
+        """The sequences' rows (taken for those without one) and penalties, on the device."""
+        rows = [self._row(seq) for seq in seqs]
 
         def per_seq(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=self.device).view(-1, 1, 1)
 
         params = [seq.params for seq in seqs]
-        penalized = apply_row_penalties(
-            logits.to(self.device),
-            counts,
-            in_prompt,
+        penalties = (
             per_seq([p.repetition_penalty for p in params]),
             per_seq([p.frequency_penalty for p in params]),
             per_seq([p.presence_penalty for p in params]),
         )
-        return penalized.to(logits.device)
+        return _Batch(list(seqs), rows, torch.tensor(rows, device=self.device), penalties)
 
     def release(self, request_id: str) -> None:
         """A finished sequence's row goes back to the free ones (no-op without one)."""
         row = self._rows.pop(request_id, None)
         if row is not None:
             self._free.append(row)
+            self._batch = None  # it held the row
 
     def _row(self, seq: Sequence_) -> int:
         row = self._rows.get(seq.request_id)
