@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -109,6 +111,21 @@ def test_block_hashes_chain_over_the_prefix() -> None:
     assert len(a) == 3 and len(b) == 3  # only full blocks
     assert a[0] != b[0] and a[1] != b[1]  # same tokens after a different prefix differ
     assert block_hashes([1, 2, 3, 4], 2) == a[:2]
+
+
+def test_block_hashes_are_blake2b_of_the_parent_and_tokens_little_endian() -> None:
+    """The chain's definition, hash by hash (stable across processes and versions): blake2b
+    (8 bytes) of the parent's 8 little-endian bytes and each token's 4."""
+    tokens, parent = [0, 1, 49151, 2**32 - 1, 7, 300_000], 2**64 - 5
+    expected = []
+    for start in (0, 3):
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(parent.to_bytes(8, "little"))
+        for token in tokens[start : start + 3]:
+            digest.update(token.to_bytes(4, "little"))
+        parent = int.from_bytes(digest.digest(), "little")
+        expected.append(parent)
+    assert block_hashes(tokens, 3, 2**64 - 5) == expected
 
 
 def test_prefix_cache_reuses_and_revives_blocks() -> None:

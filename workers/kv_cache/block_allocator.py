@@ -10,6 +10,7 @@ allocation that needs the space evicts it.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -21,12 +22,10 @@ class NoFreeBlocksError(RuntimeError):
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
     """Chained hashes of every full block of `token_ids` (stable across processes)."""
     hashes = []
+    layout = struct.Struct(f"<Q{block_size}I")  # the parent's 8 bytes, each token's 4
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        digest = hashlib.blake2b(digest_size=8)
-        digest.update(parent.to_bytes(8, "little"))
-        for token in token_ids[start : start + block_size]:
-            digest.update(int(token).to_bytes(4, "little"))
-        parent = int.from_bytes(digest.digest(), "little")
+        data = layout.pack(parent, *token_ids[start : start + block_size])
+        parent = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
         hashes.append(parent)
     return hashes
 
