@@ -20,6 +20,7 @@ import torch
 
 from kernels.penalties import apply_row_penalties
 from workers.engine.sequence import Sequence as Sequence_
+from workers.engine.sequence import same_sequences
 
 
 @dataclass(slots=True)
@@ -34,9 +35,7 @@ class _Batch:
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # repetition, frequency, presence
 
     def fits(self, seqs: Sequence[Sequence_]) -> bool:
-        return len(seqs) == len(self.seqs) and all(
-            a is b for a, b in zip(seqs, self.seqs, strict=True)
-        )
+        return same_sequences(self.seqs, seqs)
 
 
 class PenaltyRows:

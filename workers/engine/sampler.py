@@ -28,6 +28,7 @@ from kernels.rejection_device import rejection_sample_batched
 from kernels.sampling import TransformUse, logits_to_probs
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence as Sequence_
+from workers.engine.sequence import same_sequences
 
 
 class Sampler(ABC):
@@ -104,11 +105,8 @@ class _BatchRows:
         return cls(list(seqs), width, vocab, device, rows, uses)
 
     def fits(self, seqs: Sequence[Sequence_], width: int, vocab: int, device: torch.device) -> bool:
-        return (
-            (width, vocab, device) == (self.width, self.vocab, self.device)
-            and len(seqs) == len(self.seqs)
-            and all(a is b for a, b in zip(seqs, self.seqs, strict=True))
-        )
+        shape = (width, vocab, device) == (self.width, self.vocab, self.device)
+        return shape and same_sequences(self.seqs, seqs)
 
 
 class HostSampler(Sampler):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -203,3 +204,10 @@ def acceptance_curve(stats: SpecStats, prior: float, length: int) -> list[float]
         survive *= rate
         reach.append(survive)
     return reach
+
+
+def same_sequences(kept: Seq[Sequence], seqs: Seq[Sequence]) -> bool:
+    """Whether `seqs` are the very sequence objects `kept` holds, in its order (what a step's
+    per-batch state made for `kept` is still good for). `kept` must hold its sequences (not
+    copies of their ids), so that none of them is another object at the same address."""
+    return len(seqs) == len(kept) and all(a is b for a, b in zip(seqs, kept, strict=True))
