@@ -13,6 +13,7 @@ from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.sequential import SequentialEngine
 from workers.engine.structured import Grammars
 from workers.kv_cache import BlockAllocator, BlockTable, PagedKVCache
 from workers.model.tokenizer import Tokenizer
@@ -69,6 +70,18 @@ def all_logits(model: TransformerLM, tokens: Sequence[int]) -> torch.Tensor:
     """Logits of every position of `tokens` from one prefill in a fresh cache."""
     runner, alloc = make_runner(model, num_blocks=-(-len(tokens) // 16) + 1)
     return prefill(runner, BlockTable(alloc, 16), tokens)
+
+
+def plain_tokens(
+    model: TransformerLM,
+    eos_token_ids: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+) -> list[list[int]]:
+    """Each prompt's tokens from plain decoding (`SequentialEngine`, a 512-token context): what
+    the exactness tests hold every other path to."""
+    plain = SequentialEngine(model, eos_token_ids=eos_token_ids, max_model_len=512)
+    return [plain.generate(p, params).token_ids for p in prompts]
 
 
 def run_staggered(

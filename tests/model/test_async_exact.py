@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model.helpers import run_staggered
+from tests.model.helpers import plain_tokens, run_staggered
 from tests.model.test_tree_exact import TEXTS
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequential import SequentialEngine
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +20,7 @@ def test_async_steps_identical_to_plain_decoding(cpu_format_model, checkpoint) -
     eos = checkpoint.config.eos_token_ids
     prompts = [checkpoint.tokenizer.encode(t) for t in TEXTS]
     params = SamplingParams(max_tokens=24, temperature=0)
-    plain = SequentialEngine(cpu_format_model, eos_token_ids=eos, max_model_len=512)
-    expected = [plain.generate(p, params).token_ids for p in prompts]
+    expected = plain_tokens(cpu_format_model, eos, prompts, params)
     # Two or more unfinished requests draft nothing: their steps go ahead; one alone drafts.
     spec = SpecConfig(
         method="ngram", num_speculative_tokens=4, adaptive=False, disable_batch_size=2

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.linear import row_independent_rows
-from tests.model.helpers import run_staggered
+from tests.model.helpers import plain_tokens, run_staggered
 from tests.model.test_speculative_exact import GREEDY, SPEC, prompt_texts
 from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
@@ -25,7 +25,6 @@ from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import Continuation
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
-from workers.engine.sequential import SequentialEngine
 from workers.model.loader import build_model, truncate_layers
 from workers.model.transformer import QuantizedLinear
 
@@ -50,10 +49,7 @@ def prompt_ids(checkpoint) -> list[list[int]]:  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def expected(target, checkpoint, prompt_ids) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    plain = SequentialEngine(
-        target, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
-    )
-    return [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+    return plain_tokens(target, checkpoint.config.eos_token_ids, prompt_ids, GREEDY)
 
 
 def drafter_for(method: str, target, quantized_checkpoint) -> Drafter:  # type: ignore[no-untyped-def]
@@ -106,8 +102,7 @@ def test_a_requests_text_depends_on_neither_its_prefill_chunks_nor_the_prefix_ca
     preamble = tok.encode("You are a careful assistant. Answer briefly and precisely. " * 3)
     prompts = [preamble + tok.encode(t) for t in prompt_texts()[:4]]
     eos = checkpoint.config.eos_token_ids
-    plain = SequentialEngine(target, eos_token_ids=eos, max_model_len=512)
-    want = [plain.generate(p, GREEDY).token_ids for p in prompts]
+    want = plain_tokens(target, eos, prompts, GREEDY)
     for budget in (24, 512):
         config = EngineConfig(max_model_len=512, max_num_batched_tokens=budget)
         engine = LLMEngine(target, config, eos_token_ids=eos)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.linear import row_independent_rows
-from tests.model.helpers import run_staggered
+from tests.model.helpers import plain_tokens, run_staggered
 from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
@@ -24,7 +24,6 @@ from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import Continuation
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
-from workers.engine.sequential import SequentialEngine
 from workers.model.loader import build_model, truncate_layers
 
 pytestmark = pytest.mark.slow
@@ -56,10 +55,7 @@ def prompt_texts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def expected(model_fp32, checkpoint, prompt_ids) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    plain = SequentialEngine(
-        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
-    )
-    return [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+    return plain_tokens(model_fp32, checkpoint.config.eos_token_ids, prompt_ids, GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -240,10 +236,7 @@ def test_eagle_exact_through_prefix_caching_and_preemption(
     cache so small that sequences are preempted and recomputed."""
     shared = checkpoint.tokenizer.encode("Here is a long shared preamble for every request. " * 4)
     prompts = [shared + p for p in prompt_ids[:6]]
-    plain = SequentialEngine(
-        model_fp32, eos_token_ids=checkpoint.config.eos_token_ids, max_model_len=512
-    )
-    want = [plain.generate(p, GREEDY).token_ids for p in prompts]
+    want = plain_tokens(model_fp32, checkpoint.config.eos_token_ids, prompts, GREEDY)
     drafter = make_drafter("eagle_loop_lookup", draft_net, model_fp32)
     assert isinstance(drafter, EagleDrafter) and drafter.loop is not None
     engine = make_engine(model_fp32, checkpoint, drafter, num_kv_blocks=24, block_size=16)
@@ -310,10 +303,9 @@ def test_greedy_is_identical_to_plain_decoding_on_the_native_kernels(
         pytest.skip("needs our native kernels for every row of a 36-token verification")
     model = build_model(checkpoint, dtype=dtype)
     eos = checkpoint.config.eos_token_ids
-    plain = SequentialEngine(model, eos_token_ids=eos, max_model_len=512)
     params = SamplingParams(max_tokens=40, temperature=0)
     prompts = prompt_ids[:batch] if batch == 1 else prompt_ids[1 : 1 + batch]
-    expected = [plain.generate(p, params).token_ids for p in prompts]
+    expected = plain_tokens(model, eos, prompts, params)
     spec = SpecConfig(num_speculative_tokens=k, adaptive=False, disable_batch_size=64)
     drafter = NgramDrafter(NgramConfig(1, 4))
     engine = LLMEngine(

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.model.helpers import run_staggered
+from tests.model.helpers import plain_tokens, run_staggered
 from workers.drafting.eagle import EagleDrafter
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequential import SequentialEngine
 from workers.model.transformer import TransformerLM
 
 pytestmark = pytest.mark.slow
@@ -48,8 +47,7 @@ def test_greedy_trees_identical_to_plain_decoding(cpu_format_model, checkpoint) 
     eos = checkpoint.config.eos_token_ids
     prompts = [checkpoint.tokenizer.encode(t) for t in TEXTS]
     params = SamplingParams(max_tokens=32, temperature=0)
-    plain = SequentialEngine(cpu_format_model, eos_token_ids=eos, max_model_len=512)
-    expected = [plain.generate(p, params).token_ids for p in prompts]
+    expected = plain_tokens(cpu_format_model, eos, prompts, params)
     engine, drafter = tree_engine(cpu_format_model, eos)
     assert run_staggered(engine, prompts, params, RequestSpec(method="eagle")) == expected
     assert drafter.trees.drafted > 0 and engine.stats.accepted > 0

@@ -13,7 +13,7 @@ from kernels.counter_rng import hash32, hash32_int, key_of_seed, uniform
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept
 from kernels.rejection_device import greedy_accept_batched, rejection_sample_batched
 from tests.factories import tiny_model
-from tests.model.helpers import run_staggered
+from tests.model.helpers import plain_tokens, run_staggered
 from tests.unit.test_cuda import GREEDY, SPEC, make_drafter, prompts, seeded_params
 from tests.unit.test_rejection import (
     CHI2_CRITICAL_0_001,
@@ -27,7 +27,6 @@ from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampler import DeviceSampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
-from workers.engine.sequential import SequentialEngine
 from workers.kv_cache import BlockAllocator, BlockTable
 
 P = PLACEHOLDER_TOKEN_ID
@@ -130,8 +129,7 @@ def test_engine_with_the_device_sampler() -> None:
         return LLMEngine(model, config, drafters={drafter.method: drafter}, sampler=DeviceSampler())
 
     prompt_ids = prompts(4, seed=8)
-    plain = SequentialEngine(model, max_model_len=512)
-    expected = [plain.generate(p, GREEDY).token_ids for p in prompt_ids]
+    expected = plain_tokens(model, (), prompt_ids, GREEDY)
     assert run_staggered(engine("ngram"), prompt_ids, GREEDY, RequestSpec(method="ngram")) == (
         expected
     )
