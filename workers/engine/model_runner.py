@@ -45,7 +45,7 @@ class SeqForward:
 
     def check_room(self, block_size: int, max_positions: int) -> None:
         """Raise unless its new tokens lie inside the context and its block table covers them."""
-        end = self.num_computed_tokens + len(self.token_ids)
+        end = self.end
         if end > max_positions:
             raise ValueError(
                 f"sequence reaches position {end - 1}, past the context {max_positions}"

@@ -129,7 +129,7 @@ def record_output(
 ) -> None:
     """Add what a step committed for `seq` to its output of this step in `outputs` (made on its
     first commit of the step)."""
-    num_output = len(seq.token_ids) - len(seq.prompt_token_ids)
+    num_output = seq.num_output_tokens
     out = outputs.get(seq.request_id)
     if out is None:  # its first this step
         out = RequestOutput(

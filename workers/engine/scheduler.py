@@ -43,8 +43,10 @@ class ScheduledSeq:
         new = seq.token_ids[start : start + num_new] + draft
         if seq.scores_prompt:  # every position of the prompt chunk (the sampling row last)
             num_logits = num_new
-        else:
-            num_logits = 1 + len(draft) if start + num_new == len(seq.token_ids) else 0
+        elif self.samples:  # its last token's row and one per draft token
+            num_logits = 1 + len(draft)
+        else:  # a prefill chunk short of the prompt's end
+            num_logits = 0
         table, parents = seq.block_table, self.draft.parents
         tree = None if parents is None else tree_of(start, parents)
         return SeqForward(new, start, table.block_ids, num_logits, table.version, tree)
