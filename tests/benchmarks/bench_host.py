@@ -4,7 +4,9 @@
 (the bundled model's tokenizer, plain decoding, as served) and times its steps with the runner a
 GPU decodes with (`GraphRunner`: inputs staged into persistent buffers, padded to a captured
 batch size; an 8k context) minus its model call: what is left is the step's host work
-(scheduling, inputs, sampling and verification, committing tokens, detokenizing, outputs).
+(scheduling, inputs, sampling and verification, committing tokens, outputs). The engine runs as
+an `EngineLoop` runs it, whose callers make the outputs' text off its thread; that is timed
+apart.
 Greedy, and sampled with temperature, top-p and penalties. The logits are the bundled model's
 where it answers held-out chat questions (what a served step samples from), each row narrowed
 to its `--vocab` largest (1,024): the math over a whole vocabulary (argmax, softmax, top-p:
@@ -38,6 +40,7 @@ from workers.engine.config import EngineConfig, SpecConfig
 from workers.engine.factory import LoadedEngine
 from workers.engine.graph_runner import GraphRunner
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.output_text import OutputText
 from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.step_buffers import UniformShape
@@ -155,13 +158,15 @@ def build_engine(
         async_scheduling=async_scheduling,
         spec=SpecConfig(method="none", adaptive=False),
     )
-    return LLMEngine(
+    engine = LLMEngine(
         model,
         config,
         tokenizer=tokenizer,
         eos_token_ids=(0,),
         runner=NullRunner(model, config, logits),
     )
+    engine.makes_text = False  # as an `EngineLoop` runs it: its callers make the text
+    return engine
 
 
 class TimedSampler(Sampler):
@@ -188,13 +193,16 @@ def time_steps(
     params: SamplingParams,
     steps: int,
     prompt_tokens: int = PROMPT_TOKENS,
-) -> tuple[float, float]:
-    """Median seconds of a decode step with `num_seqs` sequences, all decoding, and of the
-    same steps' time in the sampler."""
+) -> tuple[float, float, float]:
+    """Median seconds of a decode step with `num_seqs` sequences, all decoding, of the same
+    steps' time in the sampler, and of making their outputs' text as the callers of an
+    `EngineLoop` do (`OutputText`, off the engine's thread)."""
     vocab = engine.runner.model.config.vocab_size
+    texts = {}
     for i in range(num_seqs):
         prompt = [100 + (37 * i + j) % (vocab - 100) for j in range(prompt_tokens)]
         engine.add_request(f"r{i}", prompt, params)
+        texts[f"r{i}"] = OutputText(engine.tokenizer, params, engine.eos_token_ids)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine._seqs.values()):
         failed = [out.error for out in engine.step() if out.error]  # the prefill, a token each
         if failed:
@@ -204,12 +212,16 @@ def time_steps(
     for _ in range(3):
         engine.step()  # warm
     sampler = engine.sampler = TimedSampler(engine.sampler)
-    times, sampling = [], []
+    times, sampling, text = [], [], []
     for _ in range(steps):
         sampler.seconds = 0.0
         start = time.perf_counter()
         outputs = engine.step()
-        times.append(time.perf_counter() - start)
+        taken = time.perf_counter()
+        if any(texts[out.request_id].apply(out) for out in outputs):
+            raise RuntimeError("no stop strings: nothing ends the text")
+        text.append(time.perf_counter() - taken)
+        times.append(taken - start)
         sampling.append(sampler.seconds)
         if len(outputs) != num_seqs or any(out.error for out in outputs):
             raise RuntimeError("every sequence decodes a token a step")
@@ -217,7 +229,7 @@ def time_steps(
     for i in range(num_seqs):
         engine.abort_request(f"r{i}")
     engine.take_outputs()
-    return statistics.median(times), statistics.median(sampling)
+    return statistics.median(times), statistics.median(sampling), statistics.median(text)
 
 
 def measure(
@@ -241,12 +253,13 @@ def measure(
     return results
 
 
-def _row(num_seqs: int, seconds: float, sampling: float) -> dict[str, float]:
+def _row(num_seqs: int, seconds: float, sampling: float, text: float) -> dict[str, float]:
     return {
         "step_ms": round(seconds * 1000, 3),
         "us_per_seq": round(seconds / num_seqs * 1e6, 2),
         "sampler_ms": round(sampling * 1000, 3),
         "us_per_seq_beside_sampler": round((seconds - sampling) / num_seqs * 1e6, 2),
+        "text_us_per_seq": round(text / num_seqs * 1e6, 2),
     }
 
 
@@ -259,6 +272,7 @@ def render(results: dict[str, dict[str, Any]], command: str, steps: int, vocab: 
             f"{r['us_per_seq']:.1f}",
             f"{r['sampler_ms']:.2f}",
             f"{r['us_per_seq_beside_sampler']:.1f}",
+            f"{r['text_us_per_seq']:.1f}",
         ]
         for mode, by_size in results.items()
         for n, r in by_size.items()
@@ -279,8 +293,17 @@ def render(results: dict[str, dict[str, Any]], command: str, steps: int, vocab: 
         "device); the last column is the step's time beside it, per sequence. Async "
         "scheduling: each step launched before the last one's tokens are read "
         "(`EngineConfig.async_scheduling`), its host work timed the same way (on a GPU it "
-        "runs beside the device's forward).\n\n"
-        + table([*header, "beside the sampler (us per sequence)"], rows)
+        "runs beside the device's forward). The engine runs as an `EngineLoop` runs it: the "
+        "outputs' text is made by the loop's callers, off its thread "
+        "(workers/engine/output_text.py); the last column is that work, timed apart.\n\n"
+        + table(
+            [
+                *header,
+                "beside the sampler (us per sequence)",
+                "text, in the callers (us per sequence)",
+            ],
+            rows,
+        )
     )
 
 

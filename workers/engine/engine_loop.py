@@ -9,6 +9,9 @@ batching). The engine itself is only ever touched by the loop thread.
 `call_soon_threadsafe`, so a server holds thousands of open requests without a thread each.
 A step's outputs go to each event loop in one hand-off (one wake-up of that loop, rather than
 one per request: at 256 requests that was over a millisecond of the loop thread's step).
+Their text is made there, by the caller, not by the loop thread (workers/engine/output_text.py:
+about a fifth of a decode step's host work); a stop string found there ends the caller's
+stream and aborts the request.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Protocol
 
 from workers.engine.config import RequestSpec
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.output_text import OutputText
 from workers.engine.outputs import Continuation, Prefilled, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
@@ -93,6 +97,7 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, fatal: Callable[[Exception], None] | None = None) -> None:
         self.engine = engine
+        engine.makes_text = False  # its callers make the text (`_text`), off the loop thread
         self._fatal = fatal
         self._inbox: queue.Queue[_Submit | str] = queue.Queue()  # submissions and abort ids
         self._streams: dict[str, _Sink] = {}
@@ -113,8 +118,9 @@ class EngineLoop:
         """Outputs of the request as the engine produces them; raises ValueError if rejected."""
         outputs: queue.Queue[RequestOutput | Exception] = queue.Queue()
         item = _Submit(request_id, prompt_token_ids, params, spec, outputs, prefilled, continuation)
+        text = self._text(params, continuation)
         self._enqueue(item)
-        return self._iterate(outputs)
+        return self._iterate(request_id, outputs, text)
 
     async def stream(
         self,
@@ -129,19 +135,34 @@ class EngineLoop:
         or closed it) aborts the request and frees its blocks."""
         sink = _AsyncSink()
         submit = _Submit(request_id, prompt_token_ids, params, spec, sink, prefilled, continuation)
+        text = self._text(params, continuation)
         self._enqueue(submit)
-        finished = False
+        ended = False  # the engine's request: finished, failed or aborted
         try:
-            while not finished:
+            while True:
                 item = await sink.queue.get()
                 if isinstance(item, Exception):
-                    finished = True  # rejected or failed: nothing left to abort
+                    ended = True  # rejected or failed: nothing left to abort
                     raise item
-                finished = item.finished
+                ended = item.finished
+                if text is not None and text.apply(item):  # a stop string ended it here
+                    self.abort(request_id)
+                    ended = True
                 yield item
+                if item.finished:
+                    return
         finally:
-            if not finished:
+            if not ended:
                 self.abort(request_id)
+
+    def _text(self, params: SamplingParams, continuation: Continuation | None) -> OutputText | None:
+        """What makes a request's text in its caller's thread (None: an engine without a
+        tokenizer, whose outputs have none)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            return None
+        carried = () if continuation is None else continuation.token_ids
+        return OutputText(tokenizer, params, self.engine.eos_token_ids, carried)
 
     def load(self) -> LoopLoad:
         engine: Any = self.engine
@@ -169,12 +190,18 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    @staticmethod
-    def _iterate(outputs: queue.Queue[RequestOutput | Exception]) -> Iterator[RequestOutput]:
+    def _iterate(
+        self,
+        request_id: str,
+        outputs: queue.Queue[RequestOutput | Exception],
+        text: OutputText | None,
+    ) -> Iterator[RequestOutput]:
         while True:
             item = outputs.get()
             if isinstance(item, Exception):
                 raise item
+            if text is not None and text.apply(item):  # a stop string ended it here
+                self.abort(request_id)
             yield item
             if item.finished:
                 return

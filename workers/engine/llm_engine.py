@@ -26,10 +26,10 @@ from workers.engine.calibration import (
     step_verify_costs,
 )
 from workers.engine.config import EngineConfig, RequestSpec
-from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.graph_runner import make_runner
 from workers.engine.logprobs import TokenLogprob, token_logprobs
 from workers.engine.model_runner import ModelRunner, RunnerOutput
+from workers.engine.output_text import OutputText
 from workers.engine.outputs import (
     Completion,
     Continuation,
@@ -128,6 +128,10 @@ class LLMEngine:
         self.stats = SpecStats()
         self._seqs: dict[str, Sequence] = {}
         self._outputs: dict[str, RequestOutput] = {}
+        # Each request's text, made as its outputs are taken (workers/engine/output_text.py);
+        # an `EngineLoop` turns this off and makes the text in its callers' threads instead.
+        self.makes_text = tokenizer is not None
+        self._texts: dict[str, OutputText] = {}
         self._arrivals = itertools.count()
         # Called after every step that ran a forward (tracing); must not raise.
         self.step_listeners: list[Callable[[StepReport], None]] = []
@@ -186,17 +190,9 @@ class LLMEngine:
             seq.token_ids += carried
             seq.stats.merge(continuation.stats)
         self._seqs[request_id] = seq
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                params.stop,
-                params.min_tokens,
-                params.skip_special_tokens,
-                params.include_stop_str_in_output,
-            )
-            if carried:  # the text the other engine sent (and held back) comes first
-                detokenizer.add(carried)
-            seq.detokenizer = detokenizer
+        tokenizer = self.tokenizer
+        if self.makes_text and tokenizer is not None:
+            self._texts[request_id] = OutputText(tokenizer, params, self.eos_token_ids, carried)
         self.speculator.add(seq)
         if prefilled is not None:
             try:
@@ -398,7 +394,7 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
         """Commit tokens whose K/V (all but the last) is in the cache: stop conditions, rollback
-        of rejected slots, prefix-cache registration, text, outputs, drafters."""
+        of rejected slots, prefix-cache registration, outputs, drafters."""
         tokens, reason = self._cut_at_stop(seq, tokens)
         if seq.grammar is not None:
             tokens = tokens[: seq.grammar.advance(tokens)]
@@ -412,15 +408,7 @@ class LLMEngine:
             seq.draft = EMPTY_DRAFT
         if self.config.enable_prefix_caching:
             seq.block_table.cache_full_blocks(seq.token_ids, seq.num_computed_tokens)
-        detok = seq.detokenizer
-        # A stop token or EOS ends the text without being in it (as vLLM does), whether or not
-        # the text shows special tokens; unless the request asks for it.
-        ended = bool(reason and tokens) and tokens[-1] in seq.end_token_ids
-        shown = tokens[:-1] if ended and not seq.params.include_stop_str_in_output else tokens
-        text = "" if detok is None else detok.add(shown)
-        if detok is not None and detok.stopped:
-            reason = "stop"
-        record_output(self._outputs, seq, tokens, text, logprobs)
+        record_output(self._outputs, seq, tokens, logprobs)
         if reason:
             self._finish(seq, reason)
         else:
@@ -471,9 +459,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.speculator.remove(seq)
         self.penalties.release(seq.request_id)
-        detok, seq.detokenizer = seq.detokenizer, None
-        ended = reason not in ("abort", "error")  # the text held back is the answer's end
-        record_output(self._outputs, seq, [], detok.flush() if detok and ended else "")
+        record_output(self._outputs, seq, [])
         out = self._outputs[seq.request_id]
         out.finished, out.finish_reason = True, reason
         if seq.params.prediction:
@@ -487,14 +473,27 @@ class LLMEngine:
         if seq.request_id in self._seqs:
             self._finish(seq, "error")
         else:  # it had finished before the failure: the error replaces its end
-            record_output(self._outputs, seq, [], "")
+            record_output(self._outputs, seq, [])
         out = self._outputs[seq.request_id]
         out.finished, out.finish_reason = True, "error"
         out.error = f"{type(exc).__name__}: {exc}"
 
     def take_outputs(self) -> list[RequestOutput]:
         """What requests produced since the last call: a step's outputs, or, between steps, a
-        remote prefill's first token (delivered at once instead of after the next forward)."""
+        remote prefill's first token (delivered at once instead of after the next forward),
+        with their text where the engine makes it (`makes_text`)."""
         outputs = list(self._outputs.values())
         self._outputs.clear()
+        texts = self._texts
+        if not texts:
+            return outputs
+        for out in outputs:
+            text = texts.get(out.request_id)
+            if text is None:  # a request added while the engine made no text
+                continue
+            if text.apply(out):  # a stop string ended it: the engine's request goes too
+                self.abort_request(out.request_id)
+                self._outputs.pop(out.request_id)
+            if out.finished:
+                del texts[out.request_id]
         return outputs

@@ -27,7 +27,9 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    text: str  # new final text ("" without a tokenizer)
+    # New final text: made from the new tokens where the outputs are read
+    # (workers/engine/output_text.py; "" without a tokenizer)
+    text: str
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     num_prompt_tokens: int
@@ -124,7 +126,6 @@ def record_output(
     outputs: dict[str, RequestOutput],
     seq: Sequence_,
     tokens: list[int],
-    text: str,
     logprobs: Sequence[TokenLogprob] = (),
 ) -> None:
     """Add what a step committed for `seq` to its output of this step in `outputs` (made on its
@@ -135,7 +136,7 @@ def record_output(
         out = RequestOutput(
             seq.request_id,
             list(tokens),
-            text,
+            "",
             False,
             None,
             seq.num_prompt_tokens,
@@ -147,7 +148,6 @@ def record_output(
         outputs[seq.request_id] = out
     else:
         out.new_token_ids += tokens
-        out.text += text
         out.logprobs += logprobs
         out.num_output_tokens = num_output
     if seq.params.prompt_logprobs is not None and tokens and num_output == len(tokens):

@@ -106,6 +106,10 @@ class SamplingParams:
             or self.presence_penalty != 0.0
         )
 
+    def end_token_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that end an answer: its stop tokens, and the model's EOS unless ignored."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else eos_token_ids)
+
     @property
     def adjusts_beyond_penalties(self) -> bool:
         """Whether `adjust` does more than penalize: a bias, or a mask (allowed tokens, bad

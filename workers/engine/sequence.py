@@ -10,7 +10,6 @@ import torch
 
 from kernels.counter_rng import step_seed
 from workers.drafting.base import EMPTY_DRAFT, Draft
-from workers.engine.detokenizer import IncrementalDetokenizer
 from workers.engine.logprobs import TokenLogprob
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import GrammarState
@@ -121,8 +120,6 @@ class Sequence:
     # The device sampler's random numbers are keyed by this (kernels/counter_rng.py): from the
     # seed when the request has one, else drawn at random
     rng_key: int = 0
-    # Its text so far, token by token (None: an engine without a tokenizer, or finished)
-    detokenizer: IncrementalDetokenizer | None = None
     # The tokens that end its answer: its stop tokens, and the model's EOS unless ignored
     end_token_ids: frozenset[int] = field(init=False)
     # `params.adjusts_logits`, worked out once: verification asks every step
@@ -134,8 +131,7 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
-        self.end_token_ids = frozenset(self.params.stop_token_ids) | eos
+        self.end_token_ids = self.params.end_token_ids(self.eos_token_ids)
         self.adjusts_logits = self.params.adjusts_logits
         self.token_limit = len(self.prompt_token_ids) + self.params.max_tokens
 
