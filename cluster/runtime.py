@@ -1,9 +1,10 @@
 """The client API over a running deployment's pools: `Runtime.start(config)` joins a Ray
 cluster (or starts a local one) and starts the pools or finds them running (cluster/pools.py);
 clients (the router, `router/backends.py`) call `submit` for a `RequestStream` of per-step
-messages from the verifier's streaming generator (sync or asyncio iteration), `abort` (`ray.cancel`
-on the stream, which aborts the request in the engine and frees its KV blocks) and `load` (each
-group's queue depth and KV usage, for routing).
+messages from the verifier (sync or asyncio iteration; all of this process's requests on a group
+share one output channel, cluster/output_channel.py), `abort` (which aborts the request in the
+engine and frees its KV blocks) and `load` (each group's queue depth and KV usage, for
+routing).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 from cluster import telemetry
 from cluster.actors import start_tracing
 from cluster.config import DeploymentConfig, resolve_gpus
+from cluster.output_channel import GroupOutputs, Inbox, ServedBy, StreamedStep
 from cluster.pools import Pools, attach_pools, connect_ray, start_pools
-from cluster.verifier import ServedBy, StreamedStep
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.outputs import Continuation, RequestOutput
@@ -37,7 +38,9 @@ class RequestStream:
 
     request_id: str
     verifier: str
-    generator: Any  # Ray's ObjectRefGenerator
+    started: Any  # the ObjectRef of the verifier's `start` call
+    inbox: Inbox  # its messages, from its group's output channel
+    channel: GroupOutputs
     span: Any = None  # the request's span, ended with the stream
     finish_reason: str | None = None
     spec: SpecStats | None = None
@@ -59,20 +62,32 @@ class RequestStream:
         import ray
 
         try:
-            for ref in self.generator:
-                yield self._record(ray.get(ref))
+            ray.get(self.started)
+            while (item := self.inbox.get()) is not None:  # None: aborted
+                message = self._record(item)
+                yield message
+                if message.output.finished:
+                    return
         finally:
-            self._end_span()
+            self._end()
 
     async def items_async(self) -> AsyncIterator[StreamedStep]:
         """The verifier's messages, for asyncio callers (the router)."""
         try:
-            async for ref in self.generator:
-                yield self._record(await ref)
+            await self.started
+            while (item := await self.inbox.get_async()) is not None:  # None: aborted
+                message = self._record(item)
+                yield message
+                if message.output.finished:
+                    return
         finally:
-            self._end_span()
+            self._end()
 
-    def _record(self, message: StreamedStep) -> StreamedStep:
+    def _record(self, message: StreamedStep | BaseException) -> StreamedStep:
+        """A message taken in (an exception raised: the verifier refused or failed the request,
+        or its channel broke)."""
+        if isinstance(message, BaseException):
+            raise message
         out = message.output
         self.text.append(out.text)
         self.output_tokens = out.num_output_tokens
@@ -81,7 +96,8 @@ class RequestStream:
             self.served_by = message.served_by
         return message
 
-    def _end_span(self) -> None:
+    def _end(self) -> None:
+        self.channel.forget(self.request_id)
         if self.span is not None:
             self.span.set_attribute("outrider.output_tokens", self.output_tokens)
             self.span.set_attribute("outrider.finish_reason", self.finish_reason or "abort")
@@ -99,6 +115,7 @@ class Runtime:
     _ids: Iterator[int] = field(default_factory=itertools.count)
     _next: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _channels: dict[int, GroupOutputs] = field(default_factory=dict)  # by group, made when used
 
     @classmethod
     def start(
@@ -163,17 +180,29 @@ class Runtime:
         if continuation is not None:  # moved here from a group that failed under it
             span.set_attribute("outrider.continued_tokens", len(continuation.token_ids))
         carrier = telemetry.inject(span)
-        generator = (
-            self.pools.verifiers[index]
-            .generate.options(num_returns="streaming")
-            .remote(request_id, list(prompt_ids), params, spec, carrier, continuation)
+        channel = self._channel(index)
+        inbox = channel.register(request_id)  # before any output of it can come
+        verifier = self.pools.verifiers[index]
+        started = verifier.start.remote(
+            request_id, list(prompt_ids), params, spec, channel.client, carrier, continuation
         )
-        return RequestStream(request_id, self.pools.verifier_names[index], generator, span)
+        name = self.pools.verifier_names[index]
+        return RequestStream(request_id, name, started, inbox, channel, span)
+
+    def _channel(self, group: int) -> GroupOutputs:
+        """This process's output channel from verifier group `group`: a new one when there is
+        none yet or the last one broke (its verifier failed, and may be back)."""
+        with self._lock:
+            channel = self._channels.get(group)
+            if channel is None or channel.broken:
+                verifier = self.pools.verifiers[group]
+                channel = GroupOutputs(verifier, self.pools.verifier_names[group])
+                self._channels[group] = channel
+            return channel
 
     def abort(self, stream: RequestStream) -> None:
-        import ray
-
-        ray.cancel(stream.generator)
+        stream.channel.forget(stream.request_id)
+        stream.channel.verifier.abort.remote(stream.request_id)
 
     async def load(self) -> list[LoopLoad]:
         """Each verifier group's queue depth and KV usage."""
@@ -207,6 +236,10 @@ class Runtime:
         replicas) and, if it started Ray, Ray."""
         import ray
 
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
         if stop_pools is None:
             stop_pools = not (self.pools.attached or self.pools.detached)
         if stop_pools:

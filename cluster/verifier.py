@@ -1,6 +1,7 @@
 """The verifier actor: rank 0 of a verifier group, which runs the engine (continuous batching
 and verification), drafts through the drafter pool, prefills through the prefill pool, and
-streams each request's steps to its caller as typed messages.
+sends each request's steps to its client as typed messages, a step's for all of that client's
+requests in one message of its output channel (cluster/output_channel.py).
 
 Ray restarts a verifier that dies (its process killed, its node lost), and a group recovers as
 a whole: a rank 0 that lost a rank of its tensor-parallel group, or whose forward failed part-way
@@ -15,6 +16,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -34,6 +36,7 @@ from cluster.actors import (
 from cluster.config import from_dict
 from cluster.engine_metrics import ActorMetrics, VerifierMetrics
 from cluster.links import TensorLink, link_backend
+from cluster.output_channel import Batch, ClientChannel, ServedBy, StreamedStep, close_silent
 from cluster.prefill import plan_for, receive
 from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
 from cluster.step_channel import ChannelAddress, StepClient
@@ -48,23 +51,6 @@ log = logging.getLogger(__name__)
 # How long a (restarted) verifier waits for each actor it needs that is restarting too (a
 # drafter on the same lost node, its other ranks): their models load first.
 RESTART_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True, slots=True)
-class ServedBy:
-    """The actors that served a request."""
-
-    prefill: str | None  # None: the verifier prefilled it itself
-    verifier: list[str]  # the group's ranks
-    drafter: str | None  # None: drafted in-process (model-free methods) or not at all
-
-
-@dataclass(frozen=True, slots=True)
-class StreamedStep:
-    """Verifier -> client: what one engine step produced for one request."""
-
-    output: RequestOutput
-    served_by: ServedBy | None = None  # with the last step
 
 
 @dataclass(slots=True)
@@ -185,6 +171,12 @@ class VerifierActor:
         self.prefill_locks = [asyncio.Lock() for _ in self.prefill_names]
         self._next_prefill = 0
         self._prefilled_by: dict[str, str] = {}
+        # Each client's output channel (cluster/output_channel.py), by its id; the requests
+        # waiting for a remote prefill, and those of them aborted meanwhile
+        self.channels: dict[str, ClientChannel] = {}
+        self._closing: asyncio.Task[None] | None = None  # closes the silent ones
+        self._prefilling: set[str] = set()
+        self._aborted: set[str] = set()
         freeze_startup_heap()
 
     def _join_group(self, engine: Any, world: int) -> None:
@@ -325,35 +317,83 @@ class VerifierActor:
     def finished_spans(self) -> list[dict[str, Any]]:
         return telemetry.finished_spans()
 
-    async def generate(
+    async def start(
         self,
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
         spec: RequestSpec,
+        client: str,
         trace_carrier: dict[str, str] | None = None,
         continuation: Continuation | None = None,
-    ) -> AsyncIterator[StreamedStep]:
-        """Streams one message per engine step that produced something for the request (with
-        `continuation`, one that moved here from a failed group)."""
+    ) -> None:
+        """Start a request (with `continuation`, one that moved here from a failed group); one
+        message an engine step that produced something for it goes to `client`'s channel
+        (`outputs`), and the error that refuses or fails it too."""
         logs.REQUEST_ID.set(request_id)  # this call's task: its log lines name the request
+        channel = self.channels.setdefault(client, ClientChannel())
+        channel.requests.add(request_id)
         self.rounds.start(request_id, trace_carrier)
         prefilled = None
         # A scored prompt is computed here, every position; so is a continued request (its
         # last token is verified with drafts, not sampled from a prefill's logits).
         if params.prompt_logprobs is None and continuation is None:
-            prefilled = await self._remote_prefill(request_id, prompt_ids, spec, trace_carrier)
-        outputs = self.loop.stream(request_id, prompt_ids, params, spec, prefilled, continuation)
+            self._prefilling.add(request_id)
+            try:
+                prefilled = await self._remote_prefill(request_id, prompt_ids, spec, trace_carrier)
+            finally:
+                self._prefilling.discard(request_id)
+            if request_id in self._aborted:  # its client gave up meanwhile
+                self._aborted.discard(request_id)
+                self._ended(channel, request_id)
+                return
+
+        def consume(item: RequestOutput | Exception) -> None:
+            if isinstance(item, Exception):
+                channel.put(request_id, item)
+                self._ended(channel, request_id)
+                return
+            served_by = self._served_by(request_id) if item.finished else None
+            channel.put(request_id, StreamedStep(item, served_by))
+            if item.finished:
+                self._ended(channel, request_id)
+
+        self.loop.start(request_id, prompt_ids, params, spec, prefilled, continuation, consume)
+
+    def _ended(self, channel: ClientChannel, request_id: str) -> None:
+        channel.requests.discard(request_id)
+        self.rounds.finish(request_id)
+        self._prefilled_by.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (its client gave up on it) and free its blocks."""
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._prefilling:
+            self._aborted.add(request_id)
+        else:
+            self.loop.abort(request_id)
+
+    async def keep_alive(self, client: str) -> None:
+        """Client `client` is alive (its stream stays open while it says so)."""
+        channel = self.channels.get(client)
+        if channel is not None:
+            channel.seen = time.monotonic()
+
+    async def outputs(self, client: str) -> AsyncIterator[Batch]:
+        """Client `client`'s channel: its requests' outputs, one message for all of them an
+        engine step. When the stream ends (closed, or its client is gone) so do they."""
+        channel = self.channels.setdefault(client, ClientChannel())
+        if self._closing is None:
+            self._closing = asyncio.create_task(close_silent(self.channels))
         try:
-            async for out in outputs:
-                served_by = self._served_by(request_id) if out.finished else None
-                yield StreamedStep(out, served_by)
+            async for batch in channel.batches():
+                yield batch
         finally:
-            # Cancelled (the client is gone) or failed: closing the stream aborts the request
-            # in the engine and frees its blocks.
-            await outputs.aclose()
-            self.rounds.finish(request_id)
-            self._prefilled_by.pop(request_id, None)
+            self.channels.pop(client, None)
+            for request_id in list(channel.requests):
+                self._abort(request_id)
 
 
 def _restart_ranks(ranks: list[Any]) -> None:

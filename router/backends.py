@@ -120,6 +120,10 @@ class RuntimeBackend:
             raise errors.GroupFailed(f"verifier {self.groups[group]} is unavailable") from exc
         except ray.exceptions.RayError as exc:
             raise errors.server_error(_cause(exc)) from exc
+        except ConnectionError as exc:  # the group's output stream ended under it
+            raise errors.GroupFailed(f"verifier {self.groups[group]} is unavailable") from exc
+        except RuntimeError as exc:  # the engine failed it (or the step it was in)
+            raise errors.server_error(str(exc)) from exc
         finally:
             if not finished:  # the client left (or the stream failed): free its KV blocks
                 self.runtime.abort(stream)

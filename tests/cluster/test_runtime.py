@@ -210,6 +210,37 @@ def test_cancel_frees_the_request(eagle_runtime, prompts) -> None:  # type: igno
     assert len([t for c in eagle_runtime.submit(prompts[1], short) for t in c]) == 4
 
 
+def test_a_client_whose_output_stream_ends_has_its_requests_aborted(  # type: ignore[no-untyped-def]
+    eagle_runtime, prompts
+) -> None:
+    """A client's requests on a verifier share its output channel (cluster/output_channel.py):
+    when that stream ends (the client closed it, or is gone), the verifier aborts them all and
+    frees their blocks, and other clients' requests go on."""
+    import asyncio
+
+    from cluster.output_channel import GroupOutputs, StreamedStep
+
+    verifier = eagle_runtime.pools.verifiers[0]
+    channel = GroupOutputs(verifier, "leaving-client")
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    inboxes = []
+    for i, prompt in enumerate(prompts[:2]):
+        request_id = f"leaving-{i}"
+        inboxes.append(channel.register(request_id))
+        spec = RequestSpec(method="eagle")
+        ray.get(verifier.start.remote(request_id, prompt, long, spec, channel.client))
+    stays = eagle_runtime.submit(prompts[2], GREEDY, RequestSpec(method="eagle"))
+    for inbox in inboxes:  # both decode
+        assert isinstance(asyncio.run(inbox.get_async()), StreamedStep)
+    channel.close()
+    deadline = time.monotonic() + 5  # 800 tokens to go, were they not aborted
+    while ray.get(verifier.load.remote()).running > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len([t for chunk in stays for t in chunk]) == GREEDY.max_tokens
+    load = ray.get(verifier.load.remote())
+    assert load.running == 0 and load.waiting == 0
+
+
 def test_a_prefill_worker_that_dies_costs_no_request(  # type: ignore[no-untyped-def]
     eagle_runtime, model_fp32, checkpoint
 ) -> None:

@@ -191,3 +191,10 @@ def test_bench_gpu_8b_shape_part_on_a_small_shape() -> None:
             decode = result["decode"][batch]
             assert decode["decode_step_ms"] > 0 and decode["prefill_steps"] >= 1
         assert result["decode"]["64"]["prefill_steps"] <= 4  # 64 x 128 prompt tokens, 2048 a step
+
+
+def test_bench_output_channel_quick_run(tmp_path: Path) -> None:
+    """Both ways deliver every output (the script checks the counts) on a local Ray cluster."""
+    pytest.importorskip("ray")
+    text = quick_run("bench_output_channel", tmp_path)
+    assert "<!-- bench_output_channel:start -->" in text and "\n| 16 | " in text

@@ -38,16 +38,20 @@ class _Sink(Protocol):
     def put(self, item: RequestOutput | Exception) -> None: ...
 
 
-class _AsyncSink:
-    """Hands items from the loop thread to an asyncio queue on the caller's event loop."""
+Consume = Callable[[RequestOutput | Exception], None]
 
-    def __init__(self) -> None:
+
+class _AsyncSink:
+    """Hands a request's items from the loop thread to `consume`, called on the caller's event
+    loop (`_deliver` hands a step's items for one event loop over at once)."""
+
+    def __init__(self, consume: Consume) -> None:
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self.consume = consume
 
     def put(self, item: RequestOutput | Exception) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.consume, item)
         except RuntimeError as exc:  # the caller's event loop is closed
             raise ReaderGone(str(exc)) from exc
 
@@ -56,9 +60,13 @@ _Delivery = tuple["_AsyncSink", RequestOutput | Exception, str]  # sink, item, r
 
 
 def _put_each(items: list[_Delivery]) -> None:
-    """On the event loop: each item into its request's queue."""
-    for sink, item, _ in items:
-        sink.queue.put_nowait(item)
+    """On the event loop: each item to its request's consumer (one that raises is logged, and
+    the others still get theirs)."""
+    for sink, item, request_id in items:
+        try:
+            sink.consume(item)
+        except Exception:
+            log.exception("the consumer of request %s's outputs failed", request_id)
 
 
 class ReaderGone(Exception):
@@ -133,27 +141,48 @@ class EngineLoop:
     ) -> AsyncGenerator[RequestOutput, None]:
         """`submit` for asyncio callers. Leaving the iteration early (the consumer was cancelled
         or closed it) aborts the request and frees its blocks."""
-        sink = _AsyncSink()
-        submit = _Submit(request_id, prompt_token_ids, params, spec, sink, prefilled, continuation)
-        text = self._text(params, continuation)
-        self._enqueue(submit)
-        ended = False  # the engine's request: finished, failed or aborted
+        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self.start(request_id, prompt_token_ids, params, spec, prefilled, continuation, outputs)
+        ended = False  # finished (a stop string in its text aborted it already), failed, refused
         try:
-            while True:
-                item = await sink.queue.get()
+            while not ended:
+                item = await outputs.get()
                 if isinstance(item, Exception):
-                    ended = True  # rejected or failed: nothing left to abort
+                    ended = True
                     raise item
                 ended = item.finished
-                if text is not None and text.apply(item):  # a stop string ended it here
-                    self.abort(request_id)
-                    ended = True
                 yield item
-                if item.finished:
-                    return
         finally:
             if not ended:
                 self.abort(request_id)
+
+    def start(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        spec: RequestSpec | None,
+        prefilled: Prefilled | None,
+        continuation: Continuation | None,
+        outputs: asyncio.Queue[RequestOutput | Exception] | Consume,
+    ) -> None:
+        """`stream` without a generator, for a caller that gathers many requests' outputs (a
+        verifier's channel to its router, cluster/output_channel.py): each output of the
+        request, its text made, or the exception that refused or failed it, goes to `outputs`
+        (a queue, or a function) on the caller's event loop. A stop string found in the text
+        ends the request there and aborts it; `abort` stops it before."""
+        consume = outputs.put_nowait if isinstance(outputs, asyncio.Queue) else outputs
+        text = self._text(params, continuation)
+
+        def deliver(item: RequestOutput | Exception) -> None:
+            if not isinstance(item, Exception) and text is not None and text.apply(item):
+                self.abort(request_id)  # a stop string ended it here
+            consume(item)
+
+        sink = _AsyncSink(deliver)
+        self._enqueue(
+            _Submit(request_id, prompt_token_ids, params, spec, sink, prefilled, continuation)
+        )
 
     def _text(self, params: SamplingParams, continuation: Continuation | None) -> OutputText | None:
         """What makes a request's text in its caller's thread (None: an engine without a

@@ -1,0 +1,257 @@
+"""Output channels: a verifier's requests' outputs to a client process, one Ray stream for all.
+
+A Ray streaming generator a request would cost the verifier and the client ~0.3 ms an output on
+the 2-core VM (a yield each: the object, the report to the caller, the caller's wake-up): at
+64 requests decoding together that is more than a CPU step's host work, and on a GPU several
+times a step. A client process (a router, `outrider generate`) instead opens one stream a
+verifier group (`VerifierActor.outputs`, with an id of its own), and starts each request with an
+ordinary call (`VerifierActor.start`, its outputs to go to that id). The verifier gathers the
+outputs of all that client's requests between the client's reads (`ClientChannel`: the engine
+loop hands a step's outputs over at once) and yields them as one list: one yield a step, not
+one a request (tests/benchmarks/bench_output_channel.py measures both).
+
+The client reads the stream on a thread of its own (`GroupOutputs`) and hands each output to its
+request's inbox (`Inbox`), waking each event loop that waits on some once a message. When the
+stream breaks (the verifier died or restarted), every request that was waiting on it fails with
+the error, and the group's next request opens a new stream. When a client's stream ends the
+verifier aborts that client's requests: when the client closes it, or when the client has not
+said it is alive for `CLIENT_TIMEOUT_S` (it does every `KEEP_ALIVE_S`, from a thread of its
+own): Ray does not end a streaming generator whose caller died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+KEEP_ALIVE_S = 5.0  # how often a client tells each verifier it reads from that it is alive
+CLIENT_TIMEOUT_S = 30.0  # a client silent this long is gone: its stream ends, its requests too
+
+
+@dataclass(frozen=True, slots=True)
+class ServedBy:
+    """The actors that served a request."""
+
+    prefill: str | None  # None: the verifier prefilled it itself
+    verifier: list[str]  # the group's ranks
+    drafter: str | None  # None: drafted in-process (model-free methods) or not at all
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedStep:
+    """Verifier -> client: what one engine step produced for one request."""
+
+    output: RequestOutput
+    served_by: ServedBy | None = None  # with the last step
+
+
+# One message of a channel: each request's item, a step's worth (an exception: the engine
+# refused or failed the request)
+Batch = list[tuple[str, StreamedStep | Exception]]
+
+
+@dataclass(slots=True)
+class ClientChannel:
+    """The verifier's side: one client's outputs, gathered until its stream takes them."""
+
+    requests: set[str] = field(default_factory=set)  # started and not yet ended
+    seen: float = field(default_factory=time.monotonic)  # when the client last said it is alive
+    closed: bool = False
+    _items: Batch = field(default_factory=list)
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def put(self, request_id: str, item: StreamedStep | Exception) -> None:
+        self._items.append((request_id, item))
+        self._ready.set()
+
+    def close(self) -> None:
+        """End the stream (its client is gone)."""
+        self.closed = True
+        self._ready.set()
+
+    async def batches(self) -> AsyncIterator[Batch]:
+        """Everything put since the last batch, as soon as there is something; until closed."""
+        while True:
+            await self._ready.wait()
+            if self.closed:
+                return
+            self._ready.clear()
+            items, self._items = self._items, []
+            yield items
+
+
+async def close_silent(channels: dict[str, ClientChannel]) -> None:
+    """Close, from now on, the channels whose clients stopped saying they are alive."""
+    while True:
+        await asyncio.sleep(KEEP_ALIVE_S)
+        now = time.monotonic()
+        for client, channel in list(channels.items()):
+            if now - channel.seen > CLIENT_TIMEOUT_S:
+                log.warning("client %s is gone; its requests end", client)
+                channel.close()
+
+
+def client_id() -> str:
+    """A new id for one stream of this process's (a reconnection takes another)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+# An inbox's item: a message, the exception that refused or failed its request, or None once
+# its request was aborted (its reader stops)
+Item = StreamedStep | BaseException | None
+
+
+class Inbox:
+    """One request's items on the client's side, for one reader: a thread (`get`) or an event
+    loop (`get_async`)."""
+
+    def __init__(self) -> None:
+        self._items: deque[Item] = deque()
+        self._lock = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Item) -> asyncio.AbstractEventLoop | None:
+        """Add an item (from the stream's thread); the event loop to wake with `wake`, if one
+        waits on this inbox."""
+        with self._lock:
+            self._items.append(item)
+            self._lock.notify()
+            waiting = self._waiter is not None and not self._waiter.done()
+            return self._loop if waiting else None
+
+    def wake(self) -> None:
+        """On the waiting event loop: its reader goes on."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def get(self) -> Item:
+        with self._lock:
+            while not self._items:
+                self._lock.wait()
+            return self._items.popleft()
+
+    async def get_async(self) -> Item:
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                self._loop = asyncio.get_running_loop()
+                self._waiter = self._loop.create_future()
+            await self._waiter
+
+
+def _wake_all(inboxes: list[Inbox]) -> None:
+    for inbox in inboxes:
+        inbox.wake()
+
+
+class GroupOutputs:
+    """The client's side: this process's stream from one verifier group, read on a thread of
+    its own, and the inboxes of its requests there."""
+
+    def __init__(self, verifier: Any, name: str) -> None:
+        self.client = client_id()
+        self.verifier, self.name = verifier, name
+        self._inboxes: dict[str, Inbox] = {}
+        self._lock = threading.Lock()
+        self.failure: BaseException | None = None  # what broke the stream
+        self._generator = verifier.outputs.options(num_returns="streaming").remote(self.client)
+        self._thread = threading.Thread(target=self._read, name=f"outputs-{name}", daemon=True)
+        self._thread.start()
+        self._closed = threading.Event()
+        alive = threading.Thread(target=self._keep_alive, name=f"alive-{name}", daemon=True)
+        alive.start()
+
+    @property
+    def broken(self) -> bool:
+        return self.failure is not None
+
+    def register(self, request_id: str) -> Inbox:
+        """The inbox of a request about to start on this group (before its outputs can come)."""
+        inbox = Inbox()
+        with self._lock:
+            if self.failure is not None:
+                inbox.put(self.failure)
+            else:
+                self._inboxes[request_id] = inbox
+        return inbox
+
+    def forget(self, request_id: str) -> None:
+        """The request is done with (read to its end, or aborted): what still comes for it is
+        dropped, and a reader still waiting stops."""
+        with self._lock:
+            inbox = self._inboxes.pop(request_id, None)
+        if inbox is not None:
+            self._wake([inbox], None)
+
+    def close(self) -> None:
+        import ray
+
+        self._closed.set()
+        ray.cancel(self._generator)
+
+    def _keep_alive(self) -> None:
+        while not self._closed.wait(KEEP_ALIVE_S) and self.failure is None:
+            try:
+                self.verifier.keep_alive.remote(self.client)
+            except Exception:  # Ray is shutting down: the stream fails too
+                return
+
+    def _read(self) -> None:
+        import ray
+
+        failure: BaseException
+        try:
+            for ref in self._generator:
+                self._hand_out(ray.get(ref))
+            failure = ConnectionError(f"the output stream of {self.name} ended")
+        except BaseException as exc:  # the verifier died, restarted or was shut down
+            failure = exc
+        log.info("output stream of %s ended: %s", self.name, failure)
+        with self._lock:
+            self.failure = failure
+            inboxes, self._inboxes = list(self._inboxes.values()), {}
+        self._wake(inboxes, failure)
+
+    def _hand_out(self, batch: Batch) -> None:
+        woken: dict[asyncio.AbstractEventLoop, list[Inbox]] = {}
+        with self._lock:
+            for request_id, item in batch:
+                inbox = self._inboxes.get(request_id)
+                if inbox is None:  # aborted by its reader: nobody waits for it
+                    continue
+                loop = inbox.put(item)
+                if loop is not None:
+                    woken.setdefault(loop, []).append(inbox)
+        _call_each(woken)
+
+    def _wake(self, inboxes: list[Inbox], item: Item) -> None:
+        woken: dict[asyncio.AbstractEventLoop, list[Inbox]] = {}
+        for inbox in inboxes:
+            loop = inbox.put(item)
+            if loop is not None:
+                woken.setdefault(loop, []).append(inbox)
+        _call_each(woken)
+
+
+def _call_each(woken: dict[asyncio.AbstractEventLoop, list[Inbox]]) -> None:
+    """One hand-off to each event loop that has readers to wake."""
+    for loop, inboxes in woken.items():
+        # A closed event loop raises: nobody reads there any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_wake_all, inboxes)
