@@ -331,7 +331,7 @@ class VerifierActor:
         message an engine step that produced something for it goes to `client`'s channel
         (`outputs`), and the error that refuses or fails it too."""
         logs.REQUEST_ID.set(request_id)  # this call's task: its log lines name the request
-        channel = self.channels.setdefault(client, ClientChannel())
+        channel = self._channel(client)
         channel.requests.add(request_id)
         self.rounds.start(request_id, trace_carrier)
         prefilled = None
@@ -375,6 +375,12 @@ class VerifierActor:
         else:
             self.loop.abort(request_id)
 
+    def _channel(self, client: str) -> ClientChannel:
+        channel = self.channels.get(client)
+        if channel is None:
+            channel = self.channels[client] = ClientChannel()
+        return channel
+
     async def keep_alive(self, client: str) -> None:
         """Client `client` is alive (its stream stays open while it says so)."""
         channel = self.channels.get(client)
@@ -384,7 +390,7 @@ class VerifierActor:
     async def outputs(self, client: str) -> AsyncIterator[Batch]:
         """Client `client`'s channel: its requests' outputs, one message for all of them an
         engine step. When the stream ends (closed, or its client is gone) so do they."""
-        channel = self.channels.setdefault(client, ClientChannel())
+        channel = self._channel(client)
         if self._closing is None:
             self._closing = asyncio.create_task(close_silent(self.channels))
         try:

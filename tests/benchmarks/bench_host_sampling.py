@@ -90,9 +90,9 @@ def top_p_section(
         f"### Top-p over the whole vocabulary\n\nThe sampling transform (temperature "
         f"{TEMPERATURE}, top-p {TOP_P}) over rows of the bundled model's answer logits "
         f"({rows.shape[1]:,} wide), median of {reps}, every row sorted whole against each row's "
-        "likeliest 16, 256 and 2,048 tokens looked at first (`TOP_P_CANDIDATES`, "
-        "kernels/sampling.py), side by side in one run:\n\n"
-        + table(header, transform_rows(rows, sizes, reps))
+        f"likeliest {', '.join(f'{c:,}' for c in kernels.sampling.TOP_P_CANDIDATES)} tokens "
+        "looked at first, in turn (`TOP_P_CANDIDATES`, kernels/sampling.py), side by side in "
+        "one run:\n\n" + table(header, transform_rows(rows, sizes, reps))
     )
     if quick:
         return text

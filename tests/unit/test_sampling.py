@@ -70,7 +70,7 @@ def reference_top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Ten
 
 
 def test_top_p_from_candidates_is_the_whole_rows_sort() -> None:
-    """The CPU's top-p looks at a row's likeliest 16, 256 and 2,048 before sorting it whole: for
+    """The CPU's top-p looks at a row's likeliest 48, 256 and 2,048 before sorting it whole: for
     peaked rows, flat ones (past every candidate count), ties from bf16 logits and small and
     large p in one batch, the floor is the whole sort's, bit for bit, and the mask keeps what
     is at least the floor."""
