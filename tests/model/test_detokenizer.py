@@ -159,6 +159,18 @@ def test_an_engine_loops_callers_make_the_text_and_end_it_at_a_stop_string(  # t
         allocator = loop.engine.allocator
         assert not loop.engine.has_unfinished_requests()
         assert allocator.num_free_blocks == allocator.num_blocks
+
+        def failing(self: OutputText, out: object) -> bool:
+            raise UnicodeError("no text")
+
+        monkeypatch.setattr(OutputText, "apply", failing)  # a request whose text fails ends
+        with pytest.raises(RuntimeError, match="its text failed"):
+            asyncio.run(streamed(99, *cases[0]))
+        for _ in range(100):
+            if not loop.engine.has_unfinished_requests():
+                break
+            threading.Event().wait(0.05)
+        assert allocator.num_free_blocks == allocator.num_blocks
     finally:
         loop.close()
     for (text, reason, last), want in zip(got, expected + expected, strict=True):

@@ -175,8 +175,14 @@ class EngineLoop:
         text = self._text(params, continuation)
 
         def deliver(item: RequestOutput | Exception) -> None:
-            if not isinstance(item, Exception) and text is not None and text.apply(item):
-                self.abort(request_id)  # a stop string ended it here
+            if not isinstance(item, Exception) and text is not None:
+                try:
+                    stopped = text.apply(item)
+                except Exception as exc:  # its text failed: it ends with the error
+                    log.exception("the text of request %s failed", request_id)
+                    stopped, item = True, RuntimeError(f"its text failed: {exc!r}")
+                if stopped:  # a stop string ended it here
+                    self.abort(request_id)
             consume(item)
 
         sink = _AsyncSink(deliver)
