@@ -174,8 +174,8 @@ class GroupOutputs:
         self._thread = threading.Thread(target=self._read, name=f"outputs-{name}", daemon=True)
         self._thread.start()
         self._closed = threading.Event()
-        alive = threading.Thread(target=self._keep_alive, name=f"alive-{name}", daemon=True)
-        alive.start()
+        self._alive = threading.Thread(target=self._keep_alive, name=f"alive-{name}", daemon=True)
+        self._alive.start()
 
     @property
     def broken(self) -> bool:
@@ -199,11 +199,17 @@ class GroupOutputs:
         if inbox is not None:
             self._wake([inbox], None)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the stream, and wait until its threads have stopped: a Ray call from them after
+        `ray.shutdown` would take this process down."""
         import ray
 
         self._closed.set()
         ray.cancel(self._generator)
+        self._alive.join(timeout_s)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("the output stream of %s did not end in %.0f s", self.name, timeout_s)
 
     def _keep_alive(self) -> None:
         while not self._closed.wait(KEEP_ALIVE_S) and self.failure is None:
