@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,7 +197,7 @@ class GroupOutputs:
         with self._lock:
             inbox = self._inboxes.pop(request_id, None)
         if inbox is not None:
-            self._wake([inbox], None)
+            _put_all([(inbox, None)])
 
     def close(self, timeout_s: float = 10.0) -> None:
         """End the stream, and wait until its threads have stopped: a Ray call from them after
@@ -232,31 +232,22 @@ class GroupOutputs:
         with self._lock:
             self.failure = failure
             inboxes, self._inboxes = list(self._inboxes.values()), {}
-        self._wake(inboxes, failure)
+        _put_all([(inbox, failure) for inbox in inboxes])
 
     def _hand_out(self, batch: Batch) -> None:
-        woken: dict[asyncio.AbstractEventLoop, list[Inbox]] = {}
-        with self._lock:
-            for request_id, item in batch:
-                inbox = self._inboxes.get(request_id)
-                if inbox is None:  # aborted by its reader: nobody waits for it
-                    continue
-                loop = inbox.put(item)
-                if loop is not None:
-                    woken.setdefault(loop, []).append(inbox)
-        _call_each(woken)
-
-    def _wake(self, inboxes: list[Inbox], item: Item) -> None:
-        woken: dict[asyncio.AbstractEventLoop, list[Inbox]] = {}
-        for inbox in inboxes:
-            loop = inbox.put(item)
-            if loop is not None:
-                woken.setdefault(loop, []).append(inbox)
-        _call_each(woken)
+        with self._lock:  # a request forgotten (aborted by its reader) is waited for by nobody
+            inboxes = self._inboxes
+            delivered = [(inboxes[rid], item) for rid, item in batch if rid in inboxes]
+        _put_all(delivered)
 
 
-def _call_each(woken: dict[asyncio.AbstractEventLoop, list[Inbox]]) -> None:
-    """One hand-off to each event loop that has readers to wake."""
+def _put_all(delivered: Sequence[tuple[Inbox, Item]]) -> None:
+    """Each item into its inbox, then one hand-off to each event loop with readers to wake."""
+    woken: dict[asyncio.AbstractEventLoop, list[Inbox]] = {}
+    for inbox, item in delivered:
+        loop = inbox.put(item)
+        if loop is not None:
+            woken.setdefault(loop, []).append(inbox)
     for loop, inboxes in woken.items():
         # A closed event loop raises: nobody reads there any more.
         with contextlib.suppress(RuntimeError):

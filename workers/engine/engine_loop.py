@@ -175,20 +175,28 @@ class EngineLoop:
         text = self._text(params, continuation)
 
         def deliver(item: RequestOutput | Exception) -> None:
-            if not isinstance(item, Exception) and text is not None:
-                try:
-                    stopped = text.apply(item)
-                except Exception as exc:  # its text failed: it ends with the error
-                    log.exception("the text of request %s failed", request_id)
-                    stopped, item = True, RuntimeError(f"its text failed: {exc!r}")
-                if stopped:  # a stop string ended it here
-                    self.abort(request_id)
-            consume(item)
+            consume(self._with_text(request_id, text, item))
 
         sink = _AsyncSink(deliver)
         self._enqueue(
             _Submit(request_id, prompt_token_ids, params, spec, sink, prefilled, continuation)
         )
+
+    def _with_text(
+        self, request_id: str, text: OutputText | None, item: RequestOutput | Exception
+    ) -> RequestOutput | Exception:
+        """`item` with its text made, in the caller's thread: a stop string found there ends
+        the request (aborted in the engine), and a text that fails ends it with the error."""
+        if isinstance(item, Exception) or text is None:
+            return item
+        try:
+            stopped = text.apply(item)
+        except Exception as exc:
+            log.exception("the text of request %s failed", request_id)
+            stopped, item = True, RuntimeError(f"its text failed: {exc!r}")
+        if stopped:
+            self.abort(request_id)
+        return item
 
     def _text(self, params: SamplingParams, continuation: Continuation | None) -> OutputText | None:
         """What makes a request's text in its caller's thread (None: an engine without a
@@ -232,11 +240,9 @@ class EngineLoop:
         text: OutputText | None,
     ) -> Iterator[RequestOutput]:
         while True:
-            item = outputs.get()
+            item = self._with_text(request_id, text, outputs.get())
             if isinstance(item, Exception):
                 raise item
-            if text is not None and text.apply(item):  # a stop string ended it here
-                self.abort(request_id)
             yield item
             if item.finished:
                 return
