@@ -99,7 +99,7 @@ async def close_silent(channels: dict[str, ClientChannel]) -> None:
         await asyncio.sleep(KEEP_ALIVE_S)
         now = time.monotonic()
         for client, channel in list(channels.items()):
-            if now - channel.seen > CLIENT_TIMEOUT_S:
+            if not channel.closed and now - channel.seen > CLIENT_TIMEOUT_S:
                 log.warning("client %s is gone; its requests end", client)
                 channel.close()
 

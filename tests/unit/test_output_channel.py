@@ -35,7 +35,7 @@ def test_a_channel_sends_what_gathered_since_its_last_message_at_once() -> None:
 
 
 def test_a_silent_clients_channel_is_closed_and_its_stream_ends(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(output_channel, "KEEP_ALIVE_S", 0.01)
     monkeypatch.setattr(output_channel, "CLIENT_TIMEOUT_S", 0.05)
@@ -51,6 +51,7 @@ def test_a_silent_clients_channel_is_closed_and_its_stream_ends(
         return silent.closed, alive.closed, ended
 
     assert asyncio.run(run()) == (True, False, [])
+    assert [r.getMessage() for r in caplog.records] == ["client silent is gone; its requests end"]
 
 
 def test_an_inbox_hands_items_to_a_thread_and_to_an_event_loop() -> None:
