@@ -25,6 +25,7 @@ def tiny_config(architecture: str = "llama", **overrides: object) -> ModelConfig
         "max_position_embeddings": 256,
         "tie_word_embeddings": architecture == "llama",
         "attention_bias": architecture == "qwen2",
+        "qk_norm": architecture == "qwen3",
         "eos_token_ids": (1,),
     }
     fields.update(overrides)
@@ -59,6 +60,9 @@ def random_hf_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
         if config.attention_bias:
             for x, n in (("q", q), ("k", kv), ("v", kv)):
                 w[p + f"self_attn.{x}_proj.bias"] = rand(n)
+        if config.qk_norm:
+            for x in "qk":
+                w[p + f"self_attn.{x}_norm.weight"] = 1 + rand(config.head_dim)
     return w
 
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -230,3 +234,42 @@ def migration_count(router: RunningRouter) -> float:
         for line in text.splitlines()
         if line.startswith("outrider_migrations_total")
     )
+
+
+class Served:
+    """`outrider serve` in a subprocess, serving (its output read up to the banner)."""
+
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port)]
+        cmd += ["--no-grpc", "--max-model-len", "256", "--max-num-seqs", "2", *flags]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
+        )
+        assert self.proc.stdout is not None
+        self.redis_port = None
+        for line in self.proc.stdout:  # until it serves
+            found = re.search(r"embedded redis-server on redis://127\.0\.0\.1:(\d+)/", line)
+            self.redis_port = int(found.group(1)) if found else self.redis_port
+            if line.startswith("Outrider is serving"):
+                break
+        deadline = time.monotonic() + 60
+        while get_status(f"{self.url}/ready") != 200:  # it prints, then listens
+            assert time.monotonic() < deadline and self.proc.poll() is None, "it never got ready"
+            time.sleep(0.2)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def get_status(url: str) -> int | None:
+    try:
+        return get(url)[0]
+    except OSError:  # not listening yet
+        return None

@@ -6,12 +6,9 @@ request."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,9 +18,9 @@ from typing import Any
 import pytest
 
 from router.backends import LocalBackend
-from router.redis_server import free_port
 from tests.router.helpers import (
     RunningRouter,
+    Served,
     get,
     post,
     raw_completion_stream,
@@ -105,38 +102,6 @@ def test_a_drain_cuts_what_outlives_its_grace_and_another_replica_resumes_it(  #
     assert text == whole["choices"][0]["text"] and text.startswith(sent)
 
 
-class Served:
-    """`outrider serve` in a subprocess, serving (its output read up to the banner)."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port)]
-        cmd += ["--no-grpc", "--max-model-len", "256", "--max-num-seqs", "2"]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
-        )
-        assert self.proc.stdout is not None
-        self.redis_port = None
-        for line in self.proc.stdout:  # until it serves
-            found = re.search(r"embedded redis-server on redis://127\.0\.0\.1:(\d+)/", line)
-            self.redis_port = int(found.group(1)) if found else self.redis_port
-            if line.startswith("Outrider is serving"):
-                break
-        deadline = time.monotonic() + 60
-        while get_status(f"{self.url}/ready") != 200:  # it prints, then listens
-            assert time.monotonic() < deadline and self.proc.poll() is None, "it never got ready"
-            time.sleep(0.2)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     """One `outrider serve` for the module's last tests (the last one stops it with SIGTERM)."""
@@ -194,10 +159,3 @@ def test_sigterm_drains_outrider_serve_then_it_cleans_up_and_exits(served: Serve
     assert "shutting down: 1 requests in flight" in rest
     with pytest.raises(OSError):  # the embedded Redis went with it
         socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
-
-
-def get_status(url: str) -> int | None:
-    try:
-        return get(url)[0]
-    except OSError:  # not listening yet
-        return None

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kernels.rotary import RopeScaling
 from tests.factories import tiny_eagle_head, tiny_model
 from tests.model.helpers import all_logits, run_staggered
 from workers.drafting.base import Drafter
@@ -106,10 +107,24 @@ def engine(
     return LLMEngine(model, config, drafters=drafters)
 
 
+ARCHITECTURES = {  # tiny_model overrides: each architecture's own pieces on the device path
+    "llama": {},
+    "qwen3": {"architecture": "qwen3", "qk_norm": True, "tie_word_embeddings": False},
+    "llama3.1": {"rope_scaling": RopeScaling("llama3", factor=8.0, original_max_positions=32)},
+    "yarn": {
+        "rope_scaling": RopeScaling(
+            "yarn", factor=4.0, original_max_positions=32, attention_factor=1.14
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("_", [pytest.param(None, marks=needs_cuda)])
-def test_the_model_computes_on_cuda_what_it_computes_on_the_cpu(_: None) -> None:
-    cpu_model = tiny_model(seed=4, max_position_embeddings=512)
-    model = tiny_model(seed=4, max_position_embeddings=512).to(CUDA)
+def test_the_model_computes_on_cuda_what_it_computes_on_the_cpu(_: None, arch: str) -> None:
+    overrides = ARCHITECTURES[arch]
+    cpu_model = tiny_model(seed=4, max_position_embeddings=512, **overrides)
+    model = tiny_model(seed=4, max_position_embeddings=512, **overrides).to(CUDA)
     prompt = prompts(1, seed=9)[0]
     plain_cpu = SequentialEngine(cpu_model, max_model_len=512)
     plain_cuda = SequentialEngine(model, max_model_len=512)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cluster.links import TensorLink
+from kernels.rotary import RopeScaling
 from tests.factories import random_hf_weights, tiny_config
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.kv_cache import PagedKVCache
@@ -46,9 +47,18 @@ def group(world: int) -> list[TensorLink]:
     return [links[r] for r in range(world)]
 
 
-@pytest.mark.parametrize(("kv_heads", "world"), [(2, 2), (3, 2), (4, 4)])
-def test_sharded_forward_matches_the_whole_model(kv_heads: int, world: int) -> None:
-    config = tiny_config(num_heads=2 * kv_heads, num_kv_heads=kv_heads, architecture="qwen2")
+@pytest.mark.parametrize(
+    ("arch", "kv_heads", "world"),
+    [("qwen2", 2, 2), ("qwen2", 3, 2), ("qwen2", 4, 4), ("qwen3", 3, 2), ("llama", 2, 2)],
+)
+def test_sharded_forward_matches_the_whole_model(arch: str, kv_heads: int, world: int) -> None:
+    """Qwen3's per-head norms are replicated on every rank; llama's rope scaling too."""
+    scaling = (
+        RopeScaling("llama3", factor=8.0, original_max_positions=4) if arch == "llama" else None
+    )
+    config = tiny_config(
+        num_heads=2 * kv_heads, num_kv_heads=kv_heads, architecture=arch, rope_scaling=scaling
+    )
     checkpoint = Checkpoint(config, random_hf_weights(config, seed=1), tokenizer=None)  # type: ignore[arg-type]
     whole = build_sharded_model(checkpoint, 0, 1, None)
     seqs = [

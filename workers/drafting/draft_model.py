@@ -71,7 +71,7 @@ class DraftModelDrafter(DraftsAhead):
         cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, cache)
         self.allocator = BlockAllocator(num_blocks)
-        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.max_model_len = max_model_len or model.config.max_context
         self._seqs: dict[str, _DraftSeq] = {}
         # A draft ends once the draft model's probability of it falls below this (base.py).
         self.min_confidence = min_confidence

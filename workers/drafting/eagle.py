@@ -109,7 +109,7 @@ class EagleDrafter(DraftsAhead):
         )
         self.allocator = BlockAllocator(num_blocks)
         self.backend = attention or NativeCpuAttention()
-        self.max_model_len = max_model_len or target.config.max_position_embeddings
+        self.max_model_len = max_model_len or target.config.max_context
         self.loop = None if loop is None else self._make_loop(loop, num_blocks, min_confidence)
         self.tree_loop: EagleTreeLoop | None = None
         if loop is not None and loop.tree_nodes:  # trees drafted on the device too

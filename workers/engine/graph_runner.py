@@ -142,8 +142,8 @@ class GraphRunner(ModelRunner):
         widest = max((max_width, *self.tree_widths))
         block_size = kv_cache.block_size
         max_len = min(
-            max_model_len or model.config.max_position_embeddings,
-            model.config.max_position_embeddings,
+            max_model_len or model.config.max_context,
+            model.config.max_context,
         )
         self.buffers = StepBuffers(
             max_num_seqs=self.sizes[-1],
@@ -151,7 +151,7 @@ class GraphRunner(ModelRunner):
             max_blocks=-(-(max_len + widest) // block_size),
             block_size=block_size,
             scratch_slot=scratch_block * block_size,
-            max_positions=model.config.max_position_embeddings,
+            max_positions=model.config.max_context,
             device=model.device,
             trees=bool(self.tree_widths),
         )
@@ -260,7 +260,7 @@ class GraphRunner(ModelRunner):
                 seqs, hidden_layers, return_final_hidden, interrupt, input_tokens
             )
         for seq in seqs:
-            seq.check_room(self.block_size, self.model.config.max_position_embeddings)
+            seq.check_room(self.block_size, self.model.config.max_context)
         self.buffers.stage(seqs, shape)
         if input_tokens is not None:  # each sequence's one token, over what was staged
             check_fed(seqs)

@@ -88,7 +88,7 @@ class LLMEngine:
         as `draft_seconds`, divided by the engine's one-token forward as its runner times it
         (graphs included). `progress`: a progress bar while CUDA graphs are captured."""
         self.config = config or EngineConfig()
-        max_len = min(self.config.max_model_len, model.config.max_position_embeddings)
+        max_len = min(self.config.max_model_len, model.config.max_context)
         self.max_model_len = max_len
         drafters = drafters or {}
         if runner is None:

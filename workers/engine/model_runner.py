@@ -190,7 +190,7 @@ class ModelRunner:
         fed the tokens the step before it sampled, before the host has read them:
         workers/engine/overlap.py)."""
         inputs = build_inputs(
-            seqs, self.block_size, self.model.config.max_position_embeddings, self.model.device
+            seqs, self.block_size, self.model.config.max_context, self.model.device
         )
         if input_tokens is not None:
             check_fed(seqs)

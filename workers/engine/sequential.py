@@ -55,8 +55,8 @@ class SequentialEngine:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.max_model_len = min(
-            max_model_len or model.config.max_position_embeddings,
-            model.config.max_position_embeddings,
+            max_model_len or model.config.max_context,
+            model.config.max_context,
         )
         num_blocks = -(-self.max_model_len // block_size)
         cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)

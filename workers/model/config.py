@@ -5,7 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+from kernels.rotary import RopeScaling
+from workers.model.rope_config import read_rope, rope_parameters
+
+# Each `model_type` we serve and its transformers class. All are llama's decoder: qwen2 adds
+# q/k/v biases, qwen3 RMSNorm on each query and key head (and no biases), mistral a sliding
+# window; any of them may scale its rotary frequencies (workers/model/rope_config.py).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # How a model's projection weights are held (`--quantization`, the deployment's
 # `quantization`; workers/model/loader.py): auto: gguf for a GGUF file on a CPU that runs our
 # kernels, else none; none: floats of the model's dtype; gguf: the file's quantized blocks
@@ -15,7 +27,7 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8")
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Llama-family model hyper-parameters. Qwen2 is llama with q/k/v biases."""
+    """Llama-family model hyper-parameters (see ARCHITECTURES for what each type adds)."""
 
     architecture: str
     vocab_size: int
@@ -33,6 +45,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
     name: str = ""
+    qk_norm: bool = False  # RMSNorm over each query and key head before rotary (qwen3)
+    rope_scaling: RopeScaling | None = None
+    # Keys further back than this are masked (mistral). Contexts up to it attend to every key,
+    # so a model with a window is served up to the window (`max_context`), exactly.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -61,6 +78,15 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    @property
+    def max_context(self) -> int:
+        """The longest context served: the model's, or its sliding window where shorter (past
+        the window attention would skip keys, which our kernels do not)."""
+        window = self.sliding_window or self.max_position_embeddings
+        return min(self.max_position_embeddings, window)
 
     @property
     def q_size(self) -> int:
@@ -74,16 +100,14 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         """From a Hugging Face `config.json` (transformers 4.x or 5.x spelling)."""
         architecture = cfg.get("model_type", "")
-        if architecture not in SUPPORTED_ARCHITECTURES:
+        if architecture not in ARCHITECTURES:
             raise ValueError(
                 f"config.json has model_type {architecture!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        _reject_rope_scaling(cfg.get("rope_scaling") or cfg.get("rope_parameters"))
-        rope = cfg.get("rope_parameters") or {}
+        rope = read_rope(cfg)
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
         return cls(
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
@@ -94,20 +118,22 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_theta=rope.theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=architecture == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_as_id_tuple(eos),
+            eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
             name=str(cfg.get("_name_or_path", "")),
+            qk_norm=architecture == "qwen3",
+            rope_scaling=rope.scaling,
+            sliding_window=_sliding_window(architecture, cfg),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
         """A `config.json` that transformers and `from_hf_config` both read back."""
-        arch_class = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.architecture]
         cfg: dict[str, Any] = {
-            "architectures": [arch_class],
+            "architectures": [ARCHITECTURES[self.architecture]],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -118,6 +144,7 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
+            "rope_parameters": rope_parameters(self.rope_theta, self.rope_scaling),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
@@ -125,9 +152,28 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) or None,
             "_name_or_path": self.name,
         }
-        if self.architecture == "llama":
+        if self.architecture in ("llama", "mistral", "qwen3"):
             cfg["attention_bias"] = self.attention_bias
+        if self.architecture == "mistral":
+            cfg["sliding_window"] = self.sliding_window
+        elif self.architecture in ("qwen2", "qwen3"):
+            cfg["use_sliding_window"] = self.sliding_window is not None
+            cfg["sliding_window"] = self.sliding_window
+            cfg["max_window_layers"] = 0 if self.sliding_window else self.num_layers
         return cfg
+
+
+def _sliding_window(architecture: str, cfg: dict[str, Any]) -> int | None:
+    """The window a config masks attention to, where it does (qwen's only with
+    use_sliding_window, for the layers from max_window_layers on)."""
+    window = cfg.get("sliding_window")
+    if architecture in ("qwen2", "qwen3"):
+        layers = int(cfg.get("max_window_layers", cfg.get("num_hidden_layers", 0)))
+        uses = cfg.get("use_sliding_window") and layers < int(cfg.get("num_hidden_layers", 0))
+        return int(window) if uses and window else None
+    if architecture == "mistral" and window:
+        return int(window)
+    return None
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
@@ -136,9 +182,3 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, list | tuple):
         return tuple(int(v) for v in value)
     return (int(value),)
-
-
-def _reject_rope_scaling(rope: dict[str, Any] | None) -> None:
-    kind = (rope or {}).get("rope_type") or (rope or {}).get("type") or "default"
-    if kind != "default":
-        raise ValueError(f"rope scaling {kind!r} is not supported yet (plain rotary only)")

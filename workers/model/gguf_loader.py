@@ -7,12 +7,16 @@ Q5_K and Q6_K held in those kinds (`quant.CONVERTED`); other types are dequantiz
 
 llama.cpp's converter permutes the rows of llama Q and K weights so its interleaved rotary
 variant can run on them; we undo that so every model uses the rotate-half layout of
-kernels/rotary.py. Qwen2 files are written with the rotate-half ("neox") layout and need nothing.
+kernels/rotary.py. Qwen2 and Qwen3 files are written with the rotate-half ("neox") layout and
+need nothing. Mistral's files are `llama` ones. Llama 3's rope scaling is stored as a
+`rope_freqs` tensor of per-frequency divisors (not a weight: it goes into the config), linear
+and YaRN scaling as `rope.scaling.*` fields.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import tempfile
@@ -26,6 +30,7 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from kernels.quant import CONVERTED, KINDS, QuantizedWeight, Weight, from_gguf_tensor
+from kernels.rotary import RopeScaling
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import GGUFTokenizerSpec, Tokenizer
 
@@ -38,11 +43,14 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_ROPE_FREQS = "rope_freqs.weight"  # Llama 3's per-frequency rope divisors
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -80,8 +88,6 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 def read_config(reader: GGUFReader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None):
-        raise ValueError("GGUF rope scaling is not supported yet (plain rotary only)")
     names = {t.name for t in reader.tensors}
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
@@ -90,6 +96,7 @@ def read_config(reader: GGUFReader) -> ModelConfig:
         _field(reader, "tokenizer.ggml.eot_token_id"),
     ]
     vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    window = _field(reader, f"{arch}.attention.sliding_window")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -107,7 +114,40 @@ def read_config(reader: GGUFReader) -> ModelConfig:
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=str(_field(reader, "general.name", "")),
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=read_rope_scaling(reader, arch),
+        sliding_window=int(window) if window else None,
     )
+
+
+def read_rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:
+    """The file's rope scaling: a `rope_freqs` tensor (Llama 3's, as llama.cpp writes it), or
+    the `rope.scaling.*` fields (linear, yarn); None for plain rotary."""
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if freqs is not None:
+        factors = np.asarray(freqs.data, dtype=np.float32).reshape(-1)
+        return RopeScaling("freq_factors", freq_factors=tuple(float(f) for f in factors))
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return None
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return RopeScaling("linear", factor=factor)
+    if kind != "yarn":
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported; supported: linear, yarn")
+    attention = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    return RopeScaling(
+        "yarn",
+        factor=factor,
+        original_max_positions=int(_field(reader, f"{arch}.rope.scaling.original_context_length")),
+        beta_fast=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        attention_factor=float(attention) if attention else _yarn_mscale(factor),
+    )
+
+
+def _yarn_mscale(factor: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
 def read_weights(
@@ -122,6 +162,8 @@ def read_weights(
     in a block type of kernels/quant.py stay in their blocks (`QuantizedWeight`)."""
     weights: dict[str, Weight] = {}
     for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor", disable=not progress):
+        if tensor.name == _ROPE_FREQS:
+            continue  # read into the config (read_rope_scaling)
         name = hf_name(tensor.name)
         kind = tensor.tensor_type.name.lower()
         weight: Weight

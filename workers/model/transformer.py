@@ -94,6 +94,9 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        # Qwen3: each query and key head RMS-normalized (one weight a head_dim) before rotary.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.packs = WeightPacks()
         # Set where this process computes as a tensor-parallel group would (tensor_parallel.py
         # `emulate_row_parallel`): each rank's input columns and its slice of o_proj.
@@ -110,6 +113,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = qkv.shape[0]
         key_cache, value_cache = kv_cache
+        if self.q_norm is not None and self.k_norm is not None:
+            self._norm_heads(qkv, 0, self.q_size, self.q_norm)
+            self._norm_heads(qkv, self.q_size, self.kv_size, self.k_norm)
         q = rotate_and_store(qkv, self.num_heads, angles, key_cache, value_cache, meta.slot_mapping)
         out = backend.forward(q, key_cache, value_cache, plan, self.scale)
         out = out.reshape(num_tokens, self.q_size)
@@ -119,6 +125,12 @@ class Attention(nn.Module):
             self.packs.linear(f"o{r}", out[:, cols.start : cols.stop].contiguous(), weight)
             for r, (cols, weight) in enumerate(self.row_parts)
         )
+
+    def _norm_heads(self, qkv: torch.Tensor, start: int, size: int, norm: RMSNorm) -> None:
+        """Normalize the heads in columns [start, start + size) of `qkv`, in place."""
+        part = qkv[:, start : start + size]
+        heads = norm(part.reshape(-1, self.head_dim))  # [num_tokens * heads, head_dim]
+        part.copy_(heads.view(part.shape))
 
 
 class MLP(nn.Module):
@@ -227,7 +239,8 @@ class ForwardInterrupted(Exception):
 
 
 class TransformerLM(nn.Module):
-    """Llama/Qwen2 decoder over a paged KV cache; see the module docstring."""
+    """Llama-family decoder (workers/model/config.py ARCHITECTURES) over a paged KV cache; see
+    the module docstring."""
 
     def __init__(self, config: ModelConfig, attention: AttentionBackend | None = None) -> None:
         super().__init__()
@@ -249,7 +262,7 @@ class TransformerLM(nn.Module):
         self.packs = WeightPacks()  # the LM head's (the layers keep their own)
         # Rotary tables stay fp32 whatever the model dtype (so not buffers: .to(dtype) would cast).
         self._cos, self._sin = rope_cos_sin(
-            config.head_dim, config.max_position_embeddings, config.rope_theta
+            config.head_dim, config.max_context, config.rope_theta, scaling=config.rope_scaling
         )
 
     @property
@@ -302,6 +315,9 @@ class TransformerLM(nn.Module):
                 state[ours + f"self_attn.qkv_proj.{kind}"] = _stack(
                     [weights[attn + f"{p}_proj.{kind}"] for p in "qkv"]
                 )
+            if self.config.qk_norm:
+                for p in "qk":
+                    state[ours + f"self_attn.{p}_norm.weight"] = weights[attn + f"{p}_norm.weight"]
             state[ours + "self_attn.o_proj.weight"] = weights[attn + "o_proj.weight"]
             state[ours + "mlp.gate_up_proj.weight"] = _stack(
                 [weights[hf + "mlp.gate_proj.weight"], weights[hf + "mlp.up_proj.weight"]]
@@ -429,4 +445,6 @@ def _hf_names(config: ModelConfig) -> set[str]:
         names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
         if config.attention_bias:
             names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
+        if config.qk_norm:
+            names |= {p + f"self_attn.{x}_norm.weight" for x in "qk"}
     return names
