@@ -50,9 +50,10 @@ import yaml
 from cluster.router_settings import MigrationSettings, RouterSettings, TlsSettings
 from workers.engine.config import (
     DEFAULT_MIN_DRAFT_CONFIDENCE,
-    SPEC_METHODS,
+    METHODS_HELP,
     EngineConfig,
     SpecConfig,
+    valid_method,
 )
 from workers.model.config import QUANTIZATIONS
 
@@ -115,6 +116,9 @@ class DrafterPool:
     num_speculative_tokens: int = 4
     draft_model: str | None = None  # for method draft_model: a smaller model, same tokenizer
     draft_layers: int | None = None  # or the target's first N layers as the draft model
+    # For method eagle: an EAGLE-3 head, our file or a published folder (the bundled model has
+    # one built in). A published head given as draft_model is taken as this.
+    eagle_head: str | None = None
     draft_ahead: bool = True  # prepare the next proposal while the verifier checks this one
     # A draft model drafting ahead goes on across steps that only commit its guess (the step is
     # answered from what it drafted so far); false: every step stops it and waits for the
@@ -229,7 +233,7 @@ class DeploymentConfig:
             ("speculative", self.speculative.method, self.speculative.num_speculative_tokens),
             ("pools.drafter", self.pools.drafter.method, self.pools.drafter.num_speculative_tokens),
         ):
-            _check(method in SPEC_METHODS, f"{where}.method", f"must be one of {SPEC_METHODS}")
+            _check(valid_method(method), f"{where}.method", f"must be {METHODS_HELP}")
             _check(0 <= k <= 16, f"{where}.num_speculative_tokens", f"must be in 0..16, got {k}")
         s = self.speculative
         _check(s.ngram_min >= 1, "speculative.ngram_min", f"must be >= 1, got {s.ngram_min}")
@@ -356,18 +360,23 @@ class DeploymentConfig:
             spec=spec,
         )
 
-    def model_spec(self, device: str = "cpu", eagle_head: str | None = None) -> Any:
-        """The models to load (a `ModelSpec`): the target, and the drafter pool's draft model."""
+    def model_spec(self, device: str = "cpu") -> Any:
+        """The models to load (a `ModelSpec`): the target, and the drafter pool's draft model
+        or EAGLE head."""
+        from workers.eagle.layout import is_eagle3_folder
         from workers.engine.factory import ModelSpec
 
         drafter = self.pools.drafter
+        draft_model, eagle_head = drafter.draft_model, drafter.eagle_head
+        if draft_model is not None and is_eagle3_folder(Path(draft_model)):
+            draft_model, eagle_head = None, eagle_head or draft_model
         # Every pool holds the weights as the verifiers do (`quantization: auto` decided by
         # their device): a prefill worker's KV cache must be what the verifier would compute.
         verifier_device = "cuda" if self.pools.verifier.resources.gpus else "cpu"
         return ModelSpec(
             self.model,
             self.dtype,
-            drafter.draft_model,
+            draft_model,
             drafter.draft_layers,
             eagle_head,
             device,

@@ -42,7 +42,7 @@ def load(
     device = args.device or "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: this torch sees no CUDA device")
-    model = config.model_spec(device, args.eagle_head)
+    model = config.model_spec(device)
     return build_engine(model, config.engine_config(), progress=progress)
 
 
@@ -91,6 +91,7 @@ def deployment_of(args: argparse.Namespace) -> DeploymentConfig:
         "pools.drafter.replicas": args.drafters,
         "pools.drafter.draft_model": args.draft_model,
         "pools.drafter.draft_layers": args.draft_layers,
+        "pools.drafter.eagle_head": args.eagle_head,
         "pools.verifier.tensor_parallel_size": args.tp,
         "ray.address": args.address,
         "router.log_format": getattr(args, "log_format", None),  # `serve`'s flag

@@ -9,7 +9,8 @@ import os
 from cluster import k8s
 from workers.engine.config import (
     DEFAULT_MIN_DRAFT_CONFIDENCE,
-    SPEC_METHODS,
+    METHODS_HELP,
+    valid_method,
 )
 from workers.model.config import QUANTIZATIONS
 
@@ -65,18 +66,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     spec = parser.add_argument_group("speculative decoding")
-    spec.add_argument("--spec-method", default=None, choices=SPEC_METHODS)
+    spec.add_argument("--spec-method", default=None, type=_method, help=METHODS_HELP)
     spec.add_argument(
         "--num-spec-tokens", type=int, default=None, help="most draft tokens per step (default 4)"
     )
-    spec.add_argument("--draft-model", default=None, help="draft model (GGUF or HF folder)")
+    spec.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model (GGUF or HF folder), or a published EAGLE-3 head's folder",
+    )
     spec.add_argument(
         "--draft-layers", type=int, default=None, help="use the target's first N layers as draft"
     )
     spec.add_argument(
         "--eagle-head",
         default=None,
-        help="EAGLE head file for --spec-method eagle (the bundled model has one built in)",
+        help="EAGLE-3 head for --spec-method eagle: our file or a published folder (the "
+        "bundled model has one built in)",
     )
     spec.add_argument(
         "--ngram-min", type=int, default=None, help="shortest n-gram to match (default 2)"
@@ -231,3 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     k8s.add_parser(sub)
     return parser
+
+
+def _method(value: str) -> str:
+    if not valid_method(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not {METHODS_HELP}")
+    return value

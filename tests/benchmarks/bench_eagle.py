@@ -28,7 +28,8 @@ from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.eagle.data import teacher_force
-from workers.eagle.head import BUNDLED_HEAD, EagleHead, head_metadata
+from workers.eagle.head import BUNDLED_HEAD
+from workers.eagle.layout import head_metadata, load_head
 from workers.eagle.prompts import held_out_prompts
 from workers.eagle.trees import acceptance_ranks, best_tree, chain, level_widths, walk
 from workers.engine.calibration import (
@@ -163,7 +164,7 @@ def tree_section(
     """Offline acceptance of static draft trees on the held-out answers (workers/eagle/trees.py),
     with each prompt's tree shaped by the other prompts, and the cost such a step would have."""
     target32 = build_model(checkpoint, dtype=torch.float32)
-    head = EagleHead.load(head_path)
+    head = load_head(head_path)
     head.attach(target32)
     head.eval()
     vocab = checkpoint.config.vocab_size
@@ -234,7 +235,7 @@ def shapes_section(
     quick: bool,
 ) -> str:
     """Acceptance of whole chains (nodes 0) and trees of each (depth, node budget)."""
-    head = EagleHead.load(head_path)
+    head = load_head(head_path)
     rows = []
     for k, nodes in TREE_SHAPES[:3] if quick else TREE_SHAPES:
         spec = SpecConfig(
@@ -288,7 +289,7 @@ def main() -> None:
         one_token_s = forward_times(target, [1], reps=5 if args.quick else 20)[0]
     eagles = {
         (lookup, confidence): EagleDrafter(
-            EagleHead.load(args.head),
+            load_head(args.head),
             target,
             num_blocks=512,
             max_model_len=1024,

@@ -44,7 +44,8 @@ from workers.drafting.base import Drafter
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.eagle_loop import loop_config
 from workers.drafting.ngram import NgramConfig, NgramDrafter
-from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.eagle.head import BUNDLED_HEAD
+from workers.eagle.layout import load_head
 from workers.eagle.prompts import held_out_prompts
 from workers.engine.calibration import runner_samples
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
@@ -164,7 +165,7 @@ def bundled_engine(
     `spec` (default: at most K drafts, adaptive): `adaptive=False` drafts k tokens every step
     (what the head accepts when it drafts); `tree_nodes`: EAGLE drafts trees of up to that many
     nodes where they pay."""
-    head = EagleHead.load(Path(BUNDLED_HEAD))
+    head = load_head(Path(BUNDLED_HEAD))
     config = EngineConfig(
         max_model_len=2048,
         max_num_seqs=max_num_seqs,

@@ -29,6 +29,7 @@ from workers.drafting.base import DraftRequest
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.eagle_loop import EagleDraftLoop, LoopConfig, LoopShape
 from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.eagle.layout import load_head
 from workers.engine.graph_runner import replay_or_run
 from workers.engine.sampling_params import SamplingParams
 from workers.model.config import ModelConfig
@@ -52,7 +53,7 @@ def sync(device: torch.device) -> None:
 def drafter_with_history(
     device: torch.device, k: int, rows: int, context: int
 ) -> tuple[EagleDrafter, list[str]]:
-    head = EagleHead.load(BUNDLED_HEAD)
+    head = load_head(BUNDLED_HEAD)
     target = random_model(target_for(head), device)
     loop = LoopConfig(max_seqs=8, max_depth=k)
     drafter = EagleDrafter(head, target, num_blocks=64 * rows, max_model_len=2048, loop=loop)

@@ -3,6 +3,8 @@ tensor-parallel verifier group (TP = 2 over gloo)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.cluster.common import GREEDY, deployment, run_all, wait_restarted
@@ -77,5 +79,27 @@ def test_tensor_parallel_verifier_is_exact(prompts, expected) -> None:  # type: 
             run_all(runtime, prompts[:1], "eagle")
         wait_restarted(verifier, before)
         assert run_all(runtime, prompts, "eagle") == expected
+    finally:
+        runtime.shutdown()
+
+
+def test_a_users_drafter_serves_from_the_drafter_pool(  # type: ignore[no-untyped-def]
+    prompts, expected, tmp_path, monkeypatch
+) -> None:
+    """docs/design.md's example drafter, installed where the actors import it (PYTHONPATH, as
+    a user's package would be), as the drafter pool's method: output is plain decoding's and
+    its drafts were taken."""
+    from cluster.runtime import Runtime
+    from tests.unit.test_user_drafter import EXAMPLE, docs_example
+
+    (tmp_path / "outrider_example_drafters.py").write_text(docs_example())
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    )
+    runtime = Runtime.start(deployment(EXAMPLE, drafters=1), num_cpus=2)
+    try:
+        assert run_all(runtime, prompts, EXAMPLE) == expected
+        (stats,) = runtime.verifier_stats()
+        assert stats["spec"]["accepted"] > 0
     finally:
         runtime.shutdown()

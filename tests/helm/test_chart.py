@@ -441,3 +441,22 @@ def test_dashboard_configmap_and_pod_monitor_render_when_switched_on(chart) -> N
         assert group["rayStartParams"]["metrics-export-port"] == "8080"
         ports = {p["name"]: p["containerPort"] for p in container(group["template"])["ports"]}
         assert ports["metrics"] == 8080
+
+
+def test_a_drafter_head_model_and_users_class_reach_the_deployment_config(chart) -> None:  # type: ignore[no-untyped-def]
+    values = load_values(CHART / "ci" / "cpu-values.yaml")
+    values["speculative"] = {**values.get("speculative", {}), "method": "acme.drafting:MyDrafter"}
+    values["drafter"] = {
+        **values.get("drafter", {}),
+        "method": "eagle",
+        "eagleHead": "/models/llama3.1-eagle3",
+        "draftModel": "",
+    }
+    config = deployment_of(render(chart, values))
+    assert config.speculative.method == "acme.drafting:MyDrafter"
+    assert config.pools.drafter.eagle_head == "/models/llama3.1-eagle3"
+    assert config.pools.drafter.draft_model is None
+    values["drafter"]["method"] = "acme drafting"
+    with pytest.raises(helm_python.HelmValuesError) as err:
+        chart.render(values, name="demo", namespace="serving")
+    assert "/drafter/method" in str(err.value)

@@ -8,7 +8,8 @@ import torch
 
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter
-from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.eagle.head import BUNDLED_HEAD
+from workers.eagle.layout import load_head
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
@@ -121,7 +122,7 @@ def speculative_engine(
     drafter = (
         NgramDrafter(NgramConfig(1, 4))
         if method == "ngram"
-        else EagleDrafter(EagleHead.load(BUNDLED_HEAD), model, num_blocks=1024, grammars=grammars)
+        else EagleDrafter(load_head(BUNDLED_HEAD), model, num_blocks=1024, grammars=grammars)
     )
     spec = SpecConfig(num_speculative_tokens=4, adaptive=False, disable_batch_size=64)
     return LLMEngine(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.eagle.head import EagleHead
+from workers.eagle.layout import load_head
 from workers.eagle.retrain import parse_args, run
 from workers.eagle.train import TIMED_STEPS
 
@@ -32,7 +32,7 @@ def test_quick_retraining_writes_a_head_and_its_summary(tmp_path: Path) -> None:
     acceptance = result["held_out_acceptance"]
     assert acceptance["shipped"] > 1.0  # type: ignore[index]
     assert result["better"] == (acceptance["new"] > acceptance["shipped"])  # type: ignore[index]
-    head = EagleHead.load(tmp_path / "head.safetensors")
+    head = load_head(tmp_path / "head.safetensors")
     assert head.config.draft_vocab_size == 512
     events = [json.loads(line)["event"] for line in (tmp_path / "train.jsonl").open()]
     assert events[0] == "start" and "budget" in events and events[-1] == "done"

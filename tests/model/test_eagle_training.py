@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.eagle.head import BUNDLED_HEAD, EagleHead, head_metadata
+from workers.eagle.head import BUNDLED_HEAD
+from workers.eagle.layout import head_metadata, load_head
 from workers.eagle.prompts import held_out_prompts, training_prompts
 from workers.eagle.self_instruct import (
     keep_turn,
@@ -28,7 +29,7 @@ def test_training_smoke_writes_a_loadable_head(tmp_path: Path) -> None:
     args = ["--seed", "1", "--limit", "4", "--max-answer-tokens", "12", "--epochs", "2"]
     args += ["--batch-tokens", "256", "--draft-vocab", "512", "--no-progress"]
     main([*args, "--output", str(out), "--log", str(log)])
-    head = EagleHead.load(out)
+    head = load_head(out)
     assert head.config.draft_vocab_size == 512
     manifest = json.loads(out.with_suffix(".json").read_text())
     assert manifest["sha256"] == sha256_of(out)
@@ -52,7 +53,7 @@ def test_shipped_head_matches_its_manifest_and_the_bundled_model(checkpoint) -> 
     assert manifest["file"] == BUNDLED_HEAD.name
     assert manifest["sha256"] == sha256_of(BUNDLED_HEAD)
     assert manifest["command"].startswith("python -m workers.eagle.train")
-    head = EagleHead.load(BUNDLED_HEAD)
+    head = load_head(BUNDLED_HEAD)
     assert head.config.target_name == checkpoint.config.name
     assert head.config.hidden_size == checkpoint.config.hidden_size
     assert max(head.config.target_layers) < checkpoint.config.num_layers

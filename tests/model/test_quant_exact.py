@@ -19,7 +19,8 @@ from workers.drafting.base import Drafter
 from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
-from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.eagle.head import BUNDLED_HEAD
+from workers.eagle.layout import load_head
 from workers.engine.config import EngineConfig, RequestSpec
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import Continuation
@@ -58,7 +59,7 @@ def drafter_for(method: str, target, quantized_checkpoint) -> Drafter:  # type: 
     if method == "suffix":
         return SuffixDrafter(NgramConfig(1, 4))
     if method == "eagle":  # the head reads the target's quantized embedding and LM head rows
-        return EagleDrafter(EagleHead.load(BUNDLED_HEAD), target, num_blocks=1024)
+        return EagleDrafter(load_head(BUNDLED_HEAD), target, num_blocks=1024)
     # The target's first layers, in their blocks too: the draft model path over quantized weights.
     draft = build_model(truncate_layers(quantized_checkpoint, 8), dtype=torch.bfloat16)
     assert isinstance(draft.layers[0].mlp.down_proj, QuantizedLinear)

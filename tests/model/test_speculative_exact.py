@@ -18,7 +18,8 @@ from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.eagle_loop import LoopConfig
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
-from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.eagle.head import BUNDLED_HEAD
+from workers.eagle.layout import load_head
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.outputs import Continuation
@@ -80,7 +81,7 @@ def make_drafter(method: str, draft_net, model_fp32) -> Drafter:  # type: ignore
     if method in ("eagle", "eagle_lookup"):
         lookup = NgramConfig(2, 4) if method == "eagle_lookup" else None
         return EagleDrafter(
-            EagleHead.load(BUNDLED_HEAD),
+            load_head(BUNDLED_HEAD),
             model_fp32,
             num_blocks=1024,
             lookup=lookup,

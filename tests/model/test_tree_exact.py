@@ -8,7 +8,8 @@ import pytest
 
 from tests.model.helpers import plain_tokens, run_staggered
 from workers.drafting.eagle import EagleDrafter
-from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.eagle.head import BUNDLED_HEAD
+from workers.eagle.layout import load_head
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ TREES = SpecConfig(
 
 
 def tree_engine(model: TransformerLM, eos: tuple[int, ...]) -> tuple[LLMEngine, EagleDrafter]:
-    drafter = EagleDrafter(EagleHead.load(BUNDLED_HEAD), model, num_blocks=512)
+    drafter = EagleDrafter(load_head(BUNDLED_HEAD), model, num_blocks=512)
     engine = LLMEngine(
         model,
         EngineConfig(max_model_len=512, spec=TREES),

@@ -12,7 +12,8 @@ from workers.drafting.base import Draft, DraftRequest
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.ngram import NgramConfig
 from workers.eagle.data import EagleData, draft_vocabulary, teacher_force
-from workers.eagle.head import EagleHead, head_metadata
+from workers.eagle.head import EagleHead
+from workers.eagle.layout import head_metadata, load_head, save_head
 from workers.eagle.self_instruct import keep_turn
 from workers.eagle.train import acceptance, batch_loss
 from workers.eagle.trees import (
@@ -199,15 +200,15 @@ def test_out_of_cache_blocks_gives_an_empty_draft_and_recovers(target) -> None: 
 def test_head_file_round_trip(target, tmp_path) -> None:  # type: ignore[no-untyped-def]
     head = tiny_eagle_head(target)
     path = tmp_path / "head.safetensors"
-    head.save(path, {"command": "python -m workers.eagle.train --seed 0"})
-    loaded = EagleHead.load(path)
+    save_head(head, path, {"command": "python -m workers.eagle.train --seed 0"})
+    loaded = load_head(path)
     assert loaded.config == head.config
     assert torch.equal(loaded.draft_vocab, head.draft_vocab)
-    assert torch.equal(loaded.fuse.weight, head.fuse.weight)
+    assert torch.equal(loaded.fc.weight, head.fc.weight)
     assert head_metadata(path)["command"].startswith("python -m workers.eagle.train")
     (tmp_path / "bad.safetensors").write_bytes(b"not a head")
     with pytest.raises(Exception):  # noqa: B017 (safetensors' own error type)
-        EagleHead.load(tmp_path / "bad.safetensors")
+        load_head(tmp_path / "bad.safetensors")
 
 
 def tiny_data(target: TransformerLM, head: EagleHead, seqs: int = 3, length: int = 12) -> EagleData:

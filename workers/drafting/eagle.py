@@ -95,8 +95,7 @@ class EagleDrafter(DraftsAhead):
         grammars: Grammars | None = None,
         loop: LoopConfig | None = None,
     ) -> None:
-        if head.config.hidden_size != target.config.hidden_size:
-            raise ValueError("the EAGLE head was trained for a target of another hidden size")
+        head.config.check_target(target.config)
         head = head.to(device=target.device, dtype=target.dtype)
         head.attach(target)
         self.head = head

@@ -173,7 +173,7 @@ class EagleDraftLoop:
             self.sizes[-1],
             self.width,
             max_blocks,
-            len(config.target_layers) * config.hidden_size,
+            len(config.target_layers) * config.target_hidden_size,
             dtype,
             device,
         )

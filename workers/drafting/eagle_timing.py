@@ -49,7 +49,7 @@ def proposal_seconds(
     rids = [f"__calibration_{i}__" for i in range(rows)]
     lookup, drafter.lookup = drafter.lookup, None  # time the head, not a lookup
     try:
-        width = len(drafter.hidden_layers) * drafter.head.config.hidden_size
+        width = len(drafter.hidden_layers) * drafter.head.config.target_hidden_size
         features = torch.randn(context, width, generator=torch.Generator().manual_seed(0))
         for rid in rids:
             drafter.add(rid, [0] * (context + 1), SamplingParams(temperature=0.0))

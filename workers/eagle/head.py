@@ -1,45 +1,60 @@
-"""An EAGLE-3-style draft head for a target model: features of three target layers in, tokens out.
+"""An EAGLE-3 draft head: features of three target layers in, tokens out, in the architecture
+the EAGLE authors, SpecForge, vLLM and SGLang share (so heads move between them: layout.py).
 
 For position i the target's hidden states after three of its layers (a low, a middle and a high
-one) are normalized and fused into one feature g_i. The head's input row for position i is
-`fc_in([norm(embed(x_{i+1})), norm(g_i)])`: the feature that predicted token i+1 together with
-that token. One decoder layer (its own attention over earlier rows, rotary at position i) turns
-it into a_i, and the target's own LM head, restricted to a draft vocabulary of the tokens the
-target emits most (as FR-Spec does), predicts x_{i+2} from norm(a_i).
+one, before any norm) are concatenated and fused by `fc` into one feature g_i. The head's
+decoder layer reads the embedding of the token after position i, x_{i+1}, beside g_i: its
+attention projects `[input_layernorm(embed(x_{i+1})), hidden_norm(g_i)]` (twice the hidden
+size) to queries, keys and values, with rotary at position i, over the head's own earlier rows;
+its residual stream starts from g_i itself (from hidden_norm(g_i) where the head's config says
+`norm_before_residual`), then the MLP as in llama. Its output a_i (before the final norm) is
+the head's next feature: `lm_head(norm(a_i))` over a draft vocabulary of the tokens the target
+emits most (as FR-Spec does; `draft_vocab` maps each draft row to a target token) predicts
+x_{i+2}.
 
-Drafting past the first token has no target feature yet: the head's own output a_i stands in
-for g_{i+1}. Training unrolls exactly that (EAGLE-3's "training-time test"), so the head learns
-from its own outputs. The embedding and LM head rows come from the target and are not stored:
-a head file holds only the fusion, input and decoder-layer weights plus the draft vocabulary.
+Drafting past the first token has no target feature yet: a_i stands in for g_{i+1}. Training
+unrolls exactly that (EAGLE-3's "training-time test"), so the head learns from its own outputs.
+
+The token embedding is the target's unless the head brings its own; the LM head is the head's
+own where its file has one (a published head), else the target's rows for the draft vocabulary
+(the heads we train keep them frozen and do not store them).
+
+Where each piece lives:
+
+| what | where |
+| --- | --- |
+| the head, its config | this file |
+| files: ours (one safetensors file) and the published folder (config.json + weights) | layout.py |
+| `python -m workers.eagle.export` | export.py |
+| training's unrolled forward | unroll.py |
+| drafting over the paged cache: chain / tree, eager / graphed | workers/drafting/eagle*.py |
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.linear import WeightPacks
 from kernels.quant import QuantizedWeight, Weight
-from kernels.rotary import RotaryAngles, rope_cos_sin
+from kernels.rotary import RopeScaling, RotaryAngles, rope_cos_sin
 from workers.model.config import ModelConfig
-from workers.model.transformer import DecoderLayer, RMSNorm, TransformerLM
+from workers.model.transformer import MLP, Attention, DecoderLayer, RMSNorm, TransformerLM
 
-HEAD_FORMAT = "outrider-eagle3-v1"
 # The head trained for the bundled SmolLM2-135M-Instruct (workers/eagle/train.py made it).
 BUNDLED_HEAD = Path(__file__).parent / "weights" / "smollm2-135m-instruct-eagle3.safetensors"
 
 
 @dataclass(frozen=True, slots=True)
 class EagleConfig:
-    target_name: str  # the target the head was trained for (checked at load)
-    target_layers: tuple[int, ...]  # whose outputs are fused, low to high
+    target_name: str  # the target the head was trained for (informative)
+    target_layers: tuple[int, ...]  # whose outputs are fused (0-based layer outputs), low to high
+    target_hidden_size: int
+    vocab_size: int  # the target's vocabulary, which the draft vocabulary maps into
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -49,12 +64,14 @@ class EagleConfig:
     rope_theta: float
     max_positions: int
     draft_vocab_size: int
+    rope_scaling: RopeScaling | None = None
+    norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
         if len(self.target_layers) < 1:
             raise ValueError("an EAGLE head needs at least one target layer")
-        if self.draft_vocab_size < 1:
-            raise ValueError("draft_vocab_size must be positive")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError("draft_vocab_size must be in 1..vocab_size")
 
     @classmethod
     def for_target(
@@ -63,13 +80,17 @@ class EagleConfig:
         target_layers: tuple[int, ...] | None = None,
         draft_vocab_size: int = 8192,
     ) -> EagleConfig:
+        """A head of the target's own shape, fusing `target_layers` (default: those vLLM and
+        SGLang capture when a head names none, `default_target_layers`)."""
         n = target.num_layers
-        layers = target_layers or (1, n // 2, n - 1)
+        layers = target_layers or default_target_layers(n)
         if any(not 0 <= layer < n for layer in layers):
             raise ValueError(f"target layers {layers} out of range for a {n}-layer target")
         return cls(
             target_name=target.name,
             target_layers=tuple(layers),
+            target_hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
             hidden_size=target.hidden_size,
             intermediate_size=target.intermediate_size,
             num_heads=target.num_heads,
@@ -77,7 +98,8 @@ class EagleConfig:
             head_dim=target.head_dim,
             rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta,
-            max_positions=target.max_position_embeddings,
+            rope_scaling=target.rope_scaling,
+            max_positions=target.max_context,
             draft_vocab_size=min(draft_vocab_size, target.vocab_size),
         )
 
@@ -98,38 +120,114 @@ class EagleConfig:
             tie_word_embeddings=True,
             attention_bias=False,
             name="eagle-head",
+            rope_scaling=self.rope_scaling,
         )
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Refuse a target this head cannot draft for, saying why."""
+        problems = []
+        if target.hidden_size != self.target_hidden_size:
+            problems.append(
+                f"it reads features of size {self.target_hidden_size}, the target's hidden size "
+                f"is {target.hidden_size}"
+            )
+        if target.vocab_size != self.vocab_size:
+            problems.append(
+                f"its vocabulary has {self.vocab_size} tokens, the target's {target.vocab_size}"
+            )
+        if max(self.target_layers) >= target.num_layers:
+            problems.append(
+                f"it fuses layers {list(self.target_layers)} of a {target.num_layers}-layer target"
+            )
+        if problems:
+            raise ValueError(f"the EAGLE head does not fit the target: {'; '.join(problems)}")
+
+
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """The layers vLLM and SGLang capture for an EAGLE-3 head that names none (the inputs of
+    layers 2, n // 2 and n - 3), as outputs of layers."""
+    return (1, num_layers // 2 - 1, num_layers - 4) if num_layers >= 6 else (0, num_layers - 1)
+
+
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer (published name `midlayer`): attention over
+    `[input_layernorm(embedding), hidden_norm(feature)]`, residual from the feature."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        shape = config.layer_config()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.self_attn = Attention(shape)
+        self.self_attn.qkv_proj = nn.Linear(2 * h, shape.q_size + 2 * shape.kv_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(shape)
+        self.norm_before_residual = config.norm_before_residual
+
+    def attention_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention's input `[n, 2 hidden]`, the residual `[n, hidden]`) of head input
+        rows `x = [embedding, feature]`."""
+        h = x.shape[-1] // 2
+        normed = self.hidden_norm(x[:, h:])
+        residual = normed if self.norm_before_residual else x[:, h:]
+        return torch.cat([self.input_layernorm(x[:, :h]), normed], dim=-1), residual
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, 2 hidden]: [embedding, feature]
+        angles: RotaryAngles,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        plan: object,
+    ) -> torch.Tensor:  # a, [num_tokens, hidden], before the final norm
+        attn_in, residual = self.attention_input(x)
+        attn = self.self_attn
+        qkv = attn.packs.linear("qkv", attn_in, attn.qkv_proj.weight)
+        out = attn.attend(qkv, angles, kv_cache, meta, backend, plan)
+        gate_up, residual = DecoderLayer._project_norm(
+            self.post_attention_layernorm,
+            out,
+            residual,
+            self.mlp.gate_up_proj,
+            self.mlp.packs,
+            "gate_up",
+        )
+        return self.mlp.down(gate_up) + residual
 
 
 class EagleHead(nn.Module):
-    """The trainable head; `attach` borrows the target's embedding and LM head rows."""
+    """The head; `attach` borrows what it does not own of the target (see the module
+    docstring)."""
 
     draft_vocab: torch.Tensor  # [draft vocab] target token id of each draft-vocabulary row
+    own_lm_head: torch.Tensor | None  # [draft vocab, hidden], a published head's own
+    own_embed: torch.Tensor | None  # [vocab, hidden], where a head brings its own
 
     def __init__(self, config: EagleConfig, draft_vocab: torch.Tensor) -> None:
         super().__init__()
         if draft_vocab.shape != (config.draft_vocab_size,):
             raise ValueError("draft_vocab needs draft_vocab_size token ids")
         self.config = config
-        h = config.hidden_size
-        self.fuse = nn.Linear(len(config.target_layers) * h, h, bias=False)
-        self.embed_norm = RMSNorm(h, config.rms_norm_eps)
-        self.feature_norm = RMSNorm(h, config.rms_norm_eps)
-        self.fc_in = nn.Linear(2 * h, h, bias=False)
-        self.layer = DecoderLayer(config.layer_config())
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+        fused = len(config.target_layers) * config.target_hidden_size
+        self.fc = nn.Linear(fused, config.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.register_buffer("draft_vocab", draft_vocab.to(torch.int64))
-        # The target's token embedding, and the draft-vocabulary rows of its LM head: in their
-        # quantized blocks where the target keeps them so.
+        self.register_buffer("own_lm_head", None)
+        self.register_buffer("own_embed", None)
+        # What drafting reads: the embedding and the draft-vocabulary LM head rows, the
+        # target's (in its quantized blocks where it keeps them so) unless the head owns them.
         self.embed: Weight | None = None  # [target vocab, hidden]
         self.lm_head: Weight | None = None  # [draft vocab, hidden]
         self.packs = WeightPacks()
         self._cos, self._sin = rope_cos_sin(
-            config.head_dim, config.max_positions, config.rope_theta
+            config.head_dim, config.max_positions, config.rope_theta, scaling=config.rope_scaling
         )
 
     def init_weights(self, seed: int) -> None:
-        """Fresh weights for training (the layer is built on the default device, not meta)."""
+        """Fresh weights for training (built on the default device, not meta)."""
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             with torch.no_grad():
@@ -139,35 +237,44 @@ class EagleHead(nn.Module):
                     p.normal_(0.0, 0.02, generator=gen)
 
     def attach(self, target: TransformerLM) -> None:
-        """Borrow the target's token embedding and the draft-vocabulary rows of its LM head."""
-        if target.config.hidden_size != self.config.hidden_size:
-            raise ValueError("the head's hidden size differs from the target's")
+        """Take the target's token embedding and draft-vocabulary LM head rows where the head
+        has none of its own (after moving the head to the target's device and dtype)."""
+        self.config.check_target(target.config)
         if int(self.draft_vocab.max()) >= target.config.vocab_size:
             raise ValueError("the draft vocabulary has ids outside the target's vocabulary")
-        embed, weight = target.embed_tokens.weight, target.lm_head_weight()
-        self.embed = embed if isinstance(embed, QuantizedWeight) else embed.detach()
+        if self.own_embed is not None:
+            self.embed = self.own_embed
+        elif self.config.hidden_size != target.config.hidden_size:
+            raise ValueError(
+                f"the EAGLE head's hidden size ({self.config.hidden_size}) is not the target's "
+                f"({target.config.hidden_size}) and it brings no embed_tokens of its own"
+            )
+        else:
+            embed = target.embed_tokens.weight
+            self.embed = embed if isinstance(embed, QuantizedWeight) else embed.detach()
+        if self.own_lm_head is not None:
+            self.lm_head = self.own_lm_head
+            return
+        weight = target.lm_head_weight()
         rows = weight.index_select(0, self.draft_vocab.to(weight.device))
-        self.lm_head = (
-            rows if isinstance(rows, QuantizedWeight) else rows.detach().to(self.fuse.weight.dtype)
-        )
+        dtype = self.fc.weight.dtype
+        self.lm_head = rows if isinstance(rows, QuantizedWeight) else rows.detach().to(dtype)
 
     # -- the pieces, shared by drafting (paged cache) and training (dense, unrolled) -----------
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
-        """`[n, len(target_layers) * hidden]` target hidden states → g `[n, hidden]`."""
-        n, h = features.shape[0], self.config.hidden_size
-        parts = features.to(self.fuse.weight.dtype).view(n, -1, h)
-        parts = F.rms_norm(parts, (h,), eps=self.config.rms_norm_eps)  # layers differ in scale
-        return self.packs.linear("fuse", parts.reshape(n, -1), self.fuse.weight)
+        """`[n, len(target_layers) * target hidden]` target hidden states → g `[n, hidden]`."""
+        return self.packs.linear("fc", features.to(self.fc.weight.dtype), self.fc.weight)
 
     def layer_input(self, g: torch.Tensor, next_token_ids: torch.Tensor) -> torch.Tensor:
+        """The head's input rows `[n, 2 hidden]`: each token's embedding beside the feature
+        `g` (`[n, hidden]`) of the position before it."""
         assert self.embed is not None, "attach() the target first"
         if isinstance(self.embed, QuantizedWeight):
             e = self.embed.rows(next_token_ids, g.dtype).to(g.device)
         else:
             e = self.embed.index_select(0, next_token_ids).to(g.dtype)
-        x = torch.cat([self.embed_norm(e), self.feature_norm(g)], dim=-1)
-        return self.packs.linear("fc_in", x, self.fc_in.weight)
+        return torch.cat([e, g], dim=-1)
 
     def draft_logits(self, a: torch.Tensor) -> torch.Tensor:  # [n, draft vocab]
         assert self.lm_head is not None, "attach() the target first"
@@ -180,43 +287,11 @@ class EagleHead(nn.Module):
 
     def forward_paged(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden] from layer_input
+        x: torch.Tensor,  # [num_tokens, 2 hidden] from layer_input
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         backend: AttentionBackend,
     ) -> torch.Tensor:  # a, [num_tokens, hidden]
         angles = self.rope(positions, x.dtype)
-        mlp, residual = self.layer(x, None, angles, kv_cache, meta, backend, backend.prepare(meta))
-        return mlp + residual
-
-    # -- files ---------------------------------------------------------------------------------
-
-    def save(self, path: Path, extra: dict[str, str] | None = None) -> None:
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        metadata = {"format": HEAD_FORMAT, "config": json.dumps(asdict(self.config))}
-        metadata.update(extra or {})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(path), metadata=metadata)
-
-    @classmethod
-    def load(cls, path: Path, dtype: torch.dtype = torch.float32) -> EagleHead:
-        metadata = head_metadata(path)
-        if metadata.get("format") != HEAD_FORMAT:
-            raise ValueError(f"{path} is not an Outrider EAGLE head ({HEAD_FORMAT})")
-        raw = json.loads(metadata["config"])
-        raw["target_layers"] = tuple(raw["target_layers"])
-        config = EagleConfig(**raw)
-        state = load_file(str(path))
-        head = cls(config, torch.zeros(config.draft_vocab_size, dtype=torch.int64))
-        state = {k: v if k == "draft_vocab" else v.to(dtype) for k, v in state.items()}
-        head.load_state_dict(state, strict=True, assign=True)
-        return head.eval()
-
-
-def head_metadata(path: Path) -> dict[str, str]:
-    """The metadata a head file was saved with (format, config, training command, ...)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
+        return self.midlayer(x, angles, kv_cache, meta, backend, backend.prepare(meta))

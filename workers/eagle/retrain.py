@@ -37,6 +37,7 @@ import torch
 
 from workers.eagle.data import EagleData, generate_answers, source_prompts, teacher_force
 from workers.eagle.head import BUNDLED_HEAD, EagleConfig, EagleHead
+from workers.eagle.layout import load_head, save_head
 from workers.eagle.prompts import held_out_prompts
 from workers.eagle.self_instruct import sample_user_turns
 from workers.eagle.train import attach_in_fp32, batches_of, evaluate, train
@@ -77,6 +78,15 @@ def held_out_data(
         target, tokenizer, prompts, args.max_answer_tokens, args.seed, False, args.max_num_seqs
     )
     return teacher_force(target, greedy[::2], layers, progress=False)  # the greedy half
+
+
+def held_out_answers(data: EagleData) -> list[tuple[list[int], list[int]]]:
+    """The (prompt, answer) of each held-out sequence, to teacher-force again."""
+    out = []
+    for s in range(data.num_sequences):
+        tokens, prompt = data.token_ids[data.sequence(s)].tolist(), int(data.prompt_lens[s])
+        out.append((tokens[:prompt], tokens[prompt:]))
+    return out
 
 
 def acceptance_of(
@@ -169,7 +179,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, object]:
 
     held_out = held_out_data(target, tok, config.target_layers, args)
     new = acceptance_of(head, fp32_target, held_out, args.depth)
-    shipped = acceptance_of(EagleHead.load(Path(BUNDLED_HEAD)), fp32_target, held_out, args.depth)
+    old = load_head(Path(BUNDLED_HEAD), checkpoint.config)
+    if old.config.target_layers != config.target_layers:  # the same answers, its own features
+        answers = held_out_answers(held_out)
+        held_out = teacher_force(target, answers, old.config.target_layers, progress=False)
+    shipped = acceptance_of(old, fp32_target, held_out, args.depth)
     done("evaluate")
 
     command = "python -m workers.eagle.retrain " + shlex.join(argv)
@@ -189,7 +203,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, object]:
         "seconds": seconds,
         "total_seconds": round(budget.elapsed(), 1),
     }
-    head.to("cpu", torch.bfloat16).save(
+    save_head(
+        head.to("cpu", torch.bfloat16),
         out / "head.safetensors",
         {"command": command, "seed": str(args.seed), "summary": json.dumps(result)},
     )

@@ -43,6 +43,7 @@ from workers.eagle.data import (
     draft_vocabulary,
 )
 from workers.eagle.head import BUNDLED_HEAD, EagleConfig, EagleHead
+from workers.eagle.layout import save_head
 from workers.eagle.unroll import Batch, make_batch, unrolled_outputs
 from workers.model.loader import build_model, load_checkpoint
 from workers.model.transformer import TransformerLM
@@ -152,7 +153,7 @@ def batches_of(
 def evaluate(
     head: EagleHead, data: EagleData, batches: list[list[int]], to_draft: torch.Tensor, depth: int
 ) -> tuple[float, list[float], float]:
-    device = head.fuse.weight.device
+    device = head.fc.weight.device
     head.eval()
     stats = []
     losses = []
@@ -406,7 +407,8 @@ def main(argv: list[str] | None = None) -> None:
         autocast=not args.fp32,
     )
     command = "python -m workers.eagle.train " + shlex.join(sys.argv[1:] if argv is None else argv)
-    head.to("cpu", torch.bfloat16).save(
+    save_head(
+        head.to("cpu", torch.bfloat16),
         args.output,
         {"command": command, "seed": str(args.seed), "summary": json.dumps(summary)},
     )

@@ -90,7 +90,7 @@ def unrolled_outputs(
     """
     b, t, _ = features.shape
     cfg = head.config
-    layer = head.layer
+    layer = head.midlayer
     attn = layer.self_attn
     h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     groups = nh // nkv
@@ -101,16 +101,16 @@ def unrolled_outputs(
     outputs: list[torch.Tensor] = []
     inp = g
     for j in range(depth):
-        x = head.layer_input(inp.reshape(b * t, h), next_tokens.reshape(-1)).view(b, t, h)
-        qkv = F.linear(layer.input_layernorm(x), attn.qkv_proj.weight)
-        heads = qkv.view(b, t, nh + 2 * nkv, hd)
+        x = head.layer_input(inp.reshape(b * t, h), next_tokens.reshape(-1))  # [B * T, 2h]
+        attn_in, residual = layer.attention_input(x)
+        qkv = F.linear(attn_in, attn.qkv_proj.weight).view(b, t, nh + 2 * nkv, hd)
         qk = (
-            heads[:, :, : nh + nkv] * cos[None, :, None]
-            + _rotate(heads[:, :, : nh + nkv]) * (sin[None, :, None])
+            qkv[:, :, : nh + nkv] * cos[None, :, None]
+            + _rotate(qkv[:, :, : nh + nkv]) * (sin[None, :, None])
         )
         q = qk[:, :, :nh].transpose(1, 2)  # [B, h, T, d]
         k_new = _expand_kv(qk[:, :, nh:], groups)
-        v_new = _expand_kv(heads[:, :, nh + nkv :], groups)
+        v_new = _expand_kv(qkv[:, :, nh + nkv :], groups)
         keys.append((k_new, v_new))
         k0, v0 = keys[0]
         scores = [q @ k0.transpose(-1, -2) * attn.scale]  # [B, h, T, T]
@@ -127,12 +127,12 @@ def unrolled_outputs(
         out = probs[..., :t] @ v0
         for m, vm in enumerate(values):
             out = out + probs[..., t + m : t + m + 1] * vm
-        out = out.transpose(1, 2).reshape(b, t, nh * hd)
-        x = x + F.linear(out, attn.o_proj.weight)
-        gate, up = F.linear(layer.post_attention_layernorm(x), layer.mlp.gate_up_proj.weight).split(
-            layer.mlp.intermediate_size, dim=-1
-        )
-        a = x + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)
+        out = out.transpose(1, 2).reshape(b * t, nh * hd)
+        stream = residual + F.linear(out, attn.o_proj.weight)
+        gate, up = F.linear(
+            layer.post_attention_layernorm(stream), layer.mlp.gate_up_proj.weight
+        ).split(layer.mlp.intermediate_size, dim=-1)
+        a = (stream + F.linear(F.silu(gate) * up, layer.mlp.down_proj.weight)).view(b, t, h)
         outputs.append(a)
         inp = _shift(a, 1)
     return outputs

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 SPEC_METHODS = ("none", "ngram", "suffix", "draft_model", "eagle")
+# A drafter a user brings: a `Drafter` subclass named by its import path (workers/drafting/
+# user.py), as `package.module:Class`.
+USER_METHOD = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+METHODS_HELP = f"one of {', '.join(SPEC_METHODS)}, or a drafter class as package.module:Class"
+
+
+def is_user_method(method: str) -> bool:
+    """Whether `method` names a user's drafter class (`package.module:Class`)."""
+    return USER_METHOD.fullmatch(method) is not None
+
+
+def valid_method(method: str) -> bool:
+    return method in SPEC_METHODS or is_user_method(method)
+
+
 # Where a model drafter's probability of its draft so far falls below this, the draft ends
 # (workers/drafting/base.py ConfidenceStop). Measured in docs/benchmarks.md with adaptive k:
 # Qwen2.5-Coder-0.5B drafting for the 1.5B gained on chat and summaries (1.16x -> 1.29x and
@@ -16,7 +32,7 @@ DEFAULT_MIN_DRAFT_CONFIDENCE = 0.5
 class SpecConfig:
     """Server-wide speculation defaults."""
 
-    method: str = "none"  # one of SPEC_METHODS
+    method: str = "none"  # one of SPEC_METHODS, or a user's drafter (`package.module:Class`)
     num_speculative_tokens: int = 4  # k, the most drafts a sequence gets per step
     ngram_min: int = 2
     ngram_max: int = 4
@@ -42,10 +58,8 @@ class SpecConfig:
     tree_nodes: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(
-                f"spec method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}"
-            )
+        if not valid_method(self.method):
+            raise ValueError(f"spec method must be {METHODS_HELP}, got {self.method!r}")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(
                 f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}"
@@ -77,8 +91,8 @@ class RequestSpec:
     num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method is not None and self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(SPEC_METHODS)}")
+        if self.method is not None and not valid_method(self.method):
+            raise ValueError(f"speculative method must be {METHODS_HELP}, got {self.method!r}")
         if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in 0..16")
 

@@ -13,9 +13,11 @@ from workers.drafting.draft_model import DraftModelDrafter
 from workers.drafting.eagle import EagleDrafter
 from workers.drafting.eagle_loop import loop_config
 from workers.drafting.ngram import NgramConfig, NgramDrafter, SuffixDrafter
-from workers.eagle.head import BUNDLED_HEAD, EagleHead
+from workers.drafting.user import DrafterContext, load_user_drafter
+from workers.eagle.head import BUNDLED_HEAD
+from workers.eagle.layout import load_head
 from workers.engine.calibration import forward_times
-from workers.engine.config import EngineConfig
+from workers.engine.config import EngineConfig, is_user_method
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.structured import Grammars
 from workers.model.config import ModelConfig
@@ -24,6 +26,7 @@ from workers.model.loader import (
     Checkpoint,
     build_model,
     load_checkpoint,
+    load_tokenizer,
     parse_dtype,
     resolve_model_path,
     resolve_quantization,
@@ -128,7 +131,7 @@ def build_drafters(
         if target is None:
             raise ValueError("the eagle drafter needs the target model")
         eagle = EagleDrafter(
-            EagleHead.load(Path(head_path)),
+            load_head(Path(head_path), target.config),
             target,
             num_blocks=config.kv_blocks,
             block_size=config.block_size,
@@ -152,6 +155,17 @@ def build_drafters(
         raise FileNotFoundError(f"EAGLE head {spec.eagle_head} not found")
     elif required == "eagle" and "eagle" not in skip:
         raise ValueError("spec method eagle needs --eagle-head (built in for the bundled model)")
+    if is_user_method(required) and wanted(required):
+        tokenizer = load_tokenizer(spec.model) if checkpoint is None else checkpoint.tokenizer
+        context = DrafterContext(
+            required,
+            target_config,
+            config.spec.num_speculative_tokens,
+            config.max_model_len,
+            spec.device,
+            tokenizer,
+        )
+        drafters[required] = load_user_drafter(context)
     return drafters, seconds
 
 
@@ -162,7 +176,8 @@ def _grammars(checkpoint: Checkpoint) -> Grammars:
 
 
 def needs_target(spec: ModelSpec, method: str) -> bool:
-    """Whether a drafter of `method` alone (a drafter actor) needs the target's weights."""
+    """Whether a drafter of `method` alone (a drafter actor) needs the target's weights (a
+    user's drafter gets the target's config and, where loaded, its tokenizer)."""
     return method == "eagle" or (method == "draft_model" and spec.draft_model is None)
 
 
