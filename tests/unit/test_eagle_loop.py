@@ -177,7 +177,8 @@ def test_the_loops_launch_is_timed_apart_from_its_depths(target) -> None:  # typ
     loop = LoopConfig(max_seqs=4, max_depth=K)
     drafter = EagleDrafter(head, target, num_blocks=64, block_size=4, loop=loop)
     depth = drafter.token_seconds(context=8, reps=2, rows=3)
-    assert depth >= 0 and drafter.launch_seconds is not None and drafter.launch_seconds > 0
+    # Measured (a difference of two timings: on a loaded machine it may clamp to 0).
+    assert depth >= 0 and drafter.launch_seconds is not None and drafter.launch_seconds >= 0
     assert drafter.row_seconds is not None and drafter.row_seconds >= 0
     assert drafter.loop is not None and drafter.loop.num_eager_runs > 0
     assert not drafter._seqs and drafter.allocator.num_free_blocks == 64

@@ -283,20 +283,21 @@ class EagleDraftLoop:
             return tokens, [[1.0] * depth] * n
         return tokens, self._probs_np[:depth, :n].T.tolist()
 
+    @property
+    def shapes(self) -> list[LoopShape]:
+        """Every (batch size, depth) a graph is captured for, largest first."""
+        return [LoopShape(b, d) for b in reversed(self.sizes) for d in range(self.max_depth, 0, -1)]
+
+    def stage_padding(self, shape: LoopShape) -> None:
+        """Stage `shape` as all padding (what a capture runs on: it writes the scratch slot)."""
+        self.buffers.stage([], [self.buffers.features[:0]], shape.num_seqs)
+
     def capture(self) -> CaptureReport:
         """Capture a graph for every (batch size, depth), largest first into one pool."""
         device = self.buffers.features.device
         if device.type != "cuda":
             raise RuntimeError("CUDA graphs need the head on a CUDA device")
-        shapes = [
-            LoopShape(b, d) for b in reversed(self.sizes) for d in range(self.max_depth, 0, -1)
-        ]
-        none = [self.buffers.features[:0]]  # all padding: a capture writes the scratch slot
-
-        def stage(shape: LoopShape) -> None:
-            self.buffers.stage([], none, shape.num_seqs)
-
-        graphs, report = capture_graphs(shapes, stage, self._run)
+        graphs, report = capture_graphs(self.shapes, self.stage_padding, self._run)
         self._graphs.update(graphs)
         log.info(
             "captured %d EAGLE draft graphs (batch sizes %s, depths 1..%d) in %.1f s, %.0f MiB",

@@ -155,9 +155,10 @@ class GraphRunner(ModelRunner):
             device=model.device,
             trees=bool(self.tree_widths),
         )
-        # The fixed outputs hold the widest padded step a graph or the padded path serves: no
-        # more than a step's token budget (a 128k vocabulary's fp32 logits are 0.5 MB a row).
-        num_tokens = min(self.sizes[-1] * max_width, max_graph_tokens)
+        # The fixed outputs hold the widest padded step a graph or the padded path serves (a
+        # tree's included): no more than a step's token budget (a 128k vocabulary's fp32
+        # logits are 0.5 MB a row).
+        num_tokens = max((s.num_seqs * s.width for s in self.shapes), default=0)
         self.max_rows = num_tokens
         device, vocab = model.device, model.config.vocab_size
         self._logits = torch.zeros(num_tokens, vocab, dtype=torch.float32, device=device)
@@ -174,7 +175,8 @@ class GraphRunner(ModelRunner):
 
     @property
     def shapes(self) -> list[UniformShape]:
-        """Every shape a graph is captured for, largest first."""
+        """Every shape a graph is captured for (and the padded path serves), largest first:
+        each captured batch size at each width it serves, within the step's token budget."""
         return [
             UniformShape(b, w)
             for b in reversed(self.sizes)
@@ -317,12 +319,25 @@ def make_runner(
     """The engine's runner: on a GPU a `GraphRunner` with its graphs captured (unless
     `config.enforce_eager`), elsewhere a plain `ModelRunner`. The cache holds
     `config.kv_blocks` blocks, plus the scratch block padding writes into."""
-    num_blocks, block_size = config.kv_blocks, config.block_size
     if config.deterministic:
         make_deterministic(model, config.spec.tree_nodes)
     if model.device.type != "cuda" or config.enforce_eager:
-        cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype, model.device)
+        cache = PagedKVCache(
+            model.config, config.kv_blocks, config.block_size, model.dtype, model.device
+        )
         return ModelRunner(model, cache)
+    runner = graph_runner(model, config, hidden_layers)
+    runner.capture(progress)
+    return runner
+
+
+def graph_runner(
+    model: TransformerLM, config: EngineConfig, hidden_layers: Sequence[int] = ()
+) -> GraphRunner:
+    """The `GraphRunner` an engine of `config` gets on a GPU, its graphs not captured yet (on
+    any device: tests/unit/test_capture_plan.py runs every shape it would capture on the
+    CPU)."""
+    num_blocks, block_size = config.kv_blocks, config.block_size
     cache = PagedKVCache(model.config, num_blocks + 1, block_size, model.dtype, model.device)
     max_width = 1 + config.spec.num_speculative_tokens
     trees = tree_widths(config.spec.tree_nodes, max_width)
@@ -341,7 +356,7 @@ def make_runner(
     log.info(
         "decode/verify attention: %s; other forwards: %s", attention.name, model.attention.name
     )
-    runner = GraphRunner(
+    return GraphRunner(
         model,
         cache,
         attention=attention,
@@ -354,8 +369,6 @@ def make_runner(
         tree_widths=trees,
         max_tree_seqs=config.spec.disable_batch_size,
     )
-    runner.capture(progress)
-    return runner
 
 
 def tree_widths(tree_nodes: int, max_width: int) -> list[int]:
