@@ -1,14 +1,18 @@
-"""Async scheduling (workers/engine/overlap.py): plain decode steps launched before the host has
-read the step before them commit what the synchronous engine commits, token for token, through
-the CPU's runner and the graph runner's padded path, as requests arrive, stop early, reach their
-length, are aborted, sample, penalize, speculate, and run out of KV blocks."""
+"""Async scheduling (workers/engine/overlap.py, async_steps.py): plain decode steps launched
+before the host has read the step before them commit what the synchronous engine commits, token
+for token, through the CPU's runner and the graph runner's padded path, as requests arrive, stop
+early, reach their length, are aborted, sample, penalize, speculate, and run out of KV blocks;
+steps are timed commit to commit; on a GPU the host's commit overlaps the next step."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from kernels.attention_uniform import UniformTorchAttention
+from kernels.host_copy import queued_tensor
 from tests.factories import tiny_model
 from tests.unit.test_cuda import prompts
 from workers.drafting.ngram import NgramConfig, NgramDrafter
@@ -16,6 +20,7 @@ from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.graph_runner import GraphRunner
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import ModelRunner, SeqForward
+from workers.engine.outputs import StepReport
 from workers.engine.sampler import DeviceSampler, Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_cache import PagedKVCache
@@ -202,3 +207,62 @@ def test_async_steps_on_cuda_with_graphs(_: None) -> None:
         assert engine.runner.num_replays > 0
     assert got[0] == got[1]
     assert engine.num_async_steps > 0
+
+
+def test_steps_in_the_pipeline_are_timed_commit_to_commit(model: TransformerLM) -> None:
+    """A launched step's report starts where the step before it was committed, not at its
+    launch (which came before that commit): the steps' reported spans follow one another
+    without overlapping, so a step's time is one period of the pipeline, not two."""
+    engine = make_engine(model, "eager", True, max_num_seqs=4)
+    reports: list[StepReport] = []
+    engine.step_listeners.append(reports.append)
+    serve(engine, requests(8), 0)
+    assert engine.num_async_steps > 10
+    spans = [(r.start_ns / 1e9, r.start_ns / 1e9 + r.draft_s + r.forward_s) for r in reports]
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end - 1e-3  # a millisecond for time_ns against perf_counter
+
+
+def test_queued_host_values_are_the_values() -> None:
+    """kernels/host_copy.py against torch.tensor (on the CPU the copy is a plain one)."""
+    for values, dtype in (([3, 1, 2], torch.int64), ([[1.5, 2.0], [0.0, -1.0]], torch.float32)):
+        got = queued_tensor(values, dtype, torch.device("cpu"))
+        assert torch.equal(got, torch.tensor(values, dtype=dtype))
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=needs_cuda)])
+def test_the_host_commits_while_the_device_runs_the_next_step(_: None) -> None:
+    """Overlap itself: every forward made long on the device (a spin of ~20 ms after it), the
+    step a call launches is still running when the call returns, having committed the step
+    before, for greedy requests and for those the device sampler draws. A host-to-device copy
+    that waits for the device (`torch.tensor(..., device=...)`) after the launch would make it
+    done by then."""
+    cuda_model = tiny_model(seed=6, max_position_embeddings=512).to("cuda")
+    config = EngineConfig(
+        max_model_len=256, block_size=BLOCK, max_num_seqs=8, async_scheduling=True,
+        enforce_eager=True,
+    )  # fmt: skip
+    engine = LLMEngine(cuda_model, config, eos_token_ids=[EOS], sampler=DeviceSampler())
+    forward = engine.runner.forward
+
+    def slow_forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = forward(*args, **kwargs)
+        torch.cuda._sleep(40_000_000)  # cycles: ~20 ms at 2 GHz
+        return out
+
+    engine.runner.forward = slow_forward  # type: ignore[method-assign]
+    for i, prompt in enumerate(prompts(8, seed=3)):
+        temperature = 0.0 if i % 2 else 0.8
+        engine.add_request(
+            f"r{i}",
+            prompt,
+            SamplingParams(max_tokens=12, temperature=temperature, seed=i, ignore_eos=True),
+        )
+    running_at_return = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        launched = engine.ahead.launched
+        if launched is not None and launched.ready is not None:
+            running_at_return.append(not launched.ready.query())
+    assert engine.num_async_steps > 5
+    assert running_at_return and all(running_at_return)

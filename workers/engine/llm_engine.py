@@ -19,6 +19,7 @@ import torch
 from kernels.counter_rng import key_of_seed
 from workers.drafting.base import EMPTY_DRAFT, Drafter
 from workers.engine.admission import check_request
+from workers.engine.async_steps import AsyncSteps
 from workers.engine.calibration import (
     DraftCosts,
     draft_costs_in_forwards,
@@ -41,7 +42,6 @@ from workers.engine.outputs import (
     record_output,
     step_report,
 )
-from workers.engine.overlap import Launched, launch, may_go_ahead, plain_decode
 from workers.engine.penalty_rows import PenaltyRows
 from workers.engine.sampler import DeviceSampler, HostSampler, Sampler
 from workers.engine.sampling_params import SamplingParams
@@ -136,9 +136,8 @@ class LLMEngine:
         # Called after every step that ran a forward (tracing); must not raise.
         self.step_listeners: list[Callable[[StepReport], None]] = []
         self._feature_bytes: dict[str, int] = {}
-        # Async scheduling (overlap.py): the step launched, not yet committed; steps so since start
-        self._launched: Launched | None = None
-        self.num_async_steps = 0
+        # Async scheduling: steps launched before the last one is committed (async_steps.py).
+        self.ahead = AsyncSteps(self)
 
     def add_request(
         self,
@@ -240,17 +239,17 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self._finish(seq, "abort")
 
+    @property
+    def num_async_steps(self) -> int:
+        """Steps launched ahead since the engine started."""
+        return self.ahead.num_steps
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        if self.config.async_scheduling and self.runner.feeds_tokens:
-            launched, self._launched = self._launched, None
-            self._launched = self._launch_ahead(launched)  # before reading `launched`'s tokens
-            if launched is not None:
-                self._commit_launched(launched)
-            if launched is not None or self._launched is not None:
-                return self.take_outputs()
+        if self.config.async_scheduling and self.runner.feeds_tokens and self.ahead.step():
+            return self.take_outputs()
         start_ns, start = time.time_ns(), time.perf_counter()
         load = self.scheduler.num_unfinished  # what speculation is judged by this step
         decoding = self.scheduler.decoding()
@@ -302,44 +301,8 @@ class LLMEngine:
                 speculator.observe_step(len(batch.seqs), time.perf_counter() - start)
             if self.step_listeners:
                 self._report(batch.seqs, results, (start_ns, drafted - start, drafted))
+            self.ahead.last_commit = time.perf_counter()
         return self.take_outputs()
-
-    def _launch_ahead(self, ahead: Launched | None) -> Launched | None:
-        """The next step launched where it is a plain decode of every running sequence, fed
-        `ahead`'s tokens on the device where that step is still to be committed; None where
-        this step runs synchronously (workers/engine/overlap.py says when)."""
-        running, load, config = self.scheduler.running, self.scheduler.num_unfinished, self.config
-        admits = self.scheduler.waiting and len(running) < config.max_num_seqs  # a step of its own
-        on_device = self.sampler if isinstance(self.sampler, DeviceSampler) else None
-        if admits or not may_go_ahead(running, ahead, config.max_num_batched_tokens, on_device):
-            return None
-        drafting = any(s.spec_method != "none" for s in running)
-        if (drafting and self.speculator.speculates_at(load)) or self.speculator.hidden_layers(
-            running, load
-        ):
-            return None
-        step = plain_decode(running, ahead)
-        if step is None:
-            return None
-        if drafting:  # nobody drafts at this load; drafters still take their call
-            self.speculator.propose(running, load)
-        self.num_async_steps += 1
-        return launch(self.runner, step, ahead, on_device)
-
-    def _commit_launched(self, launched: Launched) -> None:
-        """Commit a launched step's tokens as a synchronous step would, but for sequences that
-        ended after it was launched (stopped by the step before, or aborted)."""
-        results: list[list[int] | None] = []
-        for scheduled, token in zip(launched.seqs, launched.read(), strict=True):
-            ended = scheduled.seq.finished
-            results.append(None if ended else [token])
-            try:
-                if not ended:
-                    self._commit(scheduled, [token], [])
-            except Exception as exc:  # this request's own failure: it ends alone
-                self._fail(scheduled.seq, exc)
-        if self.step_listeners:
-            self._report(launched.seqs, results, (launched.start_ns, 0.0, launched.start))
 
     def _report(self, seqs: list[ScheduledSeq], results: list, times: StepTimes) -> None:
         """The step's report (`step_report`) to its listeners."""

@@ -19,6 +19,11 @@ the K/V it wrote lands in blocks the sequence's release freed, before any later 
 after it) can use them. A sequence that reaches its `max_tokens` at step N is left out of step
 N + 1.
 
+Nothing the host hands the device after a launch waits for it: index tensors and block copies
+are queued from pinned memory (kernels/host_copy.py), so the host commits step N while the
+device runs N + 1 (`pytest -m cuda` checks that a launched step is still running when its call
+returns).
+
 Only steps the host need not look into go ahead: every running sequence decoding, nobody waiting
 who could be admitted (a full batch admits nobody), no drafts (nobody speculates at this load, or
 nobody asks to), greedy requests, or sampled ones where the engine samples on the device
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_copy import queued_tensor
 from workers.drafting.base import EMPTY_DRAFT
 from workers.engine.model_runner import ModelRunner, RunnerOutput, SeqForward
 from workers.engine.sampler import DeviceSampler
@@ -139,7 +145,7 @@ def launch(
         index = [order[id(scheduled.seq)] for scheduled, _ in steps]
         fed = ahead.tokens
         if index != list(range(len(ahead.seqs))):
-            fed = fed.index_select(0, torch.tensor(index, device=fed.device))
+            fed = fed.index_select(0, queued_tensor(index, torch.int64, fed.device))
     output = runner.forward([f for _, f in steps], input_tokens=fed)
     rows = last_rows(output)
     tokens = rows.argmax(dim=-1)
@@ -147,7 +153,7 @@ def launch(
     if sampled:
         assert sampler is not None, "sampled requests go ahead only with a device sampler"
         seqs = [steps[i][0].seq for i in sampled]
-        at = torch.tensor(sampled, device=rows.device)
+        at = queued_tensor(sampled, torch.int64, rows.device)
         drawn = sampler.sample_next(
             rows.index_select(0, at).float(), seqs, [steps[i][1].end for i in sampled]
         )
@@ -167,4 +173,4 @@ def last_rows(output: RunnerOutput) -> torch.Tensor:  # [num_seqs, vocab]
     ends = [end for _, end in output.logits_spans]
     if ends == list(range(1, len(ends) + 1)):  # one row each, side by side: most steps
         return logits[: len(ends)]
-    return logits.index_select(0, torch.tensor([e - 1 for e in ends], device=logits.device))
+    return logits.index_select(0, queued_tensor([e - 1 for e in ends], torch.int64, logits.device))

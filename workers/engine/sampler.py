@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_copy import queued_tensor
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from kernels.rejection_device import rejection_sample_batched
 from kernels.sampling import TransformUse, logits_to_probs
@@ -191,7 +192,7 @@ class DeviceSampler(Sampler):
             [*ids, *pad[len(ids) :], len(ids), seq.rng_key, position]
             for ids, seq, position in zip(draft_ids, seqs, positions, strict=True)
         ]
-        host = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+        host = queued_tensor(rows, torch.long, device)
         q, has_q = _stacked_probs(draft_probs, num_seqs, max_k, vocab, device)
         tokens, _ = rejection_sample_batched(
             host[:, :max_k], host[:, max_k], q, has_q, target_probs, host[:, -2], host[:, -1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.host_copy import queued_tensor
 from workers.model.config import ModelConfig
 
 
@@ -62,8 +63,9 @@ class PagedKVCache:
         """Copy whole blocks (src -> dst) in every layer; used for copy-on-write."""
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], device=self.data.device)
-        dst = torch.tensor([d for _, d in copies], device=self.data.device)
+        # Queued, not waited for: an async engine makes these while its last step runs.
+        src = queued_tensor([s for s, _ in copies], torch.int64, self.data.device)
+        dst = queued_tensor([d for _, d in copies], torch.int64, self.data.device)
         self.data[:, :, dst] = self.data[:, :, src]
 
     def write_slots(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
