@@ -40,15 +40,11 @@ from typing import Any
 
 import torch
 
-from workers.drafting.base import Drafter
 from workers.drafting.eagle import EagleDrafter
-from workers.drafting.eagle_loop import loop_config
-from workers.drafting.ngram import NgramConfig, NgramDrafter
-from workers.eagle.head import BUNDLED_HEAD
-from workers.eagle.layout import load_head
 from workers.eagle.prompts import held_out_prompts
 from workers.engine.calibration import runner_samples
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.factory import ModelSpec, build_drafters
 from workers.engine.graph_runner import GraphRunner
 from workers.engine.heap import freeze_startup_heap
 from workers.engine.llm_engine import LLMEngine
@@ -165,7 +161,6 @@ def bundled_engine(
     `spec` (default: at most K drafts, adaptive): `adaptive=False` drafts k tokens every step
     (what the head accepts when it drafts); `tree_nodes`: EAGLE drafts trees of up to that many
     nodes where they pay."""
-    head = load_head(Path(BUNDLED_HEAD))
     config = EngineConfig(
         max_model_len=2048,
         max_num_seqs=max_num_seqs,
@@ -173,29 +168,20 @@ def bundled_engine(
         async_scheduling=async_scheduling,
         spec=spec or SpecConfig(num_speculative_tokens=K),
     )
-    k, tree_nodes = config.spec.num_speculative_tokens, config.spec.tree_nodes
-    ngram = NgramConfig(config.spec.ngram_min, config.spec.ngram_max)
-    eagle = EagleDrafter(
-        head,
-        model,
-        num_blocks=config.kv_blocks,
-        block_size=config.block_size,
-        max_model_len=config.max_model_len,
-        lookup=ngram,
-        loop=loop_config(config, model.device),
-    )
-    drafters: dict[str, Drafter] = {"ngram": NgramDrafter(ngram), "eagle": eagle}
+    # The drafters a server builds for these settings, by the code it builds them with (the
+    # factory): EAGLE with its served confidence bar, prompt lookup, loops and their graphs,
+    # its measured token and tree prices.
+    served = ModelSpec(dtype="bfloat16", device=str(model.device))
     start = time.perf_counter()
-    eagle.capture()
-    eagle_seconds = eagle.token_seconds(rows=4)  # as served on a GPU (workers/engine/factory.py)
-    if tree_nodes:  # a tree proposal's price, as served
-        eagle.measure_tree(k, tree_nodes)
+    drafters, seconds = build_drafters(
+        served, config, checkpoint.config, checkpoint, model, progress=False
+    )
     engine = LLMEngine(
         model,
         config,
         eos_token_ids=checkpoint.tokenizer.eos_token_ids,
         drafters=drafters,
-        draft_seconds={"eagle": eagle_seconds},
+        draft_seconds=seconds,
     )
     return engine, time.perf_counter() - start
 

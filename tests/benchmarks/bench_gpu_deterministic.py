@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from tests.benchmarks.bench_gpu import PREFILL_BUDGET, timed_generate
-from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
+from workers.engine.factory import ModelSpec, build_drafters
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.model.loader import Checkpoint, build_model
@@ -41,9 +41,10 @@ def mode_engine(
         deterministic=deterministic,
         spec=SpecConfig(num_speculative_tokens=k),
     )
-    ngram = NgramDrafter(NgramConfig(config.spec.ngram_min, config.spec.ngram_max))
+    served = ModelSpec(dtype="bfloat16", device=str(device))  # the factory's ngram drafter
+    drafters, _ = build_drafters(served, config, checkpoint.config, checkpoint, model, only="ngram")
     eos = checkpoint.tokenizer.eos_token_ids
-    return LLMEngine(model, config, eos_token_ids=eos, drafters={"ngram": ngram})
+    return LLMEngine(model, config, eos_token_ids=eos, drafters=drafters)
 
 
 def same_text(engine: LLMEngine, pool: list[list[int]], max_tokens: int) -> dict[str, int]:
