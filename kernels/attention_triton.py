@@ -122,7 +122,9 @@ def _kernel() -> Any:
             else:
                 scores = tl.dot(q, tl.trans(k))
             if TREE:
-                bit = tl.where(keys >= tail, keys - tail, 0).to(tl.int64)
+                # Past seq_len a key's bit would be 64 or more: a shift LLVM leaves undefined.
+                in_tail = (keys >= tail) & key_ok
+                bit = tl.where(in_tail, keys - tail, 0).to(tl.int64)
                 named = ((tail_mask[:, None] >> bit[None, :]) & 1) == 1
                 visible = tl.where(keys[None, :] >= tail, named, keys[None, :] < tail)
                 visible = visible & key_ok[None, :]

@@ -248,6 +248,31 @@ def test_tail_masks_on_cuda(dtype: torch.dtype, width: int) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("context", [0, 5, 70])
+def test_a_tail_of_63_rows_on_cuda(context: int) -> None:
+    """The widest tail (63 rows, the tree loop's deepest: eight new rows seeing the 55 before
+    them by their bits): the last tile's keys past seq_len would have bits of 64 and more, a
+    shift the kernel must never make; every row as the reference (which clamps) has it."""
+    from kernels.attention_triton import triton_uniform_attention
+
+    width, tail_len, head_dim = 8, 63, 16
+    gen = torch.Generator().manual_seed(context)
+    shape = (60, 16, NUM_KV_HEADS, head_dim)
+    keys, values = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    seq_lens = torch.tensor([context + tail_len])
+    tables = torch.randperm(60, generator=gen)[:12].view(1, 12)
+    query = torch.randn(width, NUM_HEADS, head_dim, generator=gen)
+    first = tail_len - width
+    masks = torch.tensor([[(1 << (first + j + 1)) - 1 for j in range(width)]])
+    args = [t.cuda() for t in (query, keys, values, tables, seq_lens)]
+    scale = head_dim**-0.5
+    got = triton_uniform_attention(*args, width, scale, tail_masks=masks.cuda(), tail_len=tail_len)
+    want = uniform_attention_reference(*args, width, scale, masks.cuda(), tail_len)
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-4, atol=1e-4)
+
+
 def test_flash_attention_hands_a_tree_forward_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
     """flash-attn masks causally only: a forward with a tree's rows is SDPA's, whole (a fake
     flash module here, which would fail the test if called), and gives SDPA's answer."""
