@@ -20,10 +20,13 @@ with the same sums.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kernels import batch_invariant
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +155,24 @@ def _renormalize_rows(
     drops nothing in the other rows, which stay as they were, bit for bit: x / 1 is x). One
     pass each and no new tensor of the batch's size: on a CPU a fresh one page-faults."""
     probs.masked_fill_(drop, 0.0)
-    sums = probs.sum(dim=-1, keepdim=True)
-    return probs.div_(torch.where(used.unsqueeze(1), sums, 1.0))
+    return probs.div_(torch.where(used.unsqueeze(1), row_sums(probs), 1.0))
+
+
+def row_sums(probs: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] -> [num_rows, 1]
+    """Each row's sum, the same bits whatever rows come with it. On a GPU torch's reduction
+    splits a row over more blocks the fewer rows there are, so its partial sums meet in an
+    order set by the batch (a seeded request's draw could then change with its neighbours,
+    against `--deterministic`'s promise); there the sum is the fixed-tile GEMM of
+    kernels/batch_invariant.py against a column of ones. A CPU's sum runs each row alone."""
+    ones = _ones(probs.shape[1], probs.dtype, probs.device)
+    if probs.is_cuda and batch_invariant.problem(probs, ones) is None:
+        return batch_invariant.linear(probs, ones)
+    return probs.sum(dim=-1, keepdim=True)
+
+
+@functools.cache
+def _ones(vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:  # [1, vocab]
+    return torch.ones(1, vocab, dtype=dtype, device=device)
 
 
 def draw(weights: torch.Tensor, generator: torch.Generator | None = None) -> int:

@@ -6,14 +6,18 @@ decoding, and a seeded sampled request drawing the same alone or in a batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from kernels.counter_rng import hash32, hash32_int, key_of_seed, uniform
 from kernels.rejection import PLACEHOLDER_TOKEN_ID, greedy_accept
 from kernels.rejection_device import greedy_accept_batched, rejection_sample_batched
+from kernels.sampling import row_sums
 from tests.factories import tiny_model
 from tests.model.helpers import plain_tokens, run_staggered
+from tests.unit.helpers import run_interpreted
 from tests.unit.test_cuda import GREEDY, SPEC, make_drafter, prompts, seeded_params
 from tests.unit.test_rejection import (
     CHI2_CRITICAL_0_001,
@@ -170,3 +174,36 @@ def test_a_batchs_transform_rows_are_made_again_when_its_sequences_change() -> N
     other = seqs(SamplingParams(temperature=1.0, top_p=0.9))
     assert sampler.sample(logits, no_drafts, [None, None], other) == drawn
     assert DeviceSampler().sample(logits, no_drafts, [None, None], sampled) == drawn
+
+
+def check_row_sums(row_sums: Callable[[torch.Tensor], torch.Tensor], device: str) -> None:
+    """Rows' sums as float64's rounded, and each row's bits alone or beside other rows."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.rand(9, 3000, generator=gen)
+    probs[:, ::7] = 0.0  # as masks leave them
+    probs = probs.to(device)
+    sums = row_sums(probs)
+    want = probs.double().sum(-1, keepdim=True).float()
+    torch.testing.assert_close(sums, want, rtol=1e-6, atol=0)
+    for row in range(9):
+        assert torch.equal(row_sums(probs[row : row + 1]), sums[row : row + 1])
+    assert torch.equal(row_sums(probs[2:7]), sums[2:7])
+
+
+def test_row_sums_are_the_same_bits_in_any_batch_interpreted() -> None:
+    """The device sampler's renormalizing sums (kernels/sampling.py `row_sums`): on a GPU the
+    batch-invariant kernel against a column of ones, here interpreted on the CPU."""
+    pytest.importorskip("triton")
+    run_interpreted(
+        "import torch\n"
+        "from kernels import batch_invariant\n"
+        "from tests.unit.test_device_sampler import check_row_sums\n"
+        "check_row_sums(lambda p: batch_invariant.linear(p, torch.ones(1, p.shape[1])), 'cpu')\n"
+        "print('ok')\n"
+    )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_row_sums_are_the_same_bits_in_any_batch_on_cuda() -> None:
+    check_row_sums(row_sums, "cuda")
