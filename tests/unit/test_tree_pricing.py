@@ -6,8 +6,12 @@ from collections.abc import Sequence as Seq
 
 import pytest
 
+from tests.factories import tiny_eagle_head, tiny_model
 from workers.drafting.base import Draft, Drafter, DraftRequest
-from workers.engine.config import SpecConfig
+from workers.drafting.eagle import EagleDrafter
+from workers.engine.calibration import TreeStepCosts
+from workers.engine.config import EngineConfig, SpecConfig
+from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
 from workers.engine.speculator import Speculator
@@ -147,3 +151,41 @@ def test_a_tree_near_the_end_of_the_context_keeps_a_row_for_each_node() -> None:
     seq = sequence("r", SamplingParams(max_tokens=100, temperature=0))  # 3 tokens of 6
     speculator.propose([seq])
     assert seq.draft.parents is not None and len(seq.draft.token_ids) == 3
+
+
+def test_tree_steps_are_priced_by_their_timed_widths() -> None:
+    """With tree steps timed as served (each step padded to a captured tree width), a cut
+    pays for the width its nodes round up to, not for its tokens: a step of 9 wide costs what
+    9 nodes do, so nodes up to that width come free and the ninth node's width costs 4x."""
+    costs = TreeStepCosts(
+        256, (1, 2), (9, 17), {(1, 9): 1.2, (1, 17): 4.8, (2, 9): 2.0, (2, 17): 6.0}
+    )
+    assert costs.cost(1, 5) == 1.2 and costs.cost(2, 9) == 2.0 and costs.cost(1, 10) == 4.8
+    assert costs.cost(4, 34) == 6.0 * 2 * 2  # past the timed shapes: in proportion
+    pricing = TreePricing(steep, 16, step_costs=costs)
+    assert pricing.step_cost(0, 8) == 1.2
+    assert pricing.cut((0.9,) * 16, 0, 0.0, "eagle") == 8  # the 9-wide graph's nodes, no more
+    assert TreePricing(steep, 16).cut((0.9,) * 16, 0, 0.0, "eagle") == 16  # by tokens: all
+
+
+@pytest.mark.parametrize("runner", ["eager", "graphs"])
+def test_an_engine_that_drafts_trees_times_its_tree_steps(runner: str) -> None:
+    """At start-up, over a quarter of the served context: each tree width the runner serves,
+    at each step size trees are drafted at (the padded graph path's widths where it has them)."""
+    model = tiny_model(seed=3, max_position_embeddings=1024)
+    spec = SpecConfig(num_speculative_tokens=4, tree_nodes=20, disable_batch_size=4)
+    config = EngineConfig(max_model_len=512, block_size=8, max_num_seqs=8, spec=spec)
+    graphs = None
+    if runner == "graphs":
+        from kernels.attention_uniform import UniformTorchAttention
+        from workers.engine.graph_runner import graph_runner
+
+        graphs = graph_runner(model, config)
+        graphs.attention = UniformTorchAttention()
+    drafter = EagleDrafter(tiny_eagle_head(model), model, num_blocks=64, block_size=8)
+    engine = LLMEngine(model, config, runner=graphs, drafters={"eagle": drafter})
+    costs = engine.speculator.trees.step_costs
+    assert costs is not None and costs.context == 128
+    assert costs.widths == (9, 17, 21) and costs.sizes == (1, 2, 4)
+    assert all(c > 0 for c in costs.costs.values())
+    assert engine.allocator.num_free_blocks == config.kv_blocks  # the blocks lent came back

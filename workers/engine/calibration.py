@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.tree_attention import tree_of
 from workers.engine.config import SpecConfig
 from workers.engine.graph_runner import GraphRunner
 from workers.engine.model_runner import ModelRunner, SeqForward
@@ -62,7 +63,6 @@ def runner_samples(
     `width` tokens each over the same context, as a step verifying drafts of width - 1 tokens
     brings them (a graph runner replays its graphs for those); else as one sequence."""
     vocab = runner.model.config.vocab_size
-    device = runner.model.device
     runner.forward([SeqForward([(i * 7919) % vocab for i in range(context)], 0, block_ids)])
     batches = []
     for n in counts:
@@ -70,15 +70,7 @@ def runner_samples(
         size = width or n
         chunks = [tokens[s : s + size] for s in range(0, n, size)]
         batches.append([SeqForward(c, context, block_ids, num_logits=len(c)) for c in chunks])
-    samples: list[list[float]] = [[] for _ in batches]
-    for _ in range(reps + 1):
-        for seqs, times in zip(batches, samples, strict=True):
-            start = time.perf_counter()
-            runner.forward(seqs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-    return [t[1:] for t in samples]
+    return _timed(runner, batches, reps)
 
 
 def calibration_counts(max_tokens: int) -> list[int]:
@@ -196,3 +188,92 @@ def step_verify_costs(
     return costs_from_samples(
         counts, engine_samples(runner, allocator, counts, per_seq), max_tokens
     )
+
+
+# A tree is drafted mid-answer, over a prompt and the answer so far: its steps are timed over a
+# context of a quarter of the served length (at most 1,024 tokens), not the chain curve's 128.
+TREE_CONTEXT_SHARE, MAX_TREE_CONTEXT = 4, 1024
+TREE_BRANCH = 4  # the timed trees' fan-out (the cost depends on the width, hardly the shape)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeStepCosts:
+    """What a step with a draft tree costs as served, in one-token forwards over the same
+    context: by (sequences in the step, the tree's width: its nodes and root). On a graph
+    runner every sequence of such a step is padded to the tree's captured width and the step
+    replays one wide graph through the masked kernel, so the table is measured, not read off
+    the chain curve (workers/engine/tree_pricing.py uses it)."""
+
+    context: int  # the cached tokens under the timed steps
+    sizes: tuple[int, ...]  # sequences a step held
+    widths: tuple[int, ...]  # tree widths
+    costs: dict[tuple[int, int], float]  # (sequences, width) -> one-token forwards
+
+    def cost(self, num_seqs: int, width: int) -> float:
+        """A step of `num_seqs` sequences with a tree of `width` (rounded up to what was timed;
+        past the largest, in proportion)."""
+        b = next((s for s in self.sizes if s >= num_seqs), self.sizes[-1])
+        w = next((x for x in self.widths if x >= width), self.widths[-1])
+        scale = max(num_seqs / b, 1.0) * max(width / w, 1.0)
+        return self.costs[(b, w)] * scale
+
+
+def tree_step_costs(
+    runner: ModelRunner,
+    allocator: BlockAllocator,
+    widths: Sequence[int],
+    sizes: Sequence[int],
+    max_model_len: int,
+    reps: int = 3,
+) -> TreeStepCosts | None:
+    """Steps of each size in `sizes` whose sequences each verify a tree of each width in
+    `widths`, timed through the engine's runner (a graph runner replays its tree graphs) over
+    a context the served length gives, against a one-token forward over the same context;
+    None where the cache cannot lend the blocks."""
+    if not widths or not sizes:
+        return None
+    block = runner.block_size
+    context = min(max_model_len // TREE_CONTEXT_SHARE, MAX_TREE_CONTEXT)
+    per_seq = -(-(context + max(widths)) // block)
+    if per_seq * max(sizes) > allocator.num_free_blocks or context < 1:
+        return None
+    tables = [allocator.allocate(per_seq) for _ in range(max(sizes))]
+    try:
+        vocab = runner.model.config.vocab_size
+        prompt = [(i * 7919) % vocab for i in range(context)]
+        runner.forward([SeqForward(prompt, 0, t) for t in tables])
+        shapes = [(b, w) for b in sizes for w in widths]
+        steps = [[_tree_forward(context, w, tables[i], vocab) for i in range(b)] for b, w in shapes]
+        one = [SeqForward([1], context, tables[0])]
+        samples = _timed(runner, [one, *steps], reps)
+    finally:
+        for t in tables:
+            allocator.free(t)
+    costs = {
+        shape: statistics.median(t / o for t, o in zip(times, samples[0], strict=True))
+        for shape, times in zip(shapes, samples[1:], strict=True)
+    }
+    return TreeStepCosts(context, tuple(sorted(sizes)), tuple(sorted(widths)), costs)
+
+
+def _tree_forward(context: int, width: int, block_ids: Sequence[int], vocab: int) -> SeqForward:
+    """A sequence verifying a tree of `width` tokens (its last token and width - 1 nodes)."""
+    parents = [-1 if i < TREE_BRANCH else i // TREE_BRANCH - 1 for i in range(width - 1)]
+    tokens = [(context + i) % vocab for i in range(width)]
+    return SeqForward(tokens, context, block_ids, width, tree=tree_of(context, parents))
+
+
+def _timed(
+    runner: ModelRunner, batches: Sequence[list[SeqForward]], reps: int
+) -> list[list[float]]:
+    """Seconds of each batch's forward, `reps` rounds over all of them (a warm-up dropped)."""
+    device = runner.model.device
+    samples: list[list[float]] = [[] for _ in batches]
+    for _ in range(reps + 1):
+        for seqs, times in zip(batches, samples, strict=True):
+            start = time.perf_counter()
+            runner.forward(seqs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+    return [t[1:] for t in samples]

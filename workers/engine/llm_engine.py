@@ -22,12 +22,14 @@ from workers.engine.admission import check_request
 from workers.engine.async_steps import AsyncSteps
 from workers.engine.calibration import (
     DraftCosts,
+    TreeStepCosts,
     draft_costs_in_forwards,
     runner_one_token_seconds,
     step_verify_costs,
+    tree_step_costs,
 )
 from workers.engine.config import EngineConfig, RequestSpec
-from workers.engine.graph_runner import make_runner
+from workers.engine.graph_runner import GraphRunner, capture_sizes, make_runner, tree_widths
 from workers.engine.logprobs import TokenLogprob, token_logprobs
 from workers.engine.model_runner import ModelRunner, RunnerOutput
 from workers.engine.output_text import OutputText
@@ -120,6 +122,8 @@ class LLMEngine:
             one_token_seconds,
             costs.trees,
         )
+        if self.config.spec.tree_nodes and self.config.spec.adaptive and drafters:
+            self.speculator.trees.step_costs = self._tree_step_costs()
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         vocab = model.config.vocab_size
@@ -238,6 +242,18 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.finished:
             self._finish(seq, "abort")
+
+    def _tree_step_costs(self) -> TreeStepCosts | None:
+        """Tree steps timed as this engine's runner serves them (calibration.py)."""
+        spec, runner = self.config.spec, self.runner
+        widths: Seq[int] = tree_widths(spec.tree_nodes, 1 + spec.num_speculative_tokens)
+        seqs = min(spec.disable_batch_size, self.config.max_num_seqs)
+        if isinstance(runner, GraphRunner):  # the widths and sizes it captured for trees
+            widths, seqs = runner.tree_widths, runner.max_tree_seqs
+        if seqs < 1:
+            return None
+        sizes = [b for b in capture_sizes(seqs) if b <= seqs]
+        return tree_step_costs(runner, self.allocator, widths, sizes, self.max_model_len)
 
     @property
     def num_async_steps(self) -> int:

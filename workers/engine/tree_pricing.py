@@ -6,8 +6,10 @@ chooses its chain length k as for any draft (workers/engine/speculator.py); the 
 then E = 1 + c_1 + c_1 c_2 + ... (its acceptance curve), at the step's cost with k more tokens in
 the forward and the chain's drafting. A tree of depth k is expected to commit `gain` times E
 (the method's measured ratio of what its trees committed to what a chain was expected to, a
-running mean from TREE_GAIN_PRIOR), at the cost of a forward over the tree's nodes (as many as
-its trees kept lately) and of drafting it (`tree_costs`: a whole tree proposal, measured at
+running mean from TREE_GAIN_PRIOR), at the cost of a step with the tree's nodes (as many as
+its trees kept lately: `step_costs`, tree steps timed as served at start-up, where the
+engine's runner pads the step's sequences to the tree's width and replays one wide graph; else
+the chain curve by tokens) and of drafting it (`tree_costs`: a whole tree proposal, measured at
 start-up in one-token target forwards). The tree is drafted where that is more tokens per cost.
 Drafted, it is cut to its first n nodes (most likely first) where the step's expected tokens
 per cost are highest, each node worth its reach (the drafter's probability that the target
@@ -27,6 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine.calibration import TreeStepCosts
 
 # What a tree commits against the chain of its depth, before a method's trees are measured
 # (EAGLE's trees of 16 nodes over chains of 4 on held-out prompts: 1.3-1.4x, docs/benchmarks.md).
@@ -45,6 +51,14 @@ class TreePricing:
     calibration: dict[str, float] = field(default_factory=dict)  # accepted / reach, per method
     # Per sequence drafting a tree this step: its chain's worth, and the reach its cut kept.
     _steps: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Tree steps timed as served (calibration.py `tree_step_costs`); None: `forward_cost`.
+    step_costs: TreeStepCosts | None = None
+
+    def step_cost(self, others: int, nodes: int) -> float:
+        """A step's forward with a tree of `nodes` beside `others` sequences' one token each."""
+        if self.step_costs is None:
+            return self.forward_cost(others + 1 + nodes)
+        return self.step_costs.cost(others + 1, nodes + 1)
 
     def pays(
         self,
@@ -58,7 +72,7 @@ class TreePricing:
         `chain_cost` (forward and drafting), beside `others` other sequences' tokens."""
         gain = TREE_GAIN_PRIOR if alone else self.gain.get(method, TREE_GAIN_PRIOR)
         nodes = self.max_nodes / 2 if alone else self.nodes.get(method, self.max_nodes / 2)
-        cost = self.forward_cost(others + 1 + round(nodes)) + self.tree_costs.get(method, 0.0)
+        cost = self.step_cost(others, round(nodes)) + self.tree_costs.get(method, 0.0)
         return gain * chain_value / cost > chain_value / chain_cost
 
     def expect(self, request_id: str, chain_value: float) -> None:
@@ -82,7 +96,7 @@ class TreePricing:
         best_rate = value / self.forward_cost(others + 1)
         for n, r in enumerate(reach, start=1):
             value += r * scale
-            rate = value / self.forward_cost(others + 1 + n)
+            rate = value / self.step_cost(others, n)
             if rate > best_rate:
                 best, best_rate = n, rate
         if request_id in self._steps:
