@@ -273,9 +273,11 @@ class EagleDraftLoop:
         of each (1.0 where the loop keeps no `confidence`)."""
         self.run(seqs, features, depth)
         n = len(seqs)
-        self._tokens_host[:depth, :n].copy_(self._tokens[:depth, :n], non_blocking=True)
+        # Whole depth rows (contiguous: a strided slice of pinned memory would go through a
+        # pageable temporary, synchronously); the padding's columns come along unread.
+        self._tokens_host[:depth].copy_(self._tokens[:depth], non_blocking=True)
         if self.confidence:
-            self._probs_host[:depth, :n].copy_(self._probs[:depth, :n], non_blocking=True)
+            self._probs_host[:depth].copy_(self._probs[:depth], non_blocking=True)
         if self._tokens_host.is_pinned():
             torch.cuda.current_stream().synchronize()
         tokens = self._tokens_np[:depth, :n].T.tolist()  # numpy: no torch call per read

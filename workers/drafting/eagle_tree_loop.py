@@ -93,8 +93,10 @@ class EagleTreeLoop(EagleDraftLoop):
         """Every sequence's tree before its cut: each node's token, log reach and parent."""
         self.run(seqs, features, depth)
         n, size = len(seqs), tree_size(depth)
+        # The whole node buffer (contiguous; a strided slice of pinned memory would go through
+        # a pageable temporary, synchronously), read for the first n sequences' trees.
+        self._nodes_host.copy_(self._nodes, non_blocking=True)
         host = self._nodes_host[:, :n, :size]
-        host.copy_(self._nodes[:, :n, :size], non_blocking=True)
         if self._nodes_host.is_pinned():
             torch.cuda.current_stream().synchronize()
         values: np.ndarray = host.numpy()
