@@ -47,6 +47,17 @@ from typing import Any
 
 import yaml
 
+from cluster.pool_settings import (
+    ConfigError,
+    DrafterPool,
+    Pools,
+    PrefillPool,
+    Resources,
+    VerifierPool,
+)
+from cluster.pool_settings import (
+    check_field as _check,
+)
 from cluster.router_settings import MigrationSettings, RouterSettings, TlsSettings
 from workers.engine.config import (
     DEFAULT_MIN_DRAFT_CONFIDENCE,
@@ -57,81 +68,20 @@ from workers.engine.config import (
 )
 from workers.model.config import QUANTIZATIONS
 
-__all__ = ["DeploymentConfig", "MigrationSettings", "RouterSettings", "TlsSettings"]
+__all__ = [
+    "ConfigError",
+    "DeploymentConfig",
+    "DrafterPool",
+    "MigrationSettings",
+    "Pools",
+    "PrefillPool",
+    "Resources",
+    "RouterSettings",
+    "TlsSettings",
+    "VerifierPool",
+]
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A deployment config that cannot run; the message names the field."""
-
-
-def _check(condition: bool, where: str, message: str) -> None:
-    if not condition:
-        raise ConfigError(f"{where}: {message}")
-
-
-@dataclass(frozen=True, slots=True)
-class Resources:
-    """What one actor of a pool asks Ray for."""
-
-    cpus: float = 1.0
-    gpus: float | None = None  # None: decided at start (`resolve_gpus`)
-    memory_gb: float | None = None
-    custom: dict[str, float] = field(default_factory=dict)  # e.g. {"grace_cpu": 1}
-
-    def validate(self, where: str) -> None:
-        _check(self.cpus >= 0, f"{where}.cpus", f"must be >= 0, got {self.cpus}")
-        _check(
-            self.gpus is None or self.gpus >= 0, f"{where}.gpus", f"must be >= 0, got {self.gpus}"
-        )
-        _check(
-            self.memory_gb is None or self.memory_gb > 0,
-            f"{where}.memory_gb",
-            "must be positive",
-        )
-        for name, amount in self.custom.items():
-            _check(bool(name) and amount > 0, f"{where}.custom.{name}", "must be positive")
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillPool:
-    replicas: int = 1  # 0: verifiers prefill their own prompts
-    # Prompts shorter than this prefill on the verifier (conditional disaggregation).
-    min_remote_prompt_tokens: int = 256
-    resources: Resources = field(default_factory=Resources)
-
-
-@dataclass(frozen=True, slots=True)
-class VerifierPool:
-    groups: int = 1  # independent tensor-parallel groups
-    tensor_parallel_size: int = 1  # ranks (actors, GPUs in production) per group
-    resources: Resources = field(default_factory=Resources)  # per rank
-
-
-@dataclass(frozen=True, slots=True)
-class DrafterPool:
-    replicas: int = 1
-    method: str = "eagle"
-    num_speculative_tokens: int = 4
-    draft_model: str | None = None  # for method draft_model: a smaller model, same tokenizer
-    draft_layers: int | None = None  # or the target's first N layers as the draft model
-    # For method eagle: an EAGLE-3 head, our file or a published folder (the bundled model has
-    # one built in). A published head given as draft_model is taken as this.
-    eagle_head: str | None = None
-    draft_ahead: bool = True  # prepare the next proposal while the verifier checks this one
-    # A draft model drafting ahead goes on across steps that only commit its guess (the step is
-    # answered from what it drafted so far); false: every step stops it and waits for the
-    # forward under way.
-    keep_drafting_ahead: bool = True
-    resources: Resources = field(default_factory=Resources)
-
-
-@dataclass(frozen=True, slots=True)
-class Pools:
-    prefill: PrefillPool = field(default_factory=PrefillPool)
-    verifier: VerifierPool = field(default_factory=VerifierPool)
-    drafter: DrafterPool = field(default_factory=DrafterPool)
 
 
 @dataclass(frozen=True, slots=True)
