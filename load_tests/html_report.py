@@ -25,8 +25,34 @@ from load_tests.clients import RequestRecord
 from load_tests.stats import LevelSummary
 
 PERCENTILES = ("p50", "p90", "p99")
+# Up to eight runs overlaid stay apart in greyscale too: each run its own colour, marker and
+# line style (markers and styles cycle on different lengths, so no two of eight runs share both).
 _STYLES = ("-", "--", ":", "-.")
-_MARKERS = ("o", "s", "^", "D")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_PERCENTILE_STYLES: dict[str, Any] = {"p50": "-", "p90": "--", "p99": ":"}
+_HATCHES = ("", "//", "..", "xx", "\\\\", "oo", "--", "++")
+
+
+def _run_style(i: int) -> dict[str, Any]:
+    return {"color": f"C{i % 10}", "marker": _MARKERS[i % 8], "linestyle": _STYLES[i % 4]}
+
+
+def _shared_legend(fig: Any, handles: list[Any], labels: list[str], title: str = "") -> None:
+    """One legend for the whole figure, below its axes: it never covers a plotted point."""
+    if not handles:
+        return
+    fig.legend(
+        handles,
+        labels,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        ncol=min(len(labels), 4),
+        fontsize="small",
+        frameon=False,
+        title=title or None,
+    )
+
+
 # Figure ids, in page order: what a report.html holds (tests check each one).
 FIGURES = (
     "throughput",
@@ -104,53 +130,58 @@ def throughput(runs: Sequence[Named]) -> Figure:
     fig, (tokens, requests) = plt.subplots(1, 2, figsize=(11, 3.8))
     points = 0
     for i, run in enumerate(runs):
-        style = dict(linestyle=_STYLES[i % 4], marker=_MARKERS[i % 4])
         for ax, value in (
             (tokens, lambda s: s.output_tokens_per_s),
             (requests, lambda s: s.requests_per_s),
         ):
             xs, ys = _series(run, levels, value)
-            ax.plot(xs, ys, label=run.name, **style)
+            ax.plot(xs, ys, label=run.name, **_run_style(i))
             points += len(xs)
     tokens.set_ylabel("output tokens/s")
     requests.set_ylabel("requests/s")
     for ax in (tokens, requests):
         _load_axis(ax, levels)
-        ax.set_ylim(bottom=0)
     if len(runs) > 1:
-        tokens.legend()
+        _shared_legend(fig, *tokens.get_legend_handles_labels())
     caption = "Successful requests' output tokens and requests per second, per load level."
     return Figure("throughput", "Throughput against load", caption, _svg(fig), points)
 
 
 def latency_percentiles(runs: Sequence[Named]) -> Figure:
+    """One run: a colour a percentile. Several: a colour (and marker) a run, a line style a
+    percentile, with a legend for each below the axes."""
     levels = _levels(runs)
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     points = 0
     metrics = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"))
+    one = len(runs) == 1
     for ax, (title, field) in zip(axes, metrics, strict=True):
         for i, run in enumerate(runs):
-            for color, q in zip(("tab:blue", "tab:orange", "tab:red"), PERCENTILES, strict=True):
+            for j, q in enumerate(PERCENTILES):
 
                 def value(s: LevelSummary, field: str = field, q: str = q) -> float | None:
                     spread: dict[str, float] = getattr(s, field)
                     return None if q not in spread else spread[q] * 1000
 
                 xs, ys = _series(run, levels, value)
-                ax.plot(
-                    xs,
-                    ys,
-                    color=color,
-                    linestyle=_STYLES[i % 4],
-                    marker=_MARKERS[i % 4],
-                    label=_label(run, runs, q),
-                )
+                style = _run_style(j if one else i) | {"linestyle": _PERCENTILE_STYLES[q]}
+                ax.plot(xs, ys, label=q if one else run.name, **style)
                 points += len(xs)
         ax.set_title(title)
         ax.set_ylabel("ms")
         _load_axis(ax, levels)
-        ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize="small")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if one:
+        _shared_legend(fig, handles, labels)
+    else:  # each run once (its p50 line), and the percentiles' line styles apart
+        runs_at = list(range(0, len(handles), len(PERCENTILES)))
+        _shared_legend(fig, [handles[k] for k in runs_at], [labels[k] for k in runs_at])
+        styles = [
+            plt.Line2D([], [], color="black", linestyle=_PERCENTILE_STYLES[q]) for q in PERCENTILES
+        ]
+        axes[-1].legend(
+            styles, PERCENTILES, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small"
+        )
     caption = (
         "p50, p90 and p99 per level over successful requests: time to first token, time per "
         "output token after the first, and the gaps between streamed pieces."
@@ -193,15 +224,18 @@ def latency_distribution(runs: Sequence[Named]) -> Figure:
                 for patch in boxes["boxes"]:
                     patch.set_facecolor(f"C{i}")
                     patch.set_alpha(0.6)
+                    patch.set_hatch(_HATCHES[i % 8])  # apart in greyscale too
                     patch.set_label(run.name)
     latency.set_ylabel("request latency (s)")
     ttft.set_ylabel("TTFT (ms)")
     for ax in (latency, ttft):
         _load_axis(ax, levels)
-        ax.set_ylim(bottom=0)
     if len(runs) > 1:
-        handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}", alpha=0.6) for i in range(len(runs))]
-        latency.legend(handles, [r.name for r in runs])
+        handles = [
+            plt.Rectangle((0, 0), 1, 1, facecolor=f"C{i}", alpha=0.6, hatch=_HATCHES[i % 8])
+            for i in range(len(runs))
+        ]
+        _shared_legend(fig, handles, [r.name for r in runs])
     caption = (
         "Each level's successful requests: box from the 25th to the 75th percentile, the "
         "median across it, whiskers to 1.5 times the box, outliers as circles."
@@ -217,14 +251,13 @@ def acceptance(runs: Sequence[Named]) -> Figure:
     points = 0
     for i, run in enumerate(runs):
         xs, ys = _series(run, levels, lambda s: s.mean_acceptance_length)
-        ax.plot(xs, ys, linestyle=_STYLES[i % 4], marker=_MARKERS[i % 4], label=run.name)
+        ax.plot(xs, ys, label=run.name, **_run_style(i))
         points += len(xs)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_ylabel("tokens per verify step")
     _load_axis(ax, levels)
-    ax.set_ylim(bottom=0)
     if len(runs) > 1:
-        ax.legend()
+        _shared_legend(fig, *ax.get_legend_handles_labels())
     caption = (
         "Mean acceptance length: tokens committed per verify step (accepted drafts + 1) over "
         "each level's successful requests, from their usage; 1 is decoding without speculation."
@@ -246,7 +279,9 @@ def _placed(run: Named) -> list[tuple[float, RequestRecord]]:
 
 
 def timeline(runs: Sequence[Named]) -> Figure:
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.2 + 3.2 * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(12, 1.2 + 3.2 * len(runs)), squeeze=False, layout="constrained"
+    )
     points = 0
     for ax, run in zip(axes[:, 0], runs, strict=True):
         placed = _placed(run)
@@ -266,20 +301,15 @@ def timeline(runs: Sequence[Named]) -> Figure:
         for x in boundaries[1:]:
             ax.axvline(x, color="black", linewidth=0.6, linestyle="--")
         ax.set_ylabel("request")
-        ax.set_xlabel("seconds from the first level's start")
         ax.set_title(run.name if len(runs) > 1 else "", fontsize="medium")
         ax.set_ylim(0, max(len(placed), 1))
         ax.set_xlim(left=0)
+    axes[-1, 0].set_xlabel("seconds from the first level's start")  # once, under the last
     handles = [
         plt.Rectangle((0, 0), 1, 1, color=c)
         for c in ("lightgrey", "tab:orange", "tab:blue", "tab:red")
     ]
-    axes[0, 0].legend(
-        handles,
-        ["queued (open loop)", "to first token", "streaming", "failed"],
-        loc="upper left",
-        fontsize="small",
-    )
+    _shared_legend(fig, handles, ["queued (open loop)", "to first token", "streaming", "failed"])
     caption = (
         "Each request as a bar: queued after it was due (open loop), until its first token, "
         "then streaming until its end; a failed request in red. Dashed lines separate levels. "
