@@ -50,11 +50,17 @@ class Pools:
     def actors(self) -> list[Any]:
         return [*self.verifiers, *self.ranks, *self.drafters, *self.prefills]
 
-    def stop(self) -> None:
-        """Kill the actors and free their placement groups."""
+    def stop(self, flush_timeout_s: float = 10.0) -> None:
+        """Kill the actors, the verifiers' spans flushed first, and free their placement
+        groups."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        flushes = [v.flush_telemetry.remote() for v in self.verifiers]
+        try:
+            ray.get(flushes, timeout=flush_timeout_s)
+        except Exception:  # a dead or stuck verifier: its spans are lost, not the shutdown
+            log.warning("a verifier's spans were not flushed before it stopped", exc_info=True)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         for pg in self.placement_groups:

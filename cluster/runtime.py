@@ -244,5 +244,6 @@ class Runtime:
             stop_pools = not (self.pools.attached or self.pools.detached)
         if stop_pools:
             self.pools.stop()
+        telemetry.flush_tracing()  # this process's request spans
         if self.owns_ray:
             ray.shutdown()

@@ -9,6 +9,12 @@ count, the step's draft and verify time and the bytes of hidden states moved to 
 Exporters by config (`telemetry` in cluster/config.py): OTLP over HTTP when `otlp_endpoint` is
 set, or `exporter: console | memory | none`. `memory` keeps finished spans in the process for
 tests (`finished_spans`).
+
+No span is lost when a process ends: OTLP spans leave in batches at most `EXPORT_DELAY_MS`
+after they end, and whoever stops a process that exports them flushes it first
+(`flush_tracing`: the driver in `Runtime.shutdown`, each verifier through
+`VerifierActor.flush_telemetry` before its pool is stopped). A process killed outright (its
+node lost) loses at most its last `EXPORT_DELAY_MS` of spans.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from workers.engine.outputs import StepReport
 
 TRACER_NAME = "outrider"
+EXPORT_DELAY_MS = 200  # the longest a finished span waits in its batch before it is sent
 
 _memory: InMemorySpanExporter | None = None
 
@@ -46,13 +53,24 @@ def setup_tracing(exporter: str, otlp_endpoint: str | None, service_name: str) -
         endpoint = otlp_endpoint.rstrip("/")
         if not endpoint.endswith("/v1/traces"):
             endpoint += "/v1/traces"
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        exporter_ = OTLPSpanExporter(endpoint=endpoint)
+        provider.add_span_processor(
+            BatchSpanProcessor(exporter_, schedule_delay_millis=EXPORT_DELAY_MS)
+        )
     elif exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
     elif exporter == "memory":
         _memory = InMemorySpanExporter()
         provider.add_span_processor(SimpleSpanProcessor(_memory))
     trace.set_tracer_provider(provider)
+
+
+def flush_tracing(timeout_s: float = 10.0) -> bool:
+    """Send every span this process has finished (before it ends); whether all went."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        return provider.force_flush(int(timeout_s * 1000))
+    return True
 
 
 def tracer() -> trace.Tracer:

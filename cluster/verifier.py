@@ -314,6 +314,10 @@ class VerifierActor:
             "steps": asdict(self.step_times),
         }
 
+    def flush_telemetry(self) -> bool:
+        """Send the spans this actor has finished (before its pool stops it)."""
+        return telemetry.flush_tracing()
+
     def finished_spans(self) -> list[dict[str, Any]]:
         return telemetry.finished_spans()
 

@@ -3,9 +3,12 @@ prints the in-process JSON plus which actors served it."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -35,11 +38,61 @@ def run_in_process(capsys: pytest.CaptureFixture[str], *flags: str) -> dict:  # 
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_generate_on_the_cluster_matches_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+class OtlpReceiver:
+    """A small OTLP/HTTP trace receiver on loopback: the spans it got, by name."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        self.names: list[str] = []
+        received = self.names
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest.FromString(body)
+                for resource in request.resource_spans:
+                    for scope in resource.scope_spans:
+                        received.extend(span.name for span in scope.spans)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_generate_on_the_cluster_matches_in_process(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """And its traces reach an OTLP receiver whole: the request's span and every verify round
+    the run counted, though the actors that made them end with the command (each process
+    flushes its spans before it stops)."""
     local = run_in_process(capsys, "--spec-method", "ngram")
-    remote = run_generate(
-        "--cluster", "--spec-method", "draft_model", "--draft-layers", "6", "--drafters", "1"
-    )
+    receiver = OtlpReceiver()
+    config = tmp_path / "outrider.yaml"
+    config.write_text(f"telemetry:\n  otlp_endpoint: {receiver.url}\n")
+    try:
+        remote = run_generate(
+            "--config", str(config), "--spec-method", "draft_model", "--draft-layers", "6",
+            "--drafters", "1",
+        )  # fmt: skip
+    finally:
+        receiver.close()
+    assert receiver.names.count("outrider.request") == 1
+    assert receiver.names.count("outrider.verify_round") == remote["spec"]["verify_steps"] > 0
     assert remote["token_ids"] == local["token_ids"]
     assert remote["text"] == local["text"]
     assert remote["served_by"] == {
