@@ -115,6 +115,9 @@ class EngineConfig:
     # Launch the next plain decode step before reading this one's tokens, so that the host's
     # work overlaps the device's forward (workers/engine/overlap.py says which steps).
     async_scheduling: bool = False
+    # While several tenants have requests, the most of a step's places (max_num_seqs) one
+    # tenant's sequences may fill (workers/engine/fair_share.py); 1: no cap.
+    max_step_share: float = 0.5
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
@@ -123,6 +126,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_kv_blocks < 0:
             raise ValueError("num_kv_blocks must be >= 0")
+        if not 0 < self.max_step_share <= 1:
+            raise ValueError(f"max_step_share must be in (0, 1], got {self.max_step_share}")
         if self.max_num_batched_tokens < 1 + self.spec.num_speculative_tokens:
             raise ValueError("max_num_batched_tokens must fit one token plus k drafts")
 

@@ -4,10 +4,13 @@ Every sequence has tokens (prompt + committed output) and a count of those alrea
 cache; a step brings each scheduled sequence's uncomputed tokens (a prefill chunk, or the last
 token when decoding) plus, when decoding, its draft. Prefill, chunked prefill, decode and
 verification are one mechanism under one token budget (as vLLM's v1 scheduler does it).
-Running sequences go first, oldest first; when the cache runs out of blocks the newest running
-sequence is preempted (its blocks freed, to be recomputed later: all but its last token, which
-a decode step then verifies with drafts, so a seeded request draws as if never preempted).
-Waiting sequences are admitted after that, reusing cached prefix blocks.
+Running sequences go first, in the order they were admitted; when the cache runs out of blocks
+the least urgent, newest running sequence is preempted (its blocks freed, to be recomputed later:
+all but its last token, which a decode step then verifies with drafts, so a seeded request draws
+as if never preempted). Waiting sequences are admitted after that, reusing cached prefix
+blocks. Who is admitted first, how much of a step one tenant's sequences may fill and who is
+preempted for a more urgent request are the fair share's (workers/engine/fair_share.py); with
+one tenant and one priority that is first come, first served.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from kernels.tree_attention import tree_of
 from workers.drafting.base import EMPTY_DRAFT, Draft
 from workers.engine.config import EngineConfig
+from workers.engine.fair_share import FairShare
 from workers.engine.model_runner import SeqForward
 from workers.engine.sequence import SeqStatus, Sequence
 from workers.kv_cache import NoFreeBlocksError
@@ -69,12 +73,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.fair = FairShare(config.max_step_share)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
+        self.fair.join(seq, [*self.waiting, *self.running])
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -83,6 +89,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.fair.forget(seq)
         seq.block_table.release()
 
     def decoding(self) -> list[Sequence]:
@@ -90,15 +97,41 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._make_room(out)
+        made_room = len(out.preempted)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
+        if len(out.preempted) == made_room:  # out of blocks this step: admit nobody
             self._admit_waiting(out, budget)
         return out
 
+    def _scheduled(self, out: SchedulerOutput, scheduled: ScheduledSeq) -> None:
+        """Add a sequence to the step and charge its tenant (so the next choice sees it)."""
+        out.seqs.append(scheduled)
+        self.fair.charge(scheduled.seq, scheduled.num_new_tokens + len(scheduled.draft.token_ids))
+
+    def _make_room(self, out: SchedulerOutput) -> None:
+        """Preempt running sequences (less urgent ones, or those of a tenant over its share of
+        the places) where the next waiting one finds the running set full or too few free
+        blocks for its tokens."""
+        while self.waiting and self.running:
+            seq = self.fair.next_waiting(self.waiting, self.running)
+            assert seq is not None
+            needed = -(-(len(seq.token_ids) + 1) // self.config.block_size)
+            free = seq.block_table.allocator.num_free_blocks
+            if len(self.running) < self.config.max_num_seqs and needed <= free:
+                return
+            victim = self.fair.preempts_for(seq, self.running, self.config.max_num_seqs)
+            if victim is None:
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        serving = self.fair.step_order(self.running, self.config.max_num_seqs)
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(serving) and budget > 0:
+            seq = serving[i]
             decoding = seq.is_decoding
             num_new = 1 if decoding else min(seq.num_tokens_to_compute, budget)
             draft = seq.draft
@@ -112,11 +145,15 @@ class Scheduler:
                     start, start + num_new + len(draft.token_ids)
                 )
             except NoFreeBlocksError:
-                victim = self.running.pop()
+                # The least urgent, newest of those not served yet this step (this one too).
+                order = {id(s): n for n, s in enumerate(self.running)}
+                victim = max(serving[i:], key=lambda s: (s.share.priority, order[id(s)]))
+                self.running.remove(victim)
+                serving.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
-                continue  # retry this sequence (unless it was the victim: then the loop ends)
-            out.seqs.append(ScheduledSeq(seq, num_new, draft, decoding))
+                continue  # retry this sequence (unless it was the victim: then the next)
+            self._scheduled(out, ScheduledSeq(seq, num_new, draft, decoding))
             if copies:
                 out.block_copies += copies
             budget -= num_new + len(draft.token_ids)
@@ -125,7 +162,8 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.fair.next_waiting(self.waiting, self.running)
+            assert seq is not None
             cache = self.config.enable_prefix_caching and not seq.scores_prompt
             if cache and seq.num_computed_tokens == 0:
                 # Leave at least the last token to compute: its logits are needed. A sequence
@@ -145,10 +183,10 @@ class Scheduler:
                 seq.block_table.release()
                 seq.num_computed_tokens = 0
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.seqs.append(ScheduledSeq(seq, num_new, EMPTY_DRAFT, seq.is_decoding))
+            self._scheduled(out, ScheduledSeq(seq, num_new, EMPTY_DRAFT, seq.is_decoding))
             out.block_copies += copies
             budget -= num_new
 

@@ -10,6 +10,7 @@ import torch
 
 from kernels.counter_rng import step_seed
 from workers.drafting.base import EMPTY_DRAFT, Draft
+from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.logprobs import TokenLogprob
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import GrammarState
@@ -120,6 +121,7 @@ class Sequence:
     # The device sampler's random numbers are keyed by this (kernels/counter_rng.py): from the
     # seed when the request has one, else drawn at random
     rng_key: int = 0
+    share: Share = DEFAULT_SHARE  # its tenant, weight and priority (fair_share.py)
     # The tokens that end its answer: its stop tokens, and the model's EOS unless ignored
     end_token_ids: frozenset[int] = field(init=False)
     # `params.adjusts_logits`, worked out once: verification asks every step

@@ -1,0 +1,147 @@
+"""Fair share inside the engine: who is admitted next, who a step serves, who is preempted.
+
+Requests belong to tenants (an API key, or whatever the router names: `Share.tenant`), each
+with a weight, and carry a priority (lower first, vLLM's meaning). The scheduler
+(workers/engine/scheduler.py) asks this:
+
+- **Admission** goes by priority, then by each tenant's virtual time (weighted fair queuing over
+  tokens: a tenant's virtual time grows by the tokens its sequences are given in a step over its
+  weight), then by arrival. So a key with a long queue cannot hold the step budget while another
+  waits: the other's next request is admitted as soon as its virtual time is the least. A tenant
+  that was idle joins at the least virtual time among those active, so idleness is no credit.
+- **A step's share**: while another tenant waits, a tenant holding more than `max_step_share`
+  of the running places (`max_num_seqs`) yields one (its newest, least urgent sequence is
+  preempted) so that the other is admitted at once; and while more than one tenant runs, no
+  tenant's sequences fill more than that share of a step's places: its others sit the step
+  out, the least recently served going first next time. A flooder's batch then shares each
+  step with the others instead of filling it.
+- **Preemption**: where a waiting request of a more urgent priority finds no room, the least
+  urgent running sequence (the newest of those) is preempted; preemption and the continuation
+  are exact, so its text is that of an uninterrupted run. Out of KV blocks, the victim is
+  likewise the least urgent, newest sequence.
+
+With one tenant and one priority (the default) every choice is first come, first served, as
+before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine.sequence import Sequence
+
+MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A request's place in the engine's fair share."""
+
+    tenant: str = ""  # whose request ("": everyone's, one tenant)
+    weight: float = 1.0  # the tenant's share against the others'
+    priority: int = 0  # lower runs first
+
+    def __post_init__(self) -> None:
+        if not MIN_WEIGHT <= self.weight <= MAX_WEIGHT:
+            raise ValueError(f"weight must be in {MIN_WEIGHT}..{MAX_WEIGHT}, got {self.weight}")
+        if not MIN_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ValueError(
+                f"priority must be in {MIN_PRIORITY}..{MAX_PRIORITY}, got {self.priority}"
+            )
+
+
+DEFAULT_SHARE = Share()
+
+
+@dataclass(slots=True)
+class FairShare:
+    """The tenants' virtual times and the choices made from them (module docstring)."""
+
+    max_step_share: float = 0.5  # of a step's places one tenant may fill while others wait
+    vtime: dict[str, float] = field(default_factory=dict)
+    step: int = 0  # steps scheduled, for "least recently served"
+    last_served: dict[str, int] = field(default_factory=dict)  # request id -> step
+
+    def charge(self, seq: Sequence, tokens: int) -> None:
+        """The sequence's tenant was given `tokens` in this step."""
+        share = seq.share
+        self.vtime[share.tenant] = self.vtime.get(share.tenant, 0.0) + tokens / share.weight
+        self.last_served[seq.request_id] = self.step
+
+    def join(self, seq: Sequence, active: Iterable[Sequence]) -> None:
+        """A request arrives: an idle tenant starts at the least virtual time among the
+        tenants with unfinished requests (none banked while idle)."""
+        tenant = seq.share.tenant
+        others = {s.share.tenant for s in active} - {tenant}
+        if tenant in {s.share.tenant for s in active}:
+            return
+        floor = min((self.vtime.get(t, 0.0) for t in others), default=0.0)
+        self.vtime[tenant] = max(self.vtime.get(tenant, floor), floor)
+
+    def forget(self, seq: Sequence) -> None:
+        self.last_served.pop(seq.request_id, None)
+
+    def next_waiting(
+        self, waiting: Iterable[Sequence], running: Iterable[Sequence] = ()
+    ) -> Sequence | None:
+        """The waiting sequence to admit next: the most urgent, then the tenant furthest
+        behind (its virtual time), then the tenant holding fewer running places (a tenant that
+        just joined, at the others' virtual time), then the oldest."""
+        held = Counter(s.share.tenant for s in running)
+
+        def key(seq: Sequence) -> tuple[int, float, int, int]:
+            tenant = seq.share.tenant
+            return (seq.share.priority, self.vtime.get(tenant, 0.0), held[tenant], seq.arrival)
+
+        return min(waiting, key=key, default=None)
+
+    def step_order(self, running: list[Sequence], max_num_seqs: int) -> list[Sequence]:
+        """The running sequences this step serves, in the running list's order: all of them,
+        unless several tenants are active, when each tenant keeps at most `max_step_share` of
+        the step's places (its least recently served first)."""
+        self.step += 1
+        tenants = {s.share.tenant for s in running}
+        if len(tenants) < 2 or self.max_step_share >= 1.0:
+            return list(running)
+        cap = max(1, math.floor(self.max_step_share * max_num_seqs))
+        chosen: set[int] = set()
+        for tenant in tenants:
+            mine = [s for s in running if s.share.tenant == tenant]
+            if len(mine) > cap:
+                mine.sort(key=lambda s: (s.share.priority, self.last_served.get(s.request_id, -1)))
+                mine = mine[:cap]
+            chosen.update(id(s) for s in mine)
+        return [s for s in running if id(s) in chosen]
+
+    @staticmethod
+    def victim(running: list[Sequence]) -> Sequence:
+        """The running sequence to preempt: the least urgent, and of those the newest."""
+        return max(running, key=lambda s: (s.share.priority, s.arrival))
+
+    def preempts_for(
+        self, seq: Sequence, running: list[Sequence], max_num_seqs: int
+    ) -> Sequence | None:
+        """A running sequence to preempt to make room for `seq` (None: none yields): a less
+        urgent one, or one of a tenant holding more than its share of the places while
+        `seq`'s tenant waits (of `seq`'s urgency or less)."""
+        if not running:
+            return None
+        victim = self.victim(running)
+        if victim.share.priority > seq.share.priority:
+            return victim
+        cap = max(1, math.floor(self.max_step_share * max_num_seqs))
+        held = Counter(s.share.tenant for s in running)
+        over = [
+            s
+            for s in running
+            if s.share.tenant != seq.share.tenant
+            and held[s.share.tenant] > cap
+            and s.share.priority >= seq.share.priority
+        ]
+        return self.victim(over) if over and self.max_step_share < 1.0 else None
