@@ -95,6 +95,9 @@ class EngineSettings:
     enforce_eager: bool = False
     deterministic: bool = False
     async_scheduling: bool = False
+    # While several tenants (API keys) have requests, the most of a step's places one tenant's
+    # may fill (workers/engine/fair_share.py); 1: no cap.
+    max_step_share: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +177,11 @@ class DeploymentConfig:
         e = self.engine
         for name in ("max_model_len", "max_num_seqs", "block_size", "max_num_batched_tokens"):
             _check(getattr(e, name) >= 1, f"engine.{name}", "must be >= 1")
+        _check(
+            0 < e.max_step_share <= 1,
+            "engine.max_step_share",
+            f"must be in (0, 1], got {e.max_step_share}",
+        )
         _check(
             e.max_num_batched_tokens >= 1 + self.speculative.num_speculative_tokens,
             "engine.max_num_batched_tokens",
@@ -307,6 +315,7 @@ class DeploymentConfig:
             enforce_eager=e.enforce_eager,
             deterministic=e.deterministic,
             async_scheduling=e.async_scheduling,
+            max_step_share=e.max_step_share,
             spec=spec,
         )
 

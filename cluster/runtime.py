@@ -25,6 +25,7 @@ from cluster.output_channel import GroupOutputs, Inbox, ServedBy, StreamedStep
 from cluster.pools import Pools, attach_pools, connect_ray, start_pools
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
+from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.outputs import Continuation, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
@@ -159,9 +160,12 @@ class Runtime:
         request_id: str | None = None,
         group: int | None = None,
         continuation: Continuation | None = None,
+        *,
+        share: Share = DEFAULT_SHARE,
     ) -> RequestStream:
         """Start a request on verifier group `group` (round-robin when None; the router picks
-        by cached prefix and load); with `continuation`, one that moved from a failed group."""
+        by cached prefix and load); with `continuation`, one that moved from a failed group.
+        `share`: its tenant, weight and priority in the engine."""
         with self._lock:
             if group is None:
                 group = self._next % len(self.pools.verifiers)
@@ -184,7 +188,7 @@ class Runtime:
         inbox = channel.register(request_id)  # before any output of it can come
         verifier = self.pools.verifiers[index]
         started = verifier.start.remote(
-            request_id, list(prompt_ids), params, spec, channel.client, carrier, continuation
+            request_id, list(prompt_ids), params, spec, channel.client, carrier, continuation, share
         )
         name = self.pools.verifier_names[index]
         return RequestStream(request_id, name, started, inbox, channel, span)

@@ -42,6 +42,7 @@ from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
 from cluster.step_channel import ChannelAddress, StepClient
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
+from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.heap import freeze_startup_heap
 from workers.engine.outputs import Continuation, Prefilled, RequestOutput, StepReport
 from workers.engine.sampling_params import SamplingParams
@@ -330,10 +331,12 @@ class VerifierActor:
         client: str,
         trace_carrier: dict[str, str] | None = None,
         continuation: Continuation | None = None,
+        share: Share = DEFAULT_SHARE,
     ) -> None:
         """Start a request (with `continuation`, one that moved here from a failed group); one
         message an engine step that produced something for it goes to `client`'s channel
-        (`outputs`), and the error that refuses or fails it too."""
+        (`outputs`), and the error that refuses or fails it too. `share`: its tenant, weight
+        and priority in the engine."""
         logs.REQUEST_ID.set(request_id)  # this call's task: its log lines name the request
         channel = self._channel(client)
         channel.requests.add(request_id)
@@ -362,7 +365,9 @@ class VerifierActor:
             if item.finished:
                 self._ended(channel, request_id)
 
-        self.loop.start(request_id, prompt_ids, params, spec, prefilled, continuation, consume)
+        self.loop.start(
+            request_id, prompt_ids, params, spec, prefilled, continuation, consume, share=share
+        )
 
     def _ended(self, channel: ClientChannel, request_id: str) -> None:
         channel.requests.discard(request_id)

@@ -25,6 +25,7 @@ from router.keys import ApiKey, KeyRing
 from router.protocol import GenerateRequest
 from router.registry import RedisWatch
 from router.state import SharedState
+from workers.engine.fair_share import Share
 
 # The API key a request came with (None where the replica has no keys), set by `authorize` in
 # the request's task and seen by every task it starts.
@@ -131,6 +132,24 @@ class Admission:
         # Counted after the await: others of the key may have come or gone meanwhile.
         self.in_flight[key.digest] = self.in_flight.get(key.digest, 0) + 1
         return ticket
+
+    def share(self, request: GenerateRequest) -> Share:
+        """The request's place in the engine's fair share: its API key's (or, without keys,
+        its `user`'s) tenant and weight, and its priority, never more urgent than the key
+        allows (400)."""
+        key = CALLER.get()
+        if key is None:
+            priority = 0 if request.priority is None else request.priority
+            return Share(request.user or "", 1.0, priority)
+        limits = key.limits
+        priority = limits.priority if request.priority is None else request.priority
+        if priority < limits.best_priority:
+            raise errors.bad_request(
+                f"priority {priority} is more urgent than this API key may ask for (at most "
+                f"{limits.best_priority}; lower runs first)",
+                "priority",
+            )
+        return Share(key.name, limits.weight, priority)
 
     def _check_concurrency(self, key: ApiKey) -> None:
         """429 when the key has its `concurrency` of unfinished sequences here."""

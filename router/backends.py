@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from router import errors
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import EngineLoop, LoopLoad
+from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.outputs import Continuation, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 
@@ -33,9 +34,11 @@ class Backend(Protocol):
         params: SamplingParams,
         spec: RequestSpec | None,
         continuation: Continuation | None = None,
+        share: Share = DEFAULT_SHARE,
     ) -> AsyncGenerator[Step, None]:
         """The request's steps on group `group`; raises `errors.GroupFailed` when the group
-        fails under it (the request may go on elsewhere with `continuation`)."""
+        fails under it (the request may go on elsewhere with `continuation`). `share`: its
+        tenant, weight and priority in the engine (workers/engine/fair_share.py)."""
         ...
 
     async def load(self) -> list[LoopLoad]: ...
@@ -64,8 +67,11 @@ class LocalBackend:
         params: SamplingParams,
         spec: RequestSpec | None,
         continuation: Continuation | None = None,
+        share: Share = DEFAULT_SHARE,
     ) -> AsyncGenerator[Step, None]:
-        outputs = self.loop.stream(request_id, prompt_ids, params, spec, None, continuation)
+        outputs = self.loop.stream(
+            request_id, prompt_ids, params, spec, None, continuation, share=share
+        )
         try:
             async for out in outputs:
                 yield out
@@ -105,10 +111,13 @@ class RuntimeBackend:
         params: SamplingParams,
         spec: RequestSpec | None,
         continuation: Continuation | None = None,
+        share: Share = DEFAULT_SHARE,
     ) -> AsyncGenerator[Step, None]:
         import ray
 
-        stream = self.runtime.submit(prompt_ids, params, spec, request_id, group, continuation)
+        stream = self.runtime.submit(
+            prompt_ids, params, spec, request_id, group, continuation, share=share
+        )
         finished = False
         try:
             async for message in stream.items_async():

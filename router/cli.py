@@ -78,6 +78,7 @@ def deployment_of(args: argparse.Namespace) -> DeploymentConfig:
         "engine.enforce_eager": True if args.enforce_eager else None,
         "engine.deterministic": True if args.deterministic else None,
         "engine.async_scheduling": True if args.async_scheduling else None,
+        "engine.max_step_share": args.max_step_share,
         "engine.max_num_batched_tokens": args.max_num_batched_tokens,
         "speculative.method": method,
         "speculative.num_speculative_tokens": args.num_spec_tokens,

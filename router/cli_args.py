@@ -56,6 +56,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="launch each plain decode step before reading the last one's tokens, so that "
         "the host's work overlaps the GPU's (plain decoding at loads that do not speculate)",
     )
+    model.add_argument(
+        "--max-step-share",
+        type=float,
+        default=None,
+        help="while several API keys have requests, the most of a step's places one key's may "
+        "fill (default 0.5; 1: no cap)",
+    )
     model.add_argument("--max-model-len", type=int, default=None, help="context (default 4096)")
     model.add_argument("--max-num-seqs", type=int, default=None, help="batch size (default 32)")
     model.add_argument(

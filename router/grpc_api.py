@@ -47,6 +47,7 @@ def _body(request: Any) -> tuple[dict[str, Any], bool]:
         "repetition_penalty",
         "min_tokens",
         "truncate_prompt_tokens",
+        "priority",
     ):
         if request.HasField(name):
             body[name] = getattr(request, name)
@@ -57,6 +58,8 @@ def _body(request: Any) -> tuple[dict[str, Any], bool]:
     if request.stop:
         body["stop"] = list(request.stop)
     body["ignore_eos"] = request.ignore_eos
+    if request.user:
+        body["user"] = request.user
     if request.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in request.logit_bias.items()}
     if request.stop_token_ids:

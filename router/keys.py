@@ -15,8 +15,11 @@ out of the configuration leaves Redis too and a mirror that was lost comes back.
 The keys file has one key a line: `<key> [name] [requests/s] [burst] [option=value ...]`
 with `#` comments. Options: `concurrency` (unfinished requests at once, per replica),
 `tokens_per_s` and `token_burst` (prompt plus completion tokens, shared by the replicas through
-Redis), `isolate_cache` (true: the key's requests share no cache with other keys'). What a
-line leaves out comes from the router's defaults (`KeyLimits`).
+Redis), `isolate_cache` (true: the key's requests share no cache with other keys'), `weight`
+(the key's share of the engine against other keys': workers/engine/fair_share.py), `priority`
+(its requests' priority when they name none; lower runs first) and `best_priority` (the most
+urgent priority its requests may ask for). What a line leaves out comes from the router's
+defaults (`KeyLimits`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from workers.engine.fair_share import Share
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +52,20 @@ class KeyLimits:
     tokens_per_s: float = 0.0  # prompt + max_tokens of each choice, refunded what went unused
     token_burst: int = 0  # tokens the bucket holds; 0: a minute's worth
     isolate_cache: bool = False  # no shared prefix cache, prefix index or n-gram pool
+    weight: float = 1.0  # the key's share of the engine against other keys'
+    priority: int = 0  # its requests' priority where they name none (lower runs first)
+    best_priority: int = 0  # the most urgent (lowest) priority its requests may ask for
 
     def __post_init__(self) -> None:
         for name in ("requests_per_s", "burst", "max_concurrent", "tokens_per_s", "token_burst"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        Share(weight=self.weight, priority=self.priority)  # in range, or ValueError naming it
+        Share(priority=self.best_priority)
+        if self.priority < self.best_priority:
+            raise ValueError(
+                f"priority {self.priority} is more urgent than best_priority {self.best_priority}"
+            )
 
     @property
     def request_burst(self) -> int:
@@ -100,6 +114,7 @@ class KeyLine:
 
 _OPTIONS = {"concurrency": "max_concurrent", "tokens_per_s": "tokens_per_s"}
 _OPTIONS |= {"token_burst": "token_burst", "isolate_cache": "isolate_cache"}
+_OPTIONS |= {"weight": "weight", "priority": "priority", "best_priority": "best_priority"}
 
 
 def _option_value(option: str, value: str) -> float | int | bool:
@@ -107,7 +122,7 @@ def _option_value(option: str, value: str) -> float | int | bool:
         if value.lower() not in ("true", "false"):
             raise ValueError(f"isolate_cache must be true or false, not {value!r}")
         return value.lower() == "true"
-    return float(value) if option == "tokens_per_s" else int(value)
+    return float(value) if option in ("tokens_per_s", "weight") else int(value)
 
 
 def read_keys_file(path: str | Path) -> list[KeyLine]:

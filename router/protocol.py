@@ -60,6 +60,8 @@ class GenerateRequest:
     # The request's `cache_salt` (router/admission.py `cache_salt` turns it, and the key where
     # the key is isolated, into the engine's `SamplingParams.cache_salt`).
     cache_salt: str | None = None
+    priority: int | None = None  # lower runs first; None: the API key's (router/admission.py)
+    user: str | None = None  # the end user: the fair share's tenant where no API key is
 
 
 _TEMPLATE_VARIABLES = frozenset(
@@ -429,4 +431,6 @@ class RequestBuilder:
             tokens_as_ids=body.return_tokens_as_token_ids,
             store=body.store is not False,
             cache_salt=body.cache_salt,
+            priority=body.priority,
+            user=body.user,
         )

@@ -91,8 +91,11 @@ class ResponsesRequest(Strict):
     stream: bool = Field(False, description="server-sent semantic events")
     store: bool = Field(True, description="keep the response for GET and previous_response_id")
     metadata: dict[str, str] | None = Field(None, description="kept with the response")
-    user: str | None = Field(None, description="accepted, not used")
+    user: str | None = Field(
+        None, description="an end-user id: the tenant fair share goes by where no API key is"
+    )
     # Extensions, as chat completions take them.
+    priority: int | None = Field(None, description="lower runs first (as chat completions')")
     seed: int | None = Field(None, description="seeded sampling")
     top_k: int | None = Field(None, description="top-k filtering (0 or -1: off)")
     min_p: float | None = Field(None, description="min-p filtering")
@@ -135,7 +138,8 @@ def chat_request(
         chat["stream_options"] = {"include_usage": True}
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
-    for field in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty"):
+    fields = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty")
+    for field in (*fields, "priority", "user"):
         if (value := getattr(body, field)) is not None:
             chat[field] = value
     if body.speculative is not None:

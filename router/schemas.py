@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router import errors
+from workers.engine.fair_share import MAX_PRIORITY, MIN_PRIORITY
 from workers.engine.logprobs import MAX_LOGPROBS
 
 MAX_BODY_BYTES = 4 << 20  # JSON bodies beyond this are refused before parsing (413)
@@ -127,7 +128,16 @@ class SamplingFields(Strict):
     speculative: SpeculativeOptions | None = Field(
         None, description="Outrider's extension: per-request speculation"
     )
-    user: str | None = Field(None, description="an end-user id (accepted, not used)")
+    user: str | None = Field(
+        None, description="an end-user id: the tenant fair share goes by where no API key is"
+    )
+    priority: int | None = Field(
+        None,
+        ge=MIN_PRIORITY,
+        le=MAX_PRIORITY,
+        description="vLLM's extension: lower runs first (an urgent request may preempt others); "
+        "default the API key's, never more urgent than its best_priority",
+    )
     store: bool | None = Field(
         None, description="false: the request registry forgets the request once it finishes"
     )

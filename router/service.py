@@ -49,6 +49,7 @@ from router.resume import resumed_request, settings_json
 from router.routing import GroupChooser, RoutingPolicy
 from router.state import Registration, SharedState
 from workers.engine.engine_loop import LoopLoad
+from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.outputs import Continuation
 from workers.engine.sampling_params import SamplingParams
 
@@ -203,11 +204,12 @@ class RouterService:
                 f"the server has {self.in_flight} requests in flight (limit {self.max_queue})"
             )
         request = salted(request)
+        share = self.admission.share(request)  # before admission: a bad priority is a 400
         ticket = await self.admission.admit(request)
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
-            async for step in self._generate(request, request_id, routed, shared):
+            async for step in self._generate(request, request_id, routed, shared, share):
                 ticket.used += len(step.new_token_ids)
                 yield step
         finally:
@@ -221,6 +223,7 @@ class RouterService:
         request_id: str,
         routed: tuple[int, str] | None,
         shared: tuple[str, int] | None,
+        share: Share = DEFAULT_SHARE,
     ) -> AsyncGenerator[Step, None]:
         logs.REQUEST_ID.set(request_id)  # this request's task: every line it logs names it
         start = time.perf_counter()
@@ -257,6 +260,7 @@ class RouterService:
                     _continued(request.params, continuation),
                     request.spec,
                     continuation,
+                    share,
                 )
                 try:
                     async for step in steps:

@@ -18,7 +18,7 @@ def test_a_keys_file_line_sets_its_own_limits_over_the_defaults(tmp_path: Path) 
         "sk-a team-a 5 10 concurrency=3 tokens_per_s=100.5 token_burst=900\n"
         "\n"
         "sk-b  # a key alone\n"
-        "sk-c tenant 0 0 isolate_cache=true\n"
+        "sk-c tenant 0 0 isolate_cache=true weight=3 priority=5 best_priority=-2\n"
     )
     defaults = KeyLimits(requests_per_s=2.0, max_concurrent=8)
     a, b, c = (line.api_key(defaults) for line in read_keys_file(path))
@@ -28,6 +28,8 @@ def test_a_keys_file_line_sets_its_own_limits_over_the_defaults(tmp_path: Path) 
     assert (b.name, b.requests_per_s, b.burst, b.limits.max_concurrent) == ("key-4", 2.0, 2, 8)
     assert b.limits.tokens_burst == 1 and not b.limits.isolate_cache
     assert c.limits.isolate_cache and c.requests_per_s == 0.0
+    assert (c.limits.weight, c.limits.priority, c.limits.best_priority) == (3.0, 5, -2)
+    assert (a.limits.weight, a.limits.priority, a.limits.best_priority) == (1.0, 0, 0)
     assert a.digest == key_digest("sk-a") and "sk-a" not in repr(a)
     assert KeyLimits(tokens_per_s=10.0).tokens_burst == 600  # a minute's worth
 
@@ -41,6 +43,9 @@ def test_a_keys_file_line_sets_its_own_limits_over_the_defaults(tmp_path: Path) 
         ("sk-a a 1 2 isolate_cache=maybe", "true or false"),
         ("sk-a a 1 concurrency=-1 2", "expected '<key>"),
         ("sk-a a 1 2 concurrency=-1", "max_concurrent must be >= 0"),
+        ("sk-a a 1 2 weight=0", "weight must be in 0.01..100"),
+        ("sk-a a 1 2 priority=-5", "more urgent than best_priority 0"),
+        ("sk-a a 1 2 best_priority=9999", "priority must be in -1000..1000"),
     ],
 )
 def test_a_bad_keys_file_names_its_line(tmp_path: Path, line: str, message: str) -> None:

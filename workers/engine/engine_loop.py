@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from workers.engine.config import RequestSpec
+from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.output_text import OutputText
 from workers.engine.outputs import Continuation, Prefilled, RequestOutput
@@ -83,6 +84,7 @@ class _Submit:
     outputs: _Sink
     prefilled: Prefilled | None = None
     continuation: Continuation | None = None
+    share: Share = DEFAULT_SHARE
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,10 +124,14 @@ class EngineLoop:
         spec: RequestSpec | None = None,
         prefilled: Prefilled | None = None,
         continuation: Continuation | None = None,
+        *,
+        share: Share = DEFAULT_SHARE,
     ) -> Iterator[RequestOutput]:
         """Outputs of the request as the engine produces them; raises ValueError if rejected."""
         outputs: queue.Queue[RequestOutput | Exception] = queue.Queue()
-        item = _Submit(request_id, prompt_token_ids, params, spec, outputs, prefilled, continuation)
+        item = _Submit(
+            request_id, prompt_token_ids, params, spec, outputs, prefilled, continuation, share
+        )
         text = self._text(params, continuation)
         self._enqueue(item)
         return self._iterate(request_id, outputs, text)
@@ -138,11 +144,16 @@ class EngineLoop:
         spec: RequestSpec | None = None,
         prefilled: Prefilled | None = None,
         continuation: Continuation | None = None,
+        *,
+        share: Share = DEFAULT_SHARE,
     ) -> AsyncGenerator[RequestOutput, None]:
         """`submit` for asyncio callers. Leaving the iteration early (the consumer was cancelled
         or closed it) aborts the request and frees its blocks."""
         outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        self.start(request_id, prompt_token_ids, params, spec, prefilled, continuation, outputs)
+        self.start(
+            request_id, prompt_token_ids, params, spec, prefilled, continuation, outputs,
+            share=share,
+        )  # fmt: skip
         ended = False  # finished (a stop string in its text aborted it already), failed, refused
         try:
             while not ended:
@@ -165,6 +176,8 @@ class EngineLoop:
         prefilled: Prefilled | None,
         continuation: Continuation | None,
         outputs: asyncio.Queue[RequestOutput | Exception] | Consume,
+        *,
+        share: Share = DEFAULT_SHARE,
     ) -> None:
         """`stream` without a generator, for a caller that gathers many requests' outputs (a
         verifier's channel to its router, cluster/output_channel.py): each output of the
@@ -179,7 +192,9 @@ class EngineLoop:
 
         sink = _AsyncSink(deliver)
         self._enqueue(
-            _Submit(request_id, prompt_token_ids, params, spec, sink, prefilled, continuation)
+            _Submit(
+                request_id, prompt_token_ids, params, spec, sink, prefilled, continuation, share
+            )
         )
 
     def _with_text(
@@ -308,6 +323,7 @@ class EngineLoop:
                     item.spec,
                     item.prefilled,
                     item.continuation,
+                    share=item.share,
                 )
             except ValueError as exc:
                 with contextlib.suppress(ReaderGone):
