@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import uuid
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -24,7 +26,7 @@ from router import errors
 from router.keys import ApiKey, KeyRing
 from router.protocol import GenerateRequest
 from router.registry import RedisWatch
-from router.state import SharedState
+from router.state import LEASE_S, SharedState
 from workers.engine.fair_share import Share
 
 # The API key a request came with (None where the replica has no keys), set by `authorize` in
@@ -67,6 +69,7 @@ class Ticket:
     key: ApiKey | None
     reserved: int = 0  # completion tokens (max_tokens) taken from the key's token bucket
     used: int = 0
+    lease: str | None = None  # its place among the key's `concurrency`, over all replicas
     _released: bool = field(default=False, repr=False)
 
     def release(self) -> None:
@@ -77,9 +80,20 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, keys: KeyRing, state: SharedState, redis: RedisWatch) -> None:
+    def __init__(
+        self,
+        keys: KeyRing,
+        state: SharedState,
+        redis: RedisWatch,
+        replica: str = "",
+        lease_s: float = LEASE_S,
+    ) -> None:
         self.keys, self.state, self.redis = keys, state, redis
+        self.replica, self.lease_s = replica, lease_s
         self.in_flight: dict[str, int] = {}  # API key digest -> its unfinished sequences here
+        # The concurrency leases this replica holds (lease id -> key digest), renewed by
+        # `renew_leases` until released.
+        self.leases: dict[str, str] = {}
         self._refunds: set[asyncio.Task[Any]] = set()
 
     async def authorize(self, api_key: str | None) -> ApiKey | None:
@@ -127,11 +141,50 @@ class Admission:
         if key is None:
             return ticket
         self._check_concurrency(key)
-        if key.limits.tokens_per_s > 0:
-            await self._take_tokens(key, request, ticket)
+        if key.limits.max_concurrent > 0:
+            await self._take_lease(key, ticket)
+        try:
+            if key.limits.tokens_per_s > 0:
+                await self._take_tokens(key, request, ticket)
+        except BaseException:
+            self._release_lease(ticket)
+            raise
         # Counted after the await: others of the key may have come or gone meanwhile.
         self.in_flight[key.digest] = self.in_flight.get(key.digest, 0) + 1
         return ticket
+
+    async def _take_lease(self, key: ApiKey, ticket: Ticket) -> None:
+        """A place among the key's `concurrency` over every replica (a lease in Redis that
+        this replica renews while the request runs), or 429."""
+        lease = f"{self.replica}:{uuid.uuid4().hex}"
+        try:
+            taken = await self.state.take_lease(key, lease, self.lease_s)
+        except RedisError as exc:
+            self.redis.failed(exc)
+            raise errors.shared_state_down(exc) from exc
+        if not taken:
+            raise errors.too_many_concurrent(key.limits.max_concurrent)
+        ticket.lease = lease
+        self.leases[lease] = key.digest
+
+    def _release_lease(self, ticket: Ticket) -> None:
+        lease = ticket.lease
+        if lease is None:
+            return
+        ticket.lease = None
+        digest = self.leases.pop(lease)
+        self._background(lambda: self.state.release_lease(digest, lease))
+
+    async def renew_leases(self) -> None:
+        """Keep this replica's leases alive (every `lease_s` / 3: router/server.py)."""
+        leases = [(digest, lease) for lease, digest in self.leases.items()]
+        await self.redis.shared(lambda: self.state.renew_leases(leases, self.lease_s))
+
+    def _background(self, work: Callable[[], Awaitable[Any]]) -> None:
+        """Redis bookkeeping that nobody waits for (refunds, released leases)."""
+        task = asyncio.ensure_future(self.redis.shared(work))
+        self._refunds.add(task)
+        task.add_done_callback(self._refunds.discard)
 
     def share(self, request: GenerateRequest) -> Share:
         """The request's place in the engine's fair share: its API key's (or, without keys,
@@ -178,6 +231,7 @@ class Admission:
         key = ticket.key
         if key is None:
             return
+        self._release_lease(ticket)
         left = self.in_flight[key.digest] - 1
         if left:
             self.in_flight[key.digest] = left
@@ -185,8 +239,4 @@ class Admission:
             del self.in_flight[key.digest]
         unused = ticket.reserved - ticket.used
         if unused > 0:  # give back what the sequence did not generate
-            task = asyncio.ensure_future(
-                self.redis.shared(lambda: self.state.take_tokens(key, -unused))
-            )
-            self._refunds.add(task)
-            task.add_done_callback(self._refunds.discard)
+            self._background(lambda: self.state.take_tokens(key, -unused))

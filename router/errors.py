@@ -70,7 +70,7 @@ def rate_limited(retry_after_s: float, limit: str = "rate limit") -> RouterError
 def too_many_concurrent(limit: int) -> RouterError:
     return RouterError(
         429,
-        f"this API key has {limit} requests in flight on this replica, its limit; retry when "
+        f"this API key has {limit} concurrent requests in flight, its limit; retry when "
         "one has finished",
         "rate_limit_error",
         "RESOURCE_EXHAUSTED",

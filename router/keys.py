@@ -13,7 +13,8 @@ router/state.py `sync_keys`) that each replica rewrites from its configuration, 
 out of the configuration leaves Redis too and a mirror that was lost comes back.
 
 The keys file has one key a line: `<key> [name] [requests/s] [burst] [option=value ...]`
-with `#` comments. Options: `concurrency` (unfinished requests at once, per replica),
+with `#` comments. Options: `concurrency` (unfinished requests at once over all replicas,
+leases in Redis: router/state.py),
 `tokens_per_s` and `token_burst` (prompt plus completion tokens, shared by the replicas through
 Redis), `isolate_cache` (true: the key's requests share no cache with other keys'), `weight`
 (the key's share of the engine against other keys': workers/engine/fair_share.py), `priority`

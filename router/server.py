@@ -29,7 +29,7 @@ from router.keys import KeyLimits, KeyLine, KeyRing
 from router.protocol import RequestBuilder
 from router.routing import RoutingPolicy
 from router.service import RouterService
-from router.state import KEYS_TTL_S, SharedState
+from router.state import KEYS_TTL_S, LEASE_S, SharedState
 from router.tls import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class RouterOptions:
     # How long a drain lets the requests in flight run before it cuts them.
     shutdown_grace_s: float = 30.0
     migration: MigrationSettings = field(default_factory=MigrationSettings)
+    # A key's concurrency lease lapses this long after its replica last renewed it (a replica
+    # that died gives its places back within it).
+    lease_s: float = LEASE_S
 
 
 class _DrainingServer(uvicorn.Server):
@@ -119,6 +122,7 @@ class Router:
             opts.policy,
             migration=opts.migration,
             keys=keys,
+            lease_s=opts.lease_s,
         )
         service.redis.on_back.append(lambda: state.sync_keys(keys.keys))
         self.service = service
@@ -136,6 +140,7 @@ class Router:
         self._loop = asyncio.get_running_loop()
         grpc_server: Any = None
         watch = asyncio.create_task(_watch_files(service, keys, tls))
+        renew = asyncio.create_task(_renew_leases(service, opts.lease_s))
         try:
             if opts.grpc_port is not None:
                 credentials = None if tls is None else tls.grpc_credentials()
@@ -148,6 +153,7 @@ class Router:
             await http
         finally:
             watch.cancel()
+            renew.cancel()
             if grpc_server is not None:
                 await grpc_server.stop(grace=2)
             await service.drain()
@@ -212,6 +218,13 @@ async def _watch_files(service: RouterService, keys: KeyRing, tls: TlsFiles | No
             except RedisError as exc:
                 service.redis.failed(exc)
         await asyncio.sleep(every)
+
+
+async def _renew_leases(service: RouterService, lease_s: float) -> None:
+    """Renew this replica's concurrency leases three times a lease."""
+    while True:
+        await asyncio.sleep(lease_s / 3)
+        await service.admission.renew_leases()
 
 
 async def _until_idle(service: RouterService, deadline: float) -> None:

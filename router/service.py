@@ -47,7 +47,7 @@ from router.protocol import GenerateRequest, RequestBuilder
 from router.registry import RedisWatch
 from router.resume import resumed_request, settings_json
 from router.routing import GroupChooser, RoutingPolicy
-from router.state import Registration, SharedState
+from router.state import LEASE_S, Registration, SharedState
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.outputs import Continuation
@@ -79,6 +79,7 @@ class RouterService:
         replica: str | None = None,
         migration: MigrationSettings | None = None,
         keys: KeyRing | None = None,
+        lease_s: float = LEASE_S,
     ) -> None:
         self.backend, self.builder, self.state = backend, builder, state
         self.keys = keys or KeyRing()
@@ -89,7 +90,7 @@ class RouterService:
         # Redis's outages, and the writes they held.
         self.redis = RedisWatch(state, self.metrics, self.keys.configured)
         self.in_flight = 0
-        self.admission = Admission(self.keys, state, self.redis)
+        self.admission = Admission(self.keys, state, self.redis, self.replica, lease_s)
         self.draining = False  # shutting down: new requests are refused (Router.drain)
         self.cut = False  # the drain's grace is over: requests in flight end at their next step
         self.routing = GroupChooser(

@@ -14,6 +14,10 @@
 - Stored responses (the Responses API's `store`): response id -> its owner, the response and
   the input items that led to it, for `GET /v1/responses/{id}` and `previous_response_id` on
   any replica.
+- Concurrency leases: each API key's unfinished requests over all replicas, one lease each
+  in a sorted set scored by its expiry (Redis's clock), taken by one Lua script that drops the
+  expired ones and counts the rest, renewed by the replica holding it; a replica that dies
+  stops renewing, and its leases lapse within `LEASE_S`.
 - The prefix index: KV block hash -> verifier groups that computed that block recently. Hashes
   are the engine's own chained block hashes, so the router asks "who holds the longest prefix of
   this prompt" without talking to the verifiers. Entries expire: it is a hint, never a promise
@@ -38,6 +42,7 @@ REGISTRY_TTL_S = 3600
 RESPONSE_TTL_S = 3600
 PREFIX_TTL_S = 600
 KEYS_TTL_S = 600  # the key mirror's; each replica rewrites it more often (router/server.py)
+LEASE_S = 15.0  # a concurrency lease lapses this long after its replica last renewed it
 MAX_INDEXED_BLOCKS = 512  # longest prefix the index tracks, in blocks
 # A request's prompt and settings are kept for resuming up to this size (its stop strings,
 # grammar, logit bias and prompt); a larger one is served, but cannot be resumed.
@@ -97,6 +102,30 @@ return {allowed, tostring(wait)}
 """
 
 
+# Take a lease on one of a key's `limit` places: expired leases dropped, then one more if fewer
+# than `limit` are held. KEYS: the key's lease set. ARGV: limit, lease id, lease seconds.
+_TAKE_LEASE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) * 1000) + 1000)
+return 1
+"""
+# Renew leases still held. KEYS: lease sets; ARGV: lease seconds, then the lease ids (one a key).
+_RENEW_LEASES = """
+local t = redis.call('TIME')
+local until = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  if redis.call('ZADD', key, 'XX', 'CH', until, ARGV[i + 1]) >= 0 then
+    redis.call('PEXPIRE', key, math.ceil(tonumber(ARGV[1]) * 1000) + 1000)
+  end
+end
+return #KEYS
+"""
+
+
 @dataclass(frozen=True, slots=True)
 class RateDecision:
     allowed: bool
@@ -108,6 +137,8 @@ class SharedState:
         self.redis = client
         self.ns = namespace
         self._bucket = client.register_script(_TOKEN_BUCKET)
+        self._take_lease = client.register_script(_TAKE_LEASE)
+        self._renew_leases = client.register_script(_RENEW_LEASES)
         self._update = client.register_script(_UPDATE_REQUEST)
 
     def _k(self, *parts: object) -> str:
@@ -167,6 +198,30 @@ class SharedState:
         return RateDecision(bool(int(allowed)), float(wait))
 
     # The request registry.
+
+    async def take_lease(self, key: ApiKey, lease_id: str, lease_s: float = LEASE_S) -> bool:
+        """One of the key's `concurrency` places over all replicas, or False."""
+        limit = key.limits.max_concurrent
+        taken = await self._take_lease(
+            keys=[self._k("leases", key.digest)], args=[limit, lease_id, lease_s]
+        )
+        return bool(taken)
+
+    async def renew_leases(
+        self, leases: Sequence[tuple[str, str]], lease_s: float = LEASE_S
+    ) -> None:
+        """Keep these (key digest, lease id) alive another `lease_s` seconds."""
+        if leases:
+            names = [self._k("leases", digest) for digest, _ in leases]
+            await self._renew_leases(keys=names, args=[lease_s, *(lid for _, lid in leases)])
+
+    async def release_lease(self, digest: str, lease_id: str) -> None:
+        await self.redis.zrem(self._k("leases", digest), lease_id)
+
+    async def leases_held(self, key: ApiKey) -> int:
+        """The key's live leases (for tests and operators)."""
+        name = self._k("leases", key.digest)
+        return int(await self.redis.zcount(name, time.time(), "+inf"))
 
     async def register(self, request_id: str, entry: Registration) -> None:
         """A new request: where it runs, whose it is, and what it takes to resume it (its

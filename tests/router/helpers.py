@@ -56,6 +56,7 @@ def start_router(
     keys_file: str | None = None,
     tls: tuple[str, str] | None = None,
     docs: bool = True,
+    lease_s: float = 15.0,
 ) -> RunningRouter:
     """A router on free ports; `tls`: (certificate file, key file)."""
     from router.protocol import RequestBuilder
@@ -74,6 +75,7 @@ def start_router(
         tls_cert_file=None if tls is None else tls[0],
         tls_key_file=None if tls is None else tls[1],
         docs=docs,
+        lease_s=lease_s,
     )
     router = Router(backend, RequestBuilder(tokenizer, MODEL, max_model_len), options)
     return RunningRouter(RouterThread(router).start(), port, grpc_port, url)
