@@ -159,16 +159,27 @@ def parser() -> argparse.ArgumentParser:
     fair.add_argument(
         "--flood-users",
         type=_numbers(int),
-        default=[2, 16],
+        default=[32],
         help="the flooder's users, a phase for each (comma-separated)",
     )
+    fair.add_argument("--flood-max-tokens", type=int, default=64, help="each flood request's")
+    fair.add_argument(
+        "--batch-priority",
+        type=int,
+        default=10,
+        help="the flooder's priority in the priority phase (lower first; the victim's is 0)",
+    )
+    fair.add_argument(
+        "--share-users", type=int, default=16, help="each key's users in the shares phase (0: none)"
+    )
+    fair.add_argument("--share-seconds", type=float, default=30.0, help="the shares phase's length")
     fair.add_argument(
         "--flood-retry-s",
         type=float,
         default=0.05,
         help="a refused flood request is sent again this long after (1: as Retry-After says)",
     )
-    fair.add_argument("--requests", type=int, default=16, help="the victim's requests a phase")
+    fair.add_argument("--requests", type=int, default=12, help="the victim's requests a phase")
     fair.add_argument("--max-tokens", type=int, default=32)
     fair.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     fair.add_argument("--timeout", type=float, default=300.0, help="seconds per request")

@@ -28,6 +28,7 @@ class Sampling:
     spec_method: str | None = None
     num_spec_tokens: int | None = None
     timeout_s: float = 300.0
+    priority: int | None = None  # the requests' priority (lower first; None: the key's)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -148,6 +149,8 @@ class HttpClient:
             body["seed"] = s.seed
         if s.ignore_eos:
             body["ignore_eos"] = True
+        if s.priority is not None:
+            body["priority"] = s.priority
         if not s.speculation:
             body["speculative"] = {"enabled": False}
         elif s.spec_method or s.num_spec_tokens:

@@ -83,7 +83,7 @@ class Figure:
     points: int
 
 
-def _svg(fig: Any) -> str:
+def svg(fig: Any) -> str:
     out = io.StringIO()
     with plt.rc_context({"svg.fonttype": "none"}):  # text stays text: searchable, small
         fig.savefig(out, format="svg", bbox_inches="tight")
@@ -144,7 +144,7 @@ def throughput(runs: Sequence[Named]) -> Figure:
     if len(runs) > 1:
         _shared_legend(fig, *tokens.get_legend_handles_labels())
     caption = "Successful requests' output tokens and requests per second, per load level."
-    return Figure("throughput", "Throughput against load", caption, _svg(fig), points)
+    return Figure("throughput", "Throughput against load", caption, svg(fig), points)
 
 
 def latency_percentiles(runs: Sequence[Named]) -> Figure:
@@ -187,7 +187,7 @@ def latency_percentiles(runs: Sequence[Named]) -> Figure:
         "output token after the first, and the gaps between streamed pieces."
     )
     return Figure(
-        "latency-percentiles", "Latency percentiles against load", caption, _svg(fig), points
+        "latency-percentiles", "Latency percentiles against load", caption, svg(fig), points
     )
 
 
@@ -241,7 +241,7 @@ def latency_distribution(runs: Sequence[Named]) -> Figure:
         "median across it, whiskers to 1.5 times the box, outliers as circles."
     )
     return Figure(
-        "latency-distribution", "Latency distribution per level", caption, _svg(fig), points
+        "latency-distribution", "Latency distribution per level", caption, svg(fig), points
     )
 
 
@@ -262,7 +262,7 @@ def acceptance(runs: Sequence[Named]) -> Figure:
         "Mean acceptance length: tokens committed per verify step (accepted drafts + 1) over "
         "each level's successful requests, from their usage; 1 is decoding without speculation."
     )
-    return Figure("acceptance", "Acceptance length per level", caption, _svg(fig), points)
+    return Figure("acceptance", "Acceptance length per level", caption, svg(fig), points)
 
 
 def _placed(run: Named) -> list[tuple[float, RequestRecord]]:
@@ -315,7 +315,7 @@ def timeline(runs: Sequence[Named]) -> Figure:
         "then streaming until its end; a failed request in red. Dashed lines separate levels. "
         "A stall shows as bars that stop advancing together."
     )
-    return Figure("timeline", "Requests on a timeline", caption, _svg(fig), points)
+    return Figure("timeline", "Requests on a timeline", caption, svg(fig), points)
 
 
 def figures(runs: Sequence[Named]) -> list[Figure]:
@@ -369,15 +369,20 @@ def _table(runs: Sequence[Named]) -> str:
 
 def render(title: str, lines: Sequence[str], runs: Sequence[Named]) -> str:
     """The whole page: a title, what ran (`lines`), a summary table and the figures."""
+    return page(title, lines, _table(runs), figures(runs))
+
+
+def page(title: str, lines: Sequence[str], table: str, shown: Sequence[Figure]) -> str:
+    """A self-contained page: a title, what ran (`lines`), a table (HTML) and figures."""
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>",
-        _table(runs),
+        table,
     ]
-    for figure in figures(runs):
+    for figure in shown:
         parts.append(
             f'<figure id="{figure.id}" data-points="{figure.points}">'
             f"<h2>{html.escape(figure.title)}</h2>{figure.svg}"

@@ -284,23 +284,32 @@ def test_the_fairness_load_test_floods_one_key_and_times_another(
 ) -> None:
     """`python -m load_tests fairness`: one user of the single-stream key is served and never
     refused; four of them are refused (429) past its limit, while every victim request is
-    served."""
+    served; then the priority phase (the flooder's batch less urgent), both keys busy, and the
+    report's figures."""
     from load_tests.__main__ import main
     from tests.router.helpers import small_workload
 
     argv = ["fairness", "--url", keyed.url, "--victim-key", A, "--flood-key", ONE_AT_A_TIME]
     argv += ["--requests", "3", "--max-tokens", "4", "--flood-users", "1,4"]
+    argv += ["--flood-max-tokens", "4", "--share-users", "1", "--share-seconds", "2"]
     argv += ["--workload", small_workload(tmp_path), "--out", str(tmp_path / "run")]
     assert main(argv) == 0
     data = json.loads((tmp_path / "run" / "fairness.json").read_text())
     phases = {p["name"]: p for p in data["phases"]}
-    assert list(phases) == ["alone", "flood, 1 user", "flood, 4 users", "alone, after"]
-    assert all(p["completed"] == 3 for p in phases.values())
+    assert list(phases) == [
+        "alone", "flood, 1 user", "flood, 4 users", "priority", "shares", "alone, after"
+    ]  # fmt: skip
+    assert all(p["completed"] == 3 for name, p in phases.items() if name != "shares")
+    shares = phases["shares"]
+    assert shares["victim_tokens_per_s"] > 0 and shares["flood_tokens_per_s"] > 0
     assert phases["flood, 1 user"]["flood_served"] > 0
     assert phases["flood, 1 user"]["refusals"] == {}
     assert phases["flood, 4 users"]["refusals"].get("429", 0) > 0
     assert data["slowdown"] > 0
-    assert "heaviest flood" in (tmp_path / "run" / "fairness.md").read_text()
+    text = (tmp_path / "run" / "fairness.md").read_text()
+    assert "heaviest flood" in text and "Urgent requests" in text and "share" in text
+    page = (tmp_path / "run" / "fairness.html").read_text()
+    assert 'id="victim"' in page and 'id="shares"' in page and "<svg" in page
 
 
 def test_an_isolated_key_shares_no_cache(keyed: RunningRouter) -> None:
