@@ -15,7 +15,7 @@ from workers.eagle.data import EagleData, draft_vocabulary, teacher_force
 from workers.eagle.head import EagleHead
 from workers.eagle.layout import head_metadata, load_head, save_head
 from workers.eagle.self_instruct import keep_turn
-from workers.eagle.train import acceptance, batch_loss
+from workers.eagle.train import acceptance, batch_loss, feature_scales, fold_feature_scales, scaled
 from workers.eagle.trees import (
     acceptance_length,
     acceptance_ranks,
@@ -249,6 +249,32 @@ def test_training_loss_falls_and_acceptance_is_measured(target) -> None:  # type
     rates, mean_len = acceptance([stats], depth=3)
     assert all(0.0 <= r <= 1.0 for r in rates)
     assert 1.0 <= mean_len <= 4.0
+
+
+def test_a_head_trained_on_scaled_features_reads_them_raw_once_folded(target) -> None:  # type: ignore[no-untyped-def]
+    head = tiny_eagle_head(target, draft_vocab=97)
+    head.init_weights(0)
+    data = tiny_data(target, head)
+    h = target.config.hidden_size
+    layer_gain = torch.tensor([1.0, 10.0, 40.0][: len(head.config.target_layers)])
+    data.features = data.features * layer_gain.repeat_interleave(h)
+    scales = feature_scales(data, len(head.config.target_layers))
+    per_layer = scales.unflatten(0, (-1, h))
+    assert torch.equal(per_layer, per_layer[:, :1].expand_as(per_layer))  # one scale a layer
+    ratio = per_layer[:, 0] / per_layer[0, 0]
+    torch.testing.assert_close(ratio, layer_gain / layer_gain[0], rtol=0.3, atol=0.0)
+    to_draft = torch.full((97,), -1, dtype=torch.int64)
+    to_draft[head.draft_vocab] = torch.arange(97)
+    with torch.no_grad():
+        trained = unrolled_outputs(head, *_rows(scaled(make_batch(data, [0, 1], to_draft), scales)))
+        fold_feature_scales(head, scales)
+        served = unrolled_outputs(head, *_rows(make_batch(data, [0, 1], to_draft)))
+    for a, b in zip(trained, served, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _rows(batch):  # type: ignore[no-untyped-def]
+    return batch.next_tokens, batch.features.float(), 3
 
 
 def test_draft_vocabulary_keeps_the_most_predicted_tokens(target) -> None:  # type: ignore[no-untyped-def]

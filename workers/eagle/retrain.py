@@ -30,7 +30,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,7 +40,13 @@ from workers.eagle.head import BUNDLED_HEAD, EagleConfig, EagleHead
 from workers.eagle.layout import load_head, save_head
 from workers.eagle.prompts import held_out_prompts
 from workers.eagle.self_instruct import sample_user_turns
-from workers.eagle.train import attach_in_fp32, batches_of, evaluate, train
+from workers.eagle.train import (
+    add_residual_option,
+    attach_in_fp32,
+    batches_of,
+    evaluate,
+    train,
+)
 from workers.model.loader import build_model, load_checkpoint
 from workers.model.tokenizer import Tokenizer
 from workers.model.transformer import TransformerLM
@@ -118,6 +124,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, object]:
     target = build_model(checkpoint, dtype=torch.bfloat16, device=args.device)
     fp32_target = build_model(checkpoint, dtype=torch.float32, device=args.device)
     config = EagleConfig.for_target(checkpoint.config, draft_vocab_size=args.draft_vocab)
+    config = replace(config, norm_before_residual=args.norm_before_residual)
     done("load")
 
     turns = sample_user_turns(
@@ -221,6 +228,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--minutes", type=float, default=9.0, help="the whole run's budget")
     parser.add_argument("--seed", type=int, default=0)
+    add_residual_option(parser)
     parser.add_argument("--turns", type=int, default=20000, help="user turns to sample at most")
     parser.add_argument("--max-turn-tokens", type=int, default=160)
     parser.add_argument("--max-answer-tokens", type=int, default=192)

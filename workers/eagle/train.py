@@ -28,7 +28,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -131,6 +131,32 @@ def acceptance(stats: list[StepStats], depth: int) -> tuple[list[float], float]:
     return rates, mean_len
 
 
+def feature_scales(data: EagleData, num_layers: int, rows: int = 4096) -> torch.Tensor:
+    """One scale per target layer's block of the features (`[features]`, each block's entries
+    the same): the median over evenly spaced rows of that block's RMS. The layers a head reads
+    differ in scale by ten times or more (the residual stream grows with depth), and the fc
+    sees them raw in the published layout; training divides each block by its scale, so each
+    starts on an equal footing under one learning rate, and `fold_feature_scales` moves the
+    division into the fc's columns before the head is saved."""
+    stride = max(1, data.features.shape[0] // rows)
+    sample = data.features[::stride].float()
+    blocks = sample.unflatten(-1, (num_layers, -1))  # [rows, layers, hidden]
+    rms = blocks.pow(2).mean(-1).sqrt().median(0).values.clamp(min=1e-6)  # [layers]
+    return rms.repeat_interleave(blocks.shape[-1])
+
+
+def fold_feature_scales(head: EagleHead, scales: torch.Tensor) -> None:
+    """The head trained on features divided by `scales` made to read them raw: fc(x / s) is
+    fc with its columns divided by s, applied to x."""
+    with torch.no_grad():
+        head.fc.weight.div_(scales.to(head.fc.weight.device, head.fc.weight.dtype))
+
+
+def scaled(batch: Batch, scales: torch.Tensor) -> Batch:
+    batch.features = batch.features.float() / scales.to(batch.features.device)
+    return batch
+
+
 def batches_of(
     data: EagleData, seqs: list[int], max_tokens: int, rng: random.Random
 ) -> list[list[int]]:
@@ -151,7 +177,12 @@ def batches_of(
 
 
 def evaluate(
-    head: EagleHead, data: EagleData, batches: list[list[int]], to_draft: torch.Tensor, depth: int
+    head: EagleHead,
+    data: EagleData,
+    batches: list[list[int]],
+    to_draft: torch.Tensor,
+    depth: int,
+    scales: torch.Tensor | None = None,
 ) -> tuple[float, list[float], float]:
     device = head.fc.weight.device
     head.eval()
@@ -160,6 +191,8 @@ def evaluate(
     with torch.no_grad():
         for seqs in batches:
             batch = make_batch(data, seqs, to_draft).to(device)
+            if scales is not None:
+                batch = scaled(batch, scales)
             loss, st = batch_loss(head, batch, depth)
             losses.append(float(loss))
             stats.append(st)
@@ -193,6 +226,7 @@ def train(
     head.init_weights(seed)  # on the host, so a seed gives the same start on any device
     to_draft = attach_in_fp32(head, target)
     coverage = float((to_draft[data.top_ids[:, 0]] >= 0).float().mean())
+    scales = feature_scales(data, len(config.target_layers)).to(target.device)
 
     order = list(range(data.num_sequences))
     rng.shuffle(order)
@@ -242,7 +276,7 @@ def train(
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
-            batch = make_batch(data, seqs, to_draft).to(target.device)
+            batch = scaled(make_batch(data, seqs, to_draft).to(target.device), scales)
             with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss, st = batch_loss(head, batch, depth)
             opt.zero_grad(set_to_none=True)
@@ -275,7 +309,9 @@ def train(
                 )
                 recent = []
             if step % max(1, per_epoch) == 0 or step == total_steps:
-                val_loss, rates, mean_len = evaluate(head, data, val_batches, to_draft, depth)
+                val_loss, rates, mean_len = evaluate(
+                    head, data, val_batches, to_draft, depth, scales
+                )
                 emit(
                     {
                         "event": "val",
@@ -286,7 +322,8 @@ def train(
                     }
                 )
     bar.close()
-    val_loss, rates, mean_len = evaluate(head, data, val_batches, to_draft, depth)
+    fold_feature_scales(head, scales)
+    val_loss, rates, mean_len = evaluate(head, data, val_batches, to_draft, depth)  # raw features
     summary: dict[str, object] = {
         "val_loss": round(val_loss, 4),
         "val_accept": [round(r, 3) for r in rates],
@@ -309,6 +346,17 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def add_residual_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--norm-before-residual",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the layer's residual is the normed feature (a published head's option), so each "
+        "drafting step starts from a stream of one scale; on the bundled model's data it "
+        "accepted more at every draft position than the raw feature did",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -322,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         help="padded tokens per step (at equal compute 1024 beat 4096: more, smaller steps)",
     )
     parser.add_argument("--draft-vocab", type=int, default=8192)
+    add_residual_option(parser)
     parser.add_argument("--max-answer-tokens", type=int, default=192)
     parser.add_argument(
         "--prompts",
@@ -360,6 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint = load_checkpoint()
     target = build_model(checkpoint, dtype=torch.bfloat16, device=args.device)
     config = EagleConfig.for_target(checkpoint.config, draft_vocab_size=args.draft_vocab)
+    config = replace(config, norm_before_residual=args.norm_before_residual)
 
     def source_data(source: str) -> EagleData:
         """One source's data, from the cache or built (and cached unless `--limit`)."""
