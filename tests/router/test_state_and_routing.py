@@ -335,6 +335,7 @@ class FailingBackend:
         params: Any,
         spec: Any,
         continuation: Any = None,
+        share: Any = None,
     ) -> AsyncGenerator[Step, None]:
         self.calls.append((group, continuation))
         done = [] if continuation is None else list(continuation.token_ids)
