@@ -126,3 +126,13 @@ def test_the_engine_loop_hands_a_steps_outputs_to_an_event_loop_at_once(
     assert got == [c.token_ids for c in expected]
     # One wake-up a step (a token each), not one per request: 4 x 12 would be 48.
     assert wakes <= GREEDY.max_tokens + 2
+
+
+def test_an_outputs_counts_are_those_of_its_step(model: TransformerLM) -> None:
+    """An output read after the engine stepped on (as a reader on another thread may) keeps its
+    own step's speculation counts: a stop string found there ends the answer at that step."""
+    eng = engine(model)
+    eng.add_request("r", prompts(1, seed=5)[0], GREEDY)
+    first = [out for _ in range(3) for out in eng.step()]
+    eng.step()
+    assert [out.spec.verify_steps for out in first] == [0, 1, 2]

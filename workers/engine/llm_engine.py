@@ -467,6 +467,8 @@ class LLMEngine:
         with their text where the engine makes it (`makes_text`)."""
         outputs = list(self._outputs.values())
         self._outputs.clear()
+        for out in outputs:  # a reader on another thread must not see later steps' counts
+            out.spec = out.spec.copy()
         texts = self._texts
         if not texts:
             return outputs
