@@ -2,8 +2,8 @@
 
     python -m tests.benchmarks.profile_draft_loop [--out DIR] [--device cuda]
 
-The bundled head over a one-layer target of its own width with random bf16 weights (timing
-needs neither the GGUF nor the target's other layers), each sequence with `--context` rows of
+The bundled head over a target of its shape with random bf16 weights (timing needs neither
+the GGUF nor the target's layers, which never run), each sequence with `--context` rows of
 history. For each depth 1..k and batch sizes 1 and 4: the median wall time of a proposal as
 the engine makes it (`EagleDrafter.propose`, redoing the last feature row as `token_seconds`
 does), and of the graph replay alone; then the kernels of one depth-k replay (torch.profiler):
@@ -36,12 +36,14 @@ from workers.model.config import ModelConfig
 
 
 def target_for(head: EagleHead) -> ModelConfig:
-    """A one-layer target of the head's own width, its vocabulary reaching the head's draft
-    vocabulary (all the head borrows from a target: embedding and LM head rows)."""
+    """A target the head fits, of its own width, with as many layers as its deepest fused one
+    needs and the target's vocabulary (the loop uses only its embedding and LM head rows)."""
     return replace(
         head.config.layer_config(),
-        vocab_size=int(head.draft_vocab.max()) + 1,
-        name="one layer of the head's width, random weights",
+        vocab_size=head.config.vocab_size,
+        hidden_size=head.config.target_hidden_size,
+        num_layers=max(head.config.target_layers) + 1,
+        name="the head's target's shape, random weights",
     )
 
 
