@@ -18,10 +18,12 @@ from tests.factories import tiny_eagle_head, tiny_model
 from tests.model.helpers import plain_tokens, run_staggered
 from workers.drafting.base import DraftRequest
 from workers.drafting.eagle import EagleDrafter
+from workers.eagle.head import BUNDLED_HEAD
 from workers.eagle.layout import is_eagle3_folder, load_folder, load_head, save_folder
 from workers.engine.config import EngineConfig, RequestSpec, SpecConfig
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.sampling_params import SamplingParams
+from workers.model.loader import load_config
 from workers.model.transformer import TransformerLM
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -269,3 +271,12 @@ def test_greedy_output_with_a_published_head_equals_plain_decoding(target, tmp_p
     want = plain_tokens(target, (), prompts, params)
     assert run_staggered(engine, prompts, params, RequestSpec(method="eagle")) == want
     assert engine.stats.drafted > 0
+
+
+def test_the_shipped_head_loads_for_the_bundled_model() -> None:
+    """The head `make serve` drafts with is in the format this code reads, for the target it
+    ships beside (a format change must retrain or convert it)."""
+    target = load_config()
+    head = load_head(BUNDLED_HEAD, target)
+    assert head.config.target_hidden_size == target.hidden_size
+    assert head.config.vocab_size == target.vocab_size
