@@ -89,16 +89,11 @@ class SpecStats:
         _add_counts(self.reached_per_position, other.reached_per_position)
 
     def copy(self) -> SpecStats:
-        """The counters as they are now, apart from later steps."""
-        return SpecStats(
-            self.drafted,
-            self.accepted,
-            self.verify_steps,
-            self.verify_steps_with_rejection,
-            list(self.accepted_per_position),
-            list(self.drafted_per_position),
-            list(self.reached_per_position),
-        )
+        """The counters as they are now, apart from later steps (`merge` into empty ones, so
+        a counter added to `merge` is copied too)."""
+        snapshot = SpecStats()
+        snapshot.merge(self)
+        return snapshot
 
     def as_dict(self) -> dict[str, float | int]:
         return {
