@@ -3,7 +3,8 @@
 Callers `submit` a request and read its `RequestOutput`s from a queue (one item per engine step
 that produced something for it, the last one marked finished); `abort` stops a request and
 frees its blocks. Requests that arrive while others run join the next step (continuous
-batching). The engine itself is only ever touched by the loop thread.
+batching). The engine itself is only ever touched by the loop thread: the thread that built it
+hands back its OpenMP workers when the loop starts (kernels/openmp.py).
 
 `stream` is the asyncio form of `submit`: outputs reach the caller's event loop through
 `call_soon_threadsafe`, so a server holds thousands of open requests without a thread each.
@@ -25,6 +26,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kernels.openmp import release_thread_pool
 from workers.engine.config import RequestSpec
 from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.llm_engine import LLMEngine
@@ -108,6 +110,10 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, fatal: Callable[[Exception], None] | None = None) -> None:
         self.engine = engine
         engine.makes_text = False  # its callers make the text (`_text`), off the loop thread
+        # From here the loop thread alone runs the model: the OpenMP workers the building
+        # thread kept would make every parallel region of the loop's pay a wake-up
+        # (kernels/openmp.py).
+        release_thread_pool()
         self._fatal = fatal
         self._inbox: queue.Queue[_Submit | str] = queue.Queue()  # submissions and abort ids
         self._streams: dict[str, _Sink] = {}
