@@ -76,6 +76,44 @@ def test_a_step_serves_at_most_its_share_of_one_tenant_while_another_waits(
     assert len(served) == 7  # every one of a's running sequences had its turn
 
 
+def test_an_arrivals_prefill_has_a_step_of_its_own_and_the_others_text_is_whole(
+    model: TransformerLM,
+) -> None:
+    """The victim's prefill runs alone rather than beside the flooder's decoding rows, once:
+    the step after it serves the flooder again; nobody's tokens change."""
+    eng = engine(model, max_num_seqs=8)
+    flood = prompts(4, seed=11)
+    got: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    for i, p in enumerate(flood):
+        eng.add_request(f"f{i}", p, params(12), OFF, share=Share("flooder"))
+    for _ in range(3):
+        step()
+    victim = prompts(1, seed=12)[0]
+    eng.add_request("victim", victim, params(12), OFF, share=Share("victim"))
+    alone = eng.scheduler.schedule()
+    assert [s.seq.request_id for s in alone.seqs] == ["victim"]
+    for s in alone.seqs:  # as if the step ran
+        s.seq.num_computed_tokens += s.num_new_tokens
+    after = eng.scheduler.schedule()
+    assert "flooder" in {s.seq.share.tenant for s in after.seqs}  # not two in a row
+    eng = engine(model, max_num_seqs=8)  # the same again, stepped through
+    got.clear()
+    for i, p in enumerate(flood):
+        eng.add_request(f"f{i}", p, params(12), OFF, share=Share("flooder"))
+    for _ in range(3):
+        step()
+    eng.add_request("victim", victim, params(12), OFF, share=Share("victim"))
+    while eng.has_unfinished_requests():
+        step()
+    want = plain_tokens(model, (), [*flood, victim], params(12))
+    assert [got[f"f{i}"] for i in range(4)] + [got["victim"]] == want
+
+
 @pytest.mark.parametrize(
     ("weights", "low", "high"), [((1.0, 1.0), 0.45, 0.55), ((3.0, 1.0), 0.7, 0.8)]
 )

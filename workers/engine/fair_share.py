@@ -15,6 +15,12 @@ with a weight, and carry a priority (lower first, vLLM's meaning). The scheduler
   tenant's sequences fill more than that share of a step's places: its others sit the step
   out, the least recently served going first next time. A flooder's batch then shares each
   step with the others instead of filling it.
+- **Arrivals first**: a request of a tenant with nothing running, at least as urgent as every
+  running sequence, arriving while other tenants run, has its prefill in a step of its own
+  (with the other arrivals of that kind), as SGLang runs a prefill batch before decoding: its
+  first token waits for the step in progress and its own prefill, not for a step that also
+  decodes the others' batch. Never two such steps in a row, so the others' decoding goes on
+  between arrivals.
 - **Preemption**: where a waiting request of a more urgent priority finds no room, the least
   urgent running sequence (the newest of those) is preempted; preemption and the continuation
   are exact, so its text is that of an uninterrupted run. Out of KV blocks, the victim is
@@ -67,6 +73,7 @@ class FairShare:
     vtime: dict[str, float] = field(default_factory=dict)
     step: int = 0  # steps scheduled, for "least recently served"
     last_served: dict[str, int] = field(default_factory=dict)  # request id -> step
+    arrival_step: int = -1  # the last step that admitted arrivals alone
 
     def charge(self, seq: Sequence, tokens: int) -> None:
         """The sequence's tenant was given `tokens` in this step."""
@@ -100,6 +107,21 @@ class FairShare:
             return (seq.share.priority, self.vtime.get(tenant, 0.0), held[tenant], seq.arrival)
 
         return min(waiting, key=key, default=None)
+
+    def arrivals(self, waiting: Iterable[Sequence], running: list[Sequence]) -> set[int]:
+        """The waiting sequences (their ids) to admit in a step of their own: those of tenants
+        with nothing running, as urgent as any running sequence, while other tenants run
+        (none where the last step was such a step, or where the share cap is off)."""
+        if not running or self.max_step_share >= 1.0 or self.arrival_step == self.step:
+            return set()
+        busy = {s.share.tenant for s in running}
+        urgent = min(s.share.priority for s in running)
+        return {id(s) for s in waiting if s.share.tenant not in busy and s.share.priority <= urgent}
+
+    def arrivals_alone(self) -> None:
+        """This step admits arrivals alone (`arrivals`): the next one may not."""
+        self.step += 1
+        self.arrival_step = self.step
 
     def step_order(self, running: list[Sequence], max_num_seqs: int) -> list[Sequence]:
         """The running sequences this step serves, in the running list's order: all of them,

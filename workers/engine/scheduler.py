@@ -98,8 +98,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._make_room(out)
+        budget = self.config.max_num_batched_tokens
+        arrivals = self.fair.arrivals(self.waiting, self.running)
+        if arrivals and len(self.running) < self.config.max_num_seqs:
+            # Their prefills alone (fair_share.py); the running sequences sit this step out.
+            self.fair.arrivals_alone()
+            self._admit_waiting(out, budget, only=arrivals)
+            if out.seqs:
+                return out
         made_room = len(out.preempted)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(out, budget)
         if len(out.preempted) == made_room:  # out of blocks this step: admit nobody
             self._admit_waiting(out, budget)
         return out
@@ -160,10 +168,17 @@ class Scheduler:
             i += 1
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, only: set[int] | None = None
+    ) -> None:
+        """Admit waiting sequences in the fair share's order (of those in `only`, by id)."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.fair.next_waiting(self.waiting, self.running)
-            assert seq is not None
+            candidates = (
+                self.waiting if only is None else [s for s in self.waiting if id(s) in only]
+            )
+            seq = self.fair.next_waiting(candidates, self.running)
+            if seq is None:
+                return
             cache = self.config.enable_prefix_caching and not seq.scores_prompt
             if cache and seq.num_computed_tokens == 0:
                 # Leave at least the last token to compute: its logits are needed. A sequence
