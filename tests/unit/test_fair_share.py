@@ -115,12 +115,17 @@ def test_an_arrivals_prefill_has_a_step_of_its_own_and_the_others_text_is_whole(
 
 
 @pytest.mark.parametrize(
-    ("weights", "low", "high"), [((1.0, 1.0), 0.45, 0.55), ((3.0, 1.0), 0.7, 0.8)]
+    ("weights", "step_share", "low", "high"),
+    [
+        ((1.0, 1.0), 1.0, 0.45, 0.55),
+        ((3.0, 1.0), 1.0, 0.7, 0.8),
+        ((3.0, 1.0), 0.5, 0.7, 0.8),  # the cap on a step's share leaves the weights' shares
+    ],
 )
 def test_two_saturating_tenants_share_by_weight(
-    model: TransformerLM, weights: tuple[float, float], low: float, high: float
+    model: TransformerLM, weights: tuple[float, float], step_share: float, low: float, high: float
 ) -> None:
-    eng = engine(model, max_num_seqs=8, max_step_share=1.0)
+    eng = engine(model, max_num_seqs=8, max_step_share=step_share)
     prompt = prompts(1, seed=5)[0]  # alike, so that tokens given are tokens generated
     for i, p in enumerate([prompt] * 60):
         tenant = "a" if i % 2 else "b"

@@ -10,11 +10,11 @@ with a weight, and carry a priority (lower first, vLLM's meaning). The scheduler
   waits: the other's next request is admitted as soon as its virtual time is the least. A tenant
   that was idle joins at the least virtual time among those active, so idleness is no credit.
 - **A step's share**: while another tenant waits, a tenant holding more than `max_step_share`
-  of the running places (`max_num_seqs`) yields one (its newest, least urgent sequence is
-  preempted) so that the other is admitted at once; and while more than one tenant runs, no
-  tenant's sequences fill more than that share of a step's places: its others sit the step
-  out, the least recently served going first next time. A flooder's batch then shares each
-  step with the others instead of filling it.
+  of the running places (`max_num_seqs`), or its weight's share of them where that is more,
+  yields one (its newest, least urgent sequence is preempted) so that the other is admitted at
+  once; and while more than one tenant runs, no tenant's sequences fill more than that share
+  of a step's places: its others sit the step out, the least recently served going first next
+  time. A flooder's batch then shares each step with the others instead of filling it.
 - **Arrivals first**: a request of a tenant with nothing running, at least as urgent as every
   running sequence, arriving while other tenants run, has its prefill in a step of its own
   (with the other arrivals of that kind), as SGLang runs a prefill batch before decoding: its
@@ -131,15 +131,26 @@ class FairShare:
         tenants = {s.share.tenant for s in running}
         if len(tenants) < 2 or self.max_step_share >= 1.0:
             return list(running)
-        cap = max(1, math.floor(self.max_step_share * max_num_seqs))
+        caps = self.places(running, max_num_seqs)
         chosen: set[int] = set()
         for tenant in tenants:
             mine = [s for s in running if s.share.tenant == tenant]
-            if len(mine) > cap:
+            if len(mine) > caps[tenant]:
                 mine.sort(key=lambda s: (s.share.priority, self.last_served.get(s.request_id, -1)))
-                mine = mine[:cap]
+                mine = mine[: caps[tenant]]
             chosen.update(id(s) for s in mine)
         return [s for s in running if id(s) in chosen]
+
+    def places(self, seqs: Iterable[Sequence], max_num_seqs: int) -> dict[str, int]:
+        """The most of a step's places each tenant of `seqs` may fill: `max_step_share` of
+        them, or its weight's share among these tenants where that is more (a tenant of weight
+        3 beside one of weight 1 keeps three quarters)."""
+        weights = {s.share.tenant: s.share.weight for s in seqs}
+        total = sum(weights.values())
+        return {
+            tenant: max(1, math.floor(max(self.max_step_share, w / total) * max_num_seqs))
+            for tenant, w in weights.items()
+        }
 
     @staticmethod
     def victim(running: list[Sequence]) -> Sequence:
@@ -157,13 +168,13 @@ class FairShare:
         victim = self.victim(running)
         if victim.share.priority > seq.share.priority:
             return victim
-        cap = max(1, math.floor(self.max_step_share * max_num_seqs))
+        caps = self.places([*running, seq], max_num_seqs)
         held = Counter(s.share.tenant for s in running)
         over = [
             s
             for s in running
             if s.share.tenant != seq.share.tenant
-            and held[s.share.tenant] > cap
+            and held[s.share.tenant] > caps[s.share.tenant]
             and s.share.priority >= seq.share.priority
         ]
         return self.victim(over) if over and self.max_step_share < 1.0 else None
