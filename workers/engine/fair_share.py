@@ -10,10 +10,10 @@ with a weight, and carry a priority (lower first, vLLM's meaning). The scheduler
   waits: the other's next request is admitted as soon as its virtual time is the least. A tenant
   that was idle joins at the least virtual time among those active, so idleness is no credit.
 - **A step's share**: while another tenant waits, a tenant holding more than `max_step_share`
-  of the running places (`max_num_seqs`), or its weight's share of them where that is more,
-  yields one (its newest, least urgent sequence is preempted) so that the other is admitted at
-  once; and while more than one tenant runs, no tenant's sequences fill more than that share
-  of a step's places: its others sit the step out, the least recently served going first next
+  of the running places (`max_num_seqs`), scaled by its weight against the others', yields
+  one (its newest, least urgent sequence is preempted) so that the other is admitted at once;
+  and while more than one tenant runs, no tenant's sequences fill more than that share of a
+  step's places: its others sit the step out, the least recently served going first next
   time. A flooder's batch then shares each step with the others instead of filling it.
 - **Arrivals first**: a request of a tenant with nothing running, at least as urgent as every
   running sequence, arriving while other tenants run, has its prefill in a step of its own
@@ -143,12 +143,14 @@ class FairShare:
 
     def places(self, seqs: Iterable[Sequence], max_num_seqs: int) -> dict[str, int]:
         """The most of a step's places each tenant of `seqs` may fill: `max_step_share` of
-        them, or its weight's share among these tenants where that is more (a tenant of weight
-        3 beside one of weight 1 keeps three quarters)."""
+        them, scaled by its weight against the mean weight of these tenants (of two tenants
+        of weights 3 and 1 at the default half, three quarters and one quarter)."""
         weights = {s.share.tenant: s.share.weight for s in seqs}
-        total = sum(weights.values())
+        mean = sum(weights.values()) / len(weights)
         return {
-            tenant: max(1, math.floor(max(self.max_step_share, w / total) * max_num_seqs))
+            tenant: min(
+                max_num_seqs, max(1, math.floor(self.max_step_share * max_num_seqs * w / mean))
+            )
             for tenant, w in weights.items()
         }
 
