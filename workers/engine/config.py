@@ -116,7 +116,8 @@ class EngineConfig:
     # work overlaps the device's forward (workers/engine/overlap.py says which steps).
     async_scheduling: bool = False
     # While several tenants have requests, the most of a step's places (max_num_seqs) one
-    # tenant's sequences may fill (workers/engine/fair_share.py); 1: no cap.
+    # tenant of mean weight may fill, scaled by its weight (workers/engine/fair_share.py); 1:
+    # no cap, and no prefill steps of their own for arrivals.
     max_step_share: float = 0.5
     spec: SpecConfig = field(default_factory=SpecConfig)
 
