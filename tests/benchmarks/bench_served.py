@@ -2,7 +2,7 @@
 `outrider serve` in-process and with the Ray runtime, and llama.cpp's llama-server beside them.
 
     python -m tests.benchmarks.bench_served [--levels 1 4 16 32] [--runs 3] [--no-cluster]
-        [--peer llama-server] [--quick]
+        [--cluster-args '--config pools.yaml'] [--peer llama-server] [--quick]
 
 Every path gets the same greedy chat questions, `--max-tokens` tokens each with EOS ignored
 (equal work), `c` at once, in the defaults (bf16 over the bundled GGUF's blocks, EAGLE):
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -177,6 +178,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-cluster", action="store_true", help="leave out serve --cluster")
+    parser.add_argument(
+        "--cluster-args", default="", help="more flags for serve --cluster ('--config f.yaml')"
+    )
     parser.add_argument("--peer", choices=["llama-server"], help="build the peer if missing")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/bench_served"))
     parser.add_argument("--quick", action="store_true", help="one round, 8 tokens, 1 and 2")
@@ -194,7 +198,9 @@ def server_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     outrider = [sys.executable, "-m", "router.cli", "serve", "--no-grpc"]
     commands = {SERVE: [*outrider, "--port", str(PORTS[SERVE]), "--threads", str(args.threads)]}
     if not args.no_cluster:
-        commands[CLUSTER] = [*outrider, "--cluster", "--port", str(PORTS[CLUSTER])]
+        commands[CLUSTER] = [
+            *outrider, "--cluster", "--port", str(PORTS[CLUSTER]), *shlex.split(args.cluster_args)
+        ]  # fmt: skip
     binary = llama_server.find(build=args.peer is not None)
     if binary is not None:
         ctx = args.max_tokens + 256
