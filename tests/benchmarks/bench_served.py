@@ -5,7 +5,8 @@
         [--cluster-args '--config pools.yaml'] [--peer llama-server] [--quick]
 
 Every path gets the same greedy chat questions, `--max-tokens` tokens each with EOS ignored
-(equal work), `c` at once, in the defaults (bf16 over the bundled GGUF's blocks, EAGLE):
+(equal work), `c` at once, in each path's defaults (bf16 over the bundled GGUF's blocks; no
+speculation in one process, EAGLE from the drafter pool with the Ray runtime):
 
 - **engine**: `LLMEngine.step` called in this process, nothing else running (`outrider
   generate`'s path), the outputs without their text;
@@ -297,7 +298,8 @@ def render(args: argparse.Namespace, runs: dict[tuple[str, int], Run], paths: li
         f"Command: `{' '.join(['python -m tests.benchmarks.bench_served', *sys.argv[1:]])}`. "
         f"Machine: {machine_line()}, {os.cpu_count()} CPUs. "
         f"Greedy chat questions of {args.max_tokens} tokens with EOS ignored, `c` at once, "
-        f"the defaults (bf16 over the GGUF's blocks, EAGLE); the median of {args.runs} "
+        "each path's defaults (bf16 over the GGUF's blocks; no speculation in one process, "
+        f"EAGLE from the drafter pool with the Ray runtime); the median of {args.runs} "
         "rounds, each running the in-process paths and then each server alone. "
         "llama-server: the same GGUF and threads, `--parallel` the largest `c`.\n\n"
         + table(header, rows)
