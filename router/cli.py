@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -97,6 +98,11 @@ def deployment_of(args: argparse.Namespace) -> DeploymentConfig:
         "ray.address": args.address,
         "router.log_format": getattr(args, "log_format", None),  # `serve`'s flag
     }
+    if _uses_cluster(args) and args.config is None and args.address is None and not args.tp:
+        # A cluster of this host alone (what `make serve` starts): the verifier's torch threads
+        # are the host's cores, as an in-process engine's are; the drafter and prefill workers
+        # share them (one CPU each).
+        overrides["pools.verifier.resources.cpus"] = os.cpu_count() or 1
     if args.prefill == "remote":
         overrides["pools.prefill.replicas"] = max(1, config.pools.prefill.replicas)
         overrides["pools.prefill.min_remote_prompt_tokens"] = 1

@@ -216,3 +216,22 @@ def test_flags_become_engine_settings_in_one_place() -> None:
     deployed = config("--cluster")  # a deployment's own defaults
     assert (deployed.dtype, deployed.speculative.method) == ("bfloat16", "eagle")
     assert deployed.engine_config() == from_dict({}).engine_config()
+
+
+def test_a_one_host_cluster_gives_its_verifier_the_hosts_cores() -> None:
+    """`--cluster` alone (what `make serve` runs): the verifier's torch threads are the host's
+    cores, as an in-process engine's are; a config file, a cluster to join or a tensor-parallel
+    group keeps the pools' own CPUs."""
+    import os
+
+    from router.cli import deployment_of
+    from router.cli_args import build_parser
+
+    def verifier_cpus(*flags: str) -> float:
+        args = build_parser().parse_args(["generate", "hi", "--cluster", *flags])
+        return float(deployment_of(args).pools.verifier.resources.cpus)
+
+    assert verifier_cpus() == (os.cpu_count() or 1)
+    default = from_dict({}).pools.verifier.resources.cpus
+    assert verifier_cpus("--address", "10.0.0.1:6379") == default
+    assert verifier_cpus("--tp", "2") == default
