@@ -108,11 +108,17 @@ class FairShare:
 
         return min(waiting, key=key, default=None)
 
+    @property
+    def capped(self) -> bool:
+        """Whether a step's share is capped (`max_step_share` under 1); without the cap there
+        are no steps of their own for arrivals either."""
+        return self.max_step_share < 1.0
+
     def arrivals(self, waiting: Iterable[Sequence], running: list[Sequence]) -> set[int]:
         """The waiting sequences (their ids) to admit in a step of their own: those of tenants
         with nothing running, as urgent as any running sequence, while other tenants run
         (none where the last step was such a step, or where the share cap is off)."""
-        if not running or self.max_step_share >= 1.0 or self.arrival_step == self.step:
+        if not running or not self.capped or self.arrival_step == self.step:
             return set()
         busy = {s.share.tenant for s in running}
         urgent = min(s.share.priority for s in running)
@@ -125,11 +131,11 @@ class FairShare:
 
     def step_order(self, running: list[Sequence], max_num_seqs: int) -> list[Sequence]:
         """The running sequences this step serves, in the running list's order: all of them,
-        unless several tenants are active, when each tenant keeps at most `max_step_share` of
+        unless several tenants are active, when each tenant keeps at most its cap (`places`) of
         the step's places (its least recently served first)."""
         self.step += 1
         tenants = {s.share.tenant for s in running}
-        if len(tenants) < 2 or self.max_step_share >= 1.0:
+        if len(tenants) < 2 or not self.capped:
             return list(running)
         caps = self.places(running, max_num_seqs)
         chosen: set[int] = set()
@@ -170,6 +176,8 @@ class FairShare:
         victim = self.victim(running)
         if victim.share.priority > seq.share.priority:
             return victim
+        if not self.capped:
+            return None
         caps = self.places([*running, seq], max_num_seqs)
         held = Counter(s.share.tenant for s in running)
         over = [
@@ -179,4 +187,4 @@ class FairShare:
             and held[s.share.tenant] > caps[s.share.tenant]
             and s.share.priority >= seq.share.priority
         ]
-        return self.victim(over) if over and self.max_step_share < 1.0 else None
+        return self.victim(over) if over else None
