@@ -37,6 +37,11 @@ QUESTIONS = [
 ]
 
 
+def questions_for(n: int) -> list[str]:
+    """`n` requests' questions: QUESTIONS over again as often as it takes."""
+    return [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
+
+
 async def _direct(loop: Any, prompt: list[int], params: Any, rid: str) -> tuple[float, int]:
     start = time.perf_counter()
     ttft, n = 0.0, 0
@@ -84,7 +89,7 @@ async def _grpc(stub: Any, pb2: Any, question: str, max_tokens: int) -> tuple[fl
 async def _round(
     path: str, concurrency: int, ctx: dict[str, Any], max_tokens: int
 ) -> tuple[list[float], list[float], int, float]:
-    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(concurrency)]
+    questions = questions_for(concurrency)
     start = time.perf_counter()
 
     async def one(i: int, q: str) -> tuple[float, int, float]:

@@ -46,7 +46,7 @@ from kernels.openmp import release_thread_pool
 from load_tests.clients import HttpClient, RequestRecord, Sampling, served_model
 from load_tests.workload import WorkItem
 from tests.benchmarks import llama_server
-from tests.benchmarks.bench_router import QUESTIONS
+from tests.benchmarks.bench_router import questions_for
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 
 ENGINE, LOOP, SERVE, CLUSTER, PEER = (
@@ -235,7 +235,7 @@ async def measure(args: argparse.Namespace) -> dict[tuple[str, int], Run]:
     for round_ in range(args.runs):
         print(f"round {round_ + 1} of {args.runs}", flush=True)
         for level in args.levels:
-            questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(level)]
+            questions = questions_for(level)
             prompts = [
                 tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
                 for q in questions
@@ -255,10 +255,9 @@ async def measure(args: argparse.Namespace) -> dict[tuple[str, int], Run]:
             server = Server(name, command, args.logs / f"{name.replace(' ', '')}.log")
             try:
                 await server.wait_up(timeout_s=300)
-                await http_run(server, QUESTIONS[:1], 2)
+                await http_run(server, questions_for(1), 2)
                 for level in args.levels:
-                    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(level)]
-                    keep(name, level, await http_run(server, questions, args.max_tokens))
+                    keep(name, level, await http_run(server, questions_for(level), args.max_tokens))
             finally:
                 server.stop()
     return {key: median_run(runs) for key, runs in results.items()}
