@@ -12,7 +12,6 @@
  * sums do not see the other rows), so a sequence's projections do not depend on its batch.
  * Needs in % 32 == 0; outputs are padded to a multiple of 16 in the packed weight.
  */
-#include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,10 +59,10 @@ int outrider_amx_init(void) {
 static void emit(const float *c, int ldc, const uint16_t *bias, uint16_t *y, int out, int rows,
                  int n0, int width) {
     const __mmask16 m = (__mmask16)((1u << width) - 1u);
-    const __m512 b = bias ? load_bf16x16(bias + n0, m) : _mm512_setzero_ps();
+    const __m512 b = bias ? f32x16_load_bf16(bias + n0, m) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + r * ldc), b);
-        store_bf16x16(y + (size_t)r * out + n0, v, m);
+        f32x16_store_bf16(y + (size_t)r * out + n0, v, m);
     }
 }
 

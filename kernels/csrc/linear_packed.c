@@ -16,7 +16,6 @@
  * row's result does not depend on the rest of the batch (tests/unit/test_native_kernels.py
  * checks it bit for bit).
  */
-#include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -35,18 +34,18 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
                                                        const int nr) {
     const size_t panel = (size_t)in * BLOCK; /* bf16 per block */
     const int pairs = in / 2;
-    __m512 acc[MAX_ROWS][MAX_BLOCKS];
+    f32x16 acc[MAX_ROWS][MAX_BLOCKS];
 #pragma GCC unroll 8
     for (int i = 0; i < nr; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < nb; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < nb; j++) acc[i][j] = f32x16_zero();
     const uint16_t *w = packed + (size_t)b0 * panel;
     const uint16_t *xr = x + (size_t)r0 * in;
     for (int p = 0; p < pairs; p++) {
         bf16x32 wv[MAX_BLOCKS];
 #pragma GCC unroll 4
         for (int j = 0; j < nb; j++)
-            wv[j] = bf16x32_load(w + (size_t)j * panel + (size_t)p * 2 * BLOCK, (__mmask32)~0u);
+            wv[j] = bf16x32_load(w + (size_t)j * panel + (size_t)p * 2 * BLOCK, lanes32_first(32));
 #pragma GCC unroll 8
         for (int i = 0; i < nr; i++) {
             const bf16x32 xv = bf16x32_pair(xr + (size_t)i * in + 2 * (size_t)p);
@@ -58,12 +57,12 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
     for (int j = 0; j < nb; j++) {
         const int o = (b0 + j) * BLOCK;
         const int width = out - o < BLOCK ? out - o : BLOCK;
-        const __mmask16 m = (__mmask16)((1u << width) - 1u);
-        const __m512 b = bias ? load_bf16x16(bias + o, m) : _mm512_setzero_ps();
+        const lanes16 m = lanes16_first(width);
+        const f32x16 b = bias ? f32x16_load_bf16(bias + o, m) : f32x16_zero();
 #pragma GCC unroll 8
         for (int i = 0; i < nr; i++) {
-            store_bf16x16(y + (size_t)(r0 + i) * out + o,
-                          bias ? _mm512_add_ps(acc[i][j], b) : acc[i][j], m);
+            f32x16_store_bf16(y + (size_t)(r0 + i) * out + o,
+                              bias ? f32x16_add(acc[i][j], b) : acc[i][j], m);
         }
     }
 }

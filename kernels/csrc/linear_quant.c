@@ -33,7 +33,6 @@
  * to bf16 for bf16 rows. A row's result does not depend on the rest of the batch
  * (tests/unit/test_quant.py checks it bit for bit).
  */
-#include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -69,9 +68,9 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* 16 values of a row from element `at` as fp32. */
-static inline __m512 load_row16(const void *x, int x_f32, size_t at) {
-    if (x_f32) return _mm512_loadu_ps((const float *)x + at);
-    return load_bf16x16((const uint16_t *)x + at, (__mmask16)0xffff);
+static inline f32x16 load_row16(const void *x, int x_f32, size_t at) {
+    if (x_f32) return f32x16_load((const float *)x + at);
+    return f32x16_load_bf16((const uint16_t *)x + at, lanes16_first(16));
 }
 
 /* One row: each block to int8 with its scale (round to nearest even). */
@@ -79,15 +78,14 @@ static void quantize_row(const void *x, int x_f32, int in, int c, int8_t *q, flo
                          int32_t *cq) {
     for (int b = 0; b < in / BLOCK; b++) {
         const size_t at = (size_t)b * BLOCK;
-        const __m512 lo = load_row16(x, x_f32, at), hi = load_row16(x, x_f32, at + 16);
-        const float amax =
-            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const f32x16 lo = load_row16(x, x_f32, at), hi = load_row16(x, x_f32, at + 16);
+        const float amax = f32x16_reduce_max(f32x16_max(f32x16_abs(lo), f32x16_abs(hi)));
         const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(q + at), _mm512_cvtsepi32_epi8(qlo));
-        _mm_storeu_si128((__m128i *)(q + at + 16), _mm512_cvtsepi32_epi8(qhi));
-        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        const i32x16 qlo = i32x16_from_f32(f32x16_mul(lo, f32x16_set1(id)));
+        const i32x16 qhi = i32x16_from_f32(f32x16_mul(hi, f32x16_set1(id)));
+        i32x16_store_i8(q + at, qlo);
+        i32x16_store_i8(q + at + 16, qhi);
+        const int sum = i32x16_sum(i32x16_add(qlo, qhi));
         dx[b] = d;
         sx[b] = d * (float)sum;
         cq[b] = c * sum;
@@ -96,25 +94,23 @@ static void quantize_row(const void *x, int x_f32, int in, int c, int8_t *q, flo
 
 /* A panel's block as eight vectors of unsigned codes (vector v: features 4v..4v+3). */
 static inline __attribute__((always_inline)) void unpack_block(const uint8_t *at, int bits,
-                                                               __m512i w[8]) {
+                                                               u8x64 w[8]) {
     if (bits == 8) {
 #pragma GCC unroll 8
-        for (int v = 0; v < 8; v++) w[v] = _mm512_loadu_si512(at + 64 * v);
+        for (int v = 0; v < 8; v++) w[v] = u8x64_load(at + 64 * v);
         return;
     }
-    const __m512i nibble = _mm512_set1_epi8(0x0f);
 #pragma GCC unroll 4
     for (int v = 0; v < 4; v++) {
-        const __m512i raw = _mm512_loadu_si512(at + 64 * v);
-        w[v] = _mm512_and_si512(raw, nibble);
-        w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        const u8x64 raw = u8x64_load(at + 64 * v);
+        w[v] = u8x64_low4(raw);
+        w[v + 4] = u8x64_high4(raw);
     }
     if (bits == 5) {
-        __mmask64 fifth[8];
+        uint64_t fifth[8];
         memcpy(fifth, at + 256, sizeof fifth);
-        const __m512i sixteen = _mm512_set1_epi8(16);
 #pragma GCC unroll 8
-        for (int v = 0; v < 8; v++) w[v] = _mm512_mask_add_epi8(w[v], fifth[v], w[v], sixteen);
+        for (int v = 0; v < 8; v++) w[v] = u8x64_add16_where(w[v], fifth[v]);
     }
 }
 
@@ -129,24 +125,22 @@ static inline __attribute__((always_inline)) void panel_rows(
     const uint8_t *panel = codes + (size_t)p * blocks * bb;
     const uint16_t *st = scales + (size_t)p * blocks * PANEL;
     const uint16_t *mt = mins ? mins + (size_t)p * blocks * PANEL : NULL;
-    __m512 acc[X_ROWS];
+    f32x16 acc[X_ROWS];
 #pragma GCC unroll 8
-    for (int i = 0; i < X_ROWS; i++) acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < X_ROWS; i++) acc[i] = f32x16_zero();
     for (int b = 0; b < blocks; b++) {
         const uint8_t *at = panel + (size_t)b * bb;
         if (prefetch) {
-            for (size_t off = 0; off < bb; off += 64)
-                _mm_prefetch((const char *)at + PREFETCH_BYTES + off, _MM_HINT_T0);
-            if (b % 2 == 0) {  /* two blocks' scales a cache line */
-                _mm_prefetch((const char *)(st + 16 * b) + PREFETCH_BYTES / 8, _MM_HINT_T0);
-                if (mt) _mm_prefetch((const char *)(mt + 16 * b) + PREFETCH_BYTES / 8, _MM_HINT_T0);
+            for (size_t off = 0; off < bb; off += 64) prefetch_l1(at + PREFETCH_BYTES + off);
+            if (b % 2 == 0) { /* two blocks' scales a cache line */
+                prefetch_l1((const char *)(st + 16 * b) + PREFETCH_BYTES / 8);
+                if (mt) prefetch_l1((const char *)(mt + 16 * b) + PREFETCH_BYTES / 8);
             }
         }
-        __m512i w[8];
+        u8x64 w[8];
         unpack_block(at, bits, w);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 16 * b)));
-        const __m512 m = mt ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + 16 * b)))
-                            : _mm512_setzero_ps();
+        const f32x16 d = f32x16_load_f16(st + 16 * b);
+        const f32x16 m = mt ? f32x16_load_f16(mt + 16 * b) : f32x16_zero();
 #pragma GCC unroll 8
         for (int i = 0; i < nx; i++) {
             const size_t row = (size_t)(r0 + i);
@@ -154,33 +148,33 @@ static inline __attribute__((always_inline)) void panel_rows(
             /* Four int8 at a time, broadcast straight from memory into the dot product. */
             const unaligned_i32 *four = (const unaligned_i32 *)xb;
             /* Two chains of four, added in a fixed order. */
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            i32x16 s0 = i32x16_zero(), s1 = i32x16_zero();
 #pragma GCC unroll 4
             for (int v = 0; v < 8; v += 2) {
-                s0 = dot_u8s8(s0, w[v], _mm512_set1_epi32(four[v]));
-                s1 = dot_u8s8(s1, w[v + 1], _mm512_set1_epi32(four[v + 1]));
+                s0 = dot_u8s8(s0, w[v], four[v]);
+                s1 = dot_u8s8(s1, w[v + 1], four[v + 1]);
             }
-            __m512i s = _mm512_add_epi32(s0, s1);
+            i32x16 s = i32x16_add(s0, s1);
             const size_t k = row * blocks + b;
-            if (!mt) s = _mm512_add_epi32(s, _mm512_set1_epi32(xq->cq[k]));
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq->dx[k]));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[i]);
-            if (mt) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq->sx[k]), acc[i]);
+            if (!mt) s = i32x16_add(s, i32x16_set1(xq->cq[k]));
+            const f32x16 scale = f32x16_mul(d, f32x16_set1(xq->dx[k]));
+            acc[i] = f32x16_fma(f32x16_from_i32(s), scale, acc[i]);
+            if (mt) acc[i] = f32x16_fma(m, f32x16_set1(xq->sx[k]), acc[i]);
         }
     }
-    const __mmask16 mask = (__mmask16)((1u << nw) - 1u);
+    const lanes16 mask = lanes16_first(nw);
     const int o = p * PANEL;
 #pragma GCC unroll 8
     for (int i = 0; i < nx; i++) {
         const size_t at = (size_t)(r0 + i) * out + o;
         if (x_f32) {
-            __m512 v = acc[i];
-            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, (const float *)bias + o));
-            _mm512_mask_storeu_ps((float *)y + at, mask, v);
+            f32x16 v = acc[i];
+            if (bias) v = f32x16_add(v, f32x16_load_first((const float *)bias + o, mask));
+            f32x16_store_first((float *)y + at, v, mask);
         } else {
-            __m512 v = acc[i];
-            if (bias) v = _mm512_add_ps(v, load_bf16x16((const uint16_t *)bias + o, mask));
-            store_bf16x16((uint16_t *)y + at, v, mask);
+            f32x16 v = acc[i];
+            if (bias) v = f32x16_add(v, f32x16_load_bf16((const uint16_t *)bias + o, mask));
+            f32x16_store_bf16((uint16_t *)y + at, v, mask);
         }
     }
 }
@@ -196,7 +190,7 @@ static void panels_range(const quantized_rows *xq, const uint8_t *codes, const u
     const size_t panel_bytes = (size_t)xq->blocks * block_bytes(bits);
     const size_t start = (size_t)first * panel_bytes, end = (size_t)last * panel_bytes;
     for (size_t at = start; at < end && at < start + PREFETCH_BYTES; at += 64)
-        _mm_prefetch((const char *)codes + at, _MM_HINT_T0);
+        prefetch_l1(codes + at);
     for (int p = first; p < last; p++) {
         const int nw = out - p * PANEL < PANEL ? out - p * PANEL : PANEL;
         for (int r0 = 0; r0 < rows; r0 += X_ROWS) {

@@ -7,7 +7,6 @@
 #ifndef OUTRIDER_LINEAR_ROWS_H
 #define OUTRIDER_LINEAR_ROWS_H
 
-#include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -17,22 +16,21 @@
 typedef float lr_elem;
 #define LR_NAME outrider_linear_f32
 #define LR_CHUNK 16 /* input features per step of the dot products */
-typedef __m512 lr_vec;
-typedef __mmask16 lr_mask;
+typedef f32x16 lr_vec;
+typedef lanes16 lr_mask;
+#define lr_first lanes16_first
 
-static inline lr_vec lr_load(const float *p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline lr_vec lr_load(const float *p, lanes16 m) { return f32x16_load_first(p, m); }
 
-static inline __m512 lr_dot(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+static inline f32x16 lr_dot(f32x16 acc, f32x16 a, f32x16 b) { return f32x16_fma(a, b, acc); }
 
-/* The biases of outputs o..o + nw - 1, repeated in every 128-bit lane. */
-static inline __m512 lr_bias4(const float *bias, int o, int nw) {
-    return _mm512_broadcast_f32x4(_mm_maskz_loadu_ps((__mmask8)((1u << nw) - 1u), bias + o));
-}
+/* The biases of outputs o..o + nw - 1, repeated in every group of four lanes. */
+static inline f32x16 lr_bias4(const float *bias, int o, int nw) { return f32x16_repeat4(bias + o, nw); }
 
 /* Lane 4i + j of `sums` to y[r0 + i][o + j], for i < nx and j < nw. */
-static inline void lr_store(float *y, int out, int o, int nw, int r0, int nx, __m512 sums) {
+static inline void lr_store(float *y, int out, int o, int nw, int r0, int nx, f32x16 sums) {
     float lanes[16];
-    _mm512_storeu_ps(lanes, sums);
+    f32x16_store(lanes, sums);
     for (int i = 0; i < nx; i++)
         __builtin_memcpy(y + (size_t)(r0 + i) * out + o, lanes + 4 * i, (size_t)nw * sizeof(float));
 }
@@ -41,19 +39,18 @@ typedef uint16_t lr_elem;
 #define LR_NAME outrider_linear_bf16
 #define LR_CHUNK 32
 typedef bf16x32 lr_vec;
-typedef __mmask32 lr_mask;
+typedef lanes32 lr_mask;
+#define lr_first lanes32_first
 #define lr_load bf16x32_load
 #define lr_dot bf16x32_dot
 
-static inline __m512 lr_bias4(const lr_elem *bias, int o, int nw) {
-    const __m128i b4 = _mm_maskz_loadu_epi16((__mmask8)((1u << nw) - 1u), bias + o);
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_broadcastq_epi64(b4)), 16));
+static inline f32x16 lr_bias4(const lr_elem *bias, int o, int nw) {
+    return f32x16_repeat4_bf16(bias + o, nw);
 }
 
-static inline void lr_store(lr_elem *y, int out, int o, int nw, int r0, int nx, __m512 sums) {
+static inline void lr_store(lr_elem *y, int out, int o, int nw, int r0, int nx, f32x16 sums) {
     uint16_t lanes[16];
-    _mm256_storeu_si256((__m256i *)lanes, bf16_round16(sums));
+    f32x16_store_bf16_all(lanes, sums);
     for (int i = 0; i < nx; i++)
         __builtin_memcpy(y + (size_t)(r0 + i) * out + o, lanes + 4 * i,
                          (size_t)nw * sizeof(uint16_t));
@@ -73,22 +70,21 @@ static inline __attribute__((always_inline)) void dot_group(const lr_elem *x,
                                                             int in, int out, int o, int nw, int r0,
                                                             const int nx, int prefetch) {
     const int chunks = (in + LR_CHUNK - 1) / LR_CHUNK;
-    const lr_mask tail =
-        (in % LR_CHUNK) ? (lr_mask)((1u << (in % LR_CHUNK)) - 1u) : (lr_mask)~0u;
-    __m512 acc[X_GROUP * ROW_BLOCK];
+    const lr_mask all = lr_first(LR_CHUNK);
+    const lr_mask tail = lr_first(in % LR_CHUNK ? in % LR_CHUNK : LR_CHUNK);
+    f32x16 acc[X_GROUP * ROW_BLOCK];
 #pragma GCC unroll 8
     for (int i = 0; i < X_GROUP; i++)
 #pragma GCC unroll 8
-        for (int j = 0; j < ROW_BLOCK; j++) acc[ROW_BLOCK * i + j] = _mm512_setzero_ps();
+        for (int j = 0; j < ROW_BLOCK; j++) acc[ROW_BLOCK * i + j] = f32x16_zero();
     for (int c = 0; c < chunks; c++) {
-        const lr_mask m = c == chunks - 1 ? tail : (lr_mask)~0u;
+        const lr_mask m = c == chunks - 1 ? tail : all;
         const size_t at = (size_t)c * LR_CHUNK;
         lr_vec wv[ROW_BLOCK];
 #pragma GCC unroll 8
         for (int j = 0; j < ROW_BLOCK; j++) {
             wv[j] = lr_load(wr[j] + at, m);
-            if (prefetch)
-                _mm_prefetch((const char *)(wr[j] + (size_t)ROW_BLOCK * in + at), _MM_HINT_T0);
+            if (prefetch) prefetch_l1(wr[j] + (size_t)ROW_BLOCK * in + at);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < nx; i++) {
@@ -99,8 +95,8 @@ static inline __attribute__((always_inline)) void dot_group(const lr_elem *x,
         }
     }
     /* Lane 4i + j of the sums is input row i against weight row j. */
-    __m512 sums = sum16(acc);
-    if (bias) sums = _mm512_add_ps(sums, lr_bias4(bias, o, nw));
+    f32x16 sums = sum16(acc);
+    if (bias) sums = f32x16_add(sums, lr_bias4(bias, o, nw));
     lr_store(y, out, o, nw, r0, nx, sums);
 }
 

@@ -7,7 +7,6 @@
 #ifndef OUTRIDER_PAGED_ATTENTION_H
 #define OUTRIDER_PAGED_ATTENTION_H
 
-#include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -75,41 +74,41 @@ static inline __attribute__((always_inline)) void value_sums(const pa_elem *cons
                                                              const query_row *rows, const int RG,
                                                              const float *scores, int stride,
                                                              int d, const float *inv) {
-    __m512 lo[VALUE_ROWS], hi[VALUE_ROWS];
-    for (int r = 0; r < RG; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+    f32x16 lo[VALUE_ROWS], hi[VALUE_ROWS];
+    for (int r = 0; r < RG; r++) lo[r] = hi[r] = f32x16_zero();
     const int common = rows[0].visible, n = rows[RG - 1].visible;
     for (int t = 0; t < n; t++) {
-        const __m512 vl = _mm512_loadu_ps(vrows[t] + 32 * d);
-        const __m512 vh = _mm512_loadu_ps(vrows[t] + 32 * d + 16);
+        const f32x16 vl = f32x16_load(vrows[t] + 32 * d);
+        const f32x16 vh = f32x16_load(vrows[t] + 32 * d + 16);
         for (int r = 0; r < RG; r++) {
             if (t >= common && t >= rows[r].visible) continue; /* the last few keys only */
-            const __m512 w = _mm512_set1_ps(scores[(size_t)r * stride + t]);
-            lo[r] = _mm512_fmadd_ps(w, vl, lo[r]);
-            hi[r] = _mm512_fmadd_ps(w, vh, hi[r]);
+            const f32x16 w = f32x16_set1(scores[(size_t)r * stride + t]);
+            lo[r] = f32x16_fma(w, vl, lo[r]);
+            hi[r] = f32x16_fma(w, vh, hi[r]);
         }
     }
     for (int r = 0; r < RG; r++) {
-        const __m512 k = _mm512_set1_ps(inv[r]);
-        _mm512_storeu_ps(rows[r].out + 32 * d, _mm512_mul_ps(lo[r], k));
-        _mm512_storeu_ps(rows[r].out + 32 * d + 16, _mm512_mul_ps(hi[r], k));
+        const f32x16 k = f32x16_set1(inv[r]);
+        f32x16_store(rows[r].out + 32 * d, f32x16_mul(lo[r], k));
+        f32x16_store(rows[r].out + 32 * d + 16, f32x16_mul(hi[r], k));
     }
 }
 
 /* The dot products of one query row with keys k[0..m-1] (m <= 16), in lanes 0..m-1 (lanes past
  * m hold 0). CH, the head's chunks of 32, and m are constants where it is inlined for the common
  * cases; each lane is the same sum of fused multiply-adds whatever they are. */
-static inline __attribute__((always_inline)) __m512 block_scores(const pa_elem *const *k,
+static inline __attribute__((always_inline)) f32x16 block_scores(const pa_elem *const *k,
                                                                  const pa_elem *q, const int CH,
                                                                  const int m) {
-    __m512 qv[MAX_HEAD_DIM / 16];
-    for (int d = 0; d < 2 * CH; d++) qv[d] = _mm512_loadu_ps(q + 16 * d);
-    __m512 a[16];
+    f32x16 qv[MAX_HEAD_DIM / 16];
+    for (int d = 0; d < 2 * CH; d++) qv[d] = f32x16_load(q + 16 * d);
+    f32x16 a[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) {
-        a[i] = _mm512_setzero_ps();
+        a[i] = f32x16_zero();
         if (i < m)
             for (int d = 0; d < 2 * CH; d++)
-                a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(k[i] + 16 * d), qv[d], a[i]);
+                a[i] = f32x16_fma(f32x16_load(k[i] + 16 * d), qv[d], a[i]);
     }
     return sum16(a);
 }
@@ -124,47 +123,44 @@ static inline __attribute__((always_inline)) void value_sums(const pa_elem *cons
                                                              const query_row *rows, const int RG,
                                                              const float *scores, int stride,
                                                              int d, const float *inv) {
-    __m512 even[VALUE_ROWS], odd[VALUE_ROWS];
-    for (int r = 0; r < RG; r++) even[r] = odd[r] = _mm512_setzero_ps();
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    f32x16 even[VALUE_ROWS], odd[VALUE_ROWS];
+    for (int r = 0; r < RG; r++) even[r] = odd[r] = f32x16_zero();
     const int common = rows[0].visible, n = rows[RG - 1].visible;
     for (int t = 0; t < n; t++) {
-        const __m512i raw = _mm512_loadu_si512(vrows[t] + 32 * d);
-        const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-        const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+        f32x16 ve, vo;
+        bf16x32_split(vrows[t] + 32 * d, &ve, &vo);
         for (int r = 0; r < RG; r++) {
             if (t >= common && t >= rows[r].visible) continue; /* the last few keys only */
-            const __m512 w = _mm512_set1_ps(scores[(size_t)r * stride + t]);
-            even[r] = _mm512_fmadd_ps(w, ve, even[r]);
-            odd[r] = _mm512_fmadd_ps(w, vo, odd[r]);
+            const f32x16 w = f32x16_set1(scores[(size_t)r * stride + t]);
+            even[r] = f32x16_fma(w, ve, even[r]);
+            odd[r] = f32x16_fma(w, vo, odd[r]);
         }
     }
-    const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i hi_idx =
-        _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
     for (int r = 0; r < RG; r++) {
-        const __m512 k = _mm512_set1_ps(inv[r]);
-        const __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(even[r], lo_idx, odd[r]), k);
-        const __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(even[r], hi_idx, odd[r]), k);
-        _mm512_storeu_si512(rows[r].out + 32 * d, bf16_round32(lo, hi));
+        const f32x16 k = f32x16_set1(inv[r]);
+        f32x16 lo, hi;
+        f32x16_interleave(even[r], odd[r], &lo, &hi);
+        f32x16_store_bf16_all(rows[r].out + 32 * d, f32x16_mul(lo, k));
+        f32x16_store_bf16_all(rows[r].out + 32 * d + 16, f32x16_mul(hi, k));
     }
 }
 
 /* The dot products of one query row with keys k[0..m-1] (m <= 16), in lanes 0..m-1 (lanes past
  * m hold 0). CH, the head's chunks of 32, and m are constants where it is inlined for the common
  * cases; each lane is the same sum of VDPBF16PS products whatever they are. */
-static inline __attribute__((always_inline)) __m512 block_scores(const pa_elem *const *k,
+static inline __attribute__((always_inline)) f32x16 block_scores(const pa_elem *const *k,
                                                                  const pa_elem *q, const int CH,
                                                                  const int m) {
+    const lanes32 all = lanes32_first(32);
     bf16x32 qv[MAX_HEAD_DIM / 32];
-    for (int d = 0; d < CH; d++) qv[d] = bf16x32_load(q + 32 * d, (__mmask32)~0u);
-    __m512 a[16];
+    for (int d = 0; d < CH; d++) qv[d] = bf16x32_load(q + 32 * d, all);
+    f32x16 a[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) {
-        a[i] = _mm512_setzero_ps();
+        a[i] = f32x16_zero();
         if (i < m)
             for (int d = 0; d < CH; d++)
-                a[i] = bf16x32_dot(a[i], bf16x32_load(k[i] + 32 * d, (__mmask32)~0u), qv[d]);
+                a[i] = bf16x32_dot(a[i], bf16x32_load(k[i] + 32 * d, all), qv[d]);
     }
     return sum16(a);
 }
@@ -188,40 +184,40 @@ static void attend_tile(const cache_view *c, int g, const query_row *rows, int n
         vrows[t] = walk_next(&values);
     }
     /* Scores, 16 keys at a time; the lanes past a row's visible keys are never read. */
-    __m512 running_max[MAX_TILE_ROWS];
-    for (int r = 0; r < nrows; r++) running_max[r] = _mm512_set1_ps(-INFINITY);
+    f32x16 running_max[MAX_TILE_ROWS];
+    for (int r = 0; r < nrows; r++) running_max[r] = f32x16_set1(-INFINITY);
     int first = 0; /* rows before it see none of this block's keys */
     for (int t0 = 0; t0 < n; t0 += 16) {
         while (rows[first].visible <= t0) first++;
         for (int r = first; r < nrows; r++) {
             const int left = rows[r].visible - t0, m = left < 16 ? left : 16;
-            __m512 s;
+            f32x16 s;
             if (m == 16 && chunks == 2) /* the common cases, unrolled */
                 s = block_scores(krows + t0, rows[r].q, 2, 16);
             else if (m == 16 && chunks == 4)
                 s = block_scores(krows + t0, rows[r].q, 4, 16);
             else
                 s = block_scores(krows + t0, rows[r].q, chunks, m);
-            const __mmask16 valid = (__mmask16)((1u << m) - 1u);
-            s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
-            _mm512_mask_storeu_ps(scores + (size_t)r * stride + t0, valid, s);
-            running_max[r] = _mm512_mask_max_ps(running_max[r], valid, running_max[r], s);
+            const lanes16 valid = lanes16_first(m);
+            s = f32x16_mul(s, f32x16_set1(scale));
+            f32x16_store_first(scores + (size_t)r * stride + t0, s, valid);
+            running_max[r] = f32x16_max_in(running_max[r], s, valid);
         }
     }
     float inv[MAX_TILE_ROWS];
     for (int r = 0; r < nrows; r++) {
         float *sc = scores + (size_t)r * stride;
         const int vis = rows[r].visible;
-        const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(running_max[r]));
-        __m512 total = _mm512_setzero_ps();
+        const f32x16 max = f32x16_set1(f32x16_reduce_max(running_max[r]));
+        f32x16 total = f32x16_zero();
         for (int t0 = 0; t0 < vis; t0 += 16) {
             const int m = vis - t0 < 16 ? vis - t0 : 16;
-            const __mmask16 valid = (__mmask16)((1u << m) - 1u);
-            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, sc + t0), max));
-            _mm512_mask_storeu_ps(sc + t0, valid, e);
-            total = _mm512_mask_add_ps(total, valid, total, e);
+            const lanes16 valid = lanes16_first(m);
+            const f32x16 e = exp_ps(f32x16_sub(f32x16_load_first(sc + t0, valid), max));
+            f32x16_store_first(sc + t0, e, valid);
+            total = f32x16_add_in(total, e, valid);
         }
-        inv[r] = 1.0f / _mm512_reduce_add_ps(total);
+        inv[r] = 1.0f / f32x16_sum(total);
     }
     for (int r0 = 0; r0 < nrows; r0 += VALUE_ROWS) {
         const int rg = nrows - r0 < VALUE_ROWS ? nrows - r0 : VALUE_ROWS;

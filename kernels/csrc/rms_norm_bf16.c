@@ -8,7 +8,6 @@
  * prefill chunk; twice a layer, that was ~10% of a decode forward of the bundled model. Rows are
  * independent and each is summed in the same order whatever the batch.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -18,30 +17,30 @@
 static void norm_row(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, float eps,
                      uint16_t *out, uint16_t *sum_out, int dim) {
     const int chunks = (dim + 15) / 16;
-    const __mmask16 tail = (dim % 16) ? (__mmask16)((1u << (dim % 16)) - 1u) : (__mmask16)0xffff;
+    const lanes16 all = lanes16_first(16), tail = lanes16_first(dim % 16 ? dim % 16 : 16);
     const uint16_t *s = x;
     if (residual) {
         for (int c = 0; c < chunks; c++) {
-            const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
-            const __m512 v =
-                _mm512_add_ps(load_bf16x16(x + 16 * c, m), load_bf16x16(residual + 16 * c, m));
-            store_bf16x16(sum_out + 16 * c, v, m);
+            const lanes16 m = c == chunks - 1 ? tail : all;
+            const f32x16 v =
+                f32x16_add(f32x16_load_bf16(x + 16 * c, m), f32x16_load_bf16(residual + 16 * c, m));
+            f32x16_store_bf16(sum_out + 16 * c, v, m);
         }
         s = sum_out;
     }
-    __m512 squares = _mm512_setzero_ps();
+    f32x16 squares = f32x16_zero();
     for (int c = 0; c < chunks; c++) {
-        const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
-        const __m512 v = load_bf16x16(s + 16 * c, m);
-        squares = _mm512_fmadd_ps(v, v, squares);
+        const lanes16 m = c == chunks - 1 ? tail : all;
+        const f32x16 v = f32x16_load_bf16(s + 16 * c, m);
+        squares = f32x16_fma(v, v, squares);
     }
-    const float scale = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps);
-    const __m512 k = _mm512_set1_ps(scale);
+    const float scale = 1.0f / sqrtf(f32x16_sum(squares) / (float)dim + eps);
+    const f32x16 k = f32x16_set1(scale);
     for (int c = 0; c < chunks; c++) {
-        const __mmask16 m = c == chunks - 1 ? tail : (__mmask16)0xffff;
-        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(load_bf16x16(s + 16 * c, m), k),
-                                       load_bf16x16(weight + 16 * c, m));
-        store_bf16x16(out + 16 * c, v, m);
+        const lanes16 m = c == chunks - 1 ? tail : all;
+        const f32x16 v = f32x16_mul(f32x16_mul(f32x16_load_bf16(s + 16 * c, m), k),
+                                    f32x16_load_bf16(weight + 16 * c, m));
+        f32x16_store_bf16(out + 16 * c, v, m);
     }
 }
 

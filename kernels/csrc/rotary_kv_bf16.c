@@ -10,7 +10,6 @@
  * copied into its cache slot. Tokens are independent, so a token's result does not depend on
  * its batch.
  */
-#include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -22,14 +21,15 @@
 static void rotate_head(uint16_t *x, const float *cos, const float *sin, int head_dim) {
     const int half = head_dim / 2;
     for (int i = 0; i < half; i += 16) {
-        const __m512 lo = load_bf16x16(x + i, (__mmask16)0xffff);
-        const __m512 hi = load_bf16x16(x + half + i, (__mmask16)0xffff);
-        const __m512 new_lo = _mm512_fnmadd_ps(hi, _mm512_loadu_ps(sin + i),
-                                               _mm512_mul_ps(lo, _mm512_loadu_ps(cos + i)));
-        const __m512 new_hi = _mm512_fmadd_ps(lo, _mm512_loadu_ps(sin + half + i),
-                                              _mm512_mul_ps(hi, _mm512_loadu_ps(cos + half + i)));
-        store_bf16x16(x + i, new_lo, 0xffff);
-        store_bf16x16(x + half + i, new_hi, 0xffff);
+        const lanes16 all = lanes16_first(16);
+        const f32x16 lo = f32x16_load_bf16(x + i, all);
+        const f32x16 hi = f32x16_load_bf16(x + half + i, all);
+        const f32x16 new_lo = f32x16_fnma(hi, f32x16_load(sin + i),
+                                          f32x16_mul(lo, f32x16_load(cos + i)));
+        const f32x16 new_hi = f32x16_fma(lo, f32x16_load(sin + half + i),
+                                         f32x16_mul(hi, f32x16_load(cos + half + i)));
+        f32x16_store_bf16(x + i, new_lo, all);
+        f32x16_store_bf16(x + half + i, new_hi, all);
     }
 }
 
