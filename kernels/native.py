@@ -64,7 +64,8 @@ def unavailable_reason() -> str | None:
 
 
 def variant() -> str | None:
-    """The build that runs here: "avx512_bf16", "avx512f", or None when neither can."""
+    """The build that runs here (kernels/native_build.py's VARIANTS: "avx512_bf16" or
+    "avx512f" on x86-64, "neon_bf16_i8mm" or "neon" on AArch64), or None when none can."""
     return native_build.build_variant() if available() else None
 
 

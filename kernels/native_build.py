@@ -3,14 +3,19 @@
 The library is built with the machine's C compiler (`$CC`, else `cc`) into Outrider's cache
 folder (`$OUTRIDER_CACHE_DIR/kernels`, else `~/.cache/outrider/kernels`), named by a hash of the
 sources and flags, so each machine builds it once (in about a second) and processes share it.
-It comes in two builds (`build_variant()`, native.py's `variant()`): "avx512_bf16", with the
-bf16 dot-product instructions and AMX, for CPUs that have them (Sapphire Rapids on; AMD Zen 4
-lacks only AMX), and "avx512f", where each bf16 dot product is two fp32 FMAs, for AVX512 CPUs
-without them (Skylake to Ice Lake servers); kernels/csrc/simd.h is where they differ.
-`OUTRIDER_NATIVE_KERNELS=avx512f` takes the second on any AVX512 CPU (to test it), `=0`
-neither. `python -m kernels.native` builds the library ahead and says which runs. Where none can
-be had (another CPU, no compiler, a failed build), native.py's `available()` is False and
-callers keep torch's kernels; its `unavailable_reason()` says why.
+It comes in two builds per architecture (`build_variant()`, native.py's `variant()`; the
+kernels' arithmetic is written once, kernels/csrc/simd.h, and the builds differ in the
+instructions that do it):
+- x86-64: "avx512_bf16", with the bf16 dot-product instructions and AMX, for CPUs that have
+  them (Sapphire Rapids on; AMD Zen 4 lacks only AMX), and "avx512f", where each bf16 dot
+  product is two fp32 FMAs, for AVX512 CPUs without them (Skylake to Ice Lake servers);
+- AArch64: "neon_bf16_i8mm" (Armv8.6's BFDOT and USDOT: Neoverse V1/V2, NVIDIA Grace,
+  Graviton 3 on) and "neon", any AArch64 CPU, with the avx512f build's arithmetic and bits.
+`OUTRIDER_NATIVE_KERNELS=avx512f` (or `=neon`) takes the second on any CPU of its architecture
+(to test it), `=0` neither. `python -m kernels.native` builds the library ahead and says which
+runs. Where none can be had (another CPU, no compiler, a failed build), native.py's
+`available()` is False and callers keep torch's kernels; its `unavailable_reason()` says why.
+tests/arm64 cross-builds the AArch64 builds and runs them under qemu-user (`flags`).
 
 It is compiled with OpenMP and loaded after torch, so its parallel regions run on the OpenMP
 runtime torch already loaded (one thread pool, sized by `torch.get_num_threads()`).
@@ -34,12 +39,29 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.c")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-fopenmp", "-shared", "-fPIC")
-# The "avx512_bf16" build adds these (every AVX512-BF16 CPU has VNNI too).
-BF16_FLAGS = ("-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16")
+LIBRARY_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c")
+# Each build: its architecture (platform.machine()) and its instruction-set flags. Every
+# AVX512-BF16 CPU has VNNI too; every Armv8.6 CPU with BF16 and I8MM has the dot-product
+# instructions.
+VARIANTS = {
+    "avx512_bf16": (
+        "x86_64",
+        (*AVX512_FLAGS, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+    ),
+    "avx512f": ("x86_64", AVX512_FLAGS),
+    "neon_bf16_i8mm": ("aarch64", ("-march=armv8.6-a+bf16+i8mm",)),
+    "neon": ("aarch64", ("-march=armv8-a",)),
+}
+# The build each architecture falls back to, and what its better build needs of the CPU
+# (/proc/cpuinfo's flags on x86, Features on AArch64).
+BASELINE = {"x86_64": "avx512f", "aarch64": "neon"}
+BEST = {
+    "x86_64": ("avx512_bf16", ("avx512_bf16", "avx512_vnni")),
+    "aarch64": ("neon_bf16_i8mm", ("bf16", "i8mm")),
+}
 ENABLE_ENV = "OUTRIDER_NATIVE_KERNELS"
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
-BF16_CPU_FLAGS = ("avx512_bf16", "avx512_vnni")
+REQUIRED_CPU_FLAGS = {"x86_64": ("avx512f", "avx512bw", "avx512vl"), "aarch64": ("asimd",)}
 AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
 
 
@@ -114,17 +136,22 @@ def build() -> Path:
     setting = os.environ.get(ENABLE_ENV, "1")
     if setting == "0":
         raise Unavailable(f"{ENABLE_ENV}=0")
-    if setting not in ("1", "avx512f"):
-        raise Unavailable(f"{ENABLE_ENV} takes 0, 1 or avx512f, not {setting!r}")
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        raise Unavailable(f"needs Linux on x86_64, not {platform.system()} {platform.machine()}")
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    if setting not in ("1", *BASELINE.values()):
+        raise Unavailable(
+            f"{ENABLE_ENV} takes 0, 1, {' or '.join(BASELINE.values())}, not {setting!r}"
+        )
+    machine = platform.machine()
+    if platform.system() != "Linux" or machine not in BASELINE:
+        raise Unavailable(f"needs Linux on x86_64 or aarch64, not {platform.system()} {machine}")
+    missing = [f for f in REQUIRED_CPU_FLAGS[machine] if f not in cpu_flags()]
     if missing:
         raise Unavailable(f"this CPU lacks {', '.join(missing)}")
+    if setting not in ("1", BASELINE[machine]):
+        raise Unavailable(f"{ENABLE_ENV}={setting} is not a build for {machine}")
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise Unavailable("no C compiler (set CC)")
-    flags = FLAGS + (BF16_FLAGS if build_variant() == "avx512_bf16" else ())
+    flags = variant_flags(build_variant())
     digest = hashlib.sha256(" ".join(flags).encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
@@ -155,10 +182,17 @@ def build() -> Path:
 @functools.cache
 def build_variant() -> str:
     """The build this CPU (and OUTRIDER_NATIVE_KERNELS) calls for."""
-    forced = os.environ.get(ENABLE_ENV) == "avx512f"
-    if not forced and all(f in cpu_flags() for f in BF16_CPU_FLAGS):
-        return "avx512_bf16"
-    return "avx512f"
+    machine = platform.machine() if platform.machine() in BASELINE else "x86_64"
+    best, needs = BEST[machine]
+    forced = os.environ.get(ENABLE_ENV) == BASELINE[machine]
+    if not forced and all(f in cpu_flags() for f in needs):
+        return best
+    return BASELINE[machine]
+
+
+def variant_flags(variant: str) -> tuple[str, ...]:
+    """The compiler flags of a build of the library (`VARIANTS`), for its architecture's gcc."""
+    return LIBRARY_FLAGS + VARIANTS[variant][1]
 
 
 def _cache_root() -> Path:
@@ -174,6 +208,6 @@ def cpu_flags() -> set[str]:
     except OSError:
         return set()
     for line in text.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):  # x86, AArch64
             return set(line.split(":", 1)[1].split())
     return set()
