@@ -204,10 +204,14 @@ def _cache_root() -> Path:
 
 def cpu_flags() -> set[str]:
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return cpu_flags_of(Path("/proc/cpuinfo").read_text())
     except OSError:
         return set()
-    for line in text.splitlines():
+
+
+def cpu_flags_of(cpuinfo: str) -> set[str]:
+    """The first CPU's flags in the text of /proc/cpuinfo."""
+    for line in cpuinfo.splitlines():
         if line.startswith(("flags", "Features")):  # x86, AArch64
             return set(line.split(":", 1)[1].split())
     return set()
