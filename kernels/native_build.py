@@ -148,10 +148,23 @@ def build() -> Path:
         raise Unavailable(f"this CPU lacks {', '.join(missing)}")
     if setting not in ("1", BASELINE[machine]):
         raise Unavailable(f"{ENABLE_ENV}={setting} is not a build for {machine}")
+    return compile_variant(build_variant())
+
+
+def prebuild() -> list[Path]:
+    """Every build of this machine's architecture, so that an image made on one CPU (or under
+    emulation) holds the build whichever CPU of its architecture later runs it."""
+    machine = platform.machine()
+    return [compile_variant(v, timeout=900) for v, (arch, _) in VARIANTS.items() if arch == machine]
+
+
+def compile_variant(variant: str, timeout: float = 120) -> Path:
+    """The library's `variant` build for this machine's architecture, compiled now unless the
+    cache holds it (named by a hash of the flags and sources)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise Unavailable("no C compiler (set CC)")
-    flags = variant_flags(build_variant())
+    flags = variant_flags(variant)
     digest = hashlib.sha256(" ".join(flags).encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
@@ -168,7 +181,7 @@ def build() -> Path:
             [compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=timeout,
         )
         if done.returncode != 0:
             raise Unavailable(f"{compiler} failed: {done.stderr.strip()[-500:]}")

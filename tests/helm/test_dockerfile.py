@@ -82,3 +82,21 @@ def test_copied_sources_exist_and_are_not_ignored(commands) -> None:  # type: ig
     for src in copied:
         assert (ROOT / src).exists(), src
         assert not any(fnmatch.fnmatch(src, pattern) for pattern in ignored), src
+
+
+def test_builds_our_kernels_for_every_cpu_of_the_images_architecture(commands) -> None:  # type: ignore[no-untyped-def]
+    """The image compiles each build of its architecture (native_build.prebuild), with a
+    compiler it installs as root before going back to the ray user; the arm64 build line the
+    header gives names Ray's aarch64 image and a torch index with aarch64 CPU wheels."""
+    from kernels import native_build
+
+    assert "python -m kernels.native --all-builds" in runs(commands)
+    users = [c.value[0] for c in commands if c.cmd == "USER"]
+    installs = [c.value[0] for c in commands if c.cmd == "RUN" and "apt-get install" in c.value[0]]
+    assert users[:2] == ["root", "ray"] and installs and "gcc" in installs[0]
+    header = (ROOT / "Dockerfile").read_text().split("ARG RAY_IMAGE")[0]
+    arm = header[header.index("--platform linux/arm64") :]
+    ray_version = args_of(commands)["RAY_IMAGE"].split(":")[1].split("-")[0]
+    assert f"rayproject/ray:{ray_version}-py311-cpu-aarch64" in arm
+    assert "download.pytorch.org/whl/cpu" in arm
+    assert {arch for arch, _ in native_build.VARIANTS.values()} == {"x86_64", "aarch64"}
