@@ -11,9 +11,10 @@
 #     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .   # Grace drafter nodes
 #
 # Our C kernels (kernels/csrc) are compiled in the image for every CPU of its architecture
-# (kernels/native_build.py VARIANTS: AVX512 with and without BF16 on x86-64; NEON, and NEON
-# with Armv8.6's BF16 and int8 matrix instructions on arm64, which Grace has), so each node
-# loads the build its CPU runs; gcc stays in the image for a node that sets other flags.
+# (kernels/native_build.py VARIANTS: AVX512 with and without BF16 on x86-64; on arm64 NEON,
+# NEON with Armv8.6's BF16 and int8 matrix instructions, which Grace has, and the same on
+# 256-bit SVE), so each node loads the build its CPU runs; gcc stays in the image for a node
+# that sets other flags.
 ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-gpu
 FROM ${RAY_IMAGE}
 

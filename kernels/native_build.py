@@ -43,23 +43,30 @@ LIBRARY_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c")
 # Each build: its architecture (platform.machine()) and its instruction-set flags. Every
 # AVX512-BF16 CPU has VNNI too; every Armv8.6 CPU with BF16 and I8MM has the dot-product
-# instructions.
+# instructions. The SVE build is for 256-bit vectors alone (fixed-length code).
 VARIANTS = {
     "avx512_bf16": (
         "x86_64",
         (*AVX512_FLAGS, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
     ),
     "avx512f": ("x86_64", AVX512_FLAGS),
+    "sve256_bf16_i8mm": ("aarch64", ("-march=armv8.6-a+sve+bf16+i8mm", "-msve-vector-bits=256")),
     "neon_bf16_i8mm": ("aarch64", ("-march=armv8.6-a+bf16+i8mm",)),
     "neon": ("aarch64", ("-march=armv8-a",)),
 }
-# The build each architecture falls back to, and what its better build needs of the CPU
-# (/proc/cpuinfo's flags on x86, Features on AArch64).
-BASELINE = {"x86_64": "avx512f", "aarch64": "neon"}
-BEST = {
-    "x86_64": ("avx512_bf16", ("avx512_bf16", "avx512_vnni")),
-    "aarch64": ("neon_bf16_i8mm", ("bf16", "i8mm")),
+# Per architecture, its builds in order of preference with what each needs of the CPU
+# (/proc/cpuinfo's flags on x86, Features on AArch64); the last is the baseline. Grace's SVE2
+# vectors are 128 bits, NEON's width, so it takes neon_bf16_i8mm.
+PREFERENCE = {
+    "x86_64": (("avx512_bf16", ("avx512_bf16", "avx512_vnni")), ("avx512f", ())),
+    "aarch64": (
+        ("sve256_bf16_i8mm", ("sve", "svebf16", "svei8mm", "bf16", "i8mm")),
+        ("neon_bf16_i8mm", ("bf16", "i8mm")),
+        ("neon", ()),
+    ),
 }
+BASELINE = {machine: builds[-1][0] for machine, builds in PREFERENCE.items()}
+SVE_BITS = {"sve256_bf16_i8mm": 256}  # the vector length a build's code is fixed to
 ENABLE_ENV = "OUTRIDER_NATIVE_KERNELS"
 REQUIRED_CPU_FLAGS = {"x86_64": ("avx512f", "avx512bw", "avx512vl"), "aarch64": ("asimd",)}
 AMX_CPU_FLAGS = ("amx_tile", "amx_bf16")
@@ -195,12 +202,32 @@ def compile_variant(variant: str, timeout: float = 120) -> Path:
 @functools.cache
 def build_variant() -> str:
     """The build this CPU (and OUTRIDER_NATIVE_KERNELS) calls for."""
-    machine = platform.machine() if platform.machine() in BASELINE else "x86_64"
-    best, needs = BEST[machine]
-    forced = os.environ.get(ENABLE_ENV) == BASELINE[machine]
-    if not forced and all(f in cpu_flags() for f in needs):
-        return best
-    return BASELINE[machine]
+    machine = platform.machine() if platform.machine() in PREFERENCE else "x86_64"
+    if os.environ.get(ENABLE_ENV) == BASELINE[machine]:
+        return BASELINE[machine]
+    return next(v for v, _ in PREFERENCE[machine] if runnable(v))
+
+
+def runnable(variant: str) -> bool:
+    """Whether this CPU runs `variant`'s instructions (its architecture, the CPU flags it
+    needs, and the SVE vector length its code is fixed to)."""
+    arch = VARIANTS[variant][0]
+    if platform.machine() != arch:
+        return False
+    needs = dict(PREFERENCE[arch])[variant]
+    if any(f not in cpu_flags() for f in (*REQUIRED_CPU_FLAGS[arch], *needs)):
+        return False
+    return variant not in SVE_BITS or sve_vector_bits() == SVE_BITS[variant]
+
+
+def sve_vector_bits() -> int:
+    """This process's SVE vector length in bits (prctl PR_SVE_GET_VL), 0 without SVE."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        answer = libc.prctl(51, 0, 0, 0, 0)  # PR_SVE_GET_VL: bytes in the low 16 bits
+    except (OSError, AttributeError):
+        return 0
+    return 8 * (answer & 0xFFFF) if answer > 0 else 0
 
 
 def variant_flags(variant: str) -> tuple[str, ...]:

@@ -2,22 +2,24 @@
  *
  * Each kernel's arithmetic is written once, against the types and operations below; two headers
  * give them instructions: simd_avx512.h on x86-64 (AVX512, with AVX512-BF16/VNNI where the build
- * has them) and simd_neon.h on AArch64 (NEON, with the BF16 and int8 matrix extensions where the
- * build has them). Both hold a vector of 16 fp32 lanes (`f32x16`: one zmm register, or four
- * NEON registers of 4 lanes) and do each operation on the same lanes in the same order, so
- * where both builds use plain fp32 instructions (fused multiply-adds, the fixed reduction
- * trees) they give the same bits, and integer block dot products are exact in both.
+ * has them), simd_neon.h on AArch64 (NEON, with the BF16 and int8 matrix extensions where the
+ * build has them) and simd_sve.h on AArch64 with 256-bit SVE. Each holds a vector of 16 fp32
+ * lanes (`f32x16`: one zmm register, four NEON registers, two SVE ones) and does each
+ * operation on the same lanes in the same order, so where builds use plain fp32 instructions
+ * (fused multiply-adds, the fixed reduction trees) they give the same bits, and integer block
+ * dot products are exact in all.
  *
  *   f32x16, i32x16    16 fp32 / int32 lanes
  *   u8x64             64 bytes, lane l of an i32x16 being bytes 4l..4l+3
  *   bf16x32           32 bf16 as the bf16 dot product takes them (pairs 2l, 2l + 1 in lane l)
  *   lanes16, lanes32  the first n lanes of an f32x16 or a bf16x32 (for the tails of a row)
  *
- * kernels/native_build.py builds the folder in two builds per architecture: on x86-64
- * "avx512_bf16" (VDPBF16PS, VCVTNEPS2BF16, VPDPBUSD, AMX) and "avx512f" (a bf16 dot product is
- * two fp32 FMAs over the even and odd elements, rounding and byte dots are integer
- * instructions); on AArch64 "neon_bf16_i8mm" (BFDOT, USDOT: Armv8.6, as Neoverse V1/V2 and
- * Grace have them) and "neon" (the avx512f build's arithmetic in NEON: the same bits).
+ * kernels/native_build.py builds the folder in these builds: on x86-64 "avx512_bf16"
+ * (VDPBF16PS, VCVTNEPS2BF16, VPDPBUSD, AMX) and "avx512f" (a bf16 dot product is two fp32 FMAs
+ * over the even and odd elements, rounding and byte dots are integer instructions); on AArch64
+ * "neon_bf16_i8mm" (BFDOT, USDOT: Armv8.6, as Grace and Neoverse V1/V2 have them), "neon" (the
+ * avx512f build's arithmetic in NEON: the same bits) and "sve256_bf16_i8mm" (simd_sve.h: the
+ * first's instructions on 256-bit SVE vectors, for Neoverse V1).
  * Each build computes a given output the same way whatever the batch.
  */
 #ifndef OUTRIDER_SIMD_H
@@ -27,6 +29,8 @@
 
 #if defined(__x86_64__)
 #include "simd_avx512.h"
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_SVE_BITS) && __ARM_FEATURE_SVE_BITS > 0
+#include "simd_sve.h"
 #elif defined(__aarch64__)
 #include "simd_neon.h"
 #else

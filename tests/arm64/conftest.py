@@ -12,9 +12,6 @@ from tests.arm64.cross import missing_tools, prepare
 def _harnesses() -> None:
     if missing_tools() is not None:
         return
-    variants = ["neon", "neon_bf16_i8mm"]
-    if all(f in native_build.cpu_flags() for f in native_build.REQUIRED_CPU_FLAGS["x86_64"]):
-        variants.append("avx512f")
-    if all(f in native_build.cpu_flags() for f in native_build.BEST["x86_64"][1]):
-        variants.append("avx512_bf16")
+    variants = [v for v, (arch, _) in native_build.VARIANTS.items() if arch == "aarch64"]
+    variants += [v for v in ("avx512f", "avx512_bf16") if native_build.runnable(v)]
     prepare(variants)

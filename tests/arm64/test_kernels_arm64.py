@@ -4,9 +4,10 @@ against the x86 builds, from the same inputs (tests/arm64/cases.py, tests/arm64/
 - "neon" (any AArch64 CPU), on a Cortex-A72: every output within its reference's tolerance and
   bit for bit what x86's "avx512f" build computes (the same arithmetic, the same order).
 - "neon_bf16_i8mm" (Armv8.6: Grace, Neoverse V1/V2), on qemu's `max` CPU with 128-bit and
-  256-bit SVE vectors: within tolerance everywhere; outside the bf16 dot products (BFDOT rounds
-  as it goes, as x86's VDPBF16PS does, each its own way) bit for bit the avx512f build's; the
-  quantized projections' integer dot products exact, so those outputs equal in every build.
+  256-bit SVE vectors, and "sve256_bf16_i8mm" (Neoverse V1) with 256-bit ones: within
+  tolerance everywhere; outside the bf16 dot products (BFDOT rounds as it goes, as x86's
+  VDPBF16PS does, each its own way) bit for bit the avx512f build's; the quantized projections'
+  integer dot products exact, so those outputs equal in every build.
 """
 
 from __future__ import annotations
@@ -25,18 +26,18 @@ pytestmark = [
 
 X86_BASELINE = Machine("x86 avx512f", "avx512f")
 NEON = Machine("neon on cortex-a72", "neon", qemu_cpu="cortex-a72")
-NEON_BF16_I8MM = [
-    Machine(f"neon_bf16_i8mm on max, sve{bits}", "neon_bf16_i8mm", qemu_cpu=f"max,sve{bits}=on")
-    for bits in (128, 256)
+BF16_I8MM = [
+    *(
+        Machine(f"neon_bf16_i8mm on max, sve{bits}", "neon_bf16_i8mm", qemu_cpu=f"max,sve{bits}=on")
+        for bits in (128, 256)
+    ),
+    Machine("sve256_bf16_i8mm on max, sve256", "sve256_bf16_i8mm", qemu_cpu="max,sve256=on"),
 ]
 
 
 def _needs_avx512() -> None:
-    missing = [
-        f for f in native_build.REQUIRED_CPU_FLAGS["x86_64"] if f not in native_build.cpu_flags()
-    ]
-    if missing:
-        pytest.skip(f"the x86 build to compare with needs {', '.join(missing)}")
+    if not native_build.runnable("avx512f"):
+        pytest.skip("the x86 build to compare with needs an AVX512 CPU")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_the_neon_build_matches_the_references_and_the_avx512f_builds_bits(
     assert not differ, f"the neon build's bits differ from avx512f's in {differ}"
 
 
-@pytest.mark.parametrize("machine", NEON_BF16_I8MM, ids=lambda m: m.name)
+@pytest.mark.parametrize("machine", BF16_I8MM, ids=lambda m: m.name)
 def test_the_bf16_i8mm_build_matches_the_references_and_differs_only_in_bf16_dots(
     machine: Machine, script: tuple[Script, list[cases.Case]], x86_outputs: list[torch.Tensor]
 ) -> None:
@@ -115,6 +116,6 @@ def test_the_x86_builds_run_the_same_script_within_the_references(
 ) -> None:
     """The harness and the references themselves, on the builds the x86 tests already check."""
     _check_references(X86_BASELINE, script[1], x86_outputs)
-    if all(f in native_build.cpu_flags() for f in native_build.BEST["x86_64"][1]):
+    if native_build.runnable("avx512_bf16"):
         best = Machine("x86 avx512_bf16", "avx512_bf16")
         _check_references(best, script[1], _run(best, script))

@@ -1,8 +1,8 @@
 """The bundled model's first decoder layer (prefill, then a decode step over its cache) as
 tests/arm64/harness.c runs it: on this host, the same bits as the model's own calls; under
-qemu, the "neon" build gives the bits of x86's "avx512f" build and the "neon_bf16_i8mm" build
-stays within bf16 tolerance of x86's "avx512_bf16" build (their bf16 attention scores round
-each in its own way)."""
+qemu, the "neon" build gives the bits of x86's "avx512f" build and the "neon_bf16_i8mm" and
+"sve256_bf16_i8mm" builds stay within bf16 tolerance of x86's "avx512_bf16" build (their bf16
+attention scores round each in its own way)."""
 
 from __future__ import annotations
 
@@ -56,14 +56,17 @@ def test_the_harness_runs_the_layer_as_the_model_does(
 
 
 def test_the_layer_under_emulation_matches_x86(script: tuple[Script, list[Buffer]]) -> None:
-    if any(f not in native_build.cpu_flags() for f in native_build.BEST["x86_64"][1]):
+    if not native_build.runnable("avx512_bf16"):
         pytest.skip("the x86 builds to compare with need AVX512-BF16")
     baseline = _run(Machine("x86 avx512f", "avx512f"), script)
     neon = _run(Machine("neon on cortex-a72", "neon", qemu_cpu="cortex-a72"), script)
     assert not _same_bits(neon, baseline), "the neon build's layer differs from avx512f's"
     best = _run(Machine("x86 avx512_bf16", "avx512_bf16"), script)
-    grace = _run(
-        Machine("neon_bf16_i8mm on max", "neon_bf16_i8mm", qemu_cpu="max,sve128=on"), script
-    )
-    for name, got, want in zip(NAMES, grace, best, strict=True):
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=name)
+    for machine in (
+        Machine("neon_bf16_i8mm on max", "neon_bf16_i8mm", qemu_cpu="max,sve128=on"),
+        Machine("sve256_bf16_i8mm on max", "sve256_bf16_i8mm", qemu_cpu="max,sve256=on"),
+    ):
+        for name, got, want in zip(NAMES, _run(machine, script), best, strict=True):
+            torch.testing.assert_close(
+                got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=f"{machine.name}: {name}"
+            )

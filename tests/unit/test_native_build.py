@@ -20,6 +20,12 @@ GRACE = _cpuinfo(  # Neoverse V2, as Linux lists its Features
     paca pacg dcpodp sve2 sveaes svepmull svebitperm svesha3 svesm4 flagm2 frint svei8mm
     svebf16 i8mm bf16 dgh bti""",
 )
+GRAVITON3 = _cpuinfo(  # Neoverse V1: 256-bit SVE vectors
+    "Features",
+    """fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt
+    fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs paca
+    pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng""",
+)
 GRAVITON2 = _cpuinfo(  # Neoverse N1: Armv8.2 dot products, no BF16 or I8MM
     "Features", "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp asimddp ssbs"
 )
@@ -36,6 +42,8 @@ def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     def set_cpu(machine: str, cpuinfo: str, forced: str | None = None) -> None:
         monkeypatch.setattr(native_build.platform, "machine", lambda: machine)
         monkeypatch.setattr(native_build, "cpu_flags", lambda: native_build.cpu_flags_of(cpuinfo))
+        bits = 256 if cpuinfo is GRAVITON3 else 128 if " sve " in cpuinfo else 0
+        monkeypatch.setattr(native_build, "sve_vector_bits", lambda: bits)
         if forced is None:
             monkeypatch.delenv(native_build.ENABLE_ENV, raising=False)
         else:
@@ -49,7 +57,9 @@ def cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
 @pytest.mark.parametrize(
     ("machine", "cpuinfo", "forced", "variant"),
     [
-        ("aarch64", GRACE, None, "neon_bf16_i8mm"),
+        ("aarch64", GRACE, None, "neon_bf16_i8mm"),  # SVE2 at 128 bits: NEON's width
+        ("aarch64", GRAVITON3, None, "sve256_bf16_i8mm"),
+        ("aarch64", GRAVITON3, "neon", "neon"),
         ("aarch64", GRACE, "neon", "neon"),
         ("aarch64", GRAVITON2, None, "neon"),
         ("x86_64", SAPPHIRE_RAPIDS, None, "avx512_bf16"),
