@@ -69,39 +69,33 @@ def test_pools_left_to_decide_take_gpus_only_where_the_cluster_has_enough(
     multi_node,  # type: ignore[no-untyped-def]
 ) -> None:
     """Two GPUs: the verifier's rank and the prefill worker get one each (both land on the GPU
-    node, with no custom resource asked for); with TP = 2 the ranks take both and the prefill
-    worker runs on CPUs."""
+    node, with no custom resource asked for). How the cluster's GPUs are shared out when they
+    do not cover every actor (ranks first, the prefill worker on CPUs) is `resolve_gpus`'s
+    unit test (tests/unit/test_deployment_config.py); this checks the runtime asks the
+    cluster and places by the answer."""
     from cluster.runtime import Runtime
 
-    def start(tp: int) -> dict:  # type: ignore[type-arg]
-        config = from_dict(
-            {
-                "dtype": "float32",
-                "speculative": {"method": "ngram"},
-                "pools": {
-                    "prefill": {"replicas": 1, "resources": {"cpus": 0.5}},
-                    "verifier": {"tensor_parallel_size": tp, "resources": {"cpus": 0.5}},
-                    "drafter": {"replicas": 0, "method": "ngram"},
-                },
-            }
-        )
-        assert config.pools.verifier.resources.gpus is None  # the default: decide at start
-        runtime = Runtime.start(config)
-        try:
-            return {
-                "info": runtime.actor_info(),
-                "pools": runtime.config.pools,
-            }
-        finally:
-            runtime.shutdown()
-
-    one = start(1)
-    (verifier,), (prefill,) = one["info"]["verifiers"], one["info"]["prefill"]
+    config = from_dict(
+        {
+            "dtype": "float32",
+            "speculative": {"method": "ngram"},
+            "pools": {
+                "prefill": {"replicas": 1, "resources": {"cpus": 0.5}},
+                "verifier": {"resources": {"cpus": 0.5}},
+                "drafter": {"replicas": 0, "method": "ngram"},
+            },
+        }
+    )
+    assert config.pools.verifier.resources.gpus is None  # the default: decide at start
+    runtime = Runtime.start(config)
+    try:
+        info, pools = runtime.actor_info(), runtime.config.pools
+    finally:
+        runtime.shutdown()
+    (verifier,), (prefill,) = info["verifiers"], info["prefill"]
     assert len(verifier["gpu_ids"]) == len(prefill["gpu_ids"]) == 1
     assert verifier["node_id"] == prefill["node_id"] != multi_node.node_id
-    assert one["pools"].verifier.resources.gpus == one["pools"].prefill.resources.gpus == 1.0
-    two = start(2)["pools"]
-    assert two.verifier.resources.gpus == 1.0 and two.prefill.resources.gpus == 0.0
+    assert pools.verifier.resources.gpus == pools.prefill.resources.gpus == 1.0
 
 
 def test_an_actor_given_a_gpu_runs_its_models_there(monkeypatch: pytest.MonkeyPatch) -> None:
