@@ -22,9 +22,19 @@
 
 #include "simd.h"
 
-#define BLOCK 16      /* outputs per packed block */
-#define MAX_ROWS 8    /* input rows per tile */
-#define MAX_BLOCKS 4  /* blocks per tile */
+#define BLOCK 16 /* outputs per packed block */
+#if SIMD_F32X16_REGISTERS >= 32
+#define MAX_ROWS 8   /* input rows per tile */
+#define MAX_BLOCKS 4 /* blocks per tile */
+/* Blocks per tile for a tile of nr rows: as many as keep the sums within 24 registers. */
+static inline int tile_blocks(int nr) { return nr <= 6 ? 4 : 3; }
+#else
+/* Fewer vector registers (NEON's 32 hold 8 f32x16, SVE's at 256 bits 16): tiles of up to 4
+ * rows by 2 blocks, whose sums and weights fit in them. The tiling changes no output. */
+#define MAX_ROWS 4
+#define MAX_BLOCKS 2
+static inline int tile_blocks(int nr) { return nr <= 2 ? 2 : 1; }
+#endif
 
 /* Rows [r0, r0 + nr) against blocks [b0, b0 + nb): nr and nb are constants at each call site,
  * so the sums stay in registers. */
@@ -67,20 +77,28 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, const 
     }
 }
 
+#define TILE(NB, NR) tile(x, packed, bias, y, in, out, b0, NB, r0, NR)
+#if MAX_ROWS == 8
 #define TILE_ROWS(NB)                                                                    \
     switch (nr) {                                                                        \
-        case 1: tile(x, packed, bias, y, in, out, b0, NB, r0, 1); break;                 \
-        case 2: tile(x, packed, bias, y, in, out, b0, NB, r0, 2); break;                 \
-        case 3: tile(x, packed, bias, y, in, out, b0, NB, r0, 3); break;                 \
-        case 4: tile(x, packed, bias, y, in, out, b0, NB, r0, 4); break;                 \
-        case 5: tile(x, packed, bias, y, in, out, b0, NB, r0, 5); break;                 \
-        case 6: tile(x, packed, bias, y, in, out, b0, NB, r0, 6); break;                 \
-        case 7: tile(x, packed, bias, y, in, out, b0, NB, r0, 7); break;                 \
-        default: tile(x, packed, bias, y, in, out, b0, NB, r0, 8); break;                \
+        case 1: TILE(NB, 1); break;                                                      \
+        case 2: TILE(NB, 2); break;                                                      \
+        case 3: TILE(NB, 3); break;                                                      \
+        case 4: TILE(NB, 4); break;                                                      \
+        case 5: TILE(NB, 5); break;                                                      \
+        case 6: TILE(NB, 6); break;                                                      \
+        case 7: TILE(NB, 7); break;                                                      \
+        default: TILE(NB, 8); break;                                                     \
     }
-
-/* Blocks per tile for a tile of nr rows: as many as keep the sums within 24 registers. */
-static inline int tile_blocks(int nr) { return nr <= 6 ? 4 : 3; }
+#else
+#define TILE_ROWS(NB)                                                                    \
+    switch (nr) {                                                                        \
+        case 1: TILE(NB, 1); break;                                                      \
+        case 2: TILE(NB, 2); break;                                                      \
+        case 3: TILE(NB, 3); break;                                                      \
+        default: TILE(NB, 4); break;                                                     \
+    }
+#endif
 
 /* Blocks [first, last) of every input row. */
 static void blocks_range(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
@@ -92,9 +110,13 @@ static void blocks_range(const uint16_t *x, const uint16_t *packed, const uint16
             const int nr = rows - r0 < MAX_ROWS ? rows - r0 : MAX_ROWS;
             switch (nb) {
                 case 1: TILE_ROWS(1); break;
+#if MAX_BLOCKS == 4
                 case 2: TILE_ROWS(2); break;
                 case 3: TILE_ROWS(3); break;
                 default: TILE_ROWS(4); break;
+#else
+                default: TILE_ROWS(2); break;
+#endif
             }
         }
     }

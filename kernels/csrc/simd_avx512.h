@@ -12,6 +12,8 @@
 typedef __m512 f32x16;
 typedef __m512i i32x16;
 typedef __m512i u8x64;
+/* How many f32x16 the vector registers hold (zmm registers), for tile sizes. */
+#define SIMD_F32X16_REGISTERS 32
 typedef __mmask16 lanes16;
 typedef __mmask32 lanes32;
 

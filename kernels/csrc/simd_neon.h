@@ -30,6 +30,8 @@ typedef struct {
 typedef struct {
     uint8x16_t v[4];
 } u8x64;
+/* How many f32x16 the vector registers hold (32 registers of 4 lanes), for tile sizes. */
+#define SIMD_F32X16_REGISTERS 8
 typedef int lanes16; /* the first n lanes */
 typedef int lanes32;
 

@@ -42,6 +42,8 @@ typedef struct {
 typedef struct {
     sve_bf16 v[2];
 } bf16x32;
+/* How many f32x16 the vector registers hold (32 registers of 8 lanes), for tile sizes. */
+#define SIMD_F32X16_REGISTERS 16
 typedef int lanes16; /* the first n lanes */
 typedef int lanes32;
 
