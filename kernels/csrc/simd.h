@@ -37,6 +37,27 @@
 #error "kernels/csrc builds for x86-64 (AVX512) and AArch64 (NEON) only"
 #endif
 
+#ifdef SIMD_BF16X32_EVEN_ODD
+/* Builds without bf16 dot-product instructions hold 32 bf16 as their even and odd elements in
+ * fp32 (a bf16 is the high half of an fp32, so exactly). */
+
+/* The two bf16 at p, repeated in every pair of lanes. */
+static inline bf16x32 bf16x32_pair(const uint16_t *p) {
+    const uint32_t even = (uint32_t)p[0] << 16, odd = (uint32_t)p[1] << 16;
+    float e, o;
+    __builtin_memcpy(&e, &even, sizeof e);
+    __builtin_memcpy(&o, &odd, sizeof o);
+    const bf16x32 r = {f32x16_set1(e), f32x16_set1(o)};
+    return r;
+}
+
+/* acc[l] + a[2l] b[2l] + a[2l + 1] b[2l + 1]: two fused multiply-adds, the even products
+ * first (the products are exact). */
+static inline f32x16 bf16x32_dot(f32x16 acc, bf16x32 a, bf16x32 b) {
+    return f32x16_fma(a.odd, b.odd, f32x16_fma(a.even, b.even, acc));
+}
+#endif
+
 /* 16 fp32 -> bf16 in lanes 0..15 of out, round to nearest even (NaN stays a quiet NaN). */
 static inline void f32x16_store_bf16_all(uint16_t *out, f32x16 v) {
     f32x16_store_bf16(out, v, lanes16_first(16));

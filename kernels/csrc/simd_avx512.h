@@ -129,10 +129,11 @@ static inline bf16x32 bf16x32_pair(const uint16_t *p) {
     return (__m512bh)_mm512_set1_epi32(two);
 }
 #else
-/* 32 bf16 split into their even and odd elements as fp32. */
+/* 32 bf16 split into their even and odd elements as fp32 (simd.h: pair, dot). */
 typedef struct {
     __m512 even, odd;
 } bf16x32;
+#define SIMD_BF16X32_EVEN_ODD
 
 static inline bf16x32 bf16x32_load(const uint16_t *p, lanes32 m) {
     const __m512i raw = _mm512_maskz_loadu_epi16(m, p);
@@ -141,19 +142,6 @@ static inline bf16x32 bf16x32_load(const uint16_t *p, lanes32 m) {
     return r;
 }
 
-static inline bf16x32 bf16x32_pair(const uint16_t *p) {
-    uint32_t even = (uint32_t)p[0] << 16, odd = (uint32_t)p[1] << 16;
-    float e, o;
-    __builtin_memcpy(&e, &even, sizeof e);
-    __builtin_memcpy(&o, &odd, sizeof o);
-    const bf16x32 r = {_mm512_set1_ps(e), _mm512_set1_ps(o)};
-    return r;
-}
-
-/* acc[l] + a[2l] b[2l] + a[2l + 1] b[2l + 1], in fp32 (the products are exact). */
-static inline f32x16 bf16x32_dot(f32x16 acc, bf16x32 a, bf16x32 b) {
-    return _mm512_fmadd_ps(a.odd, b.odd, _mm512_fmadd_ps(a.even, b.even, acc));
-}
 #endif
 
 /* Sums each of the 16 vectors a[0..15] into lane m of the result (a transposing tree: 45

@@ -247,9 +247,11 @@ static inline f32x16 bf16x32_dot(f32x16 acc, bf16x32 a, bf16x32 b) {
     return acc;
 }
 #else
+/* 32 bf16 split into their even and odd elements as fp32 (simd.h: pair, dot). */
 typedef struct {
     f32x16 even, odd;
 } bf16x32;
+#define SIMD_BF16X32_EVEN_ODD
 
 static inline bf16x32 bf16x32_load(const uint16_t *p, lanes32 n) {
     uint32x4_t raw[4];
@@ -260,18 +262,6 @@ static inline bf16x32 bf16x32_load(const uint16_t *p, lanes32 n) {
         r.odd.v[i] = vreinterpretq_f32_u32(vandq_u32(raw[i], vdupq_n_u32(0xffff0000u)));
     }
     return r;
-}
-static inline bf16x32 bf16x32_pair(const uint16_t *p) {
-    uint32_t even = (uint32_t)p[0] << 16, odd = (uint32_t)p[1] << 16;
-    float e, o;
-    memcpy(&e, &even, sizeof e);
-    memcpy(&o, &odd, sizeof o);
-    const bf16x32 r = {f32x16_set1(e), f32x16_set1(o)};
-    return r;
-}
-/* The avx512f build's two FMAs: even products first, then odd. */
-static inline f32x16 bf16x32_dot(f32x16 acc, bf16x32 a, bf16x32 b) {
-    return f32x16_fma(a.odd, b.odd, f32x16_fma(a.even, b.even, acc));
 }
 #endif
 
