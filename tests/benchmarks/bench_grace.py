@@ -138,7 +138,9 @@ def main() -> None:
             "Grace here, and emulation (tests/arm64) shows our kernels' outputs on arm64, not "
             "their speed.",
             "",
-            f"- Our kernels' rate for one row on one core here, GB/s of weights: {rates}. A "
+            f"- Our kernels' rate for one row on one core here, GB/s of weights: {rates} (the "
+            "weights mostly in this machine's last-level cache: the kernels' arithmetic rate, "
+            "which one core's memory bandwidth does not bind here). A "
             f"Neoverse V2 core taken at {args.core_ratio:g}x that (four 128-bit vector pipes "
             "against two 512-bit ones).",
             f"- Grace's memory: {args.grace_gbps:.0f} GB/s (NVIDIA's figure for a GH200), "
@@ -163,8 +165,7 @@ def main() -> None:
         ]
     )
     print(body)
-    if not args.quick:
-        write_section("grace_estimate", body, args.output)
+    write_section("grace_estimate", body, args.output)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,12 @@ def test_bench_forward_quick_run(tmp_path: Path) -> None:
     assert "| bfloat16 | 8 |" in text and "dense HF folder" in text and "packed weights" in text
 
 
+def test_bench_grace_quick_run(tmp_path: Path) -> None:
+    text = quick_run("bench_grace", tmp_path)
+    assert "<!-- grace_estimate:start -->" in text and "An estimate, not a measurement" in text
+    assert "| EAGLE-3 head, Llama-3.1-8B shape, all q8_0 | 397.7 |" in text
+
+
 def test_bench_spec_quick_run(tmp_path: Path) -> None:
     text = quick_run("bench_spec", tmp_path)
     assert "<!-- bench_spec:start -->" in text or "<!-- bench_spec_avx512f:start -->" in text
