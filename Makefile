@@ -22,7 +22,7 @@ GENERATED := router/proto/generate_pb2.py
 serve: $(VENV)/.runtime $(GENERATED)
 	$(VENV)/bin/outrider serve --host $(HOST) --port $(PORT) $(SERVE_FLAGS)
 
-# The fast tier first (unit tests: kernels, engine, configs, docs; about a minute), stopping at
+# The fast tier first (unit tests: kernels, engine, configs, docs; about three minutes), stopping at
 # its first failure; then the slow tier (the bundled model against transformers, real Ray
 # clusters, routers over real Redis, HTTP and gRPC), with its slowest tests listed at the end.
 test: $(VENV)/.dev $(GENERATED) lint typecheck
