@@ -12,7 +12,8 @@ warm-up, in these phases:
 - **priority**: the heaviest flood again, its requests at `--batch-priority` (10: less urgent);
   the victim's (priority 0) are urgent requests beside a saturating batch.
 - **shares**: both keys busy, `--share-users` users each, for `--share-seconds`: each key's
-  generated tokens per second, its share against its weight.
+  generated tokens per second over the window (a request running at its end counts what it
+  had streamed), its share against its weight, and the second key's refusals.
 - **alone, after**: that nothing lingers.
 
 A refused flood request is sent again after `--flood-retry-s` (the default ignores the
@@ -32,8 +33,10 @@ import asyncio
 import html
 import itertools
 import json
+import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -199,30 +202,53 @@ async def run_shares(
     first: Client, second: Client, items: list[WorkItem], users: int, seconds: float
 ) -> PhaseResult:
     """Both keys busy (`users` each, closed loop) for `seconds`: each one's generated tokens
-    per second over the window (requests still running at its end count what they had)."""
+    per second over the window. A request still running at its end counts the tokens it had
+    streamed by then (its tokens times the share of its streamed pieces that came before the
+    end); the second key's refusals are counted by status."""
     stop = asyncio.Event()
-    tokens = {"first": 0, "second": 0}
+    stop_at = math.inf
+    tokens = {"first": 0.0, "second": 0.0}
+    served: Counter[str] = Counter()
 
     async def user(client: Client, which: str, start: int) -> None:
         for number in _cycle(len(items), start):
             if stop.is_set():
                 return
             record = RequestRecord("shares", client.api, which, 0.0)
+            sent = time.perf_counter()
             await client.send(items[number], record)
-            if record.ok and not stop.is_set():
-                tokens[which] += record.output_tokens
+            served[f"{which} {record.status}"] += 1
+            if record.ok:
+                tokens[which] += _tokens_before(record, stop_at - sent)
 
     tasks = [asyncio.ensure_future(user(first, "first", u)) for u in range(users)]
     tasks += [asyncio.ensure_future(user(second, "second", users + u)) for u in range(users)]
     await asyncio.sleep(seconds)
+    stop_at = time.perf_counter()
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     nan = float("nan")
+    refusals = {k.split(" ", 1)[1]: n for k, n in served.items() if k.startswith("second ")}
+    ok = refusals.pop("ok", 0)
     return PhaseResult(
         "shares", 0, 0, nan, nan, nan,
+        flood_served=ok,
+        flood_refused=sum(refusals.values()),
+        refusals=refusals,
         victim_tokens_per_s=tokens["first"] / seconds,
         flood_tokens_per_s=tokens["second"] / seconds,
     )  # fmt: skip
+
+
+def _tokens_before(record: RequestRecord, end: float) -> float:
+    """The tokens `record` streamed before `end` (seconds from its start): all of them where it
+    ended before, else its tokens times the share of its streamed pieces that came before."""
+    if record.latency is not None and record.latency <= end:
+        return float(record.output_tokens)
+    if not record.chunks:
+        return 0.0
+    before = sum(1 for t in record.chunks if t <= end)
+    return record.output_tokens * before / len(record.chunks)
 
 
 def _cycle(n: int, start: int) -> Iterator[int]:
@@ -296,10 +322,12 @@ def render(results: list[PhaseResult], info: dict[str, Any]) -> str:
         lines.append(f"Urgent requests beside a saturating batch: TTFT {urgent:.2f}x alone.")
     for r in results:
         if r.name == "shares":
+            refused = ", ".join(f"{n} x {status}" for status, n in sorted(r.refusals.items()))
             lines.append(
                 f"Both keys busy ({info.get('share_users')} users each, "
                 f"{info.get('share_seconds')} s): victim {r.victim_tokens_per_s:.0f} tokens/s, "
-                f"flooder {r.flood_tokens_per_s:.0f}: the victim's share {r.victim_share:.0%}."
+                f"flooder {r.flood_tokens_per_s:.0f}: the victim's share {r.victim_share:.0%}"
+                + (f" (the flooder refused {refused})." if refused else ".")
             )
     return "\n".join(lines) + "\n"
 

@@ -445,3 +445,19 @@ def test_the_chaos_command_refuses_unknown_faults(capsys: pytest.CaptureFixture[
 
     assert main(["chaos", "--faults", "drafter,gremlin"]) == 2
     assert "unknown faults ['gremlin']" in capsys.readouterr().err
+
+
+def test_a_shares_window_counts_what_a_running_request_had_streamed() -> None:
+    """load_tests fairness's shares phase: a request that ended inside the window counts all
+    its tokens, one still running at the end the share of its pieces streamed by then."""
+    from load_tests.fairness import _tokens_before
+
+    done = RequestRecord("shares", "chat", "first", 0.0, latency=0.5, output_tokens=8)
+    done.chunks = [0.1 * i for i in range(1, 5)]
+    assert _tokens_before(done, end=1.0) == 8
+    running = RequestRecord("shares", "chat", "first", 0.0, latency=2.0, output_tokens=10)
+    running.chunks = [0.2 * i for i in range(1, 11)]  # ten pieces, 0.2 s apart
+    assert _tokens_before(running, end=1.0) == pytest.approx(5.0)
+    assert _tokens_before(running, end=0.1) == 0.0
+    silent = RequestRecord("shares", "chat", "first", 0.0, latency=2.0, output_tokens=10)
+    assert _tokens_before(silent, end=1.0) == 0.0
