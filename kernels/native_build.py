@@ -3,19 +3,22 @@
 The library is built with the machine's C compiler (`$CC`, else `cc`) into Outrider's cache
 folder (`$OUTRIDER_CACHE_DIR/kernels`, else `~/.cache/outrider/kernels`), named by a hash of the
 sources and flags, so each machine builds it once (in about a second) and processes share it.
-It comes in two builds per architecture (`build_variant()`, native.py's `variant()`; the
-kernels' arithmetic is written once, kernels/csrc/simd.h, and the builds differ in the
-instructions that do it):
+It comes in several builds (`VARIANTS`; `build_variant()`, native.py's `variant()`, picks the
+best this CPU runs: `PREFERENCE`). The kernels' arithmetic is written once, kernels/csrc/simd.h,
+and the builds differ in the instructions that do it:
 - x86-64: "avx512_bf16", with the bf16 dot-product instructions and AMX, for CPUs that have
   them (Sapphire Rapids on; AMD Zen 4 lacks only AMX), and "avx512f", where each bf16 dot
   product is two fp32 FMAs, for AVX512 CPUs without them (Skylake to Ice Lake servers);
-- AArch64: "neon_bf16_i8mm" (Armv8.6's BFDOT and USDOT: Neoverse V1/V2, NVIDIA Grace,
-  Graviton 3 on) and "neon", any AArch64 CPU, with the avx512f build's arithmetic and bits.
-`OUTRIDER_NATIVE_KERNELS=avx512f` (or `=neon`) takes the second on any CPU of its architecture
-(to test it), `=0` neither. `python -m kernels.native` builds the library ahead and says which
-runs. Where none can be had (another CPU, no compiler, a failed build), native.py's
+- AArch64: "sve256_bf16_i8mm" (the next one's instructions on 256-bit SVE vectors: Neoverse
+  V1), "neon_bf16_i8mm" (Armv8.6's BFDOT and USDOT: NVIDIA Grace, whose SVE2 vectors are
+  NEON's 128 bits, Neoverse V2) and "neon", any AArch64 CPU, with the avx512f build's
+  arithmetic and bits.
+`OUTRIDER_NATIVE_KERNELS=avx512f` (or `=neon`) takes the baseline build on any CPU of its
+architecture (to test it), `=0` none. `python -m kernels.native` builds the library ahead and
+says which runs. Where none can be had (another CPU, no compiler, a failed build), native.py's
 `available()` is False and callers keep torch's kernels; its `unavailable_reason()` says why.
-tests/arm64 cross-builds the AArch64 builds and runs them under qemu-user (`flags`).
+tests/arm64 cross-builds the AArch64 builds and runs them under qemu-user (`variant_flags`,
+`compiled`).
 
 It is compiled with OpenMP and loaded after torch, so its parallel regions run on the OpenMP
 runtime torch already loaded (one thread pool, sized by `torch.get_num_threads()`).
@@ -32,6 +35,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -167,25 +171,41 @@ def prebuild() -> list[Path]:
 
 def compile_variant(variant: str, timeout: float = 120) -> Path:
     """The library's `variant` build for this machine's architecture, compiled now unless the
-    cache holds it (named by a hash of the flags and sources)."""
+    cache holds it."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise Unavailable("no C compiler (set CC)")
     flags = variant_flags(variant)
+    return compiled(
+        compiler, flags, SOURCES, _cache_root() / "kernels", "outrider-cpu", ".so", timeout
+    )
+
+
+def compiled(
+    compiler: str,
+    flags: Sequence[str],
+    sources: Sequence[Path],
+    folder: Path,
+    stem: str,
+    suffix: str = "",
+    timeout: float = 120,
+) -> Path:
+    """`sources` compiled and linked with `flags` into `folder`, named `stem`, a hash of the
+    flags, the sources and kernels/csrc's headers, and `suffix`; built now unless that file is
+    there. Raises Unavailable with the compiler's complaint when it fails."""
     digest = hashlib.sha256(" ".join(flags).encode())
-    for source in SOURCES + HEADERS:
+    for source in (*sources, *HEADERS):
         digest.update(source.read_bytes())
-    cache = _cache_root() / "kernels"
-    target = cache / f"outrider-cpu-{digest.hexdigest()[:16]}.so"
+    target = folder / f"{stem}-{digest.hexdigest()[:16]}{suffix}"
     if target.exists():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: processes starting together never load half a file.
-    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=suffix)
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
+            [compiler, *flags, *map(str, sources), "-o", tmp, "-lm"],
             capture_output=True,
             text=True,
             timeout=timeout,

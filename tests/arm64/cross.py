@@ -8,13 +8,13 @@ the plain-torch references.
 A machine is a build and the CPU it runs on: "neon" on a Cortex-A72 (Armv8.0: no dot-product,
 BF16 or int8 matrix instructions, so the build cannot have used one), "neon_bf16_i8mm" on
 qemu's `max` CPU with a 128-bit and a 256-bit SVE vector length (what Grace and Graviton 3
-report; the build's NEON code must not care).
+report; the build's NEON code must not care), "sve256_bf16_i8mm" on `max` with 256-bit
+vectors (Neoverse V1's).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import shutil
 import struct
@@ -71,20 +71,6 @@ class Buffer:
     shape: tuple[int, ...]
     nbytes: int
 
-    def at(self, *index: int) -> Pointer:
-        """A pointer to the element at `index` (row-major) of this buffer."""
-        strides = [1] * len(self.shape)
-        for d in range(len(self.shape) - 2, -1, -1):
-            strides[d] = strides[d + 1] * self.shape[d + 1]
-        element = sum(i * s for i, s in zip(index, strides, strict=False))
-        return Pointer(self, element * self.dtype.itemsize)
-
-
-@dataclass(frozen=True)
-class Pointer:
-    buffer: Buffer
-    offset: int  # bytes
-
 
 @dataclass
 class Script:
@@ -103,8 +89,8 @@ class Script:
         return self._add(dtype, shape, None)
 
     def call(self, kernel: str, *args: object) -> None:
-        """A call of `kernel` (a function of kernels/csrc, by its C name) with buffers or
-        pointers into them, None (NULL), ints and floats, in the C signature's order."""
+        """A call of `kernel` (a function of kernels/csrc, by its C name) with buffers (their
+        first byte), None (NULL), ints and floats, in the C signature's order."""
         self.calls.append((kernel, args))
 
     def _add(self, dtype: torch.dtype, shape: tuple[int, ...], data: bytes | None) -> Buffer:
@@ -133,10 +119,8 @@ class Script:
 
 
 def _encode_arg(arg: object) -> bytes:
-    if isinstance(arg, Buffer):
-        arg = Pointer(arg, 0)
-    if isinstance(arg, Pointer):
-        return b"p" + struct.pack("<IQ", arg.buffer.index, arg.offset)
+    if isinstance(arg, Buffer):  # a pointer to its first byte
+        return b"p" + struct.pack("<IQ", arg.index, 0)
     if arg is None:
         return b"n"
     if isinstance(arg, bool) or not isinstance(arg, int | float):
@@ -170,30 +154,10 @@ def harness(variant: str) -> Path:
     if arch == "aarch64":
         flags.append("-static")  # qemu-user then needs no AArch64 loader or libraries
     sources = [*native_build.SOURCES, HARNESS]
-    digest = hashlib.sha256(" ".join([compiler, *flags]).encode())
-    for source in (*sources, *native_build.HEADERS):
-        digest.update(source.read_bytes())
     folder = native_build._cache_root() / "cross"
-    program = folder / f"harness-{variant}-{digest.hexdigest()[:16]}"
-    if program.exists():
-        return program
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = program.with_suffix(f".{os.getpid()}.tmp")
-    command = [
-        compiler,
-        *flags,
-        "-I",
-        str(native_build.CSRC),
-        *map(str, sources),
-        "-o",
-        str(tmp),
-        "-lm",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"building the {variant} harness failed: {done.stderr.strip()[-2000:]}")
-    os.replace(tmp, program)
-    return program
+    return native_build.compiled(
+        compiler, flags, sources, folder, f"harness-{variant}", timeout=600
+    )
 
 
 def _omp_env() -> dict[str, str]:
