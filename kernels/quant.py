@@ -191,6 +191,13 @@ class QuantizedWeight:
 Weight = torch.Tensor | QuantizedWeight  # a projection's weight, as a model holds it
 
 
+def weight_nbytes(weight: Weight) -> int:
+    """The bytes a pass over `weight` reads: its blocks and scales, or its elements."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.nbytes
+    return weight.numel() * weight.element_size()
+
+
 def from_codes(
     kind: str,
     codes: torch.Tensor,  # uint8 [out, in]: unsigned codes in natural order

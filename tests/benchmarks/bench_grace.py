@@ -25,7 +25,7 @@ import math
 import torch
 
 from kernels.linear import WeightPacks
-from kernels.quant import QuantizedWeight
+from kernels.quant import QuantizedWeight, Weight, weight_nbytes
 from tests.benchmarks.report import bench_parser, machine_line, median_time, table, write_section
 
 GRACE_GBPS = 500.0  # NVIDIA's figure for a GH200's LPDDR5X (up to 480 GB of it)
@@ -45,7 +45,7 @@ HEAD_8B_WEIGHTS = (
 BITS = {"bf16": 16.0, "q8_0": 8.5, "q4_1": 5.0}
 
 
-def core_gbps(weights: list[torch.Tensor | QuantizedWeight], reps: int) -> float:
+def core_gbps(weights: list[Weight], reps: int) -> float:
     """The rate (GB/s of weights) at which one thread's projections of one bf16 row go through
     `weights` on our kernels (kernels/linear.py, kernels/quant.py: what a drafter calls)."""
     rows = [torch.randn(1, w.shape[1]).bfloat16() for w in weights]
@@ -62,11 +62,7 @@ def core_gbps(weights: list[torch.Tensor | QuantizedWeight], reps: int) -> float
             seconds = median_time(step, reps)
     finally:
         torch.set_num_threads(threads)
-    return sum(nbytes(w) for w in weights) / seconds / 1e9
-
-
-def nbytes(w: torch.Tensor | QuantizedWeight) -> int:
-    return w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+    return sum(weight_nbytes(w) for w in weights) / seconds / 1e9
 
 
 def main() -> None:
@@ -89,7 +85,7 @@ def main() -> None:
     dense = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight]
     dense += [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
     assert isinstance(head.lm_head, QuantizedWeight)
-    by_kind: dict[str, list[torch.Tensor | QuantizedWeight]] = {"bf16": list(dense)}
+    by_kind: dict[str, list[Weight]] = {"bf16": list(dense)}
     for w in checkpoint.weights.values():
         if isinstance(w, QuantizedWeight) and w.kind in BITS:
             by_kind.setdefault(w.kind, []).append(w)
@@ -101,7 +97,7 @@ def main() -> None:
     drafters = [
         (
             "EAGLE-3 head, bundled model (bf16 layer, Q8_0 LM head)",
-            [("bf16", sum(nbytes(w) for w in dense)), (lm_head.kind, lm_head.nbytes)],
+            [("bf16", sum(weight_nbytes(w) for w in dense)), (lm_head.kind, lm_head.nbytes)],
         ),
     ]
     for kind in ("bf16", "q8_0", "q4_1"):

@@ -26,7 +26,7 @@ from kernels.attention import AttentionBackend, AttentionMetadata, NativeCpuAtte
 from kernels.attention_invariant import InvariantAttention
 from kernels.linear import WeightPacks
 from kernels.norm import rms_norm
-from kernels.quant import QuantizedWeight, Weight, cat_rows
+from kernels.quant import QuantizedWeight, Weight, cat_rows, weight_nbytes
 from kernels.rotary import RotaryAngles, rope_cos_sin, rotate_and_store
 from workers.model.config import ModelConfig
 
@@ -362,10 +362,7 @@ class TransformerLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             weights += [attn.qkv_proj.weight, attn.o_proj.weight]
             weights += [mlp.gate_up_proj.weight, mlp.down_proj.weight]
-        return sum(
-            w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
-            for w in weights
-        )
+        return sum(map(weight_nbytes, weights))
 
     def forward(
         self,
