@@ -106,9 +106,29 @@ def first_layer(checkpoint: Checkpoint) -> Layer:
     )
 
 
-def _steps() -> list[tuple[int, int]]:
-    """(first position, tokens) of the prefill and the decode step."""
-    return [(0, len(PROMPT)), (len(PROMPT), 1)]
+@dataclass(frozen=True)
+class Step:
+    """The prefill or the decode step: its tokens' positions, cache slots and inputs."""
+
+    h: torch.Tensor  # bf16 [n, hidden]: the tokens' embeddings
+    positions: torch.Tensor  # int64 [n]
+    slots: torch.Tensor  # int64 [n]
+    lens: list[torch.Tensor]  # int32 [1] each: the query start, query length, sequence length
+
+    @property
+    def n(self) -> int:
+        return self.h.shape[0]
+
+
+def _steps(layer: Layer) -> list[Step]:
+    steps = []
+    for first, h in zip((0, len(PROMPT)), layer.inputs, strict=True):
+        n = h.shape[0]
+        positions = torch.arange(first, first + n)
+        slots = [BLOCK_TABLE[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+        lens = [torch.tensor([v], dtype=torch.int32) for v in (0, n, first + n)]
+        steps.append(Step(h, positions, torch.tensor(slots), lens))
+    return steps
 
 
 def layer_script(layer: Layer) -> tuple[Script, list[Buffer]]:
@@ -123,12 +143,9 @@ def layer_script(layer: Layer) -> tuple[Script, list[Buffer]]:
     input_norm, post_norm = s.tensor(layer.input_norm), s.tensor(layer.post_norm)
     outputs: list[Buffer] = []
     hidden, q_size = layer.hidden, layer.num_heads * layer.head_dim
-    for (first, n), h in zip(_steps(), layer.inputs, strict=True):
-        positions = torch.arange(first, first + n)
-        slots = torch.tensor(
-            [BLOCK_TABLE[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
-        )
-        x = s.tensor(h)
+    for step in _steps(layer):
+        n = step.n
+        x = s.tensor(step.h)
         qkv = s.zeros(n, layer.qkv_width, dtype=torch.bfloat16)
         qkv_weight = weights["qkv"]
         s.call(
@@ -155,18 +172,17 @@ def layer_script(layer: Layer) -> tuple[Script, list[Buffer]]:
             layer.num_heads,
             layer.kv_heads,
             layer.head_dim,
-            s.tensor(positions),
+            s.tensor(step.positions),
             cos,
             sin,
             MAX_POSITIONS,
-            s.tensor(slots),
+            s.tensor(step.slots),
             NUM_BLOCKS * BLOCK_SIZE,
             k_cache,
             v_cache,
             THREADS,
         )
         attn = s.zeros(n, q_size, dtype=torch.bfloat16)
-        ints = [s.tensor(torch.tensor([v], dtype=torch.int32)) for v in (0, n, first + n)]
         s.call(
             "outrider_paged_attention_bf16",
             qkv,
@@ -175,7 +191,7 @@ def layer_script(layer: Layer) -> tuple[Script, list[Buffer]]:
             v_cache,
             table,
             len(BLOCK_TABLE),
-            *ints,
+            *(s.tensor(t) for t in step.lens),
             1,
             layer.num_heads,
             layer.kv_heads,
@@ -237,19 +253,15 @@ def layer_on_this_host(layer: Layer) -> list[torch.Tensor]:
     )
     table = torch.tensor([BLOCK_TABLE], dtype=torch.int32)
     q_size, out = layer.num_heads * layer.head_dim, []
-    for (first, n), h in zip(_steps(), layer.inputs, strict=True):
-        positions = torch.arange(first, first + n)
-        slots = torch.tensor(
-            [BLOCK_TABLE[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
-        )
+    for step in _steps(layer):
+        n, h = step.n, step.h
         qkv, _ = quant.norm_linear(h, None, layer.input_norm, layer.eps, layer.qkv)
         native.rotary_kv_bf16(
-            qkv, layer.num_heads, positions, layer.cos, layer.sin, slots, k_cache, v_cache
+            qkv, layer.num_heads, step.positions, layer.cos, layer.sin, step.slots, k_cache, v_cache
         )
         q = qkv[:, :q_size].view(n, layer.num_heads, layer.head_dim)
         attn = torch.empty(n, layer.num_heads, layer.head_dim, dtype=torch.bfloat16)
-        lens = [torch.tensor([v], dtype=torch.int32) for v in (0, n, first + n)]
-        native.paged_attention(q, k_cache, v_cache, table, *lens, layer.head_dim**-0.5, attn)
+        native.paged_attention(q, k_cache, v_cache, table, *step.lens, layer.head_dim**-0.5, attn)
         o = quant.linear(attn.view(n, q_size), layer.o)
         gate_up, stream = quant.norm_linear(o, h, layer.post_norm, layer.eps, layer.gate_up)
         out += [quant.silu_linear(gate_up, layer.down), stream]
