@@ -66,7 +66,8 @@ def unavailable_reason() -> str | None:
 
 def variant() -> str | None:
     """The build that runs here (kernels/native_build.py's VARIANTS: "avx512_bf16" or
-    "avx512f" on x86-64, "neon_bf16_i8mm" or "neon" on AArch64), or None when none can."""
+    "avx512f" on x86-64, "sve256_bf16_i8mm", "neon_bf16_i8mm" or "neon" on AArch64), or None
+    when none can."""
     return native_build.build_variant() if available() else None
 
 

@@ -12,8 +12,8 @@
  *     sum w x = d dx sum(u q) + m sx
  *
  * and sum(u q) is exact in int32: AVX512-VNNI's VPDPBUSD multiplies 64 unsigned bytes by 64
- * signed ones and adds each four into an int32 lane (simd.h's `dot_u8s8`, emulated exactly where
- * the CPU lacks it). Where m = c d (c = -8, -16, -128), m sx is the integer c sum(q) added to
+ * signed ones and adds each four into an int32 lane (simd.h's `dot_u8s8`: USDOT on arm64 with
+ * the int8 matrix extension, emulated exactly where a CPU lacks both). Where m = c d (c = -8, -16, -128), m sx is the integer c sum(q) added to
  * sum(u q) before the scaling.
  *
  * Layout (kernels/quant.py): outputs go sixteen at a time (a panel), and a panel's block of 32

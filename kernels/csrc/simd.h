@@ -1,7 +1,7 @@
 /* The vector vocabulary the kernels in this folder are written in, and OpenMP work sharing.
  *
- * Each kernel's arithmetic is written once, against the types and operations below; two headers
- * give them instructions: simd_avx512.h on x86-64 (AVX512, with AVX512-BF16/VNNI where the build
+ * Each kernel's arithmetic is written once, against the types and operations below; three
+ * headers give them instructions: simd_avx512.h on x86-64 (AVX512, with AVX512-BF16/VNNI where the build
  * has them), simd_neon.h on AArch64 (NEON, with the BF16 and int8 matrix extensions where the
  * build has them) and simd_sve.h on AArch64 with 256-bit SVE. Each holds a vector of 16 fp32
  * lanes (`f32x16`: one zmm register, four NEON registers, two SVE ones) and does each
@@ -34,7 +34,7 @@
 #elif defined(__aarch64__)
 #include "simd_neon.h"
 #else
-#error "kernels/csrc builds for x86-64 (AVX512) and AArch64 (NEON) only"
+#error "kernels/csrc builds for x86-64 (AVX512) and AArch64 (NEON, SVE) only"
 #endif
 
 #ifdef SIMD_BF16X32_EVEN_ODD
