@@ -208,7 +208,7 @@ async def run_shares(
     stop = asyncio.Event()
     stop_at = math.inf
     tokens = {"first": 0.0, "second": 0.0}
-    served: Counter[str] = Counter()
+    flood_statuses: Counter[str] = Counter()
 
     async def user(client: Client, which: str, start: int) -> None:
         for number in _cycle(len(items), start):
@@ -217,7 +217,8 @@ async def run_shares(
             record = RequestRecord("shares", client.api, which, 0.0)
             sent = time.perf_counter()
             await client.send(items[number], record)
-            served[f"{which} {record.status}"] += 1
+            if which == "second":
+                flood_statuses[record.status] += 1
             if record.ok:
                 tokens[which] += _tokens_before(record, stop_at - sent)
 
@@ -227,17 +228,11 @@ async def run_shares(
     stop_at = time.perf_counter()
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
-    nan = float("nan")
-    refusals = {k.split(" ", 1)[1]: n for k, n in served.items() if k.startswith("second ")}
-    ok = refusals.pop("ok", 0)
-    return PhaseResult(
-        "shares", 0, 0, nan, nan, nan,
-        flood_served=ok,
-        flood_refused=sum(refusals.values()),
-        refusals=refusals,
+    return replace(
+        summarize("shares", [], dict(flood_statuses)),
         victim_tokens_per_s=tokens["first"] / seconds,
         flood_tokens_per_s=tokens["second"] / seconds,
-    )  # fmt: skip
+    )
 
 
 def _tokens_before(record: RequestRecord, end: float) -> float:
