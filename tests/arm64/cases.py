@@ -11,6 +11,7 @@ from kernels import quant
 from kernels.quant import QuantizedWeight
 from kernels.rotary import rope_cos_sin
 from tests.arm64.cross import Buffer, Script
+from tests.unit.test_attention import reference_attention
 
 THREADS = 2
 BF16_TOLERANCE = (2**-8, 1e-3)  # rtol, atol: tests/unit/test_native_kernels.py's for bf16
@@ -43,8 +44,8 @@ def kernel_script(seed: int = 0) -> tuple[Script, list[Case]]:
 
 
 def randn(
-    gen: torch.Generator, *shape: int, scale: float = 1.0, dtype=torch.bfloat16
-) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    gen: torch.Generator, *shape: int, scale: float = 1.0, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
@@ -378,20 +379,9 @@ def _attention(
         keys = k[rows].reshape(-1, kv_heads, head_dim)[:s_len].double()
         values = v[rows].reshape(-1, kv_heads, head_dim)[:s_len].double()
         first = int(starts[s])
-        expected[first : first + q_len] = _attend(
+        expected[first : first + q_len] = reference_attention(
             q[first : first + q_len].double(), keys, values, scale
         )
     bf16 = dtype == torch.bfloat16
     tolerance = ATTENTION_BF16_TOLERANCE if bf16 else F32_TOLERANCE
     cases.append(Case(f"{kernel}[head_dim {head_dim}]", out, expected, tolerance, bf16_dot=bf16))
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal, end-aligned attention of q [q_len, H, D] over k, v [s_len, KVH, D], in fp64."""
-    q_len, s_len = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    allowed = torch.arange(s_len)[None, :] <= (s_len - q_len + torch.arange(q_len))[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
