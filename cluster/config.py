@@ -222,6 +222,9 @@ class DeploymentConfig:
             "pools.prefill.min_remote_prompt_tokens",
             "must be >= 0",
         )
+        for name in ("timeout_s", "min_tokens_per_s", "retry_after_s"):
+            value = getattr(p.prefill, name)
+            _check(value > 0, f"pools.prefill.{name}", f"must be positive, got {value}")
         _check(p.verifier.groups >= 1, "pools.verifier.groups", "must be >= 1")
         tp = p.verifier.tensor_parallel_size
         _check(

@@ -151,8 +151,9 @@ VERIFIER = (
     MetricSpec(
         "outrider_remote_prefill_requests",
         COUNTER,
-        "Prompts by where they were prefilled: remote (a prefill worker), local, or failed "
-        "(a worker failed, so prefilled here)",
+        "Prompts by where they were prefilled: remote (a prefill worker), local, failed "
+        "(a worker failed or was not back in time, so prefilled here) or passed_over (the "
+        "worker failed within pools.prefill.retry_after_s, so prefilled here)",
         ("outcome",),
     ),
 )
@@ -219,7 +220,12 @@ COMMON = (
 )
 
 # The verifier's prefill counts (cluster/verifier.py `prefill_stats`) by their metric's outcome.
-PREFILL_OUTCOMES = {"remote": "remote", "local": "local", "failures": "failed"}
+PREFILL_OUTCOMES = {
+    "remote": "remote",
+    "local": "local",
+    "failures": "failed",
+    "passed_over": "passed_over",
+}
 
 POOLS = {"verifier": VERIFIER + COMMON, "prefill": PREFILL + COMMON, "drafter": DRAFTER + COMMON}
 ALL = VERIFIER + PREFILL + DRAFTER + COMMON

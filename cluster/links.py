@@ -22,6 +22,7 @@ can rebuild the link once the peer is back.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 from dataclasses import dataclass
@@ -59,6 +60,22 @@ def node_address() -> str:
     except ImportError:
         pass
     return socket.gethostbyname(socket.gethostname())
+
+
+def gloo_options(timeout: datetime.timedelta) -> Any:
+    """Gloo's options with its device bound to `node_address()`, the address the peers dial.
+    Gloo's own default binds what the machine's hostname resolves to, which on many hosts
+    (Debian's 127.0.1.1, a container without DNS) is a loopback address that a member on
+    another host cannot reach. GLOO_SOCKET_IFNAME, where set, names the interface instead."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        device = dist.ProcessGroupGloo.create_device(interface=interface)
+    else:
+        device = dist.ProcessGroupGloo.create_device(hostname=node_address())
+    options._devices = [device]
+    return options
 
 
 def link_backend(*devices: torch.device | str) -> str:
@@ -125,7 +142,7 @@ class TensorLink:
                 self._group = dist.ProcessGroupNCCL(store, self.rank, world, options)
             else:
                 self._group = dist.ProcessGroupGloo(
-                    store, self.rank, self.address.world, self.timeout
+                    store, self.rank, self.address.world, gloo_options(self.timeout)
                 )
         except RuntimeError as err:
             raise LinkError(f"link {self.address.link_id}: could not connect: {err}") from err

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ from workers.engine.outputs import RequestOutput
 log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 5.0  # how often a client tells each verifier it reads from that it is alive
 CLIENT_TIMEOUT_S = 30.0  # a client silent this long is gone: its stream ends, its requests too
+POLL_WAIT_S = 1.0  # through Ray Client: how long one poll waits on the verifier for outputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +85,27 @@ class ClientChannel:
 
     async def batches(self) -> AsyncIterator[Batch]:
         """Everything put since the last batch, as soon as there is something; until closed."""
-        while True:
-            await self._ready.wait()
-            if self.closed:
-                return
-            self._ready.clear()
-            items, self._items = self._items, []
+        while (items := await self.take()) is not None:
             yield items
 
+    async def take(self, wait_s: float | None = None) -> Batch | None:
+        """Everything put since the last take, once there is something or `wait_s` has passed
+        (then possibly nothing); None once closed."""
+        if not self._ready.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), wait_s)
+        if self.closed:
+            return None
+        self._ready.clear()
+        items, self._items = self._items, []
+        return items
 
-async def close_silent(channels: dict[str, ClientChannel]) -> None:
-    """Close, from now on, the channels whose clients stopped saying they are alive."""
+
+async def close_silent(
+    channels: dict[str, ClientChannel], on_close: Callable[[str, ClientChannel], None]
+) -> None:
+    """Close, from now on, the channels whose clients stopped saying they are alive, and hand
+    each to `on_close` (a polled channel has no stream whose end would)."""
     while True:
         await asyncio.sleep(KEEP_ALIVE_S)
         now = time.monotonic()
@@ -102,6 +113,7 @@ async def close_silent(channels: dict[str, ClientChannel]) -> None:
             if not channel.closed and now - channel.seen > CLIENT_TIMEOUT_S:
                 log.warning("client %s is gone; its requests end", client)
                 channel.close()
+                on_close(client, channel)
 
 
 def client_id() -> str:
@@ -170,10 +182,15 @@ class GroupOutputs:
         self._inboxes: dict[str, Inbox] = {}
         self._lock = threading.Lock()
         self.failure: BaseException | None = None  # what broke the stream
-        self._generator = verifier.outputs.options(num_returns="streaming").remote(self.client)
+        self._closed = threading.Event()
+        self._generator: Any = None
+        if ray_client_connected():
+            self._batches = self._polled()
+        else:
+            self._generator = verifier.outputs.options(num_returns="streaming").remote(self.client)
+            self._batches = self._streamed()
         self._thread = threading.Thread(target=self._read, name=f"outputs-{name}", daemon=True)
         self._thread.start()
-        self._closed = threading.Event()
         self._alive = threading.Thread(target=self._keep_alive, name=f"alive-{name}", daemon=True)
         self._alive.start()
 
@@ -205,7 +222,8 @@ class GroupOutputs:
         import ray
 
         self._closed.set()
-        ray.cancel(self._generator)
+        if self._generator is not None:
+            ray.cancel(self._generator)
         self._alive.join(timeout_s)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -218,13 +236,29 @@ class GroupOutputs:
             except Exception:  # Ray is shutting down: the stream fails too
                 return
 
-    def _read(self) -> None:
+    def _streamed(self) -> Iterator[Batch]:
         import ray
 
+        for ref in self._generator:
+            yield ray.get(ref)
+
+    def _polled(self) -> Iterator[Batch]:
+        """Through Ray Client, which has no streaming calls: a call a batch, each waiting at
+        most `POLL_WAIT_S` on the verifier for outputs, until this side closes or that one."""
+        import ray
+
+        while not self._closed.is_set():
+            batch = ray.get(self.verifier.poll_outputs.remote(self.client, POLL_WAIT_S))
+            if batch is None:
+                return
+            if batch:
+                yield batch
+
+    def _read(self) -> None:
         failure: BaseException
         try:
-            for ref in self._generator:
-                self._hand_out(ray.get(ref))
+            for batch in self._batches:
+                self._hand_out(batch)
             failure = ConnectionError(f"the output stream of {self.name} ended")
         except BaseException as exc:  # the verifier died, restarted or was shut down
             failure = exc
@@ -239,6 +273,14 @@ class GroupOutputs:
             inboxes = self._inboxes
             delivered = [(inboxes[rid], item) for rid, item in batch if rid in inboxes]
         _put_all(delivered)
+
+
+def ray_client_connected() -> bool:
+    """Whether this process reaches Ray through Ray Client (`ray://`): a router pod of the
+    chart does. Ray Client has no streaming calls, so its output channels poll."""
+    from ray.util.client import ray as client_ray
+
+    return bool(client_ray.is_connected())
 
 
 def _put_all(delivered: Sequence[tuple[Inbox, Item]]) -> None:

@@ -43,7 +43,17 @@ class PrefillPool:
     replicas: int = 1  # 0: verifiers prefill their own prompts
     # Prompts shorter than this prefill on the verifier (conditional disaggregation).
     min_remote_prompt_tokens: int = 256
+    # A remote prefill not back within timeout_s plus its tokens at min_tokens_per_s is given
+    # up (the verifier prefills the prompt itself), and the worker is passed over for
+    # retry_after_s: a worker cut off costs a request that long, not the link's timeout.
+    timeout_s: float = 3.0
+    min_tokens_per_s: float = 500.0
+    retry_after_s: float = 10.0
     resources: Resources = field(default_factory=Resources)
+
+    def deadline_s(self, tokens: int) -> float:
+        """How long a remote prefill of `tokens` tokens may take."""
+        return self.timeout_s + tokens / self.min_tokens_per_s
 
 
 @dataclass(frozen=True, slots=True)

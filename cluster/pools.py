@@ -96,6 +96,14 @@ def connect_ray(config: DeploymentConfig, address: str | None, num_cpus: int | N
                 raise
             ray.shutdown()
             time.sleep(3.0)
+        except ConnectionError as err:
+            # Ray Client's proxy starts a server process per client, which now and then dies
+            # as it starts ("Initialization failure from server"); the next one comes up.
+            if not (address or "").startswith("ray://") or attempt == 2:
+                raise
+            log.warning("joining %s failed, trying again: %s", address, err)
+            ray.shutdown()
+            time.sleep(1.0)
     raise AssertionError("unreachable")
 
 

@@ -16,11 +16,19 @@ A drafter that died (its actor restarted by Ray, or replaced) comes back empty. 
 channel and re-adds every live sequence with its whole token history; a feature-reading drafter
 then starts its context at the next features it gets. Output stays exactly the target's either
 way: drafts only ever change speed.
+
+A drafter that stops answering without closing anything (its host cut off, or hung) is taken
+for lost once its replies have been late for `LOST_AFTER_S` in all since its last answer, so
+a partition costs the verifier's streams about that long once, not a deadline every step. The
+connection is rebuilt on a thread of its own (`RECONNECT_EVERY_S` apart): building it waits on
+Ray and on the link's timeout, which the engine's thread must never do. Until it is back the
+engine verifies without drafts.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -35,6 +43,8 @@ from workers.drafting.base import Draft, Drafter, DraftRequest
 from workers.engine.sampling_params import SamplingParams
 
 MAX_SERVED_RECORDS = 10_000
+LOST_AFTER_S = 2.0  # late replies for this long in all since the last answer: the drafter is lost
+RECONNECT_EVERY_S = 1.0  # between attempts to rebuild a lost drafter's connection
 log = logging.getLogger(__name__)
 
 
@@ -111,6 +121,13 @@ class _Tracked:
     tokens: list[int] = field(default_factory=list)  # committed output
 
 
+@dataclass(frozen=True, slots=True)
+class _Connection:
+    link: TensorLink
+    channel: StepClient
+    incarnation: int
+
+
 @dataclass(slots=True)
 class RemoteStats:
     steps: int = 0
@@ -151,7 +168,11 @@ class RemoteDrafter(Drafter):
         self._link: TensorLink | None = None
         self._channel: StepClient | None = None
         self._incarnation: int | None = None
-        self._connect()
+        self._late_s = 0.0  # waited in vain since the last reply
+        self._reconnecting: threading.Thread | None = None
+        self._made: _Connection | None = None  # a reconnection's, until the engine takes it
+        self._next_attempt = 0.0
+        self._install(self._open())
 
     # -- the Drafter boundary, buffered --------------------------------------------------------
 
@@ -181,7 +202,7 @@ class RemoteDrafter(Drafter):
     def submit(self, requests: Sequence[DraftRequest]) -> int | None:
         """Send this step's events and requests; returns the message's sequence number for
         `collect` (None when the drafter is down)."""
-        if self._incarnation is None and not self._reconnect():
+        if self._incarnation is None and not self._reconnected():
             self._drop_buffer()  # the drafter is down; its state is rebuilt when it is back
             return None
         message = DraftStep(self._incarnation or 0, self._events, list(requests))
@@ -214,12 +235,19 @@ class RemoteDrafter(Drafter):
             reply: DraftReply | Failure = self._channel.reply(seq, deadline)
         except ChannelTimeout:
             self.stats.late += 1
+            self._late_s += time.perf_counter() - start
+            if self._late_s >= LOST_AFTER_S:
+                log.warning(
+                    "%s: no answer for %.1f s; drafting without it", self.name, self._late_s
+                )
+                self._lost()
             return {}
         except ChannelError:
             self._lost()
             return {}
         finally:
             self.stats.wait_s += time.perf_counter() - start
+        self._late_s = 0.0
         if isinstance(reply, Failure):  # e.g. DrafterRestarted, or its link broke
             log.warning("%s: step failed: %s: %s", self.name, reply.kind, reply.message)
             self._lost()
@@ -233,36 +261,54 @@ class RemoteDrafter(Drafter):
         return drafts
 
     def _lost(self) -> None:
-        """The drafter failed or restarted: reconnect and re-add everything before next time."""
+        """The drafter failed, restarted or went silent: reconnect and re-add everything."""
         self.stats.failures += 1
         self._incarnation = None
+        self._late_s = 0.0
 
     # -- connection ----------------------------------------------------------------------------
 
-    def _connect(self) -> None:
+    def _open(self) -> _Connection:
+        """A new link and step channel to the actor (waits on Ray and on the link)."""
         import ray
 
         link = TensorLink.host(f"{self.name}-{time.time_ns()}", self.backend)
         joined = self.actor.open_link.remote(link.address)
         link.connect_racing(joined)  # collective with the actor's join
         handshake: Handshake = ray.get(joined, timeout=30)
+        return _Connection(link, StepClient(handshake.channel), handshake.incarnation)
+
+    def _install(self, made: _Connection) -> None:
         if self._channel is not None:
             self._channel.close()
-        self._channel = StepClient(handshake.channel)
-        self._incarnation = handshake.incarnation
-        self._link = link
+        self._link, self._channel, self._incarnation = made.link, made.channel, made.incarnation
 
-    def _reconnect(self) -> bool:
-        """After a failure: rebuild the link and re-add every live sequence."""
-        try:
-            self._connect()
-        except Exception:
+    def _reconnected(self) -> bool:
+        """Whether a connection rebuilt on the reconnecting thread is now in place (then every
+        live sequence is re-added); else an attempt is started when none runs and the last
+        was `RECONNECT_EVERY_S` ago. Never waits."""
+        made, self._made = self._made, None
+        if made is None:
+            running = self._reconnecting is not None and self._reconnecting.is_alive()
+            if not running and time.monotonic() >= self._next_attempt:
+                self._next_attempt = time.monotonic() + RECONNECT_EVERY_S
+                self._reconnecting = threading.Thread(
+                    target=self._attempt, name=f"reconnect-{self.name}", daemon=True
+                )
+                self._reconnecting.start()
             return False
+        self._install(made)
         self.stats.reconnects += 1
         self._drop_buffer()
         for rid, seq in self._seqs.items():
             self._events.append(("add", rid, seq.prompt + seq.tokens, seq.params))
         return True
+
+    def _attempt(self) -> None:
+        try:
+            self._made = self._open()
+        except Exception as err:  # still down: the next step starts another attempt
+            log.info("%s: reconnecting failed: %s: %s", self.name, type(err).__name__, err)
 
     def _drop_buffer(self) -> None:
         self._events, self._features = [], []

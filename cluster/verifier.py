@@ -150,6 +150,7 @@ class VerifierActor:
             "remote": 0,
             "local": 0,
             "failures": 0,
+            "passed_over": 0,  # prefilled here: the worker failed within retry_after_s
             "bytes": 0,
             "compute_s": 0.0,
             "transfer_s": 0.0,
@@ -164,17 +165,20 @@ class VerifierActor:
         self.loop = EngineLoop(loaded.engine, self._fatal)
         self.dtype = deployment.dtype
         self.min_remote_prompt = deployment.pools.prefill.min_remote_prompt_tokens
+        self.prefill_settings = deployment.pools.prefill
         self.prefill_names = list(prefill_names or [])
         self.prefill_actors = [
             ray.get_actor(n, namespace=RAY_NAMESPACE) for n in self.prefill_names
         ]
         self.prefill_links: list[TensorLink | None] = [None] * len(self.prefill_names)
         self.prefill_locks = [asyncio.Lock() for _ in self.prefill_names]
+        self.prefill_passed_over_until = [0.0] * len(self.prefill_names)  # after a failure
         self._next_prefill = 0
         self._prefilled_by: dict[str, str] = {}
         # Each client's output channel (cluster/output_channel.py), by its id; the requests
         # waiting for a remote prefill, and those of them aborted meanwhile
         self.channels: dict[str, ClientChannel] = {}
+        self._dropped: set[str] = set()  # clients whose channel ended (ids are not reused)
         self._closing: asyncio.Task[None] | None = None  # closes the silent ones
         self._prefilling: set[str] = set()
         self._aborted: set[str] = set()
@@ -259,26 +263,42 @@ class VerifierActor:
         layers = tuple(drafter.hidden_layers) if drafter is not None else ()
         index = self._next_prefill % len(self.prefill_actors)
         self._next_prefill += 1
+        if time.monotonic() < self.prefill_passed_over_until[index]:
+            self.prefill_stats["passed_over"] += 1
+            return None
         plan = plan_for(self.model_config, len(prompt_ids), layers, self.dtype)
         span = telemetry.tracer().start_span(
             "outrider.kv_transfer", context=telemetry.extract(carrier)
         )
         loop = asyncio.get_running_loop()
-        try:
+
+        async def prefill() -> tuple[Any, dict[str, Any]]:
             async with self.prefill_locks[index]:
                 link = await loop.run_in_executor(None, self._prefill_link, index)
                 ref: Any = self.prefill_actors[index].prefill.remote(prompt_ids, layers)
                 result = await loop.run_in_executor(None, receive, link, plan)
-                timing = await ref
+                return result, await ref
+
+        deadline_s = self.prefill_settings.deadline_s(len(prompt_ids))
+        try:
+            # A link's receive cannot be interrupted: given up, it stays blocked on its own
+            # thread until the link's timeout, and the link is not used again.
+            result, timing = await asyncio.wait_for(prefill(), deadline_s)
         except Exception as err:
+            if isinstance(err, TimeoutError):
+                err = TimeoutError(f"not back in {deadline_s:.1f} s")
             log.warning(
-                "remote prefill on %s failed (%s: %s); prefilling here",
+                "remote prefill on %s failed (%s: %s); prefilling here, and passing it over "
+                "for %.0f s",
                 self.prefill_names[index],
                 type(err).__name__,
                 err,
+                self.prefill_settings.retry_after_s,
             )
             self.prefill_stats["failures"] += 1
             self.prefill_links[index] = None
+            retry_at = time.monotonic() + self.prefill_settings.retry_after_s
+            self.prefill_passed_over_until[index] = retry_at
             span.end()
             return None
         span.set_attributes(
@@ -399,16 +419,39 @@ class VerifierActor:
     async def outputs(self, client: str) -> AsyncIterator[Batch]:
         """Client `client`'s channel: its requests' outputs, one message for all of them an
         engine step. When the stream ends (closed, or its client is gone) so do they."""
-        channel = self._channel(client)
-        if self._closing is None:
-            self._closing = asyncio.create_task(close_silent(self.channels))
+        channel = self._opened(client)
         try:
             async for batch in channel.batches():
                 yield batch
         finally:
-            self.channels.pop(client, None)
-            for request_id in list(channel.requests):
-                self._abort(request_id)
+            self._drop(client, channel)
+
+    async def poll_outputs(self, client: str, wait_s: float) -> Batch | None:
+        """`outputs` for a client without streaming calls (Ray Client): what its requests
+        produced since its last poll, waiting up to `wait_s` for something; None once its
+        channel is closed (its requests ended then). A poll says the client is alive."""
+        if client in self._dropped:
+            return None
+        channel = self._opened(client)
+        channel.seen = time.monotonic()
+        batch = await channel.take(wait_s)
+        if batch is None:
+            self._drop(client, channel)
+        return batch
+
+    def _opened(self, client: str) -> ClientChannel:
+        if self._closing is None:
+            self._closing = asyncio.create_task(close_silent(self.channels, self._drop))
+        return self._channel(client)
+
+    def _drop(self, client: str, channel: ClientChannel) -> None:
+        """A channel's end: its requests are aborted (again is a no-op)."""
+        if self.channels.get(client) is channel:
+            del self.channels[client]
+            self._dropped.add(client)  # a late poll must not open it again
+        for request_id in list(channel.requests):
+            self._abort(request_id)
+        channel.requests.clear()
 
 
 def _restart_ranks(ranks: list[Any]) -> None:

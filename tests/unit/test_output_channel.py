@@ -34,15 +34,41 @@ def test_a_channel_sends_what_gathered_since_its_last_message_at_once() -> None:
     assert asyncio.run(run()) == [["r0", "r1", "r2"], ["r0"]]
 
 
+def test_a_polled_channel_answers_at_once_with_what_waits_else_after_the_wait() -> None:
+    async def run() -> tuple[object, ...]:
+        channel = ClientChannel()
+        channel.put("r0", _step("r0", 1))
+        ready = await channel.take(10.0)  # something waits: no wait
+        started = time.monotonic()
+        empty = await channel.take(0.05)
+        waited = time.monotonic() - started
+        later = asyncio.get_running_loop().call_later(0.02, channel.put, "r1", _step("r1", 2))
+        woken = await channel.take(10.0)  # woken by the put, not the wait's end
+        later.cancel()
+        channel.close()
+        return (
+            [r for r, _ in ready or []],
+            empty,
+            waited >= 0.04,
+            [r for r, _ in woken or []],
+            (await channel.take(10.0)),
+        )
+
+    assert asyncio.run(run()) == (["r0"], [], True, ["r1"], None)
+
+
 def test_a_silent_clients_channel_is_closed_and_its_stream_ends(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(output_channel, "KEEP_ALIVE_S", 0.01)
     monkeypatch.setattr(output_channel, "CLIENT_TIMEOUT_S", 0.05)
 
+    dropped: list[str] = []
+
     async def run() -> tuple[bool, bool, list[object]]:
         silent, alive = ClientChannel(), ClientChannel()
-        closing = asyncio.create_task(close_silent({"silent": silent, "alive": alive}))
+        channels = {"silent": silent, "alive": alive}
+        closing = asyncio.create_task(close_silent(channels, lambda c, _: dropped.append(c)))
         for _ in range(20):  # the live client says so; the other says nothing
             alive.seen = time.monotonic()
             await asyncio.sleep(0.01)
@@ -51,6 +77,7 @@ def test_a_silent_clients_channel_is_closed_and_its_stream_ends(
         return silent.closed, alive.closed, ended
 
     assert asyncio.run(run()) == (True, False, [])
+    assert dropped == ["silent"]  # handed on once: a polled channel has no stream to end
     assert [r.getMessage() for r in caplog.records] == ["client silent is gone; its requests end"]
 
 
