@@ -45,7 +45,8 @@ class PrefillPool:
     min_remote_prompt_tokens: int = 256
     # A remote prefill not back within timeout_s plus its tokens at min_tokens_per_s is given
     # up (the verifier prefills the prompt itself), and the worker is passed over for
-    # retry_after_s: a worker cut off costs a request that long, not the link's timeout.
+    # retry_after_s: a worker cut off costs a request that long, not the link's timeout. (A
+    # worker that fails at once, dead or restarting, is simply tried again next time.)
     timeout_s: float = 3.0
     min_tokens_per_s: float = 500.0
     retry_after_s: float = 10.0

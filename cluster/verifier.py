@@ -285,20 +285,25 @@ class VerifierActor:
             # thread until the link's timeout, and the link is not used again.
             result, timing = await asyncio.wait_for(prefill(), deadline_s)
         except Exception as err:
-            if isinstance(err, TimeoutError):
+            # A worker that fails at once (dead, restarting: Ray says so at once) costs the
+            # next request nothing to try again; one that did not answer in time is passed
+            # over for a while, or each request would wait out the deadline.
+            silent = isinstance(err, TimeoutError)
+            if silent:
                 err = TimeoutError(f"not back in {deadline_s:.1f} s")
+                retry_at = time.monotonic() + self.prefill_settings.retry_after_s
+                self.prefill_passed_over_until[index] = retry_at
             log.warning(
-                "remote prefill on %s failed (%s: %s); prefilling here, and passing it over "
-                "for %.0f s",
+                "remote prefill on %s failed (%s: %s); prefilling here%s",
                 self.prefill_names[index],
                 type(err).__name__,
                 err,
-                self.prefill_settings.retry_after_s,
+                f", and passing it over for {self.prefill_settings.retry_after_s:.0f} s"
+                if silent
+                else "",
             )
             self.prefill_stats["failures"] += 1
             self.prefill_links[index] = None
-            retry_at = time.monotonic() + self.prefill_settings.retry_after_s
-            self.prefill_passed_over_until[index] = retry_at
             span.end()
             return None
         span.set_attributes(

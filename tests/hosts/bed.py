@@ -50,7 +50,7 @@ class Load:
     connections: set[Connection]  # between two hosts, seen open while it ran
 
 
-def deployment_config() -> dict[str, Any]:
+def deployment_config(verifier_groups: int = 1) -> dict[str, Any]:
     return {
         "dtype": "float32",
         "quantization": "none",
@@ -62,7 +62,10 @@ def deployment_config() -> dict[str, Any]:
                 "min_remote_prompt_tokens": 1,
                 "resources": {"cpus": 1, "custom": {"draft_host": 1}},
             },
-            "verifier": {"resources": {"cpus": 1, "custom": {"verifier_host": 1}}},
+            "verifier": {
+                "groups": verifier_groups,
+                "resources": {"cpus": 1, "custom": {"verifier_host": 1}},
+            },
             "drafter": {
                 "replicas": 1,
                 "method": "eagle",
@@ -76,9 +79,11 @@ def deployment_config() -> dict[str, Any]:
 class Bed:
     """Start with `start()`; `close()` (or the context manager) removes everything."""
 
-    def __init__(self, workdir: Path | None = None) -> None:
+    def __init__(self, workdir: Path | None = None, verifier_hosts: int = 1) -> None:
+        """`verifier_hosts` > 1: more verifier nodes (`gpu2`, ...), a verifier group each."""
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="outrider-hosts-"))
-        self.network = Network(HOSTS)
+        self.verifier_hosts = ["gpu", *(f"gpu{i + 1}" for i in range(1, verifier_hosts))]
+        self.network = Network(HOSTS + self.verifier_hosts[1:])
         self.env = {
             "PATH": f"{BIN}:/usr/local/bin:/usr/bin:/bin",
             "HOME": os.environ.get("HOME", "/root"),
@@ -147,21 +152,23 @@ class Bed:
             self.env,
             timeout_s=120,
         )
-        for host, cpus, resource in (("gpu", 2, "verifier_host"), ("cpu", 2, "draft_host")):
+        # A verifier group a verifier node; the drafter and the prefill worker on `cpu`.
+        nodes = [(h, {"verifier_host": 1}) for h in self.verifier_hosts]
+        for host, resources in [*nodes, ("cpu", {"draft_host": 2})]:
             net[host].run(
                 [
                     str(BIN / "ray"),
                     "start",
                     f"--address={head}:{RAY_PORT}",
                     f"--node-ip-address={self.address(host)}",
-                    f"--num-cpus={cpus}",
-                    f"--resources={json.dumps({resource: 2})}",
+                    "--num-cpus=2",
+                    f"--resources={json.dumps(resources)}",
                 ],
                 self.env,
                 timeout_s=120,
             )
         config = self.workdir / "deployment.yaml"
-        config.write_text(yaml.safe_dump(deployment_config()))
+        config.write_text(yaml.safe_dump(deployment_config(len(self.verifier_hosts))))
         self.router = net["router"].spawn(
             [
                 str(BIN / "outrider"),
