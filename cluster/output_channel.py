@@ -13,10 +13,11 @@ one a request (tests/benchmarks/bench_output_channel.py measures both).
 The client reads the stream on a thread of its own (`GroupOutputs`) and hands each output to its
 request's inbox (`Inbox`), waking each event loop that waits on some once a message. When the
 stream breaks (the verifier died or restarted), every request that was waiting on it fails with
-the error, and the group's next request opens a new stream. When a client's stream ends the
-verifier aborts that client's requests: when the client closes it, or when the client has not
-said it is alive for `CLIENT_TIMEOUT_S` (it does every `KEEP_ALIVE_S`, from a thread of its
-own): Ray does not end a streaming generator whose caller died.
+the error, and the group's next request opens a new stream; a verifier that stops answering
+(its host cut off: nothing is closed) breaks it too, after `SILENT_AFTER_S`. When a client's
+stream ends the verifier aborts that client's requests: when the client closes it, or when the
+client has not said it is alive for `CLIENT_TIMEOUT_S` (it does every `KEEP_ALIVE_S`, from a
+thread of its own): Ray does not end a streaming generator whose caller died.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from workers.engine.outputs import RequestOutput
 log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 5.0  # how often a client tells each verifier it reads from that it is alive
 CLIENT_TIMEOUT_S = 30.0  # a client silent this long is gone: its stream ends, its requests too
+SILENT_AFTER_S = 5.0  # a verifier with requests waiting that does not answer this long is gone
 POLL_WAIT_S = 1.0  # through Ray Client: how long one poll waits on the verifier for outputs
 
 
@@ -230,10 +232,28 @@ class GroupOutputs:
             log.warning("the output stream of %s did not end in %.0f s", self.name, timeout_s)
 
     def _keep_alive(self) -> None:
+        """Tell the verifier this client is alive, and while requests wait on the stream, see
+        that it answers: one that does not within `SILENT_AFTER_S` (its host cut off, or hung)
+        fails the stream as a dead one would, so its requests move to another group instead
+        of waiting for Ray to give the node up (tens of seconds)."""
+        import ray
+
         while not self._closed.wait(KEEP_ALIVE_S) and self.failure is None:
+            with self._lock:
+                waiting = bool(self._inboxes)
             try:
-                self.verifier.keep_alive.remote(self.client)
-            except Exception:  # Ray is shutting down: the stream fails too
+                ref = self.verifier.keep_alive.remote(self.client)
+                if waiting:
+                    ray.get(ref, timeout=SILENT_AFTER_S)
+            except ray.exceptions.GetTimeoutError:
+                self._fail(
+                    ConnectionError(f"{self.name} has not answered for {SILENT_AFTER_S:.0f} s")
+                )
+                return
+            except Exception as err:  # unreachable (ActorUnavailableError), dead, or Ray stopping
+                if waiting:  # a ConnectionError: its requests move on (router/backends.py)
+                    self._fail(ConnectionError(f"{self.name} is unreachable: {err}"))
+                log.info("keep-alive to %s stopped: %s: %s", self.name, type(err).__name__, err)
                 return
 
     def _streamed(self) -> Iterator[Batch]:
@@ -262,10 +282,16 @@ class GroupOutputs:
             failure = ConnectionError(f"the output stream of {self.name} ended")
         except BaseException as exc:  # the verifier died, restarted or was shut down
             failure = exc
-        log.info("output stream of %s ended: %s", self.name, failure)
+        self._fail(failure)
+
+    def _fail(self, failure: BaseException) -> None:
+        """The stream is broken: every request waiting on it fails with `failure` (once)."""
         with self._lock:
+            if self.failure is not None:
+                return
             self.failure = failure
             inboxes, self._inboxes = list(self._inboxes.values()), {}
+        log.info("output stream of %s ended: %s", self.name, failure)
         _put_all([(inbox, failure) for inbox in inboxes])
 
     def _hand_out(self, batch: Batch) -> None:

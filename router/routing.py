@@ -5,6 +5,7 @@ them plus what this replica sent each since."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -22,6 +23,9 @@ from workers.engine.engine_loop import LoopLoad
 log = logging.getLogger(__name__)
 
 LOAD_TTL_S = 0.1  # how long one poll of the verifiers' load is reused
+# A poll waits this long at most: a verifier whose host is cut off never answers, and routing
+# (a migration's too) must not wait for Ray to give it up.
+LOAD_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +62,7 @@ class GroupChooser:
         now = time.monotonic()
         if now - self._load_at > LOAD_TTL_S:
             try:
-                self._load = await self.backend.load()
+                self._load = await asyncio.wait_for(self.backend.load(), LOAD_TIMEOUT_S)
             except Exception as exc:  # a group is down: route on what was last known
                 log.warning("verifier load unavailable: %r", exc)
                 if len(self._load) != len(self.backend.groups):

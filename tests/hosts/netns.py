@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -121,6 +122,19 @@ class Host:
         return listening, established
 
 
+def sweep_stale() -> None:
+    """Remove what a test process killed before its clean-up left: namespaces and bridges
+    tagged with the pid of a process that is gone, and everything still running in them."""
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        found = re.match(r"or(\d+)-\S+", line)
+        if found and not Path(f"/proc/{found.group(1)}").exists():
+            Network._kill_all(Host("stale", "", found.group(0), ""))
+            _ip("netns", "del", found.group(0), check=False)
+    for found in re.finditer(r"\d+: (orb(\d+))[:@]", _ip("link", "show", check=False).stdout):
+        if not Path(f"/proc/{found.group(2)}").exists():
+            _ip("link", "del", found.group(1), check=False)
+
+
 def _endpoint(hex_endpoint: str) -> tuple[str, int]:
     """/proc/net/tcp's address (IPv4, or IPv6 in tcp6) as dotted IPv4 where it is one."""
     address, port = hex_endpoint.split(":")
@@ -137,8 +151,9 @@ def _endpoint(hex_endpoint: str) -> tuple[str, int]:
 class Network:
     """A bridge and the hosts on it; a context manager that removes them whatever happens."""
 
-    def __init__(self, names: list[str], tag: str | None = None) -> None:
-        self.tag = tag or str(os.getpid() % 100000)
+    def __init__(self, names: list[str]) -> None:
+        sweep_stale()
+        self.tag = str(os.getpid())  # "or<pid>h<i>" fits an interface name's 15 characters
         self.bridge = f"orb{self.tag}"
         subnet = 200 + os.getpid() % 50
         self.hosts: dict[str, Host] = {}
