@@ -67,7 +67,7 @@ def recorded() -> tuple[Kept, LLMEngine]:
     )
     engine = LLMEngine(model, config, drafters={"ngram": NgramDrafter(NgramConfig(1, 3))})
     kept = Kept()
-    prefills = {"remote": 0, "local": 3, "failures": 1}  # as a verifier counts its prompts
+    prefills = {"remote": 0, "local": 3, "failures": 1, "passed_over": 2}  # as a verifier counts
     metrics = VerifierMetrics(
         ActorMetrics("verifier", "verifier-g0-r0", kept.recorder), engine, prefills=prefills
     )
@@ -121,6 +121,7 @@ def test_steps_kv_queue_and_cache_counters(recorded: tuple[Kept, LLMEngine]) -> 
     # The verifier's prefill counts, exported as they grew, by outcome (none remote: no series).
     assert kept.total("outrider_remote_prefill_requests", outcome="local") == 3
     assert kept.total("outrider_remote_prefill_requests", outcome="failed") == 1
+    assert kept.total("outrider_remote_prefill_requests", outcome="passed_over") == 2
     assert not kept.total("outrider_remote_prefill_requests", outcome="remote")
     used = kept.values[("outrider_kv_cache_blocks_used", ())]
     assert max(used) == 12  # under pressure, every block was held at some step
