@@ -219,7 +219,8 @@ COMMON = (
     ),
 )
 
-# The verifier's prefill counts (cluster/verifier.py `prefill_stats`) by their metric's outcome.
+# The verifier's prefill counts (cluster/prefill_client.py `PrefillClient.stats`) by their
+# metric's outcome.
 PREFILL_OUTCOMES = {
     "remote": "remote",
     "local": "local",

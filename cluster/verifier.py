@@ -1,7 +1,8 @@
 """The verifier actor: rank 0 of a verifier group, which runs the engine (continuous batching
-and verification), drafts through the drafter pool, prefills through the prefill pool, and
-sends each request's steps to its client as typed messages, a step's for all of that client's
-requests in one message of its output channel (cluster/output_channel.py).
+and verification), drafts through the drafter pool, prefills through the prefill pool
+(cluster/prefill_client.py), and sends each request's steps to its client as typed messages,
+a step's for all of that client's requests in one message of its output channel
+(cluster/output_channel.py).
 
 Ray restarts a verifier that dies (its process killed, its node lost), and a group recovers as
 a whole: a rank 0 that lost a rank of its tensor-parallel group, or whose forward failed part-way
@@ -37,14 +38,14 @@ from cluster.config import from_dict
 from cluster.engine_metrics import ActorMetrics, VerifierMetrics
 from cluster.links import TensorLink, link_backend
 from cluster.output_channel import Batch, ClientChannel, ServedBy, StreamedStep, close_silent
-from cluster.prefill import plan_for, receive
+from cluster.prefill_client import PrefillClient
 from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
 from cluster.step_channel import ChannelAddress, StepClient
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.heap import freeze_startup_heap
-from workers.engine.outputs import Continuation, Prefilled, RequestOutput, StepReport
+from workers.engine.outputs import Continuation, RequestOutput, StepReport
 from workers.engine.sampling_params import SamplingParams
 from workers.model.tensor_parallel import build_sharded_model, split_evenly
 
@@ -146,34 +147,21 @@ class VerifierActor:
         loaded.engine.step_listeners.append(self.rounds)
         self.step_times = StepTimes()
         loaded.engine.step_listeners.append(self.step_times)
-        self.prefill_stats: dict[str, float] = {
-            "remote": 0,
-            "local": 0,
-            "failures": 0,
-            "passed_over": 0,  # prefilled here: the worker failed within retry_after_s
-            "bytes": 0,
-            "compute_s": 0.0,
-            "transfer_s": 0.0,
-            "reused_tokens": 0,  # prompt tokens a worker had from its previous prompt
-        }
+        self.prefills = PrefillClient(
+            name,
+            list(prefill_names or []),
+            deployment.pools.prefill,
+            self.model_config,
+            deployment.dtype,
+            self.device,
+        )
         self.metrics = VerifierMetrics(
-            ActorMetrics("verifier", name), loaded.engine, self.drafters, self.prefill_stats
+            ActorMetrics("verifier", name), loaded.engine, self.drafters, self.prefills.stats
         )
         self.metrics.metrics.count_restart()
         loaded.engine.step_listeners.append(self.metrics)
         self.metrics.start_sampling()
         self.loop = EngineLoop(loaded.engine, self._fatal)
-        self.dtype = deployment.dtype
-        self.min_remote_prompt = deployment.pools.prefill.min_remote_prompt_tokens
-        self.prefill_settings = deployment.pools.prefill
-        self.prefill_names = list(prefill_names or [])
-        self.prefill_actors = [
-            ray.get_actor(n, namespace=RAY_NAMESPACE) for n in self.prefill_names
-        ]
-        self.prefill_links: list[TensorLink | None] = [None] * len(self.prefill_names)
-        self.prefill_locks = [asyncio.Lock() for _ in self.prefill_names]
-        self.prefill_passed_over_until = [0.0] * len(self.prefill_names)  # after a failure
-        self._next_prefill = 0
         self._prefilled_by: dict[str, str] = {}
         # Each client's output channel (cluster/output_channel.py), by its id; the requests
         # waiting for a remote prefill, and those of them aborted meanwhile
@@ -214,7 +202,7 @@ class VerifierActor:
         return {
             "name": self.name,
             "drafters": self.drafter_names,
-            "prefill": self.prefill_names,
+            "prefill": self.prefills.names,
             "ranks": self.rank_names,
             "device": self.device,
             "pool_settings": self.pool_settings,
@@ -226,106 +214,6 @@ class VerifierActor:
         prefill = self._prefilled_by.pop(request_id, None)
         return ServedBy(prefill, [self.name, *self.rank_names], drafter)
 
-    def _prefill_link(self, index: int) -> TensorLink:
-        """The link to prefill worker `index`, (re)built when missing or broken."""
-        import ray
-
-        link = self.prefill_links[index]
-        if link is None or not link.connected:
-            peer: Any = ray.get(self.prefill_actors[index].info.remote(), timeout=60)
-            backend = link_backend(self.device, peer["device"])
-            name = f"{self.name}-{self.prefill_names[index]}"
-            link = TensorLink.host(name, backend, timeout_s=120.0)
-            joined: Any = self.prefill_actors[index].open_link.remote(link.address)
-            link.connect_racing(joined)  # a worker that dies now fails here at once
-            ray.get(joined, timeout=60)
-            self.prefill_links[index] = link
-        return link
-
-    async def _remote_prefill(
-        self, request_id: str, prompt_ids: list[int], spec: RequestSpec, carrier: Any
-    ) -> Prefilled | None:
-        """The whole prompt computed by a prefill worker (its K/V, features, last logits); None
-        to prefill here (no worker, or fewer than `min_remote_prompt_tokens` tokens left to
-        compute once the prefix cache has given what it holds)."""
-        engine = self.loop.engine
-        if len(prompt_ids) >= engine.max_model_len:
-            return None  # the engine rejects it, with the message (a worker has no room either)
-        uncached = len(prompt_ids) - 1 - engine.cached_prefix_tokens(prompt_ids)
-        if not self.prefill_actors or uncached < max(1, self.min_remote_prompt):
-            self.prefill_stats["local"] += 1
-            return None
-        try:
-            method, _ = engine.speculator.resolve(spec)
-        except ValueError:
-            return None  # the engine rejects the request itself, with the message
-        drafter = engine.speculator.drafters.get(method)
-        layers = tuple(drafter.hidden_layers) if drafter is not None else ()
-        index = self._next_prefill % len(self.prefill_actors)
-        self._next_prefill += 1
-        if time.monotonic() < self.prefill_passed_over_until[index]:
-            self.prefill_stats["passed_over"] += 1
-            return None
-        plan = plan_for(self.model_config, len(prompt_ids), layers, self.dtype)
-        span = telemetry.tracer().start_span(
-            "outrider.kv_transfer", context=telemetry.extract(carrier)
-        )
-        loop = asyncio.get_running_loop()
-
-        async def prefill() -> tuple[Any, dict[str, Any]]:
-            async with self.prefill_locks[index]:
-                link = await loop.run_in_executor(None, self._prefill_link, index)
-                ref: Any = self.prefill_actors[index].prefill.remote(prompt_ids, layers)
-                result = await loop.run_in_executor(None, receive, link, plan)
-                return result, await ref
-
-        deadline_s = self.prefill_settings.deadline_s(len(prompt_ids))
-        try:
-            # A link's receive cannot be interrupted: given up, it stays blocked on its own
-            # thread until the link's timeout, and the link is not used again.
-            result, timing = await asyncio.wait_for(prefill(), deadline_s)
-        except Exception as err:
-            # A worker that fails at once (dead, restarting: Ray says so at once) costs the
-            # next request nothing to try again; one that did not answer in time is passed
-            # over for a while, or each request would wait out the deadline.
-            silent = isinstance(err, TimeoutError)
-            if silent:
-                err = TimeoutError(f"not back in {deadline_s:.1f} s")
-                retry_at = time.monotonic() + self.prefill_settings.retry_after_s
-                self.prefill_passed_over_until[index] = retry_at
-            log.warning(
-                "remote prefill on %s failed (%s: %s); prefilling here%s",
-                self.prefill_names[index],
-                type(err).__name__,
-                err,
-                f", and passing it over for {self.prefill_settings.retry_after_s:.0f} s"
-                if silent
-                else "",
-            )
-            self.prefill_stats["failures"] += 1
-            self.prefill_links[index] = None
-            span.end()
-            return None
-        span.set_attributes(
-            {
-                "outrider.request_id": request_id,
-                "outrider.prefill_worker": self.prefill_names[index],
-                "outrider.prefill_tokens": plan.num_tokens,
-                "outrider.bytes_moved": timing["bytes"],
-                "outrider.prefill.compute_s": round(timing["compute_s"], 6),
-                "outrider.prefill.transfer_s": round(timing["transfer_s"], 6),
-                "outrider.prefill.reused_tokens": timing["reused_tokens"],
-            }
-        )
-        span.end()
-        self.prefill_stats["remote"] += 1
-        self.prefill_stats["bytes"] += timing["bytes"]
-        self.prefill_stats["compute_s"] += timing["compute_s"]
-        self.prefill_stats["transfer_s"] += timing["transfer_s"]
-        self.prefill_stats["reused_tokens"] += timing["reused_tokens"]
-        self._prefilled_by[request_id] = self.prefill_names[index]
-        return Prefilled(result.kv, result.hidden or None, result.logits)
-
     def load(self) -> LoopLoad:
         """Queue depth and KV usage, for the router's load-aware choice."""
         return self.loop.load()
@@ -336,7 +224,7 @@ class VerifierActor:
             "spec": engine_stats.as_dict(),
             "drafter_failures": dict(self.loop.engine.speculator.failures),
             "remote_drafting": None if self.drafters is None else asdict(self.drafters.stats),
-            "prefill": dict(self.prefill_stats),
+            "prefill": dict(self.prefills.stats),
             "steps": asdict(self.step_times),
         }
 
@@ -372,7 +260,11 @@ class VerifierActor:
         if params.prompt_logprobs is None and continuation is None:
             self._prefilling.add(request_id)
             try:
-                prefilled = await self._remote_prefill(request_id, prompt_ids, spec, trace_carrier)
+                remote = await self.prefills.prefill(
+                    self.loop.engine, request_id, prompt_ids, spec, trace_carrier
+                )
+                if remote is not None:
+                    prefilled, self._prefilled_by[request_id] = remote
             finally:
                 self._prefilling.discard(request_id)
             if request_id in self._aborted:  # its client gave up meanwhile

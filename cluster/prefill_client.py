@@ -1,0 +1,154 @@
+"""The verifier's side of the prefill pool (the workers' side is cluster/prefill.py): which
+prompts go to a worker, the link to each worker, and what a worker that fails or goes silent
+costs.
+
+A prompt goes to the next worker in turn when it has at least `min_remote_prompt_tokens`
+tokens the verifier's prefix cache does not hold. One prompt at a time crosses a worker's link.
+A remote prefill not back within `PrefillPool.deadline_s` of its length is given up, and the
+verifier prefills the prompt itself. A worker that did not answer in time (its host cut off,
+say) is then passed over for `retry_after_s`, so that later requests do not wait out the same
+deadline. A worker that fails at once (dead or restarting: Ray says so at once) costs the next
+request nothing to try again, and that request rebuilds the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from cluster import telemetry
+from cluster.actors import RAY_NAMESPACE
+from cluster.links import TensorLink, link_backend
+from cluster.pool_settings import PrefillPool
+from cluster.prefill import LINK_TIMEOUT_S, plan_for, receive
+from workers.engine.config import RequestSpec
+from workers.engine.outputs import Prefilled
+
+log = logging.getLogger(__name__)
+
+
+class PrefillClient:
+    def __init__(
+        self,
+        owner: str,
+        names: list[str],
+        settings: PrefillPool,
+        model_config: Any,
+        dtype: str,
+        device: str,
+    ) -> None:
+        import ray
+
+        self.owner, self.names, self.settings = owner, names, settings
+        # The whole model's config: a worker sends every KV head.
+        self.model_config, self.dtype, self.device = model_config, dtype, device
+        self.actors = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in names]
+        self.links: list[TensorLink | None] = [None] * len(names)
+        self.locks = [asyncio.Lock() for _ in names]
+        self.passed_over_until = [0.0] * len(names)
+        self._next = 0
+        self.stats: dict[str, float] = {
+            "remote": 0,
+            "local": 0,
+            "failures": 0,
+            "passed_over": 0,  # prefilled here: the worker was silent within retry_after_s
+            "bytes": 0,
+            "compute_s": 0.0,
+            "transfer_s": 0.0,
+            "reused_tokens": 0,  # prompt tokens a worker had from its previous prompt
+        }
+
+    def link(self, index: int) -> TensorLink:
+        """The link to worker `index`, (re)built when missing or broken."""
+        import ray
+
+        link = self.links[index]
+        if link is None or not link.connected:
+            peer: Any = ray.get(self.actors[index].info.remote(), timeout=60)
+            backend = link_backend(self.device, peer["device"])
+            name = f"{self.owner}-{self.names[index]}"
+            link = TensorLink.host(name, backend, timeout_s=LINK_TIMEOUT_S)
+            joined: Any = self.actors[index].open_link.remote(link.address)
+            link.connect_racing(joined)  # a worker that dies now fails here at once
+            ray.get(joined, timeout=60)
+            self.links[index] = link
+        return link
+
+    async def prefill(
+        self, engine: Any, request_id: str, prompt_ids: list[int], spec: RequestSpec, carrier: Any
+    ) -> tuple[Prefilled, str] | None:
+        """The whole prompt computed by a worker (its K/V, features, last logits) and the
+        worker's name; None to prefill on the verifier (no worker, too few tokens left to
+        compute once the prefix cache has given what it holds, or the worker failed)."""
+        if len(prompt_ids) >= engine.max_model_len:
+            return None  # the engine rejects it, with the message (a worker has no room either)
+        uncached = len(prompt_ids) - 1 - engine.cached_prefix_tokens(prompt_ids)
+        if not self.actors or uncached < max(1, self.settings.min_remote_prompt_tokens):
+            self.stats["local"] += 1
+            return None
+        try:
+            method, _ = engine.speculator.resolve(spec)
+        except ValueError:
+            return None  # the engine rejects the request itself, with the message
+        drafter = engine.speculator.drafters.get(method)
+        layers = tuple(drafter.hidden_layers) if drafter is not None else ()
+        index = self._next % len(self.actors)
+        self._next += 1
+        if time.monotonic() < self.passed_over_until[index]:
+            self.stats["passed_over"] += 1
+            return None
+        plan = plan_for(self.model_config, len(prompt_ids), layers, self.dtype)
+        span = telemetry.tracer().start_span(
+            "outrider.kv_transfer", context=telemetry.extract(carrier)
+        )
+        loop = asyncio.get_running_loop()
+
+        async def remote() -> tuple[Any, dict[str, Any]]:
+            async with self.locks[index]:
+                link = await loop.run_in_executor(None, self.link, index)
+                ref: Any = self.actors[index].prefill.remote(prompt_ids, layers)
+                result = await loop.run_in_executor(None, receive, link, plan)
+                return result, await ref
+
+        deadline_s = self.settings.deadline_s(len(prompt_ids))
+        try:
+            # A link's receive cannot be interrupted: given up, it stays blocked on its own
+            # thread until the link's timeout, and the link is not used again.
+            result, timing = await asyncio.wait_for(remote(), deadline_s)
+        except Exception as err:
+            self._failed(index, err, deadline_s)
+            span.end()
+            return None
+        span.set_attributes(
+            {
+                "outrider.request_id": request_id,
+                "outrider.prefill_worker": self.names[index],
+                "outrider.prefill_tokens": plan.num_tokens,
+                "outrider.bytes_moved": timing["bytes"],
+                "outrider.prefill.compute_s": round(timing["compute_s"], 6),
+                "outrider.prefill.transfer_s": round(timing["transfer_s"], 6),
+                "outrider.prefill.reused_tokens": timing["reused_tokens"],
+            }
+        )
+        span.end()
+        self.stats["remote"] += 1
+        for key in ("bytes", "compute_s", "transfer_s", "reused_tokens"):
+            self.stats[key] += timing[key]
+        return Prefilled(result.kv, result.hidden or None, result.logits), self.names[index]
+
+    def _failed(self, index: int, err: Exception, deadline_s: float) -> None:
+        silent = isinstance(err, TimeoutError)
+        if silent:
+            err = TimeoutError(f"not back in {deadline_s:.1f} s")
+            self.passed_over_until[index] = time.monotonic() + self.settings.retry_after_s
+        log.warning(
+            "remote prefill on %s failed (%s: %s); prefilling here%s",
+            self.names[index],
+            type(err).__name__,
+            err,
+            f", and passing it over for {self.settings.retry_after_s:.0f} s" if silent else "",
+        )
+        self.stats["failures"] += 1
+        self.links[index] = None
