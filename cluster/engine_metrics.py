@@ -153,7 +153,8 @@ VERIFIER = (
         COUNTER,
         "Prompts by where they were prefilled: remote (a prefill worker), local, failed "
         "(a worker failed or was not back in time, so prefilled here) or passed_over (the "
-        "worker failed within pools.prefill.retry_after_s, so prefilled here)",
+        "worker was not back in time within the last pools.prefill.retry_after_s, so "
+        "prefilled here)",
         ("outcome",),
     ),
 )

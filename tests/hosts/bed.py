@@ -44,6 +44,31 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
+@dataclass(slots=True)
+class Partition:
+    """A `during` for `Bed.load`: `host` cut off `at_s` seconds into the load for `down_s`."""
+
+    network: Network
+    host: str
+    at_s: float
+    down_s: float
+    cut_at: float | None = None  # when it was cut, into the load
+    mended_at: float | None = None
+
+    def __call__(self, elapsed_s: float) -> None:
+        if elapsed_s >= self.at_s and self.cut_at is None:
+            self.network.cut(self.host)
+            self.cut_at = elapsed_s
+        if elapsed_s >= self.at_s + self.down_s and self.mended_at is None:
+            self.mend(elapsed_s)
+
+    def mend(self, elapsed_s: float = float("nan")) -> None:
+        """Mend the host now if the load ended before it was (idempotent)."""
+        if self.mended_at is None:
+            self.network.mend(self.host)
+            self.mended_at = elapsed_s
+
+
 @dataclass(frozen=True, slots=True)
 class Load:
     rows: list[dict[str, Any]]  # tests/hosts/client.py's, a request each

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -17,14 +16,15 @@ from typing import Any
 import aiohttp
 
 from load_tests.clients import HttpClient, RequestRecord, Sampling, served_model
+from load_tests.stats import inter_chunk_gaps
 from load_tests.workload import WorkItem
 
 
 def longest_pause(record: RequestRecord) -> float | None:
+    """The wait for the first piece, or the longest gap between two after it."""
     if record.ttft is None:
         return None
-    times = [0.0, *record.chunks]
-    return max(b - a for a, b in itertools.pairwise(times))
+    return max([record.ttft, *inter_chunk_gaps(record)])
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from tests.cluster.common import TEXTS
-from tests.hosts.bed import Bed, Load
+from tests.hosts.bed import Bed, Load, Partition
 
 PROMPTS = [*TEXTS, "Three things to pack for a day in the mountains:"]
 WHAT = {"cpu": "drafter and prefill worker", "redis": "Redis", "gpu": "a verifier group's node"}
@@ -54,20 +54,11 @@ def main() -> None:
             "|---|---|---|---|---|---|",
         ]
         for host in args.hosts.split(","):
-            cut: dict[str, float] = {}
-
-            def partition(elapsed_s: float, host: str = host, cut: dict[str, float] = cut) -> None:
-                if elapsed_s >= args.at and "at" not in cut:
-                    bed.network.cut(host)
-                    cut["at"] = elapsed_s
-                if elapsed_s >= args.at + args.down and "mended" not in cut:
-                    bed.network.mend(host)
-                    cut["mended"] = elapsed_s
-
+            partition = Partition(bed.network, host, args.at, args.down)
             load = bed.load(
                 PROMPTS, args.requests, args.concurrency, args.max_tokens, during=partition
             )
-            bed.network.mend(host)
+            partition.mend()
             time.sleep(2.0)
             after = bed.load(PROMPTS, 10, 5, args.max_tokens)
             lines.append(_row(host, load, reference, after))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.common import TEXTS
-from tests.hosts.bed import Bed, Load
+from tests.hosts.bed import Bed, Load, Partition
 from tests.hosts.policy import ROLE_OF_HOST, allowed, ingress_rules, pinned
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequential import SequentialEngine
@@ -79,26 +79,18 @@ def test_what_crosses_hosts_is_what_the_charts_network_policies_allow(served: Lo
 
 
 def test_the_drafter_and_prefill_host_cut_off_mid_stream_costs_a_pause_not_a_request(
-    bed: Bed, served: Load, expected: list[str]
+    bed: Bed,
+    served: Load,  # the calm load first: the tests share the bed
+    expected: list[str],
 ) -> None:
     """The `cpu` host (drafter and prefill worker) cut off for 10 s under 16 streams: the
     verifier gives up on the silent drafter within `LOST_AFTER_S` and on a prefill within
     `pools.prefill.timeout_s`, decodes and prefills alone meanwhile, and drafts again once the
     host is back. Every text is plain decoding's."""
-    cut: dict[str, float] = {}
-
-    def partition(elapsed_s: float) -> None:
-        if elapsed_s >= 3.0 and "at" not in cut:
-            bed.network.cut("cpu")
-            cut["at"] = elapsed_s
-        if elapsed_s >= 13.0 and "mended" not in cut:
-            bed.network.mend("cpu")
-            cut["mended"] = elapsed_s
-
+    partition = Partition(bed.network, "cpu", at_s=3.0, down_s=10.0)
     during = bed.load(PROMPTS, requests=40, concurrency=16, max_tokens=MAX_TOKENS, during=partition)
-    if "mended" not in cut:
-        bed.network.mend("cpu")
-    assert "at" in cut, "the load ended before the cut"
+    partition.mend()
+    assert partition.cut_at is not None, "the load ended before the cut"
     _check_texts(during, expected)
     longest = max(r["longest_pause"] for r in during.rows)
     assert longest < PAUSE_BOUND_S, f"a stream paused {longest:.1f} s"
