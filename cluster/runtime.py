@@ -33,6 +33,12 @@ from workers.engine.sequence import SpecStats
 log = logging.getLogger(__name__)
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen (it was raised, or the answer no longer mattered)."""
+    if not future.cancelled():
+        future.exception()
+
+
 @dataclass(slots=True)
 class RequestStream:
     """Token lists of one request as the verifier produces them."""
@@ -75,14 +81,31 @@ class RequestStream:
     async def items_async(self) -> AsyncIterator[StreamedStep]:
         """The verifier's messages, for asyncio callers (the router)."""
         try:
-            await self.started
-            while (item := await self.inbox.get_async()) is not None:  # None: aborted
+            item = await self._first_item()
+            while item is not None:  # None: aborted
                 message = self._record(item)
                 yield message
                 if message.output.finished:
                     return
+                item = await self.inbox.get_async()
         finally:
             self._end()
+
+    async def _first_item(self) -> StreamedStep | BaseException | None:
+        """The first item, once the verifier took the request (its `start` call raises what
+        refused it) or the channel failed it, whichever comes first: a verifier whose host is
+        cut off never answers the call, and its channel's keep-alive gives it up in seconds
+        where Ray takes tens to give up the node."""
+        started = asyncio.wrap_future(self.started.future())
+        started.add_done_callback(_retrieved)  # never cancelled: Ray Client logs a cancelled one
+        first = asyncio.ensure_future(self.inbox.get_async())
+        try:
+            await asyncio.wait([started, first], return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                started.result()  # raises what refused the request
+            return await first
+        finally:
+            first.cancel()  # if the reader left first
 
     def _record(self, message: StreamedStep | BaseException) -> StreamedStep:
         """A message taken in (an exception raised: the verifier refused or failed the request,

@@ -21,6 +21,10 @@ from workers.engine.sampling_params import SamplingParams
 
 # What one engine step produced for one request: the engine's own output, whichever backend.
 Step = RequestOutput
+# A verifier asked how it is (load, health) answers within this or is taken for down: one whose
+# host is cut off never answers, and neither routing nor readiness may wait for Ray to give up
+# its node (tens of seconds).
+ANSWER_WITHIN_S = 2.0
 
 
 class Backend(Protocol):
@@ -41,7 +45,10 @@ class Backend(Protocol):
         tenant, weight and priority in the engine (workers/engine/fair_share.py)."""
         ...
 
-    async def load(self) -> list[LoopLoad]: ...
+    async def load(self) -> list[LoopLoad | None]:
+        """Each group's load; None for a group that did not answer in time (down, or its host
+        cut off): routing sends it nothing until it answers again."""
+        ...
 
     async def ready(self) -> bool: ...
 
@@ -82,7 +89,7 @@ class LocalBackend:
         finally:
             await outputs.aclose()
 
-    async def load(self) -> list[LoopLoad]:
+    async def load(self) -> list[LoopLoad | None]:
         return [self.loop.load()]
 
     async def ready(self) -> bool:
@@ -102,6 +109,7 @@ class RuntimeBackend:
         self.runtime = runtime
         self.groups = list(runtime.pools.verifier_names)
         self.shutdown_on_close = shutdown_on_close
+        self._load_polls: dict[int, asyncio.Future[Any]] = {}  # the last, by group
 
     async def stream(
         self,
@@ -137,28 +145,50 @@ class RuntimeBackend:
             if not finished:  # the client left (or the stream failed): free its KV blocks
                 self.runtime.abort(stream)
 
-    async def load(self) -> list[LoopLoad]:
-        return list(await self.runtime.load())
+    async def load(self) -> list[LoopLoad | None]:
+        """Each group's load, waiting `ANSWER_WITHIN_S` at most; None for a group that did not
+        answer. A group whose last poll is still unanswered is not polled or waited for again
+        until it answers: routing goes on without it at once."""
+        polls: list[asyncio.Future[Any]] = []
+        fresh = []
+        for group, verifier in enumerate(self.runtime.pools.verifiers):
+            poll = self._load_polls.get(group)
+            if poll is None or poll.done():
+                poll = self._load_polls[group] = _future(verifier.load.remote())
+                fresh.append(poll)
+            polls.append(poll)
+        if fresh:
+            await asyncio.wait(fresh, timeout=ANSWER_WITHIN_S)
+        return [_answer(poll) for poll in polls]
 
     async def ready(self) -> bool:
-        try:
-            await asyncio.wait_for(
-                asyncio.gather(*(v.info.remote() for v in self.runtime.pools.verifiers)), 2.0
-            )
-        except Exception:
-            return False
-        return True
+        calls = [_future(v.info.remote()) for v in self.runtime.pools.verifiers]
+        await asyncio.wait(calls, timeout=ANSWER_WITHIN_S)
+        return all(_answer(call) is not None for call in calls)
 
     async def healthy(self, group: int) -> bool:
-        try:
-            await asyncio.wait_for(self.runtime.pools.verifiers[group].info.remote(), 2.0)
-        except Exception:
-            return False
-        return True
+        call = _future(self.runtime.pools.verifiers[group].info.remote())
+        await asyncio.wait([call], timeout=ANSWER_WITHIN_S)
+        return _answer(call) is not None
 
     async def close(self) -> None:
         if self.shutdown_on_close:
             await asyncio.get_running_loop().run_in_executor(None, self.runtime.shutdown)
+
+
+def _future(ref: Any) -> asyncio.Future[Any]:
+    """A Ray call's result as an asyncio future, never to be cancelled (a cancelled one makes
+    Ray Client log a callback error when the answer comes) and read with `_answer`."""
+    future = asyncio.wrap_future(ref.future())
+    future.add_done_callback(_answer)
+    return future
+
+
+def _answer(future: asyncio.Future[Any]) -> Any:
+    """The call's result, or None when it has not answered or failed."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return None
+    return future.result()
 
 
 def _cause(exc: BaseException) -> str:

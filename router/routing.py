@@ -23,9 +23,8 @@ from workers.engine.engine_loop import LoopLoad
 log = logging.getLogger(__name__)
 
 LOAD_TTL_S = 0.1  # how long one poll of the verifiers' load is reused
-# A poll waits this long at most: a verifier whose host is cut off never answers, and routing
-# (a migration's too) must not wait for Ray to give it up.
-LOAD_TIMEOUT_S = 2.0
+# A poll that the backend did not bound in this (its groups' answers are) is given up.
+LOAD_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,27 +50,34 @@ class GroupChooser:
         self.backend, self.state, self.redis, self.metrics = backend, state, redis, metrics
         self.block_size, self.policy = block_size, policy
         self._random = random.Random(policy.seed)
-        self._load: list[LoopLoad] = []
+        self._load: list[LoopLoad | None] = []
+        self._down: list[str] = []  # groups that did not answer the last poll
         self._load_at = 0.0
         # Requests this replica sent to each group since the last poll: a burst that arrives
         # between polls spreads out instead of all landing on the group that looked lightest.
         self._sent_since_poll: list[int] = []
 
-    async def load(self) -> list[LoopLoad]:
-        """Each group's queue depth and KV usage, polled at most every LOAD_TTL_S."""
+    async def load(self) -> list[LoopLoad | None]:
+        """Each group's queue depth and KV usage, polled at most every LOAD_TTL_S; None for a
+        group that did not answer (down)."""
         now = time.monotonic()
         if now - self._load_at > LOAD_TTL_S:
             try:
                 self._load = await asyncio.wait_for(self.backend.load(), LOAD_TIMEOUT_S)
-            except Exception as exc:  # a group is down: route on what was last known
+            except Exception as exc:  # no answer at all: every group is taken for down
                 log.warning("verifier load unavailable: %r", exc)
-                if len(self._load) != len(self.backend.groups):
-                    self._load = [LoopLoad(0, 0, 0.0) for _ in self.backend.groups]
+                self._load = [None for _ in self.backend.groups]
+            loads = zip(self.backend.groups, self._load, strict=True)
+            down = [name for name, load in loads if load is None]
+            if down != self._down:
+                log.warning("verifier groups not answering: %s", ", ".join(down) or "none")
+                self._down = down
             self._load_at = now
             self._sent_since_poll = [0] * len(self.backend.groups)
             for name, load in zip(self.backend.groups, self._load, strict=True):
-                self.metrics.queue_depth.labels(name).set(load.queue_depth)
-                self.metrics.kv_usage.labels(name).set(load.kv_usage)
+                if load is not None:
+                    self.metrics.queue_depth.labels(name).set(load.queue_depth)
+                    self.metrics.kv_usage.labels(name).set(load.kv_usage)
         return self._load
 
     async def choose(self, prompt_ids: Sequence[int], salt: int = 0) -> tuple[int, str]:
@@ -87,23 +93,24 @@ class GroupChooser:
                 cached = await self.state.cached_blocks(prompt_ids, self.block_size, groups, salt)
             except RedisError as exc:
                 self.redis.failed(exc)
-        score = [
-            (g.queue_depth + sent, g.kv_usage)
-            for g, sent in zip(loads, self._sent_since_poll, strict=True)
-        ]
-        choice, reason = self._pick(score, [cached[name] for name in groups])
+        score = scores(loads, self._sent_since_poll)
+        # A group that did not answer gets nothing while another does.
+        up = [i for i, load in enumerate(loads) if load is not None] or list(range(len(groups)))
+        choice, reason = self._pick(score, [cached[name] for name in groups], up)
         self._sent_since_poll[choice] += 1
         return choice, reason
 
-    def _pick(self, score: list[tuple[int, float]], cached: list[int]) -> tuple[int, str]:
-        lightest = min(s[0] for s in score)
-        best = max(cached)
+    def _pick(
+        self, score: list[tuple[int, float]], cached: list[int], up: list[int]
+    ) -> tuple[int, str]:
+        lightest = min(score[i][0] for i in up)
+        best = max(cached[i] for i in up)
         if best > 0:
-            holders = [i for i, depth in enumerate(cached) if depth == best]
+            holders = [i for i in up if cached[i] == best]
             fit = [i for i in holders if score[i][0] - lightest <= self.policy.balance_threshold]
             if fit:
                 return self.lighter_of_two(fit, score), "prefix"
-        return self.lighter_of_two(list(range(len(score))), score), "load"
+        return self.lighter_of_two(up, score), "load"
 
     def lighter_of_two(self, candidates: list[int], score: list[tuple[int, float]]) -> int:
         """Of two candidates drawn at random, the one with the lower score (queue depth, then
@@ -112,3 +119,15 @@ class GroupChooser:
             return candidates[0]
         a, b = self._random.sample(candidates, 2)
         return a if score[a] <= score[b] else b
+
+
+def scores(
+    loads: Sequence[LoopLoad | None], sent: Sequence[int] | None = None
+) -> list[tuple[int, float]]:
+    """Each group's (queue depth, KV usage) to route by, counting `sent` requests routed since
+    the poll; a group that did not answer scores as the busiest possible."""
+    sent = sent or [0] * len(loads)
+    return [
+        (2**31, 1.0) if load is None else (load.queue_depth + extra, load.kv_usage)
+        for load, extra in zip(loads, sent, strict=True)
+    ]

@@ -46,7 +46,7 @@ from router.metrics import RouterMetrics
 from router.protocol import GenerateRequest, RequestBuilder
 from router.registry import RedisWatch
 from router.resume import resumed_request, settings_json
-from router.routing import GroupChooser, RoutingPolicy
+from router.routing import GroupChooser, RoutingPolicy, scores
 from router.state import LEASE_S, Registration, SharedState
 from workers.engine.engine_loop import LoopLoad
 from workers.engine.fair_share import DEFAULT_SHARE, Share
@@ -127,7 +127,7 @@ class RouterService:
         self.redis.down(ConnectionError("no answer to PING"))
         return "degraded" if self.redis.serving_without_redis else None
 
-    async def load(self) -> list[LoopLoad]:
+    async def load(self) -> list[LoopLoad | None]:
         return await self.routing.load()
 
     async def choose_group(self, prompt_ids: Sequence[int], salt: int = 0) -> tuple[int, str]:
@@ -355,8 +355,7 @@ class RouterService:
             healthy = [g for g in groups if answers[g]]
             others = [g for g in healthy if g != failed]
             if healthy:
-                loads = await self.load()
-                score = [(load.queue_depth, load.kv_usage) for load in loads]
+                score = scores(await self.load())
                 return self.routing.lighter_of_two(others or healthy, score)
             if time.monotonic() >= deadline:
                 raise exc
