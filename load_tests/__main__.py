@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from tqdm import tqdm
 
-from load_tests import report
+from load_tests import partitions, report
 from load_tests.clients import Client, GrpcClient, HttpClient, Sampling, served_model
 from load_tests.report import REPORTS, client_line
 from load_tests.runner import Level, measure_level
@@ -144,6 +144,7 @@ def parser() -> argparse.ArgumentParser:
     chaos.add_argument(
         "--docs", type=Path, help="also write the table into this benchmarks page's chaos section"
     )
+    partitions.add_parser(commands)
     fair = commands.add_parser(
         "fairness",
         help="one API key floods a running server at its limits: how much slower is another's "
@@ -464,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         command = "python -m load_tests " + shlex.join(sys.argv[1:] if argv is None else argv)
         if args.command == "chaos":
             print(f"report: {asyncio.run(chaos(args, command))}")
+            return 0
+        if args.command == "partitions":
+            print(f"report: {partitions.run(args, command)}")
             return 0
         if args.command == "fairness":
             from load_tests.fairness import run_fairness

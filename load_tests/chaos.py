@@ -62,6 +62,8 @@ class PhaseResult:
     chars_repeated: int
     max_pause_s: float  # the longest gap between streamed pieces any client saw
     p99_pause_s: float  # over the requests' own longest gaps
+    ttft_p50_s: float = 0.0  # time to first token over the requests that streamed
+    ttft_max_s: float = 0.0
     recovery_s: dict[str, float | None] = field(default_factory=dict)  # per part killed
     errors: list[str] = field(default_factory=list)
 
@@ -195,6 +197,7 @@ def summarize(
     recovery: dict[str, float | None],
 ) -> PhaseResult:
     pauses = [max(inter_chunk_gaps(r), default=0.0) for r in records if r.ok]
+    ttfts = [r.ttft for r in records if r.ttft is not None]
     lost = repeated = differing = 0
     for record, got, want in zip(records, outputs, expected or outputs, strict=True):
         if not record.ok or got == want:
@@ -217,6 +220,8 @@ def summarize(
         chars_repeated=repeated,
         max_pause_s=max(pauses, default=0.0),
         p99_pause_s=percentile(pauses, 99) if pauses else 0.0,
+        ttft_p50_s=percentile(ttfts, 50) if ttfts else 0.0,
+        ttft_max_s=max(ttfts, default=0.0),
         recovery_s=recovery,
         errors=sorted({f"{r.status}: {r.error}" for r in records if not r.ok})[:5],
     )
@@ -228,13 +233,19 @@ def render(results: list[PhaseResult], info: dict[str, Any]) -> str:
         f"Command: `{info['command']}`",
         "",
         f"Server: {info['server']}. Load: {info['users']} concurrent greedy streams, "
-        f"{info['requests']} requests a phase, {info['max_tokens']} tokens each "
-        f"(`ignore_eos`), faults injected {info['kill_after_s']:g} s into a phase. "
-        f"Client: {info['client']}.",
+        f"{info['requests']} requests a phase, "
+        + (
+            info["faults"]
+            if "faults" in info
+            else f"{info['max_tokens']} tokens each (`ignore_eos`), faults injected "
+            f"{info['kill_after_s']:g} s into a phase"
+        )
+        + f". Client: {info['client']}.",
         "",
         "| phase | accepted | completed | failed | outputs differing (chars lost / repeated) "
-        "| longest pause (p99 of requests') | back after (ready: the server's /ready) |",
-        "|---|---|---|---|---|---|---|",
+        "| longest pause (p99 of requests') | TTFT p50 (max) "
+        "| back after (ready: the server's /ready) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         back = ", ".join(
@@ -243,7 +254,8 @@ def render(results: list[PhaseResult], info: dict[str, Any]) -> str:
         lines.append(
             f"| {r.name} | {r.accepted}/{r.requests} | {r.completed} | {r.failed} "
             f"| {r.differing} ({r.chars_lost} / {r.chars_repeated}) "
-            f"| {r.max_pause_s:.2f} s ({r.p99_pause_s:.2f} s) | {back or '-'} |"
+            f"| {r.max_pause_s:.2f} s ({r.p99_pause_s:.2f} s) "
+            f"| {r.ttft_p50_s * 1000:.0f} ms ({r.ttft_max_s:.2f} s) | {back or '-'} |"
         )
     failures = [f"- {r.name}: {e}" for r in results for e in r.errors]
     if failures:
@@ -251,17 +263,25 @@ def render(results: list[PhaseResult], info: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def save(folder: Path, results: list[PhaseResult], info: dict[str, Any]) -> Path:
+def save(
+    folder: Path, results: list[PhaseResult], info: dict[str, Any], title: str = "Chaos load test"
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     data = {"info": info, "phases": [asdict(r) for r in results]}
     (folder / "chaos.json").write_text(json.dumps(data, indent=1))
     path = folder / "chaos.md"
-    path.write_text("# Chaos load test\n\n" + render(results, info))
+    path.write_text(f"# {title}\n\n" + render(results, info))
     return path
 
 
-def write_docs(path: Path, results: list[PhaseResult], info: dict[str, Any]) -> None:
-    """Replace (or append) the chaos section of a benchmarks page."""
+def write_docs(
+    path: Path,
+    results: list[PhaseResult],
+    info: dict[str, Any],
+    section: str = "chaos",
+    title: str = "Chaos load test",
+) -> None:
+    """Replace (or append) a section of a benchmarks page with the report."""
     from tests.benchmarks.report import write_section
 
-    write_section("chaos", f"## Chaos load test\n\n{render(results, info)}", path)
+    write_section(section, f"## {title}\n\n{render(results, info)}", path)

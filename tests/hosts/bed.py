@@ -75,7 +75,7 @@ class Load:
     connections: set[Connection]  # between two hosts, seen open while it ran
 
 
-def deployment_config(verifier_groups: int = 1) -> dict[str, Any]:
+def deployment_config(verifier_groups: int = 1, prefill_host: bool = False) -> dict[str, Any]:
     return {
         "dtype": "float32",
         "quantization": "none",
@@ -85,7 +85,10 @@ def deployment_config(verifier_groups: int = 1) -> dict[str, Any]:
             "prefill": {
                 "replicas": 1,
                 "min_remote_prompt_tokens": 1,
-                "resources": {"cpus": 1, "custom": {"draft_host": 1}},
+                "resources": {
+                    "cpus": 1,
+                    "custom": {"prefill_host" if prefill_host else "draft_host": 1},
+                },
             },
             "verifier": {
                 "groups": verifier_groups,
@@ -104,11 +107,17 @@ def deployment_config(verifier_groups: int = 1) -> dict[str, Any]:
 class Bed:
     """Start with `start()`; `close()` (or the context manager) removes everything."""
 
-    def __init__(self, workdir: Path | None = None, verifier_hosts: int = 1) -> None:
-        """`verifier_hosts` > 1: more verifier nodes (`gpu2`, ...), a verifier group each."""
+    def __init__(
+        self, workdir: Path | None = None, verifier_hosts: int = 1, prefill_host: bool = False
+    ) -> None:
+        """`verifier_hosts` > 1: more verifier nodes (`gpu2`, ...), a verifier group each.
+        `prefill_host`: the prefill worker on a node of its own (`prefill`), behind a relay,
+        so `network.impair("prefill", "gpu", ...)` slows the prefill-verifier link alone."""
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="outrider-hosts-"))
         self.verifier_hosts = ["gpu", *(f"gpu{i + 1}" for i in range(1, verifier_hosts))]
-        self.network = Network(HOSTS + self.verifier_hosts[1:])
+        self.prefill_host = prefill_host
+        extra = ["prefill"] if prefill_host else []
+        self.network = Network(HOSTS + self.verifier_hosts[1:] + extra, wired=extra)
         self.env = {
             "PATH": f"{BIN}:/usr/local/bin:/usr/bin:/bin",
             "HOME": os.environ.get("HOME", "/root"),
@@ -177,9 +186,13 @@ class Bed:
             self.env,
             timeout_s=120,
         )
-        # A verifier group a verifier node; the drafter and the prefill worker on `cpu`.
+        # A verifier group a verifier node; the drafter and the prefill worker on `cpu`, or
+        # the prefill worker on `prefill`.
         nodes = [(h, {"verifier_host": 1}) for h in self.verifier_hosts]
-        for host, resources in [*nodes, ("cpu", {"draft_host": 2})]:
+        nodes.append(("cpu", {"draft_host": 2}))
+        if self.prefill_host:
+            nodes.append(("prefill", {"prefill_host": 1}))
+        for host, resources in nodes:
             net[host].run(
                 [
                     str(BIN / "ray"),
@@ -193,7 +206,8 @@ class Bed:
                 timeout_s=120,
             )
         config = self.workdir / "deployment.yaml"
-        config.write_text(yaml.safe_dump(deployment_config(len(self.verifier_hosts))))
+        groups = len(self.verifier_hosts)
+        config.write_text(yaml.safe_dump(deployment_config(groups, self.prefill_host)))
         self.router = net["router"].spawn(
             [
                 str(BIN / "outrider"),

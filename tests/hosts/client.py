@@ -3,7 +3,8 @@
 
 Greedy completions streamed with load_tests' HTTP client, the prompts taken round robin; it
 writes each request's text, status, time to first token and longest pause between two
-streamed pieces (the first piece's wait counts as a pause), in the order they were asked."""
+streamed pieces (the first piece's wait counts as a pause), and its whole RequestRecord, in the
+order they were asked."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "latency": record.latency,
                 "longest_pause": longest_pause(record),
                 "drafted": record.drafted,
+                "record": record.to_json(),
             }
 
     try:

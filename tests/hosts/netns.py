@@ -14,17 +14,24 @@ Needs root (CAP_NET_ADMIN) and iproute2; `unavailable()` says why not, for a ski
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from string import ascii_lowercase
 from typing import Any
 
 SUBNET_PREFIX = 24
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -126,11 +133,12 @@ def sweep_stale() -> None:
     """Remove what a test process killed before its clean-up left: namespaces and bridges
     tagged with the pid of a process that is gone, and everything still running in them."""
     for line in _ip("netns", "list", check=False).stdout.splitlines():
-        found = re.match(r"or(\d+)-\S+", line)
+        found = re.match(r"or(\d+)[a-z]?-\S+", line)
         if found and not Path(f"/proc/{found.group(1)}").exists():
             Network._kill_all(Host("stale", "", found.group(0), ""))
             _ip("netns", "del", found.group(0), check=False)
-    for found in re.finditer(r"\d+: (orb(\d+))[:@]", _ip("link", "show", check=False).stdout):
+    links = _ip("link", "show", check=False).stdout
+    for found in re.finditer(r"\d+: (orb(\d+)[a-z]?)[:@]", links):
         if not Path(f"/proc/{found.group(2)}").exists():
             _ip("link", "del", found.group(1), check=False)
 
@@ -149,36 +157,96 @@ def _endpoint(hex_endpoint: str) -> tuple[str, int]:
 
 
 class Network:
-    """A bridge and the hosts on it; a context manager that removes them whatever happens."""
+    """A bridge and the hosts on it; a context manager that removes them whatever happens.
 
-    def __init__(self, names: list[str]) -> None:
+    A host named in `wired` reaches the bridge through a relay (tests/hosts/relay.py) in a
+    namespace of its own, so `impair` can delay and drop its packets to a peer."""
+
+    _made = itertools.count()
+
+    def __init__(self, names: list[str], wired: Iterable[str] = ()) -> None:
         sweep_stale()
-        self.tag = str(os.getpid())  # "or<pid>h<i>" fits an interface name's 15 characters
+        # The process's pid and a letter for each network it made: "or<tag>h<i>" fits an
+        # interface name's 15 characters, and sweep_stale finds a dead process's by the pid.
+        self.tag = f"{os.getpid()}{ascii_lowercase[next(Network._made) % 26]}"
         self.bridge = f"orb{self.tag}"
-        subnet = 200 + os.getpid() % 50
+        subnet = 200 + (os.getpid() + ord(self.tag[-1])) % 50
         self.hosts: dict[str, Host] = {}
+        self.wires: dict[str, Host] = {}  # a wired host's relay, by the host's name
+        self.rules = Path(tempfile.mkdtemp(prefix=f"or{self.tag}-")) / "rules.json"
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
             for i, name in enumerate(names):
-                self.hosts[name] = self._add_host(name, i, f"10.{subnet}.0.{i + 2}")
+                address = f"10.{subnet}.0.{i + 2}"
+                self.hosts[name] = self._add_host(name, i, address, name in set(wired))
         except BaseException:
             self.close()
             raise
 
-    def _add_host(self, name: str, index: int, address: str) -> Host:
+    def _add_host(self, name: str, index: int, address: str, wired: bool) -> Host:
+        """The host's namespace and its veth pair to the bridge; a wired host's pair ends in
+        its relay's namespace instead, joined to the bridge by a second pair (`_wire`)."""
         namespace = f"or{self.tag}-{name}"
         veth, inside = f"or{self.tag}h{index}", f"or{self.tag}n{index}"
         _ip("netns", "add", namespace)
         host = Host(name, address, namespace, veth)
-        _ip("link", "add", veth, "type", "veth", "peer", "name", inside)
+        wire_in = f"or{self.tag}w{index}"
+        _ip("link", "add", wire_in if wired else veth, "type", "veth", "peer", "name", inside)
         _ip("link", "set", inside, "netns", namespace)
+        if wired:
+            _ip("link", "add", veth, "type", "veth", "peer", "name", f"or{self.tag}o{index}")
+            _ip("-n", namespace, "link", "set", inside, "gso_max_segs", "1")
         _ip("link", "set", veth, "master", self.bridge)
         _ip("link", "set", veth, "up")
         _ip("-n", namespace, "addr", "add", f"{address}/{SUBNET_PREFIX}", "dev", inside)
         _ip("-n", namespace, "link", "set", inside, "up")
         _ip("-n", namespace, "link", "set", "lo", "up")
+        if wired:
+            self.wires[name] = self._wire(host, wire_in, f"or{self.tag}o{index}")
         return host
+
+    def _wire(self, host: Host, inside: str, outside: str) -> Host:
+        """Start the relay (tests/hosts/relay.py) between the host's pair (`inside`) and the
+        bridge's (`outside`), in a namespace of its own. Segmentation offload is off on the
+        relay's path (gso_max_segs 1): one frame is one packet, as on a wire."""
+        wire = Host(f"{host.name}-wire", "", f"{host.namespace}-wire", inside)
+        _ip("netns", "add", wire.namespace)
+        _ip("link", "set", host.veth, "gso_max_segs", "1")
+        for end in (inside, outside):
+            _ip("link", "set", end, "netns", wire.namespace)
+            _ip("-n", wire.namespace, "link", "set", end, "gso_max_segs", "1")
+            _ip("-n", wire.namespace, "link", "set", end, "promisc", "on", "up")
+        argv = [sys.executable, "-m", "tests.hosts.relay", "--inside", inside]
+        argv += ["--outside", outside, "--rules", str(self.rules)]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO)}
+        wire.spawn(argv, env, self.rules.with_name(f"{host.name}-wire.log"), cwd=str(REPO))
+        return wire
+
+    def impair(self, a: str, peers: list[str], delay_s: float, loss: float) -> None:
+        """Hold every packet between host `a` (a wired one) and each of `peers` `delay_s` and
+        drop it with probability `loss`, each way; the relay reads this within a quarter
+        second."""
+        self._write_rules(
+            [
+                {"between": [self[a].address, self[b].address], "delay_s": delay_s, "loss": loss}
+                for b in peers
+            ]
+        )
+
+    def wire_counts(self, name: str) -> dict[str, int]:
+        """The relay of wired host `name`'s counts so far: frames copied, held and dropped."""
+        inside = self.wires[name].veth  # a relay's Host names its interface facing the host
+        path = self.rules.with_name(f"{self.rules.stem}.{inside}.json")
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def repair(self) -> None:
+        self._write_rules([])
+
+    def _write_rules(self, rules: list[dict[str, Any]]) -> None:
+        staged = self.rules.with_suffix(".new")
+        staged.write_text(json.dumps(rules))
+        staged.replace(self.rules)
 
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
@@ -218,12 +286,15 @@ class Network:
     # -- removal --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        for host in self.hosts.values():
+        every = [*self.hosts.values(), *self.wires.values()]
+        for host in every:
             self._kill_all(host)
-        for host in self.hosts.values():
+        for host in every:
             _ip("netns", "del", host.namespace, check=False)
         _ip("link", "del", self.bridge, check=False)
+        shutil.rmtree(self.rules.parent, ignore_errors=True)
         self.hosts.clear()
+        self.wires.clear()
 
     @staticmethod
     def _kill_all(host: Host) -> None:
