@@ -62,6 +62,11 @@ class RouterMetrics:
         self.routed = Counter(
             "outrider_routed", "Routing decisions by reason", ["group", "reason"], registry=r
         )
+        self.hints_late = Counter(
+            "outrider_prefix_hints_late",
+            "Requests routed by load alone: Redis's prefix hints were not back in time",
+            registry=r,
+        )
         self.migrations = Counter(
             "outrider_migrations",
             "Requests moved on from a verifier group that failed under them",

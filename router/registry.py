@@ -36,6 +36,12 @@ PING_EVERY_S = 1.0  # while Redis is down, how often it is asked whether it is b
 MAX_HELD = 10_000  # requests whose registry writes are held; beyond, the oldest finished go
 
 
+async def _after(before: asyncio.Task[None] | None, write: Awaitable[None]) -> None:
+    if before is not None:
+        await asyncio.wait([before])  # its own failure is its caller's to report
+    await write
+
+
 def is_outage(exc: BaseException) -> bool:
     """Whether a Redis error means Redis cannot be reached (rather than a refused command)."""
     return isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError))
@@ -63,6 +69,7 @@ class RedisWatch:
         # Run when Redis answers again, before anything else: a Redis that came back empty
         # gets the replica's key mirror back (router/server.py).
         self.on_back: list[Callable[[], Awaitable[Any]]] = []
+        self._queued: dict[str, asyncio.Task[None]] = {}  # a request's last write `later`
         metrics.redis_up.set(1)
 
     @property
@@ -106,6 +113,20 @@ class RedisWatch:
         except RedisError as exc:
             self.failed(exc)
 
+    def later(self, request_id: str, write: Awaitable[None]) -> asyncio.Task[None]:
+        """Run one of the request's registry writes (`register`, `commit`, `move`) off the
+        caller's path, after the request's earlier ones (its writes stay in order): a stream
+        never waits on Redis, whose outage is only known once a call has timed out."""
+        before = self._queued.get(request_id)
+        task = asyncio.ensure_future(_after(before, write))
+        self._queued[request_id] = task
+        task.add_done_callback(lambda done: self._dequeue(request_id, done))
+        return task
+
+    def _dequeue(self, request_id: str, task: asyncio.Task[None]) -> None:
+        if self._queued.get(request_id) is task:
+            del self._queued[request_id]
+
     async def register(self, request_id: str, entry: Registration) -> None:
         held = await self._write(request_id, lambda: self.state.register(request_id, entry))
         if held is not None:
@@ -148,7 +169,10 @@ class RedisWatch:
                     self.metrics.registry_dropped.inc()
                     return None
                 self.down(exc)
-        return held if held is not None else self._hold(request_id, _Held(None))
+        if held is not None:
+            return held
+        self.metrics.degraded_requests.inc()  # served without Redis from here on
+        return self._hold(request_id, _Held(None))
 
     def _hold(self, request_id: str, held: _Held) -> _Held:
         if len(self._held) >= MAX_HELD:

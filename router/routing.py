@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 LOAD_TTL_S = 0.1  # how long one poll of the verifiers' load is reused
 # A poll that the backend did not bound in this (its groups' answers are) is given up.
 LOAD_TIMEOUT_S = 5.0
+# Prefix hints not back from Redis within this are gone without: a request is routed by load
+# rather than wait (a Redis cut off answers nothing, and a call's own timeout is 2 s).
+HINTS_WITHIN_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +92,11 @@ class GroupChooser:
         loads = await self.load()
         cached = dict.fromkeys(groups, 0)  # without prefix hints, routed by load alone
         if self.redis.up:
+            hints = self.state.cached_blocks(prompt_ids, self.block_size, groups, salt)
             try:
-                cached = await self.state.cached_blocks(prompt_ids, self.block_size, groups, salt)
+                cached = await asyncio.wait_for(hints, HINTS_WITHIN_S)
+            except TimeoutError:  # Redis slow or cut off: its outage is the registry's to find
+                self.metrics.hints_late.inc()
             except RedisError as exc:
                 self.redis.failed(exc)
         score = scores(loads, self._sent_since_poll)

@@ -30,7 +30,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import replace
@@ -237,9 +237,7 @@ class RouterService:
         entry = Registration(
             name, self.replica, self.owner(), request.prompt_ids, settings, source, index
         )
-        await self.redis.register(request_id, entry)
-        if not self.redis.up:
-            self.metrics.degraded_requests.inc()
+        self._background(self.redis.later(request_id, self.redis.register(request_id, entry)))
         self.metrics.prompt_tokens.inc(len(request.prompt_ids))
         output_ids: list[int] = []
         num_registered = 0  # of output_ids, already in the registry
@@ -294,7 +292,8 @@ class RouterService:
                             finish_reason = step.finish_reason or "stop"
                             self._finished(request, step, start, name, output_ids)
                         elif len(output_ids) > num_registered and now - flushed >= REGISTRY_FLUSH_S:
-                            await self.redis.commit(request_id, output_ids[num_registered:])
+                            commit = self.redis.commit(request_id, output_ids[num_registered:])
+                            self._background(self.redis.later(request_id, commit))
                             num_registered, flushed = len(output_ids), now
                         yield step
                 except errors.GroupFailed as exc:
@@ -315,7 +314,9 @@ class RouterService:
                         len(output_ids),
                         name,
                     )
-                    self._background(self.redis.move(request_id, name))
+                    self._background(
+                        self.redis.later(request_id, self.redis.move(request_id, name))
+                    )
         except Exception as exc:
             error = exc
             raise
@@ -323,7 +324,8 @@ class RouterService:
             usage = None if finish_reason == "abort" else {"finish_reason": finish_reason}
             rest = output_ids[num_registered:]
             forget = not request.store and final is not None  # an aborted one may be resumed
-            self._background(self.redis.commit(request_id, rest, finish_reason, usage, forget))
+            end = self.redis.commit(request_id, rest, finish_reason, usage, forget)
+            self._background(self.redis.later(request_id, end))
             caller = CALLER.get()  # the key's name in the line, never the key
             line = {
                 "request_id": request_id,
@@ -434,7 +436,7 @@ class RouterService:
             )
         )
 
-    def _background(self, work: Coroutine[Any, Any, Any]) -> None:
+    def _background(self, work: Awaitable[Any]) -> None:
         """Bookkeeping that must not delay tokens or fail the request."""
         task = asyncio.ensure_future(work)
         self._tasks.add(task)

@@ -434,3 +434,25 @@ def test_the_embedded_redis_comes_back_with_what_it_held() -> None:
         assert server.restarts == 1 and server.pid != before
         assert client.get("outrider:probe") == b"kept"
         client.close()
+
+
+def test_a_stream_does_not_wait_on_a_redis_that_stopped_answering(state) -> None:  # type: ignore[no-untyped-def]
+    """Redis paused (as a host cut off: nothing answers, nothing is closed): the request is
+    routed by load once its prefix hints are late, its tokens do not wait on its registry
+    writes, and those reach Redis, in order, once it answers again."""
+    import redis.asyncio as aioredis
+
+    async def scenario() -> tuple[float, list[Step], dict[str, Any] | None]:
+        s = await state()
+        service = _service(s, ScriptedBackend([LoopLoad(0, 0, 0.0), LoopLoad(0, 0, 0.0)]))
+        pauser = aioredis.Redis(connection_pool=s.redis.connection_pool)
+        await pauser.execute_command("CLIENT", "PAUSE", 3000, "ALL")
+        t0 = time.perf_counter()
+        steps = [st async for st in service.generate(_request([1, 2, 3]), "paused")]
+        took = time.perf_counter() - t0
+        await service.drain()  # its writes, once Redis answers
+        return took, steps, await s.lookup_request("paused")
+
+    took, steps, record = run(scenario())
+    assert took < 1.0 and steps[-1].finished
+    assert record is not None and record["finish_reason"] == "length"
