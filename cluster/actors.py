@@ -207,11 +207,13 @@ class PrefillActor:
     def info(self) -> dict[str, Any]:
         return {"name": self.name, "device": self.device, **where()}
 
-    def open_link(self, address: Any) -> None:
-        self.worker.open_link(address)
+    def open_link(self, address: Any, verifier: str) -> None:
+        self.worker.open_link(address, verifier)
 
-    def prefill(self, token_ids: list[int], hidden_layers: list[int]) -> dict[str, Any]:
-        timing = self.worker.prefill(token_ids, hidden_layers)
+    def prefill(
+        self, token_ids: list[int], hidden_layers: list[int], verifier: str
+    ) -> dict[str, Any]:
+        timing = self.worker.prefill(token_ids, hidden_layers, verifier)
         m = self.metrics
         m.observe("outrider_prefill_seconds", timing["compute_s"])
         m.inc("outrider_prefill_tokens", len(token_ids) - timing["reused_tokens"])

@@ -15,13 +15,14 @@ forward. Nothing goes through the object store.
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from cluster.links import LinkAddress, TensorLink
+from cluster.links import LinkAddress, LinkError, TensorLink
 from workers.engine.model_runner import ModelRunner, SeqForward
 from workers.kv_cache import PagedKVCache
 from workers.model.transformer import TransformerLM
@@ -72,9 +73,20 @@ def plan_for(model_config: Any, num_tokens: int, layers: Sequence[int], dtype: s
     )
 
 
-def receive(link: TensorLink, plan: PrefillPlan) -> PrefillResult:
-    """The verifier's side: each layer's K and V, the hidden states of each layer of the plan,
-    the logits."""
+def prompt_tag(token_ids: Sequence[int]) -> list[int]:
+    """What a worker sends first for a prompt: its length and a checksum of its tokens, for the
+    verifier to check it receives the prompt it asked for before anything of its size."""
+    data = torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()
+    return [len(token_ids), zlib.crc32(data)]
+
+
+def receive(link: TensorLink, plan: PrefillPlan, token_ids: Sequence[int]) -> PrefillResult:
+    """The verifier's side: the prompt's tag, then each layer's K and V, the hidden states of
+    each layer of the plan, the logits. A tag not this prompt's raises `LinkError` before
+    anything else is received: the link carries another prompt (and is not to be used again)."""
+    tag = link.recv((2,), torch.int64).tolist()
+    if tag != prompt_tag(token_ids):
+        raise LinkError(f"the link carried another prompt ({tag} for {prompt_tag(token_ids)})")
     dtype = getattr(torch, plan.dtype)
     kv = torch.empty(plan.kv_shape, dtype=dtype, device=link.device)
     for layer in range(plan.kv_shape[0]):
@@ -100,13 +112,16 @@ class PrefillWorker:
         self.num_blocks = -(-max_model_len // block_size)
         cache = PagedKVCache(model.config, self.num_blocks, block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, cache)
-        self.link: TensorLink | None = None
+        # A link to each verifier group (by its rank 0's name): a worker serves several, and a
+        # verifier that restarted opens its link again.
+        self.links: dict[str, TensorLink] = {}
         self._held: list[int] = []  # the prompt whose K/V the scratch blocks hold
         self._held_hidden: dict[int, torch.Tensor] = {}  # and its hidden states, by layer
         self.reused_tokens = 0  # of the last prompt, taken from the one before
 
-    def open_link(self, address: LinkAddress) -> None:
-        self.link = TensorLink.join(address, timeout_s=LINK_TIMEOUT_S)
+    def open_link(self, address: LinkAddress, verifier: str) -> None:
+        """Join the link `verifier` hosts at `address` (in place of the one it had)."""
+        self.links[verifier] = TensorLink.join(address, timeout_s=LINK_TIMEOUT_S)
 
     @torch.inference_mode()
     def compute(self, token_ids: Sequence[int], hidden_layers: Sequence[int]) -> PrefillResult:
@@ -115,13 +130,17 @@ class PrefillWorker:
         kv = self.runner.kv_cache.read_slots(torch.arange(len(token_ids), device=self.model.device))
         return PrefillResult(kv, hidden, logits)
 
-    def prefill(self, token_ids: Sequence[int], hidden_layers: Sequence[int]) -> dict[str, Any]:
-        """Compute and send over the link (the verifier is receiving); returns timings:
+    def prefill(
+        self, token_ids: Sequence[int], hidden_layers: Sequence[int], verifier: str
+    ) -> dict[str, Any]:
+        """Compute and send over `verifier`'s link (it is receiving); returns timings:
         `compute_s` until the forward ends (the K/V of all but the last layers already sent
         meanwhile), `transfer_s` from there until the last tensor has arrived."""
-        link = self.link
+        link = self.links.get(verifier)
         if link is None:
-            raise RuntimeError("no link to a verifier")
+            raise RuntimeError(f"no link to {verifier}")
+        tag = torch.tensor(prompt_tag(token_ids), dtype=torch.int64, device=self.model.device)
+        link.send(tag, wait=False)
         hidden_layers = distinct(hidden_layers)
         n = len(token_ids)
         cache = self.runner.kv_cache

@@ -14,9 +14,12 @@ request nothing to try again, and that request rebuilds the link.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from cluster import telemetry
 from cluster.actors import RAY_NAMESPACE
@@ -27,6 +30,7 @@ from workers.engine.config import RequestSpec
 from workers.engine.outputs import Prefilled
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class PrefillClient:
@@ -60,20 +64,17 @@ class PrefillClient:
             "reused_tokens": 0,  # prompt tokens a worker had from its previous prompt
         }
 
-    def link(self, index: int) -> TensorLink:
-        """The link to worker `index`, (re)built when missing or broken."""
+    def connect(self, index: int) -> TensorLink:
+        """A new link to worker `index` (waits on Ray and on the worker's join)."""
         import ray
 
-        link = self.links[index]
-        if link is None or not link.connected:
-            peer: Any = ray.get(self.actors[index].info.remote(), timeout=60)
-            backend = link_backend(self.device, peer["device"])
-            name = f"{self.owner}-{self.names[index]}"
-            link = TensorLink.host(name, backend, timeout_s=LINK_TIMEOUT_S)
-            joined: Any = self.actors[index].open_link.remote(link.address)
-            link.connect_racing(joined)  # a worker that dies now fails here at once
-            ray.get(joined, timeout=60)
-            self.links[index] = link
+        peer: Any = ray.get(self.actors[index].info.remote(), timeout=60)
+        backend = link_backend(self.device, peer["device"])
+        name = f"{self.owner}-{self.names[index]}"
+        link = TensorLink.host(name, backend, timeout_s=LINK_TIMEOUT_S)
+        joined: Any = self.actors[index].open_link.remote(link.address, self.owner)
+        link.connect_racing(joined)  # a worker that dies now fails here at once
+        ray.get(joined, timeout=60)
         return link
 
     async def prefill(
@@ -103,14 +104,20 @@ class PrefillClient:
         span = telemetry.tracer().start_span(
             "outrider.kv_transfer", context=telemetry.extract(carrier)
         )
-        loop = asyncio.get_running_loop()
 
         async def remote() -> tuple[Any, dict[str, Any]]:
             async with self.locks[index]:
-                link = await loop.run_in_executor(None, self.link, index)
-                ref: Any = self.actors[index].prefill.remote(prompt_ids, layers)
-                result = await loop.run_in_executor(None, receive, link, plan)
-                return result, await ref
+                # Taken while in use, back only once this prompt has crossed it whole: a prompt
+                # given up on leaves the rest of its tensors on its link, for no later prompt
+                # to read as its own.
+                link, self.links[index] = self.links[index], None
+                if link is None or not link.connected:
+                    link = await on_thread(self.connect, index)
+                ref: Any = self.actors[index].prefill.remote(prompt_ids, layers, self.owner)
+                result = await on_thread(receive, link, plan, prompt_ids)
+                timing = await ref
+                self.links[index] = link
+                return result, timing
 
         deadline_s = self.settings.deadline_s(len(prompt_ids))
         try:
@@ -151,4 +158,31 @@ class PrefillClient:
             f", and passing it over for {self.settings.retry_after_s:.0f} s" if silent else "",
         )
         self.stats["failures"] += 1
-        self.links[index] = None
+
+
+def on_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """`fn(*args)` on a thread of its own, as a future of this event loop. Not a pool's: a
+    link's receive given up on blocks its thread until the link's timeout, and a pool's
+    threads would run out for the prompts after it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # its caller gave up on it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as err:
+            error = err
+        with contextlib.suppress(RuntimeError):  # the event loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="prefill-link", daemon=True).start()
+    return future

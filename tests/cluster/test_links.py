@@ -5,8 +5,10 @@ GPU is)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -185,15 +187,15 @@ def test_a_prefill_over_a_link_delivers_what_it_computes(
     expected = prefill.PrefillWorker(model, max_model_len=64, block_size=8).compute(prompt, (0, 1))
     host, peer = pair(f"prefill-{chunk}")
     worker = prefill.PrefillWorker(model, max_model_len=64, block_size=8)
-    worker.link = peer
+    worker.links["verifier"] = peer
     timings: dict[str, dict] = {}
     thread = threading.Thread(
         # Layer 1 asked for twice (an EAGLE head of a shallow target fuses it twice): sent once.
-        target=lambda: timings.setdefault("sent", worker.prefill(prompt, (0, 1, 1)))
+        target=lambda: timings.setdefault("sent", worker.prefill(prompt, (0, 1, 1), "verifier"))
     )
     thread.start()
     plan = prefill.plan_for(model.config, len(prompt), (0, 1, 1), "float32")
-    got = prefill.receive(host, plan)
+    got = prefill.receive(host, plan, prompt)
     thread.join()
     assert torch.equal(got.kv, expected.kv.cpu())
     assert torch.equal(got.logits, expected.logits.cpu())
@@ -227,3 +229,40 @@ def test_a_prompt_that_shares_the_held_prompts_start_computes_only_the_rest() ->
     assert worker.reused_tokens == 0
     worker.compute(second, (0, 1))  # the same prompt again: all but its last token
     assert worker.reused_tokens == len(second) - 1
+
+
+def test_a_worker_serving_two_verifiers_sends_each_its_own_prompts() -> None:
+    """Each verifier group opens a link of its own to a shared worker, and each prompt goes
+    over the link of the verifier that asked for it; a receive that finds another prompt's tag
+    first raises before reading anything of the other prompt's size (a size mismatch would
+    abort the process in gloo), and the link is dropped."""
+    import cluster.prefill as prefill
+    from tests.factories import tiny_model
+
+    model = tiny_model(seed=3, max_position_embeddings=128)
+    gen = torch.Generator().manual_seed(2)
+    first, second = (torch.randint(3, 90, (n,), generator=gen).tolist() for n in (12, 20))
+    fresh = prefill.PrefillWorker(model, max_model_len=64, block_size=8)
+    expected = {"a": fresh.compute(first, ()).kv, "b": fresh.compute(second, ()).kv}
+    worker = prefill.PrefillWorker(model, max_model_len=64, block_size=8)
+    (a_host, a_peer), (b_host, b_peer) = pair("prefill-a", 30.0), pair("prefill-b", 30.0)
+    worker.links.update({"a": a_peer, "b": b_peer})
+    plan = partial(prefill.plan_for, model.config, layers=(), dtype="float32")
+    sent = threading.Thread(
+        target=lambda: (worker.prefill(first, (), "a"), worker.prefill(second, (), "b"))
+    )
+    sent.start()
+    assert torch.equal(prefill.receive(a_host, plan(len(first)), first).kv, expected["a"])
+    assert torch.equal(prefill.receive(b_host, plan(len(second)), second).kv, expected["b"])
+    sent.join()
+
+    def stray() -> None:  # a prompt given up on: the link is closed under its sends
+        with contextlib.suppress(LinkError, RuntimeError):
+            worker.prefill(first, (), "a")
+
+    sending = threading.Thread(target=stray)
+    sending.start()
+    with pytest.raises(LinkError, match="another prompt"):
+        prefill.receive(a_host, plan(len(second)), second)
+    a_host.close()
+    sending.join()
