@@ -10,7 +10,13 @@ deployment of the chart places it:
 | `gpu` | a Ray worker node holding the verifier | the GPU worker group |
 | `cpu` | a Ray worker node holding the drafter and the prefill worker | the CPU worker group |
 
-Pools find their node by a custom resource each node offers (`verifier_host`, `draft_host`).
+`Bed(verifier_hosts=2, prefill_host=True)` (load_tests partitions) adds a second verifier node
+(`gpu2`, a verifier group each, a drafter each on `cpu`) and puts the prefill workers (one a
+group) on a node of their own (`prefill`) behind a relay, so the prefill-verifier link can be
+slowed alone (tests/hosts/relay.py).
+
+Pools find their node by a custom resource each node offers (`verifier_host`, `draft_host`,
+`prefill_host`).
 Every Ray process authenticates with one token (RAY_AUTH_TOKEN, as the chart's Secret gives
 it). The deployment is fp32 over float weights, EAGLE drafting from the drafter pool and every
 prompt prefilled on the prefill worker: hidden states cross `cpu`-`gpu` every round, a prompt's
@@ -76,6 +82,8 @@ class Load:
 
 
 def deployment_config(verifier_groups: int = 1, prefill_host: bool = False) -> dict[str, Any]:
+    """A drafter for each verifier group (each group has its own share of the pools); a
+    prefill worker each too on a prefill node, one for all on the drafter node."""
     return {
         "dtype": "float32",
         "quantization": "none",
@@ -83,7 +91,7 @@ def deployment_config(verifier_groups: int = 1, prefill_host: bool = False) -> d
         "speculative": {"method": "eagle", "num_speculative_tokens": 4, "adaptive": False},
         "pools": {
             "prefill": {
-                "replicas": 1,
+                "replicas": verifier_groups if prefill_host else 1,
                 "min_remote_prompt_tokens": 1,
                 "resources": {
                     "cpus": 1,
@@ -95,7 +103,7 @@ def deployment_config(verifier_groups: int = 1, prefill_host: bool = False) -> d
                 "resources": {"cpus": 1, "custom": {"verifier_host": 1}},
             },
             "drafter": {
-                "replicas": 1,
+                "replicas": verifier_groups,
                 "method": "eagle",
                 "resources": {"cpus": 1, "custom": {"draft_host": 1}},
             },
@@ -189,9 +197,10 @@ class Bed:
         # A verifier group a verifier node; the drafter and the prefill worker on `cpu`, or
         # the prefill worker on `prefill`.
         nodes = [(h, {"verifier_host": 1}) for h in self.verifier_hosts]
-        nodes.append(("cpu", {"draft_host": 2}))
+        groups = len(self.verifier_hosts)
+        nodes.append(("cpu", {"draft_host": groups + (not self.prefill_host)}))
         if self.prefill_host:
-            nodes.append(("prefill", {"prefill_host": 1}))
+            nodes.append(("prefill", {"prefill_host": groups}))
         for host, resources in nodes:
             net[host].run(
                 [
@@ -206,7 +215,6 @@ class Bed:
                 timeout_s=120,
             )
         config = self.workdir / "deployment.yaml"
-        groups = len(self.verifier_hosts)
         config.write_text(yaml.safe_dump(deployment_config(groups, self.prefill_host)))
         self.router = net["router"].spawn(
             [
