@@ -40,7 +40,7 @@ def deployment(
     )
 
 
-def run_all(runtime, prompts, method: str) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def run_all(runtime: Any, prompts: list[list[int]], method: str) -> list[list[int]]:
     streams = [runtime.submit(p, GREEDY, RequestSpec(method=method)) for p in prompts]
     return [[t for chunk in s for t in chunk] for s in streams]
 
