@@ -29,7 +29,9 @@ RayCluster). A config is checked as a whole when it is built, and every error na
              docs: true,              # false: no /docs, /redoc or /openapi.json
              shutdown_grace_s: 30,    # on SIGTERM, how long requests in flight may finish
              log_format: text,        # or json: a JSON object per log line (router and actors)
-             migration: {max_wait_s: 90, max_attempts: 3}}  # a failed group's requests go on
+             migration: {max_wait_s: 90, max_attempts: 3},  # a failed group's requests go on
+             deadlines: {silent_after_s: 5, answer_within_s: 2,   # a part that stops
+                         hints_within_s: 0.25}}                  # answering is given up
     redis: {url: null, tls: false, password_env: null}   # url null: embedded redis-server
     telemetry: {otlp_endpoint: null, service_name: outrider}
     ray: {address: null, dashboard_host: 127.0.0.1, dashboard_port: 8265}
@@ -58,7 +60,12 @@ from cluster.pool_settings import (
 from cluster.pool_settings import (
     check_field as _check,
 )
-from cluster.router_settings import MigrationSettings, RouterSettings, TlsSettings
+from cluster.router_settings import (
+    DeadlineSettings,
+    MigrationSettings,
+    RouterSettings,
+    TlsSettings,
+)
 from workers.engine.config import (
     DEFAULT_MIN_DRAFT_CONFIDENCE,
     METHODS_HELP,
@@ -70,6 +77,7 @@ from workers.model.config import QUANTIZATIONS
 
 __all__ = [
     "ConfigError",
+    "DeadlineSettings",
     "DeploymentConfig",
     "DrafterPool",
     "MigrationSettings",
@@ -265,6 +273,8 @@ class DeploymentConfig:
         migration = self.router.migration
         _check(migration.max_wait_s >= 0, "router.migration.max_wait_s", "must be >= 0")
         _check(migration.max_attempts >= 0, "router.migration.max_attempts", "must be >= 0")
+        for name, value in dataclasses.asdict(self.router.deadlines).items():
+            _check(value > 0, f"router.deadlines.{name}", "must be > 0")
         _check(
             self.router.log_format in ("text", "json"),
             "router.log_format",

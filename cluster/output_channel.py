@@ -14,7 +14,8 @@ The client reads the stream on a thread of its own (`GroupOutputs`) and hands ea
 request's inbox (`Inbox`), waking each event loop that waits on some once a message. When the
 stream breaks (the verifier died or restarted), every request that was waiting on it fails with
 the error, and the group's next request opens a new stream; a verifier that stops answering
-(its host cut off: nothing is closed) breaks it too, after `SILENT_AFTER_S`. When a client's
+(its host cut off: nothing is closed) breaks it too, after `silent_after_s` (the router's
+`router.deadlines`). When a client's
 stream ends the verifier aborts that client's requests: when the client closes it, or when the
 client has not said it is alive for `CLIENT_TIMEOUT_S` (it does every `KEEP_ALIVE_S`, from a
 thread of its own): Ray does not end a streaming generator whose caller died.
@@ -40,7 +41,6 @@ from workers.engine.outputs import RequestOutput
 log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 5.0  # how often a client tells each verifier it reads from that it is alive
 CLIENT_TIMEOUT_S = 30.0  # a client silent this long is gone: its stream ends, its requests too
-SILENT_AFTER_S = 5.0  # a verifier with requests waiting that does not answer this long is gone
 POLL_WAIT_S = 1.0  # through Ray Client: how long one poll waits on the verifier for outputs
 
 
@@ -178,9 +178,12 @@ class GroupOutputs:
     """The client's side: this process's stream from one verifier group, read on a thread of
     its own, and the inboxes of its requests there."""
 
-    def __init__(self, verifier: Any, name: str) -> None:
+    def __init__(self, verifier: Any, name: str, silent_after_s: float = 5.0) -> None:
+        """`silent_after_s`: a verifier with requests waiting that does not answer the
+        keep-alive within this is taken for gone."""
         self.client = client_id()
         self.verifier, self.name = verifier, name
+        self.silent_after_s = silent_after_s
         self._inboxes: dict[str, Inbox] = {}
         self._lock = threading.Lock()
         self.failure: BaseException | None = None  # what broke the stream
@@ -233,7 +236,7 @@ class GroupOutputs:
 
     def _keep_alive(self) -> None:
         """Tell the verifier this client is alive, and while requests wait on the stream, see
-        that it answers: one that does not within `SILENT_AFTER_S` (its host cut off, or hung)
+        that it answers: one that does not within `silent_after_s` (its host cut off, or hung)
         fails the stream as a dead one would, so its requests move to another group instead
         of waiting for Ray to give the node up (tens of seconds)."""
         import ray
@@ -244,10 +247,10 @@ class GroupOutputs:
             try:
                 ref = self.verifier.keep_alive.remote(self.client)
                 if waiting:
-                    ray.get(ref, timeout=SILENT_AFTER_S)
+                    ray.get(ref, timeout=self.silent_after_s)
             except ray.exceptions.GetTimeoutError:
                 self._fail(
-                    ConnectionError(f"{self.name} has not answered for {SILENT_AFTER_S:.0f} s")
+                    ConnectionError(f"{self.name} has not answered for {self.silent_after_s:g} s")
                 )
                 return
             except Exception as err:  # unreachable (ActorUnavailableError), dead, or Ray stopping

@@ -1,5 +1,6 @@
 """The router's part of the deployment config (cluster/config.py checks it with the rest):
-where it listens, its admission and per-key limits, TLS, and how it migrates requests."""
+where it listens, its admission and per-key limits, TLS, how it migrates requests, and how long
+it waits on a part that stopped answering."""
 
 from __future__ import annotations
 
@@ -15,6 +16,21 @@ class MigrationSettings:
 
     max_wait_s: float = 90.0
     max_attempts: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineSettings:
+    """How long a router waits on a part that may have stopped answering (its host cut off:
+    packets dropped, nothing closed) before it goes on without it (docs/operations.md,
+    Failures)."""
+
+    # A verifier group with requests waiting that does not answer the router's keep-alive
+    # within this is given up as a dead one would be: its requests move to another group.
+    silent_after_s: float = 5.0
+    # A group's load or health not back within this: routing and /ready take it for down.
+    answer_within_s: float = 2.0
+    # Redis's prefix hints not back within this: the request is routed by load.
+    hints_within_s: float = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +65,4 @@ class RouterSettings:
     # How the router and the pools' actors log (cluster/logs.py): text, or json (a line each).
     log_format: str = "text"
     migration: MigrationSettings = field(default_factory=MigrationSettings)
+    deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)

@@ -223,7 +223,8 @@ class Runtime:
             channel = self._channels.get(group)
             if channel is None or channel.broken:
                 verifier = self.pools.verifiers[group]
-                channel = GroupOutputs(verifier, self.pools.verifier_names[group])
+                silent_after_s = self.config.router.deadlines.silent_after_s
+                channel = GroupOutputs(verifier, self.pools.verifier_names[group], silent_after_s)
                 self._channels[group] = channel
             return channel
 

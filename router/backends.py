@@ -21,10 +21,6 @@ from workers.engine.sampling_params import SamplingParams
 
 # What one engine step produced for one request: the engine's own output, whichever backend.
 Step = RequestOutput
-# A verifier asked how it is (load, health) answers within this or is taken for down: one whose
-# host is cut off never answers, and neither routing nor readiness may wait for Ray to give up
-# its node (tens of seconds).
-ANSWER_WITHIN_S = 2.0
 
 
 class Backend(Protocol):
@@ -105,10 +101,16 @@ class LocalBackend:
 class RuntimeBackend:
     """The Ray runtime's verifier groups."""
 
-    def __init__(self, runtime: Any, shutdown_on_close: bool = True) -> None:
+    def __init__(
+        self, runtime: Any, shutdown_on_close: bool = True, answer_within_s: float = 2.0
+    ) -> None:
+        """`answer_within_s`: a verifier asked how it is (load, health) answers within this or
+        is taken for down; one whose host is cut off never answers, and neither routing nor
+        readiness may wait for Ray to give its node up (tens of seconds)."""
         self.runtime = runtime
         self.groups = list(runtime.pools.verifier_names)
         self.shutdown_on_close = shutdown_on_close
+        self.answer_within_s = answer_within_s
         self._load_polls: dict[int, asyncio.Future[Any]] = {}  # the last, by group
 
     async def stream(
@@ -146,7 +148,7 @@ class RuntimeBackend:
                 self.runtime.abort(stream)
 
     async def load(self) -> list[LoopLoad | None]:
-        """Each group's load, waiting `ANSWER_WITHIN_S` at most; None for a group that did not
+        """Each group's load, waiting `answer_within_s` at most; None for a group that did not
         answer. A group whose last poll is still unanswered is not polled or waited for again
         until it answers: routing goes on without it at once."""
         polls: list[asyncio.Future[Any]] = []
@@ -158,17 +160,17 @@ class RuntimeBackend:
                 fresh.append(poll)
             polls.append(poll)
         if fresh:
-            await asyncio.wait(fresh, timeout=ANSWER_WITHIN_S)
+            await asyncio.wait(fresh, timeout=self.answer_within_s)
         return [_answer(poll) for poll in polls]
 
     async def ready(self) -> bool:
         calls = [_future(v.info.remote()) for v in self.runtime.pools.verifiers]
-        await asyncio.wait(calls, timeout=ANSWER_WITHIN_S)
+        await asyncio.wait(calls, timeout=self.answer_within_s)
         return all(_answer(call) is not None for call in calls)
 
     async def healthy(self, group: int) -> bool:
         call = _future(self.runtime.pools.verifiers[group].info.remote())
-        await asyncio.wait([call], timeout=ANSWER_WITHIN_S)
+        await asyncio.wait([call], timeout=self.answer_within_s)
         return _answer(call) is not None
 
     async def close(self) -> None:

@@ -22,6 +22,7 @@ from cluster import k8s, logs
 from cluster.config import ConfigError, DeploymentConfig, load_config
 from cluster.runtime import Runtime
 from router.cli_args import build_parser
+from router.routing import RoutingPolicy
 from workers.engine.config import (
     RequestSpec,
 )
@@ -255,7 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
     follower: PoolFollower | None = None
     if _uses_cluster(args):
         runtime, tokenizer, name = _start_runtime(args, config)
-        backend = RuntimeBackend(runtime)
+        backend = RuntimeBackend(runtime, answer_within_s=config.router.deadlines.answer_within_s)
         info = runtime.actor_info()
         # A verifier's info names the other ranks of its group.
         names = [
@@ -303,6 +304,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls_key_file=args.tls_key_file or router.tls.key_file,
         docs=router.docs,
         migration=router.migration,
+        policy=RoutingPolicy(hints_within_s=router.deadlines.hints_within_s),
         shutdown_grace_s=(
             router.shutdown_grace_s if args.shutdown_grace_s is None else args.shutdown_grace_s
         ),

@@ -25,9 +25,6 @@ log = logging.getLogger(__name__)
 LOAD_TTL_S = 0.1  # how long one poll of the verifiers' load is reused
 # A poll that the backend did not bound in this (its groups' answers are) is given up.
 LOAD_TIMEOUT_S = 5.0
-# Prefix hints not back from Redis within this are gone without: a request is routed by load
-# rather than wait (a Redis cut off answers nothing, and a call's own timeout is 2 s).
-HINTS_WITHIN_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +33,9 @@ class RoutingPolicy:
 
     balance_threshold: int = 8
     seed: int | None = None
+    # Prefix hints not back from Redis within this are gone without: the request is routed by
+    # load rather than wait (a Redis cut off answers nothing; a call's own timeout is 2 s).
+    hints_within_s: float = 0.25
 
 
 class GroupChooser:
@@ -94,7 +94,7 @@ class GroupChooser:
         if self.redis.up:
             hints = self.state.cached_blocks(prompt_ids, self.block_size, groups, salt)
             try:
-                cached = await asyncio.wait_for(hints, HINTS_WITHIN_S)
+                cached = await asyncio.wait_for(hints, self.policy.hints_within_s)
             except TimeoutError:  # Redis slow or cut off: its outage is the registry's to find
                 self.metrics.hints_late.inc()
             except RedisError as exc:

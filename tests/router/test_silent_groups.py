@@ -13,7 +13,6 @@ import pytest
 
 from cluster.output_channel import Inbox
 from cluster.runtime import RequestStream
-from router import backends
 from router.backends import RuntimeBackend
 from router.routing import GroupChooser, RoutingPolicy
 from workers.engine.engine_loop import LoopLoad
@@ -57,15 +56,10 @@ class Runtime:
         self.pools = Pools(verifiers)
 
 
-@pytest.fixture
-def quick(monkeypatch: pytest.MonkeyPatch) -> float:
-    monkeypatch.setattr(backends, "ANSWER_WITHIN_S", 0.2)
-    return 0.2
-
-
-def test_a_silent_group_is_waited_for_once_then_not_until_it_answers(quick: float) -> None:
+def test_a_silent_group_is_waited_for_once_then_not_until_it_answers() -> None:
+    quick = 0.2
     silent, busy = Verifier(answers=False, depth=0), Verifier(answers=True, depth=50)
-    backend = RuntimeBackend(Runtime([silent, busy]))
+    backend = RuntimeBackend(Runtime([silent, busy]), answer_within_s=quick)
 
     async def scenario() -> list[tuple[float, list[LoopLoad | None]]]:
         timed = []

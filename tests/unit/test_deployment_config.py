@@ -122,6 +122,10 @@ def test_pools_that_name_their_gpus_claim_them_first() -> None:
             "engine.max_num_batched_tokens: must fit one token plus",
         ),
         ({"telemetry": {"exporter": "jaeger"}}, "telemetry.exporter"),
+        (
+            {"router": {"deadlines": {"silent_after_s": 0}}},
+            "router.deadlines.silent_after_s: must be > 0",
+        ),
     ],
 )
 def test_bad_settings_name_the_field(raw: dict, message: str) -> None:  # type: ignore[type-arg]
