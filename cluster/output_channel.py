@@ -304,6 +304,15 @@ class GroupOutputs:
         _put_all(delivered)
 
 
+def answer_of(ref: Any) -> asyncio.Future[Any]:
+    """A Ray call's answer as a future of this event loop, to wait on with `asyncio.wait` and
+    never cancel (Ray Client logs a callback error for a cancelled one when the answer comes);
+    its exception counts as seen, for a caller that stops caring about it."""
+    future = asyncio.wrap_future(ref.future())
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
+    return future
+
+
 def ray_client_connected() -> bool:
     """Whether this process reaches Ray through Ray Client (`ray://`): a router pod of the
     chart does. Ray Client has no streaming calls, so its output channels poll."""

@@ -2,9 +2,9 @@
 cluster (or starts a local one) and starts the pools or finds them running (cluster/pools.py);
 clients (the router, `router/backends.py`) call `submit` for a `RequestStream` of per-step
 messages from the verifier (sync or asyncio iteration; all of this process's requests on a group
-share one output channel, cluster/output_channel.py), `abort` (which aborts the request in the
-engine and frees its KV blocks) and `load` (each group's queue depth and KV usage, for
-routing).
+share one output channel, cluster/output_channel.py) and `abort` (which aborts the request in
+the engine and frees its KV blocks); the router asks each verifier actor its load itself
+(router/backends.py).
 """
 
 from __future__ import annotations
@@ -21,22 +21,15 @@ from typing import Any
 from cluster import telemetry
 from cluster.actors import start_tracing
 from cluster.config import DeploymentConfig, resolve_gpus
-from cluster.output_channel import GroupOutputs, Inbox, ServedBy, StreamedStep
+from cluster.output_channel import GroupOutputs, Inbox, ServedBy, StreamedStep, answer_of
 from cluster.pools import Pools, attach_pools, connect_ray, start_pools
 from workers.engine.config import RequestSpec
-from workers.engine.engine_loop import LoopLoad
 from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.outputs import Continuation, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SpecStats
 
 log = logging.getLogger(__name__)
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    """Mark a future's exception as seen (it was raised, or the answer no longer mattered)."""
-    if not future.cancelled():
-        future.exception()
 
 
 @dataclass(slots=True)
@@ -96,8 +89,7 @@ class RequestStream:
         refused it) or the channel failed it, whichever comes first: a verifier whose host is
         cut off never answers the call, and its channel's keep-alive gives it up in seconds
         where Ray takes tens to give up the node."""
-        started = asyncio.wrap_future(self.started.future())
-        started.add_done_callback(_retrieved)  # never cancelled: Ray Client logs a cancelled one
+        started = answer_of(self.started)
         first = asyncio.ensure_future(self.inbox.get_async())
         try:
             await asyncio.wait([started, first], return_when=asyncio.FIRST_COMPLETED)
@@ -231,10 +223,6 @@ class Runtime:
     def abort(self, stream: RequestStream) -> None:
         stream.channel.forget(stream.request_id)
         stream.channel.verifier.abort.remote(stream.request_id)
-
-    async def load(self) -> list[LoopLoad]:
-        """Each verifier group's queue depth and KV usage."""
-        return list(await asyncio.gather(*(v.load.remote() for v in self.pools.verifiers)))
 
     def verifier_stats(self) -> list[dict[str, Any]]:
         import ray

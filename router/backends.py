@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
+from cluster.output_channel import answer_of
 from router import errors
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import EngineLoop, LoopLoad
@@ -156,7 +157,7 @@ class RuntimeBackend:
         for group, verifier in enumerate(self.runtime.pools.verifiers):
             poll = self._load_polls.get(group)
             if poll is None or poll.done():
-                poll = self._load_polls[group] = _future(verifier.load.remote())
+                poll = self._load_polls[group] = answer_of(verifier.load.remote())
                 fresh.append(poll)
             polls.append(poll)
         if fresh:
@@ -164,12 +165,12 @@ class RuntimeBackend:
         return [_answer(poll) for poll in polls]
 
     async def ready(self) -> bool:
-        calls = [_future(v.info.remote()) for v in self.runtime.pools.verifiers]
+        calls = [answer_of(v.info.remote()) for v in self.runtime.pools.verifiers]
         await asyncio.wait(calls, timeout=self.answer_within_s)
         return all(_answer(call) is not None for call in calls)
 
     async def healthy(self, group: int) -> bool:
-        call = _future(self.runtime.pools.verifiers[group].info.remote())
+        call = answer_of(self.runtime.pools.verifiers[group].info.remote())
         await asyncio.wait([call], timeout=self.answer_within_s)
         return _answer(call) is not None
 
@@ -178,16 +179,8 @@ class RuntimeBackend:
             await asyncio.get_running_loop().run_in_executor(None, self.runtime.shutdown)
 
 
-def _future(ref: Any) -> asyncio.Future[Any]:
-    """A Ray call's result as an asyncio future, never to be cancelled (a cancelled one makes
-    Ray Client log a callback error when the answer comes) and read with `_answer`."""
-    future = asyncio.wrap_future(ref.future())
-    future.add_done_callback(_answer)
-    return future
-
-
 def _answer(future: asyncio.Future[Any]) -> Any:
-    """The call's result, or None when it has not answered or failed."""
+    """A call's result (`answer_of`), or None when it has not answered or failed."""
     if not future.done() or future.cancelled() or future.exception() is not None:
         return None
     return future.result()

@@ -70,17 +70,18 @@ class GroupChooser:
             except Exception as exc:  # no answer at all: every group is taken for down
                 log.warning("verifier load unavailable: %r", exc)
                 self._load = [None for _ in self.backend.groups]
-            loads = zip(self.backend.groups, self._load, strict=True)
-            down = [name for name, load in loads if load is None]
+            down = []
+            for name, load in zip(self.backend.groups, self._load, strict=True):
+                if load is None:
+                    down.append(name)
+                else:
+                    self.metrics.queue_depth.labels(name).set(load.queue_depth)
+                    self.metrics.kv_usage.labels(name).set(load.kv_usage)
             if down != self._down:
                 log.warning("verifier groups not answering: %s", ", ".join(down) or "none")
                 self._down = down
             self._load_at = now
             self._sent_since_poll = [0] * len(self.backend.groups)
-            for name, load in zip(self.backend.groups, self._load, strict=True):
-                if load is not None:
-                    self.metrics.queue_depth.labels(name).set(load.queue_depth)
-                    self.metrics.kv_usage.labels(name).set(load.kv_usage)
         return self._load
 
     async def choose(self, prompt_ids: Sequence[int], salt: int = 0) -> tuple[int, str]:
