@@ -1,4 +1,4 @@
-"""Output channels: a verifier's requests' outputs to a client process, one Ray stream for all.
+"""Output channels: a verifier's requests' outputs to a client process, one stream for all.
 
 A Ray streaming generator a request would cost the verifier and the client ~0.3 ms an output on
 the 2-core VM (a yield each: the object, the report to the caller, the caller's wake-up): at
@@ -10,6 +10,9 @@ outputs of all that client's requests between the client's reads (`ClientChannel
 loop hands a step's outputs over at once) and yields them as one list: one yield a step, not
 one a request (tests/benchmarks/bench_output_channel.py measures both).
 
+The stream is a TCP connection of its own to the verifier (cluster/output_socket.py: a Ray
+streaming call cost about 1 ms of CPU a message), or a Ray streaming call where the client reaches
+Ray through Ray Client (a poll a message there) or cannot connect to the verifier's host.
 The client reads the stream on a thread of its own (`GroupOutputs`) and hands each output to its
 request's inbox (`Inbox`), waking each event loop that waits on some once a message. When the
 stream breaks (the verifier died or restarted), every request that was waiting on it fails with
@@ -36,6 +39,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.output_socket import OutputConnection
 from workers.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -188,12 +192,10 @@ class GroupOutputs:
         self._lock = threading.Lock()
         self.failure: BaseException | None = None  # what broke the stream
         self._closed = threading.Event()
+        # What the stream is read from, once the reading thread has opened it
         self._generator: Any = None
-        if ray_client_connected():
-            self._batches = self._polled()
-        else:
-            self._generator = verifier.outputs.options(num_returns="streaming").remote(self.client)
-            self._batches = self._streamed()
+        self._connection: OutputConnection | None = None
+        self._polling = False
         self._thread = threading.Thread(target=self._read, name=f"outputs-{name}", daemon=True)
         self._thread.start()
         self._alive = threading.Thread(target=self._keep_alive, name=f"alive-{name}", daemon=True)
@@ -202,6 +204,17 @@ class GroupOutputs:
     @property
     def broken(self) -> bool:
         return self.failure is not None
+
+    @property
+    def transport(self) -> str | None:
+        """What the stream is read from: "connection", "ray stream", "ray polls" (None: not
+        opened yet)."""
+        with self._lock:
+            if self._connection is not None:
+                return "connection"
+            if self._generator is not None:
+                return "ray stream"
+        return "ray polls" if self._polling else None
 
     def register(self, request_id: str) -> Inbox:
         """The inbox of a request about to start on this group (before its outputs can come)."""
@@ -227,8 +240,12 @@ class GroupOutputs:
         import ray
 
         self._closed.set()
-        if self._generator is not None:
-            ray.cancel(self._generator)
+        with self._lock:
+            generator, connection = self._generator, self._connection
+        if generator is not None:
+            ray.cancel(generator)
+        if connection is not None:
+            connection.close()
         self._alive.join(timeout_s)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
@@ -259,10 +276,45 @@ class GroupOutputs:
                 log.info("keep-alive to %s stopped: %s: %s", self.name, type(err).__name__, err)
                 return
 
-    def _streamed(self) -> Iterator[Batch]:
+    def _opened(self) -> Iterator[Batch]:
+        """The stream's messages: over a connection of its own to the verifier
+        (cluster/output_socket.py), else (Ray Client; a verifier this host cannot connect to)
+        through Ray."""
         import ray
 
-        for ref in self._generator:
+        if ray_client_connected():
+            self._polling = True
+            return self._polled()
+        try:
+            address = ray.get(self.verifier.outputs_address.remote(), timeout=self.silent_after_s)
+        except ray.exceptions.GetTimeoutError:  # its requests move on (router/backends.py)
+            raise ConnectionError(
+                f"{self.name} has not answered for {self.silent_after_s:g} s"
+            ) from None
+        try:
+            connection = OutputConnection(address, self.client, self.silent_after_s)
+        except OSError as err:
+            log.warning(
+                "no connection to %s's outputs at %s:%d (%s): its outputs come through Ray",
+                self.name, address[0], address[1], err,
+            )  # fmt: skip
+            generator = self.verifier.outputs.options(num_returns="streaming").remote(self.client)
+            with self._lock:
+                self._generator = generator
+            if self._closed.is_set():
+                ray.cancel(generator)
+            return self._streamed(generator)
+        with self._lock:
+            self._connection = connection
+        if self._closed.is_set():  # closed while it opened: `close` may not have seen it
+            connection.close()
+        return connection.batches()
+
+    @staticmethod
+    def _streamed(generator: Any) -> Iterator[Batch]:
+        import ray
+
+        for ref in generator:
             yield ray.get(ref)
 
     def _polled(self) -> Iterator[Batch]:
@@ -280,7 +332,7 @@ class GroupOutputs:
     def _read(self) -> None:
         failure: BaseException
         try:
-            for batch in self._batches:
+            for batch in self._opened():
                 self._hand_out(batch)
             failure = ConnectionError(f"the output stream of {self.name} ended")
         except BaseException as exc:  # the verifier died, restarted or was shut down

@@ -38,6 +38,7 @@ from cluster.config import from_dict
 from cluster.engine_metrics import ActorMetrics, VerifierMetrics
 from cluster.links import TensorLink, link_backend
 from cluster.output_channel import Batch, ClientChannel, ServedBy, StreamedStep, close_silent
+from cluster.output_socket import Address, OutputServer
 from cluster.prefill_client import PrefillClient
 from cluster.remote_drafting import RemoteDrafter, ShardedDrafter
 from cluster.step_channel import ChannelAddress, StepClient
@@ -168,6 +169,8 @@ class VerifierActor:
         self.channels: dict[str, ClientChannel] = {}
         self._dropped: set[str] = set()  # clients whose channel ended (ids are not reused)
         self._closing: asyncio.Task[None] | None = None  # closes the silent ones
+        # Channels read over a connection of their own (cluster/output_socket.py)
+        self.output_server = OutputServer(self._connected, self._drop)
         self._prefilling: set[str] = set()
         self._aborted: set[str] = set()
         freeze_startup_heap()
@@ -335,6 +338,17 @@ class VerifierActor:
         if batch is None:
             self._drop(client, channel)
         return batch
+
+    async def outputs_address(self) -> Address:
+        """Where a client reads its channel over a connection of its own instead of `outputs`
+        (cluster/output_socket.py): this node's address, a port, and the secret to open with."""
+        import ray
+
+        return await self.output_server.address(ray.util.get_node_ip_address())
+
+    def _connected(self, client: str) -> ClientChannel | None:
+        """The channel of a client that connected to the output server (None: it ended)."""
+        return None if client in self._dropped else self._opened(client)
 
     def _opened(self, client: str) -> ClientChannel:
         if self._closing is None:

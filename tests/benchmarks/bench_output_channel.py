@@ -3,11 +3,13 @@
 `python -m tests.benchmarks.bench_output_channel` starts a local Ray cluster and an actor that
 plays a verifier's engine loop without a model: every step it makes one `StreamedStep` for each
 of its `n` running requests (a token, its text, the request's statistics), as an engine step
-at that load does, and hands them over in the two ways a verifier can:
+at that load does, and hands them over in the ways a verifier can:
 - a Ray streaming generator per request (a yield an output: how `VerifierActor.generate` served
   requests before output channels);
 - the client's output channel (cluster/output_channel.py): one message a step for all of them,
-  read by the client's `GroupOutputs` thread and handed to each request's `Inbox`.
+  read by the client's `GroupOutputs` thread and handed to each request's `Inbox`, over a Ray
+  streaming call (where the client cannot connect to the verifier's host) and over a
+  connection of its own (cluster/output_socket.py, what a client that can uses).
 The client reads the `n` requests concurrently on one event loop, as the router does. Both run
 on the same machine, the actor on one CPU; `us per output` is the wall time of all steps over
 the outputs delivered, median of interleaved rounds. Writes its section of docs/benchmarks.md.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import socket
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.output_channel import Batch, ClientChannel, GroupOutputs, StreamedStep
+from cluster.output_socket import Address, OutputServer
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 from workers.engine.outputs import RequestOutput
 from workers.engine.sequence import SpecStats
@@ -50,10 +55,20 @@ class _StepChannel(ClientChannel):
 
 
 class StepActor:
-    """Steps of one output for each of `n` requests, handed over as asked."""
+    """Steps of one output for each of `n` requests, handed over as asked; `connect`: whether
+    its clients can connect to its output server (else they read through Ray)."""
 
-    def __init__(self) -> None:
+    def __init__(self, connect: bool) -> None:
         self.channels: dict[str, _StepChannel] = {}
+        self.connect = connect
+        self.server = OutputServer(self._channel, lambda client, channel: None)
+
+    async def outputs_address(self) -> Address:
+        if self.connect:
+            return await self.server.address("127.0.0.1")
+        with socket.socket() as s:  # bound, never listening: a connection is refused
+            s.bind(("127.0.0.1", 0))
+            return "127.0.0.1", int(s.getsockname()[1]), b""
 
     def _channel(self, client: str) -> _StepChannel:
         if client not in self.channels:
@@ -123,25 +138,25 @@ async def _read_channel(actor: Any, n: int, steps: int) -> float:
 def measure(sizes: tuple[int, ...], outputs: int, rounds: int) -> list[dict[str, Any]]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # The Ray-stream channel's client warns, each round, that it could not connect.
+    logging.getLogger("cluster.output_channel").setLevel(logging.ERROR)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     try:
-        actor = ray.remote(num_cpus=1)(StepActor).options(max_concurrency=1000).remote()
-        ray.get(actor.__ray_ready__.remote())
+        step_actor = ray.remote(num_cpus=1)(StepActor).options(max_concurrency=1000)
+        connected, through_ray = step_actor.remote(True), step_actor.remote(False)
+        ray.get([connected.__ray_ready__.remote(), through_ray.__ray_ready__.remote()])
         results = []
         for n in sizes:
             steps = max(16, outputs // n)
-            ways: dict[str, list[float]] = {"generator": [], "channel": []}
+            ways: dict[str, list[float]] = {"generator": [], "ray": [], "connection": []}
             for _ in range(rounds):
-                ways["generator"].append(asyncio.run(_read_generators(actor, n, steps)))
-                ways["channel"].append(asyncio.run(_read_channel(actor, n, steps)))
+                ways["generator"].append(asyncio.run(_read_generators(connected, n, steps)))
+                ways["ray"].append(asyncio.run(_read_channel(through_ray, n, steps)))
+                ways["connection"].append(asyncio.run(_read_channel(connected, n, steps)))
             per = {k: statistics.median(v) / (n * steps) * 1e6 for k, v in ways.items()}
             results.append(
-                {
-                    "requests": n,
-                    "outputs": n * steps,
-                    "generator_us": round(per["generator"], 1),
-                    "channel_us": round(per["channel"], 1),
-                }
+                {"requests": n, "outputs": n * steps}
+                | {f"{way}_us": round(us, 1) for way, us in per.items()}
             )
             print(results[-1])
         return results
@@ -155,17 +170,19 @@ def render(results: list[dict[str, Any]], command: str, rounds: int) -> str:
             r["requests"],
             r["outputs"],
             f"{r['generator_us']:.1f}",
-            f"{r['channel_us']:.1f}",
-            f"{r['generator_us'] / r['channel_us']:.1f}x",
+            f"{r['ray_us']:.1f}",
+            f"{r['connection_us']:.1f}",
+            f"{r['ray_us'] / r['connection_us']:.1f}x",
         ]
         for r in results
     ]
     header = [
         "requests at once",
         "outputs",
-        "a stream a request (us per output)",
-        "output channel (us per output)",
-        "speed-up",
+        "a Ray stream a request (us per output)",
+        "channel over a Ray stream (us per output)",
+        "channel over its connection (us per output)",
+        "connection vs a Ray stream",
     ]
     return (
         "## Outputs from a verifier to the router (`python -m tests.benchmarks."
@@ -175,7 +192,8 @@ def render(results: list[dict[str, Any]], command: str, rounds: int) -> str:
         "at that load, without a model; the client reads every request concurrently on one "
         "event loop, as the router does. A Ray streaming generator a request (one yield an "
         "output) against the client's output channel (cluster/output_channel.py: one message "
-        "a step for all its requests). Wall time over outputs delivered, median of "
+        "a step for all its requests), over a Ray streaming call and over a connection of its "
+        "own (cluster/output_socket.py). Wall time over outputs delivered, median of "
         f"{rounds} interleaved rounds.\n\n" + table(header, rows)
     )
 

@@ -216,18 +216,43 @@ def test_cancel_frees_the_request(eagle_runtime, prompts) -> None:  # type: igno
     assert len([t for c in eagle_runtime.submit(prompts[1], short) for t in c]) == 4
 
 
+class _Unreachable:
+    """A verifier handle whose output server cannot be reached (a firewall between the hosts):
+    the client's stream falls back to a Ray streaming call."""
+
+    def __init__(self, verifier: object) -> None:
+        self._verifier = verifier
+
+    def __getattr__(self, name: str) -> object:
+        if name == "outputs_address":
+            port = _closed_port()
+            return type("Method", (), {"remote": lambda _: ray.put(("127.0.0.1", port, b""))})()
+        return getattr(self._verifier, name)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # bound, never listening: a connection is refused
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("transport", ["connection", "ray stream"])
 def test_a_client_whose_output_stream_ends_has_its_requests_aborted(  # type: ignore[no-untyped-def]
-    eagle_runtime, prompts
+    eagle_runtime, prompts, transport
 ) -> None:
-    """A client's requests on a verifier share its output channel (cluster/output_channel.py):
-    when that stream ends (the client closed it, or is gone), the verifier aborts them all and
-    frees their blocks, and other clients' requests go on."""
+    """A client's requests on a verifier share its output channel (cluster/output_channel.py),
+    a connection of its own or, where the verifier cannot be reached, a Ray stream: their
+    outputs come over it, and when it ends (the client closed it, or is gone) the verifier
+    aborts them all and frees their blocks, and other clients' requests go on."""
     import asyncio
 
     from cluster.output_channel import GroupOutputs, StreamedStep
 
     verifier = eagle_runtime.pools.verifiers[0]
-    channel = GroupOutputs(verifier, "leaving-client")
+    handle = verifier if transport == "connection" else _Unreachable(verifier)
+    channel = GroupOutputs(handle, "leaving-client")
     long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     inboxes = []
     for i, prompt in enumerate(prompts[:2]):
@@ -238,6 +263,7 @@ def test_a_client_whose_output_stream_ends_has_its_requests_aborted(  # type: ig
     stays = eagle_runtime.submit(prompts[2], GREEDY, RequestSpec(method="eagle"))
     for inbox in inboxes:  # both decode
         assert isinstance(asyncio.run(inbox.get_async()), StreamedStep)
+    assert channel.transport == transport
     channel.close()
     deadline = time.monotonic() + 5  # 800 tokens to go, were they not aborted
     while ray.get(verifier.load.remote()).running > 1 and time.monotonic() < deadline:

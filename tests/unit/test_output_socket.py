@@ -1,0 +1,124 @@
+"""An output channel over a connection of its own (cluster/output_socket.py), without Ray: a
+verifier's server on an event loop, a client's connection read on this thread. Through Ray (the
+verifier actor, the router's `GroupOutputs`) it is in tests/cluster/test_runtime.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from cluster.output_channel import ClientChannel, StreamedStep
+from cluster.output_socket import Address, OutputConnection, OutputServer
+from workers.engine.outputs import RequestOutput
+from workers.engine.sequence import SpecStats
+
+
+def _step(request_id: str, token: int) -> StreamedStep:
+    return StreamedStep(RequestOutput(request_id, [token], "", False, None, 3, 1, SpecStats()))
+
+
+class Verifier:
+    """An output server on an event loop of its own thread, its clients' channels kept as a
+    verifier keeps them."""
+
+    def __init__(self) -> None:
+        self.channels: dict[str, ClientChannel] = {}
+        self.dropped: list[str] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server = OutputServer(self._opened, self._dropped)
+        self.address: Address = self.call(self.server.address("127.0.0.1"))
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def put(self, client: str, request_id: str, item: Any) -> None:
+        async def put() -> None:
+            self._opened(client).put(request_id, item)
+
+        self.call(put())
+
+    def _opened(self, client: str) -> ClientChannel | None:
+        if client in self.dropped:
+            return None
+        return self.channels.setdefault(client, ClientChannel())
+
+    def _dropped(self, client: str, channel: ClientChannel) -> None:
+        self.dropped.append(client)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+@pytest.fixture
+def verifier() -> Iterator[Verifier]:
+    v = Verifier()
+    yield v
+    v.close()
+
+
+def _eventually(check: Any, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_connection_reads_its_clients_messages_in_order(verifier: Verifier) -> None:
+    verifier.put("c1", "r0", _step("r0", 1))  # before the client connects: kept for it
+    connection = OutputConnection(verifier.address, "c1", timeout_s=5)
+    batches = connection.batches()
+    first = next(batches)
+    verifier.put("c2", "other", _step("other", 9))  # another client's: not on this connection
+    verifier.put("c1", "r1", _step("r1", 2))
+    verifier.put("c1", "r0", ValueError("refused"))
+    later = [next(batches)]
+    if len(later[0]) < 2:  # the two puts may cross as one message or two
+        later.append(next(batches))
+    connection.close()
+    assert [(rid, item.output.new_token_ids) for rid, item in first] == [("r0", [1])]
+    items = [pair for batch in later for pair in batch]
+    assert [rid for rid, _ in items] == ["r1", "r0"]
+    assert isinstance(items[1][1], ValueError) and str(items[1][1]) == "refused"
+
+
+def test_a_client_that_closes_ends_its_channel(verifier: Verifier) -> None:
+    connection = OutputConnection(verifier.address, "leaving", timeout_s=5)
+    verifier.put("leaving", "r0", _step("r0", 1))
+    next(connection.batches())
+    connection.close()
+    assert _eventually(lambda: verifier.dropped == ["leaving"])
+    assert verifier.channels["leaving"].closed
+    # Its id does not open a channel again: a reader that comes back gets nothing.
+    again = OutputConnection(verifier.address, "leaving", timeout_s=5)
+    assert list(again.batches()) == []
+
+
+def test_a_connection_without_the_secret_is_closed_unread(verifier: Verifier) -> None:
+    host, port, secret = verifier.address
+    verifier.put("c1", "r0", _step("r0", 1))
+    wrong = bytes(b ^ 0xFF for b in secret)
+    connection = OutputConnection((host, port, wrong), "c1", timeout_s=5)
+    assert list(connection.batches()) == []  # closed by the verifier, nothing sent
+    assert verifier.dropped == []  # the client's channel is untouched
+
+
+def test_closing_a_connection_stops_the_thread_reading_it(verifier: Verifier) -> None:
+    connection = OutputConnection(verifier.address, "c1", timeout_s=5)
+    read: list[Any] = []
+    reader = threading.Thread(target=lambda: read.extend(connection.batches()), daemon=True)
+    reader.start()
+    time.sleep(0.1)  # the reader waits on a silent verifier
+    connection.close()
+    reader.join(5)
+    assert not reader.is_alive() and read == []
