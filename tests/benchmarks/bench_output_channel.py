@@ -142,7 +142,7 @@ def measure(sizes: tuple[int, ...], outputs: int, rounds: int) -> list[dict[str,
     logging.getLogger("cluster.output_channel").setLevel(logging.ERROR)
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     try:
-        step_actor = ray.remote(num_cpus=1)(StepActor).options(max_concurrency=1000)
+        step_actor: Any = ray.remote(num_cpus=1)(StepActor).options(max_concurrency=1000)
         connected, through_ray = step_actor.remote(True), step_actor.remote(False)
         ray.get([connected.__ray_ready__.remote(), through_ray.__ray_ready__.remote()])
         results = []

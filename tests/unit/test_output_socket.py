@@ -40,7 +40,7 @@ class Verifier:
 
     def put(self, client: str, request_id: str, item: Any) -> None:
         async def put() -> None:
-            self._opened(client).put(request_id, item)
+            self.channels.setdefault(client, ClientChannel()).put(request_id, item)
 
         self.call(put())
 
