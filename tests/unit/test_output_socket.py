@@ -53,9 +53,16 @@ class Verifier:
         self.dropped.append(client)
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        async def closed() -> None:
+            for channel in self.channels.values():  # each connection's writer ends
+                channel.close()
+            self.server.close()
+            await asyncio.sleep(0.05)
+
+        self.call(closed())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        self.loop.close()
 
 
 @pytest.fixture
@@ -85,6 +92,7 @@ def test_a_connection_reads_its_clients_messages_in_order(verifier: Verifier) ->
     later = [next(batches)]
     if len(later[0]) < 2:  # the two puts may cross as one message or two
         later.append(next(batches))
+    batches.close()
     connection.close()
     assert [(rid, item.output.new_token_ids) for rid, item in first] == [("r0", [1])]
     items = [pair for batch in later for pair in batch]
