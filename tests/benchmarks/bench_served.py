@@ -6,7 +6,7 @@
 
 Every path gets the same greedy chat questions, `--max-tokens` tokens each with EOS ignored
 (equal work), `c` at once, in each path's defaults (bf16 over the bundled GGUF's blocks; no
-speculation in one process, EAGLE from the drafter pool with the Ray runtime):
+speculation in one process; `make serve`'s flags with the Ray runtime, n-gram drafts):
 
 - **engine**: `LLMEngine.step` called in this process, nothing else running (`outrider
   generate`'s path), the outputs without their text;
@@ -14,7 +14,8 @@ speculation in one process, EAGLE from the drafter pool with the Ray runtime):
   step's outputs to the event loop, and the text made there;
 - **serve**: `outrider serve` in its own process, streamed over HTTP by the load generator's
   client (server-sent events, as the OpenAI client reads them);
-- **serve --cluster**: the same with the engine in a Ray actor (what `make serve` runs);
+- **serve --cluster**: what `make serve` runs (its `SERVE_FLAGS`, read from the Makefile): the
+  same with the engine in a Ray actor, beside a drafter and a prefill worker;
 - **llama-server**: llama.cpp's server on the same GGUF, the same threads, `--parallel 32`
   (tests/benchmarks/llama_server.py; `--peer llama-server` builds it where it is missing).
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -192,6 +194,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def make_serve_flags(makefile: Path = Path(__file__).parents[2] / "Makefile") -> list[str]:
+    """The flags `make serve` gives `outrider serve` (its `SERVE_FLAGS`)."""
+    match = re.search(r"^SERVE_FLAGS \?= (.+)$", makefile.read_text(), re.MULTILINE)
+    if match is None:
+        raise ValueError(f"no SERVE_FLAGS in {makefile}")
+    return shlex.split(match.group(1))
+
+
 def server_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     """Each server path's command line (llama-server where it is found or `--peer` builds it)."""
     from workers.model.loader import bundled_model_path
@@ -200,7 +210,8 @@ def server_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     commands = {SERVE: [*outrider, "--port", str(PORTS[SERVE]), "--threads", str(args.threads)]}
     if not args.no_cluster:
         commands[CLUSTER] = [
-            *outrider, "--cluster", "--port", str(PORTS[CLUSTER]), *shlex.split(args.cluster_args)
+            *outrider, "--port", str(PORTS[CLUSTER]), *make_serve_flags(),
+            *shlex.split(args.cluster_args),
         ]  # fmt: skip
     binary = llama_server.find(build=args.peer is not None)
     if binary is not None:
@@ -297,8 +308,9 @@ def render(args: argparse.Namespace, runs: dict[tuple[str, int], Run], paths: li
         f"Command: `{' '.join(['python -m tests.benchmarks.bench_served', *sys.argv[1:]])}`. "
         f"Machine: {machine_line()}, {os.cpu_count()} CPUs. "
         f"Greedy chat questions of {args.max_tokens} tokens with EOS ignored, `c` at once, "
-        "each path's defaults (bf16 over the GGUF's blocks; no speculation in one process, "
-        f"EAGLE from the drafter pool with the Ray runtime); the median of {args.runs} "
+        "each path's defaults (bf16 over the GGUF's blocks; no speculation in one process; "
+        f"`make serve`'s flags with the Ray runtime: `{shlex.join(make_serve_flags())}`); "
+        f"the median of {args.runs} "
         "rounds, each running the in-process paths and then each server alone. "
         "llama-server: the same GGUF and threads, `--parallel` the largest `c`.\n\n"
         + table(header, rows)
