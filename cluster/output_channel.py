@@ -195,7 +195,7 @@ class GroupOutputs:
         # What the stream is read from, once the reading thread has opened it
         self._generator: Any = None
         self._connection: OutputConnection | None = None
-        self._polling = False
+        self._polling = ray_client_connected()  # Ray Client: no streaming calls; polled
         self._thread = threading.Thread(target=self._read, name=f"outputs-{name}", daemon=True)
         self._thread.start()
         self._alive = threading.Thread(target=self._keep_alive, name=f"alive-{name}", daemon=True)
@@ -282,8 +282,7 @@ class GroupOutputs:
         through Ray."""
         import ray
 
-        if ray_client_connected():
-            self._polling = True
+        if self._polling:
             return self._polled()
         try:
             address = ray.get(self.verifier.outputs_address.remote(), timeout=self.silent_after_s)
