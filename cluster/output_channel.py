@@ -79,6 +79,7 @@ class ClientChannel:
     closed: bool = False
     _items: Batch = field(default_factory=list)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _closed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def put(self, request_id: str, item: StreamedStep | Exception) -> None:
         self._items.append((request_id, item))
@@ -88,6 +89,10 @@ class ClientChannel:
         """End the stream (its client is gone)."""
         self.closed = True
         self._ready.set()
+        self._closed.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
 
     async def batches(self) -> AsyncIterator[Batch]:
         """Everything put since the last batch, as soon as there is something; until closed."""
@@ -195,6 +200,7 @@ class GroupOutputs:
         # What the stream is read from, once the reading thread has opened it
         self._generator: Any = None
         self._connection: OutputConnection | None = None
+        self._watch: Any = None  # a call the verifier answers when the connection's channel ends
         self._polling = ray_client_connected()  # Ray Client: no streaming calls; polled
         self._thread = threading.Thread(target=self._read, name=f"outputs-{name}", daemon=True)
         self._thread.start()
@@ -303,6 +309,9 @@ class GroupOutputs:
             if self._closed.is_set():
                 ray.cancel(generator)
             return self._streamed(generator)
+        # A verifier that dies fails this call with its error, which its stream then fails
+        # with, as a Ray stream would.
+        self._watch = self.verifier.until_closed.remote(self.client)
         with self._lock:
             self._connection = connection
         if self._closed.is_set():  # closed while it opened: `close` may not have seen it
@@ -333,10 +342,25 @@ class GroupOutputs:
         try:
             for batch in self._opened():
                 self._hand_out(batch)
-            failure = ConnectionError(f"the output stream of {self.name} ended")
+            failure = self._why_ended()
         except BaseException as exc:  # the verifier died, restarted or was shut down
             failure = exc
         self._fail(failure)
+
+    def _why_ended(self) -> BaseException:
+        """Why a connection ended: the verifier's death (its error), else the channel's end."""
+        import ray
+
+        ended = ConnectionError(f"the output stream of {self.name} ended")
+        if self._watch is None or self._closed.is_set():
+            return ended
+        try:
+            ray.get(self._watch, timeout=self.silent_after_s)
+        except ray.exceptions.GetTimeoutError:
+            return ended
+        except Exception as exc:
+            return exc
+        return ended
 
     def _fail(self, failure: BaseException) -> None:
         """The stream is broken: every request waiting on it fails with `failure` (once)."""

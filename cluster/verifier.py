@@ -310,6 +310,12 @@ class VerifierActor:
             channel = self.channels[client] = ClientChannel()
         return channel
 
+    async def until_closed(self, client: str) -> None:
+        """Answers once client `client`'s channel has ended: a client reading it over a
+        connection learns from this call's failure that the verifier died."""
+        if client not in self._dropped:
+            await self._channel(client).wait_closed()
+
     async def keep_alive(self, client: str) -> None:
         """Client `client` is alive (its stream stays open while it says so)."""
         channel = self.channels.get(client)
@@ -357,6 +363,7 @@ class VerifierActor:
 
     def _drop(self, client: str, channel: ClientChannel) -> None:
         """A channel's end: its requests are aborted (again is a no-op)."""
+        channel.close()
         if self.channels.get(client) is channel:
             del self.channels[client]
             self._dropped.add(client)  # a late poll must not open it again

@@ -86,6 +86,10 @@ class StepActor:
     async def keep_alive(self, client: str) -> None:
         """What a client's `GroupOutputs` calls every few seconds (nothing to do here)."""
 
+    async def until_closed(self, client: str) -> None:
+        """What a client reading over a connection waits on (`VerifierActor.until_closed`)."""
+        await self._channel(client).wait_closed()
+
     async def outputs(self, client: str) -> AsyncIterator[Batch]:
         async for batch in self._channel(client).batches():
             yield batch
