@@ -13,8 +13,11 @@ secret of its own, to Ray callers only (`VerifierActor.outputs_address`): a conn
 not open with the secret is closed unread. A connection is one client's channel: the verifier
 writes each of the channel's messages as a length and a pickle, and when the connection closes
 (the client closed it, or its process died) the channel ends and its requests are aborted, as
-when a Ray stream ends. A verifier whose host is cut off closes nothing: the client's keep-alive
-finds it silent, as for a Ray stream (cluster/output_channel.py). Clients that reach Ray through
+when a Ray stream ends. When the verifier dies, the client's stream fails with the actor's error,
+as a Ray stream does: the client keeps a call in flight that the verifier answers only when the
+channel ends (`VerifierActor.until_closed`), and asks it why the connection ended. A verifier
+whose host is cut off closes nothing: the client's keep-alive finds it silent, as for a Ray
+stream (cluster/output_channel.py). Clients that reach Ray through
 Ray Client (a router pod of the chart) poll instead: the chart's network policy lets routers
 reach Ray pods on the client port alone.
 """
