@@ -76,7 +76,6 @@ class ClientChannel:
 
     requests: set[str] = field(default_factory=set)  # started and not yet ended
     seen: float = field(default_factory=time.monotonic)  # when the client last said it is alive
-    closed: bool = False
     _items: Batch = field(default_factory=list)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -87,9 +86,12 @@ class ClientChannel:
 
     def close(self) -> None:
         """End the stream (its client is gone)."""
-        self.closed = True
-        self._ready.set()
         self._closed.set()
+        self._ready.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
 
     async def wait_closed(self) -> None:
         await self._closed.wait()
