@@ -7,8 +7,9 @@ tokens the verifier's prefix cache does not hold. One prompt at a time crosses a
 A remote prefill not back within `PrefillPool.deadline_s` of its length is given up, and the
 verifier prefills the prompt itself. A worker that did not answer in time (its host cut off,
 say) is then passed over for `retry_after_s`, so that later requests do not wait out the same
-deadline. A worker that fails at once (dead or restarting: Ray says so at once) costs the next
-request nothing to try again, and that request rebuilds the link.
+deadline, and the prompts already queued for it give it up at their turn rather than each
+waiting out a deadline of its own. A worker that fails at once (dead or restarting: Ray says
+so at once) costs the next request nothing to try again, and that request rebuilds the link.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from cluster import telemetry
@@ -31,6 +32,32 @@ from workers.engine.outputs import Prefilled
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class PassedOver(Exception):
+    """The worker was found silent while this prompt waited for its turn on it."""
+
+
+class WorkerTurns:
+    """One prompt at a time on each worker, in the order they came; a prompt whose turn comes
+    while its worker is passed over (silent within `retry_after_s`) gets `PassedOver`."""
+
+    def __init__(self, workers: int) -> None:
+        self.locks = [asyncio.Lock() for _ in range(workers)]
+        self.passed_over_until = [0.0] * workers
+
+    def passed_over(self, index: int) -> bool:
+        return time.monotonic() < self.passed_over_until[index]
+
+    def pass_over(self, index: int, for_s: float) -> None:
+        self.passed_over_until[index] = time.monotonic() + for_s
+
+    @contextlib.asynccontextmanager
+    async def turn(self, index: int) -> AsyncIterator[None]:
+        async with self.locks[index]:
+            if self.passed_over(index):
+                raise PassedOver(f"worker {index} was passed over while this prompt waited")
+            yield
 
 
 class PrefillClient:
@@ -50,8 +77,7 @@ class PrefillClient:
         self.model_config, self.dtype, self.device = model_config, dtype, device
         self.actors = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in names]
         self.links: list[TensorLink | None] = [None] * len(names)
-        self.locks = [asyncio.Lock() for _ in names]
-        self.passed_over_until = [0.0] * len(names)
+        self.turns = WorkerTurns(len(names))
         self._next = 0
         self.stats: dict[str, float] = {
             "remote": 0,
@@ -97,7 +123,7 @@ class PrefillClient:
         layers = tuple(drafter.hidden_layers) if drafter is not None else ()
         index = self._next % len(self.actors)
         self._next += 1
-        if time.monotonic() < self.passed_over_until[index]:
+        if self.turns.passed_over(index):
             self.stats["passed_over"] += 1
             return None
         plan = plan_for(self.model_config, len(prompt_ids), layers, self.dtype)
@@ -106,7 +132,7 @@ class PrefillClient:
         )
 
         async def remote() -> tuple[Any, dict[str, Any]]:
-            async with self.locks[index]:
+            async with self.turns.turn(index):
                 # Taken while in use, back only once this prompt has crossed it whole: a prompt
                 # given up on leaves the rest of its tensors on its link, for no later prompt
                 # to read as its own.
@@ -124,6 +150,10 @@ class PrefillClient:
             # A link's receive cannot be interrupted: given up, it stays blocked on its own
             # thread until the link's timeout, and the link is not used again.
             result, timing = await asyncio.wait_for(remote(), deadline_s)
+        except PassedOver:
+            self.stats["passed_over"] += 1
+            span.end()
+            return None
         except Exception as err:
             self._failed(index, err, deadline_s)
             span.end()
@@ -149,7 +179,7 @@ class PrefillClient:
         silent = isinstance(err, TimeoutError)
         if silent:
             err = TimeoutError(f"not back in {deadline_s:.1f} s")
-            self.passed_over_until[index] = time.monotonic() + self.settings.retry_after_s
+            self.turns.pass_over(index, self.settings.retry_after_s)
         log.warning(
             "remote prefill on %s failed (%s: %s); prefilling here%s",
             self.names[index],
