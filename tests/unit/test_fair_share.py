@@ -139,6 +139,34 @@ def test_two_saturating_tenants_share_by_weight(
     assert low <= share <= high, share
 
 
+@pytest.mark.parametrize("step_share", [1.0, 0.5])
+def test_service_taken_while_the_other_tenant_was_idle_is_no_debt(
+    model: TransformerLM, step_share: float
+) -> None:
+    """The served fairness run's order of things: `b` is served alone long after `a`'s last
+    request, the engine empties, then `a` comes back first and `b` after it. Their shares from
+    then on are the weights' (3:1), not `a` first until it has caught up with `b`'s past."""
+    eng = engine(model, max_num_seqs=8, max_step_share=step_share)
+    prompt = prompts(1, seed=5)[0]
+    a, b = Share("a", 3.0), Share("b", 1.0)
+    eng.add_request("a-before", prompt, params(4), OFF, share=a)
+    for i in range(24):
+        eng.add_request(f"b-before{i}", prompt, params(8), OFF, share=b)
+    while eng.has_unfinished_requests():
+        eng.step()
+    for i in range(30):
+        eng.add_request(f"a{i}", prompt, params(8), OFF, share=a)
+    eng.step()  # `a` is running when `b` arrives
+    for i in range(30):
+        eng.add_request(f"b{i}", prompt, params(8), OFF, share=b)
+    tokens: Counter[str] = Counter()
+    for _ in range(30):  # while both still have requests waiting
+        for out in eng.step():
+            tokens[out.request_id[0]] += len(out.new_token_ids)
+    share = tokens["a"] / (tokens["a"] + tokens["b"])
+    assert 0.7 <= share <= 0.8, share
+
+
 def test_an_urgent_request_preempts_and_the_preempted_text_is_whole(model: TransformerLM) -> None:
     eng = engine(model, max_num_seqs=3)
     background = prompts(3, seed=6)

@@ -8,7 +8,9 @@ with a weight, and carry a priority (lower first, vLLM's meaning). The scheduler
   tokens: a tenant's virtual time grows by the tokens its sequences are given in a step over its
   weight), then by arrival. So a key with a long queue cannot hold the step budget while another
   waits: the other's next request is admitted as soon as its virtual time is the least. A tenant
-  that was idle joins at the least virtual time among those active, so idleness is no credit.
+  that was idle rejoins at the least virtual time among those active: an idle spell carries
+  neither credit nor debt (start-time fair queuing's rule: a flow's service while the others
+  wanted none is not held against it, nor its absence for it).
 - **A step's share**: while another tenant waits, a tenant holding more than `max_step_share`
   of the running places (`max_num_seqs`), scaled by its weight against the others', yields
   one (its newest, least urgent sequence is preempted) so that the other is admitted at once;
@@ -82,14 +84,16 @@ class FairShare:
         self.last_served[seq.request_id] = self.step
 
     def join(self, seq: Sequence, active: Iterable[Sequence]) -> None:
-        """A request arrives: an idle tenant starts at the least virtual time among the
-        tenants with unfinished requests (none banked while idle)."""
+        """A request arrives: a tenant without unfinished requests starts at the least virtual
+        time among the tenants with some, whether it had been served more or less than they
+        while it was idle (the first to arrive at an idle engine keeps its own: there is no one
+        to measure it against, and the next to come is measured against it)."""
         tenant = seq.share.tenant
-        others = {s.share.tenant for s in active} - {tenant}
-        if tenant in {s.share.tenant for s in active}:
+        busy = {s.share.tenant for s in active}
+        if tenant in busy:
             return
-        floor = min((self.vtime.get(t, 0.0) for t in others), default=0.0)
-        self.vtime[tenant] = max(self.vtime.get(tenant, floor), floor)
+        floor = min((self.vtime.get(t, 0.0) for t in busy), default=None)
+        self.vtime[tenant] = self.vtime.get(tenant, 0.0) if floor is None else floor
 
     def forget(self, seq: Sequence) -> None:
         self.last_served.pop(seq.request_id, None)
