@@ -243,6 +243,7 @@ class TensorParallelRunner(ModelRunner):
     (None, or the `Failure` a rank raised) are read as they come."""
 
     feeds_tokens = False  # the other ranks replay plans of host tokens
+    interruptible = False  # every rank runs every layer: their all-reduces pair up
 
     def __init__(
         self,

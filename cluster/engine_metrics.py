@@ -149,6 +149,12 @@ VERIFIER = (
         "Sequences preempted for KV blocks (recomputed when readmitted)",
     ),
     MetricSpec(
+        "outrider_steps_given_up",
+        COUNTER,
+        "Steps given up between layers for an arriving request of another tenant, whose "
+        "prefill then ran first (workers/engine/step_interrupt.py)",
+    ),
+    MetricSpec(
         "outrider_remote_prefill_requests",
         COUNTER,
         "Prompts by where they were prefilled: remote (a prefill worker), local, failed "
@@ -394,6 +400,7 @@ class VerifierMetrics:
         m, grown = self.metrics, self._delta
         scheduler = self.engine.scheduler
         m.inc("outrider_num_preemptions", grown("preempted", scheduler.num_preemptions))
+        m.inc("outrider_steps_given_up", grown("given_up", scheduler.num_steps_given_up))
         m.inc(
             "outrider_prefix_cache_queries",
             grown("queried", scheduler.prefix_queried_tokens),

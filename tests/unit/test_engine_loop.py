@@ -14,6 +14,7 @@ from tests.unit.test_engine import GREEDY, engine, model, prompts
 from workers.engine.engine_loop import EngineLoop
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
+from workers.engine.step_interrupt import ArrivalCheck
 from workers.model.transformer import TransformerLM
 
 __all__ = ["model"]  # the module-scoped fixture, shared
@@ -53,10 +54,10 @@ def test_the_engine_loop_shows_a_failed_step_to_its_fatal_hook_first(
     real_step = eng.step
     seen: list[str] = []
 
-    def step_failing_once() -> list[RequestOutput]:
+    def step_failing_once(arrived: ArrivalCheck | None = None) -> list[RequestOutput]:
         if not seen:
             raise RuntimeError("the group broke")
-        return real_step()
+        return real_step(arrived)
 
     def fatal(exc: Exception) -> None:
         seen.append(f"{exc} while {sorted(loop._streams)} still ran")

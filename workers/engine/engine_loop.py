@@ -12,7 +12,8 @@ A step's outputs go to each event loop in one hand-off (one wake-up of that loop
 one per request: at 256 requests that was over a millisecond of the loop thread's step).
 Their text is made there, by the caller, not by the loop thread (workers/engine/output_text.py:
 about a fifth of a decode step's host work); a stop string found there ends the caller's
-stream and aborts the request.
+stream and aborts the request. A step asks the loop between layers whether a request has come
+that the fair share lets in at once, and is given up for it (workers/engine/step_interrupt.py).
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ class EngineLoop:
         self._fatal = fatal
         self._inbox: queue.Queue[_Submit | str] = queue.Queue()  # submissions and abort ids
         self._streams: dict[str, _Sink] = {}
+        # The shares of submissions not taken in yet (by id), for a step to be given up for
+        # (workers/engine/step_interrupt.py).
+        self._arriving: dict[int, Share] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -246,8 +250,19 @@ class EngineLoop:
 
     def _enqueue(self, item: _Submit | str) -> None:
         """Hand a submission (or an abort id) to the loop thread and wake it."""
+        if isinstance(item, _Submit):
+            self._arriving[id(item)] = item.share
         self._inbox.put(item)
         self._wake.set()
+
+    def _arrived(self, busy: frozenset[str], urgent: int) -> bool:
+        """Asked by a decode step between layers (on the loop thread): whether a request has
+        come that the fair share admits in a step of its own, one of a tenant with nothing
+        running (`busy` have), as urgent as the most urgent running sequence."""
+        if not self._arriving:
+            return False
+        shares = list(self._arriving.values())  # other threads add to it meanwhile
+        return any(s.tenant not in busy and s.priority <= urgent for s in shares)
 
     def close(self) -> None:
         self._stop.set()
@@ -278,7 +293,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(self._arrived)
             except Exception as exc:  # a bug must not hang every client: fail the running ones
                 if self._fatal is not None:
                     self._fatal(exc)
@@ -321,6 +336,7 @@ class EngineLoop:
                 self.engine.abort_request(item)
                 aborted = True
                 continue
+            self._arriving.pop(id(item), None)
             try:
                 self.engine.add_request(
                     item.request_id,

@@ -20,9 +20,11 @@ with a weight, and carry a priority (lower first, vLLM's meaning). The scheduler
 - **Arrivals first**: a request of a tenant with nothing running, at least as urgent as every
   running sequence, arriving while other tenants run, has its prefill in a step of its own
   (with the other arrivals of that kind), as SGLang runs a prefill batch before decoding: its
-  first token waits for the step in progress and its own prefill, not for a step that also
-  decodes the others' batch. Never two such steps in a row, so the others' decoding goes on
-  between arrivals.
+  first token waits for its own prefill, not for a step that also decodes the others' batch.
+  A step of the others under way when it comes is given up between two layers where it can
+  be (workers/engine/step_interrupt.py: nothing of it committed, it runs again after), so it
+  does not wait for that either. Never two such steps in a row, so the others' decoding goes
+  on between arrivals.
 - **Preemption**: where a waiting request of a more urgent priority finds no room, the least
   urgent running sequence (the newest of those) is preempted; preemption and the continuation
   are exact, so its text is that of an uninterrupted run. Out of KV blocks, the victim is
@@ -82,6 +84,11 @@ class FairShare:
         share = seq.share
         self.vtime[share.tenant] = self.vtime.get(share.tenant, 0.0) + tokens / share.weight
         self.last_served[seq.request_id] = self.step
+
+    def refund(self, seq: Sequence, tokens: int) -> None:
+        """`charge` taken back: the step that gave the tokens was given up."""
+        share = seq.share
+        self.vtime[share.tenant] = self.vtime.get(share.tenant, 0.0) - tokens / share.weight
 
     def join(self, seq: Sequence, active: Iterable[Sequence]) -> None:
         """A request arrives: a tenant without unfinished requests starts at the least virtual

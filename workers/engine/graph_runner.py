@@ -108,6 +108,8 @@ class GraphRunner(ModelRunner):
     """`ModelRunner` with uniform decode/verify steps on persistent buffers, replayed from CUDA
     graphs where captured (see the module docstring)."""
 
+    interruptible = False  # a replayed graph runs whole; its steps take a millisecond or two
+
     def __init__(
         self,
         model: TransformerLM,

@@ -51,6 +51,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
+from workers.engine.step_interrupt import ArrivalCheck, interrupt_for
 from workers.engine.structured import Grammars, StructuredOutput
 from workers.engine.tree_verification import settle
 from workers.engine.verification import (
@@ -64,7 +65,7 @@ from workers.engine.verification import (
 from workers.kv_cache import BlockAllocator, BlockTable, NoFreeBlocksError
 from workers.kv_cache.block_allocator import block_hashes
 from workers.model.tokenizer import Tokenizer
-from workers.model.transformer import TransformerLM
+from workers.model.transformer import ForwardInterrupted, TransformerLM
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, arrived: ArrivalCheck | None = None) -> list[RequestOutput]:
+        """One step; `arrived`: asked between layers whether to give a decode step up for a
+        request that has come (workers/engine/step_interrupt.py)."""
         if self.config.async_scheduling and self.runner.feeds_tokens and self.ahead.step():
             return self.take_outputs()
         start_ns, start = time.time_ns(), time.perf_counter()
@@ -289,7 +292,14 @@ class LLMEngine:
                     seq.reseed()
             self.runner.copy_blocks(batch.block_copies)
             layers = self.speculator.hidden_layers((s.seq for s in batch.seqs), load)
-            output = self.runner.forward([s.forward() for s in batch.seqs], hidden_layers=layers)
+            stop = interrupt_for(arrived, self.scheduler, self.runner, batch, layers)
+            try:
+                output = self.runner.forward(
+                    [s.forward() for s in batch.seqs], hidden_layers=layers, interrupt=stop
+                )
+            except ForwardInterrupted:
+                self.scheduler.give_back(batch)
+                return self.take_outputs()
             verified = verify(batch.seqs, output, self.sampler, self.penalties)
             results: list[list[int] | None] = []
             for index, (scheduled, tokens) in enumerate(zip(batch.seqs, verified, strict=True)):

@@ -160,6 +160,9 @@ class ModelRunner:
     # Whether `forward` takes `input_tokens` (a tensor-parallel group's ranks need every
     # token on the host: cluster/actors.py)
     feeds_tokens = True
+    # Whether `forward` stops between layers when its `interrupt` says so (workers/engine/
+    # step_interrupt.py)
+    interruptible = True
 
     def __init__(self, model: TransformerLM, kv_cache: PagedKVCache) -> None:
         self.model = model

@@ -68,9 +68,11 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # Since start, for the engine's metrics: sequences preempted, and prompt tokens looked
-        # up in the prefix cache at first admission and found there.
+        # Since start, for the engine's metrics: sequences preempted, decode steps given up for
+        # an arrival (`give_back`), and prompt tokens looked up in the prefix cache at first
+        # admission and found there.
         self.num_preemptions = 0
+        self.num_steps_given_up = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.fair = FairShare(config.max_step_share)
@@ -116,6 +118,14 @@ class Scheduler:
         """Add a sequence to the step and charge its tenant (so the next choice sees it)."""
         out.seqs.append(scheduled)
         self.fair.charge(scheduled.seq, scheduled.num_new_tokens + len(scheduled.draft.token_ids))
+
+    def give_back(self, out: SchedulerOutput) -> None:
+        """A step given up before anything of it was committed (workers/engine/
+        step_interrupt.py): its tenants' charges taken back. Its sequences stay as they are,
+        their blocks for the step's tokens held, and the next step schedules them again."""
+        self.num_steps_given_up += 1
+        for s in out.seqs:
+            self.fair.refund(s.seq, s.num_new_tokens + len(s.draft.token_ids))
 
     def _make_room(self, out: SchedulerOutput) -> None:
         """Preempt running sequences (less urgent ones, or those of a tenant over its share of
