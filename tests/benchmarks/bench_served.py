@@ -5,8 +5,11 @@
         [--cluster-args '--config pools.yaml'] [--peer llama-server] [--quick]
 
 Every path gets the same greedy chat questions, `--max-tokens` tokens each with EOS ignored
-(equal work), `c` at once, in each path's defaults (bf16 over the bundled GGUF's blocks; no
-speculation in one process; `make serve`'s flags with the Ray runtime, n-gram drafts):
+(equal work), `c` at once, each numbered anew (`FreshQuestions`: no path has seen the question
+before, as a user's next question is new; the chat template's start is shared, as it is in
+chat, and the numbers keep every prompt the same length), in each path's defaults (bf16 over
+the bundled GGUF's blocks; no speculation in one process; `make serve`'s flags with the Ray
+runtime, n-gram drafts):
 
 - **engine**: `LLMEngine.step` called in this process, nothing else running (`outrider
   generate`'s path), the outputs without their text;
@@ -55,6 +58,21 @@ ENGINE, LOOP, SERVE, CLUSTER, PEER = (
     "engine", "engine loop", "serve", "serve --cluster", "llama-server",
 )  # fmt: skip
 PORTS = {SERVE: 8301, CLUSTER: 8302, PEER: 8303}
+
+
+class FreshQuestions:
+    """Chat questions no server or engine of the run has been sent: a prompt seen before would
+    time its prefix cache (a whole repeated prompt costs llama-server's slot one token) rather
+    than the prefill a user's new question costs."""
+
+    def __init__(self) -> None:
+        self._next = 1000  # four digits each: every prompt of a level has the same length
+
+    def __call__(self, level: int) -> list[str]:
+        first, self._next = self._next, self._next + level
+        if self._next > 10_000:
+            raise ValueError("out of four-digit question numbers")
+        return [f"Question {first + i}: {q}" for i, q in enumerate(questions_for(level))]
 
 
 @dataclass(slots=True)
@@ -243,32 +261,35 @@ async def measure(args: argparse.Namespace) -> dict[tuple[str, int], Run]:
         results.setdefault((name, level), []).append(run)
         print(f"c={level} {name}: {run.tokens_per_s:.0f} tok/s", flush=True)
 
+    fresh = FreshQuestions()
+
+    def prompts_for(level: int) -> list[list[int]]:
+        return [
+            tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+            for q in fresh(level)
+        ]
+
     for round_ in range(args.runs):
         print(f"round {round_ + 1} of {args.runs}", flush=True)
         for level in args.levels:
-            questions = questions_for(level)
-            prompts = [
-                tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
-                for q in questions
-            ]
             # Each thread that takes the model over starts its OpenMP workers with a short
             # request first.
-            engine_run(engine, prompts[:1], warm)
-            keep(ENGINE, level, engine_run(engine, prompts, params))
+            engine_run(engine, prompts_for(1), warm)
+            keep(ENGINE, level, engine_run(engine, prompts_for(level), params))
             # The loop thread alone steps the model: this one hands its workers back, and the
             # loop's go when it ends (kernels/openmp.py).
             release_thread_pool()
             loop = EngineLoop(engine)
-            await loop_run(loop, prompts[:1], warm)
-            keep(LOOP, level, await loop_run(loop, prompts, params))
+            await loop_run(loop, prompts_for(1), warm)
+            keep(LOOP, level, await loop_run(loop, prompts_for(level), params))
             loop.close()
         for name, command in commands.items():
             server = Server(name, command, args.logs / f"{name.replace(' ', '')}.log")
             try:
                 await server.wait_up(timeout_s=300)
-                await http_run(server, questions_for(1), 2)
+                await http_run(server, fresh(1), 2)
                 for level in args.levels:
-                    keep(name, level, await http_run(server, questions_for(level), args.max_tokens))
+                    keep(name, level, await http_run(server, fresh(level), args.max_tokens))
             finally:
                 server.stop()
     return {key: median_run(runs) for key, runs in results.items()}
@@ -308,6 +329,7 @@ def render(args: argparse.Namespace, runs: dict[tuple[str, int], Run], paths: li
         f"Command: `{' '.join(['python -m tests.benchmarks.bench_served', *sys.argv[1:]])}`. "
         f"Machine: {machine_line()}, {os.cpu_count()} CPUs. "
         f"Greedy chat questions of {args.max_tokens} tokens with EOS ignored, `c` at once, "
+        "each numbered anew (no path was sent it before), "
         "each path's defaults (bf16 over the GGUF's blocks; no speculation in one process; "
         f"`make serve`'s flags with the Ray runtime: `{shlex.join(make_serve_flags())}`); "
         f"the median of {args.runs} "
