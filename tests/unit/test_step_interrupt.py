@@ -1,4 +1,4 @@
-"""A decode step given up for an arrival (workers/engine/step_interrupt.py): the step commits
+"""A step given up for an arrival (workers/engine/step_interrupt.py): the step commits
 nothing, the arrival's prefill runs in the next step alone, and every text, greedy or seeded,
 is that of an uninterrupted run; steps that cannot be given up so are not asked."""
 

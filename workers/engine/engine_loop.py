@@ -256,7 +256,7 @@ class EngineLoop:
         self._wake.set()
 
     def _arrived(self, busy: frozenset[str], urgent: int) -> bool:
-        """Asked by a decode step between layers (on the loop thread): whether a request has
+        """Asked by a step between layers (on the loop thread): whether a request has
         come that the fair share admits in a step of its own, one of a tenant with nothing
         running (`busy` have), as urgent as the most urgent running sequence."""
         if not self._arriving:

@@ -269,8 +269,8 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def step(self, arrived: ArrivalCheck | None = None) -> list[RequestOutput]:
-        """One step; `arrived`: asked between layers whether to give a decode step up for a
-        request that has come (workers/engine/step_interrupt.py)."""
+        """One step; `arrived`: asked between layers whether to give the step up for a request
+        that has come (workers/engine/step_interrupt.py)."""
         if self.config.async_scheduling and self.runner.feeds_tokens and self.ahead.step():
             return self.take_outputs()
         start_ns, start = time.time_ns(), time.perf_counter()

@@ -68,8 +68,8 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # Since start, for the engine's metrics: sequences preempted, decode steps given up for
-        # an arrival (`give_back`), and prompt tokens looked up in the prefix cache at first
+        # Since start, for the engine's metrics: sequences preempted, steps given up for an
+        # arrival (`give_back`), and prompt tokens looked up in the prefix cache at first
         # admission and found there.
         self.num_preemptions = 0
         self.num_steps_given_up = 0

@@ -1,4 +1,4 @@
-"""A decode step given up for an arrival (fair share's "arrivals first", workers/engine/
+"""A step given up for an arrival (fair share's "arrivals first", workers/engine/
 fair_share.py).
 
 A request of a tenant with nothing running may arrive just after a step of the other tenants'
