@@ -14,7 +14,7 @@ from tests.unit.test_engine import GREEDY, engine, model, prompts
 from workers.engine.engine_loop import EngineLoop
 from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
-from workers.engine.step_interrupt import ArrivalCheck
+from workers.engine.step_interrupt import Arrivals
 from workers.model.transformer import TransformerLM
 
 __all__ = ["model"]  # the module-scoped fixture, shared
@@ -54,7 +54,7 @@ def test_the_engine_loop_shows_a_failed_step_to_its_fatal_hook_first(
     real_step = eng.step
     seen: list[str] = []
 
-    def step_failing_once(arrived: ArrivalCheck | None = None) -> list[RequestOutput]:
+    def step_failing_once(arrived: Arrivals | None = None) -> list[RequestOutput]:
         if not seen:
             raise RuntimeError("the group broke")
         return real_step(arrived)

@@ -64,10 +64,10 @@ def run(
     step = 0
     while eng.has_unfinished_requests() or late is not None:
         if late is not None and step == give_up_at:
-            arrivals.yes = 1
+            arrivals.pending = [late[2]]
             assert not [o for o in eng.step(arrivals) if o.new_token_ids]
             eng.add_request(late[0], late[1], params, OFF, share=late[2])
-            late = None
+            arrivals.pending, late = [], None
         for out in eng.step(arrivals):
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         step += 1
@@ -75,18 +75,16 @@ def run(
 
 
 class Arrivals:
-    """An `ArrivalCheck` that says yes to the next `ask` questions, noting what it was asked."""
+    """What the engine loop tells a step (`Arrivals`): the shares of the requests that have
+    come and are not taken in yet (`pending`); how often it was asked."""
 
     def __init__(self) -> None:
-        self.yes = 0
-        self.asked: list[tuple[frozenset[str], int]] = []
+        self.pending: list[Share] = []
+        self.asked = 0
 
-    def __call__(self, busy: frozenset[str], urgent: int) -> bool:
-        self.asked.append((busy, urgent))
-        if self.yes:
-            self.yes -= 1
-            return True
-        return False
+    def __call__(self) -> list[Share]:
+        self.asked += 1
+        return list(self.pending)
 
 
 @pytest.mark.parametrize("seed", [None, 11])
@@ -119,10 +117,16 @@ def test_the_arrival_gets_the_next_step_alone(model: TransformerLM) -> None:
     arrivals = Arrivals()
     for _ in range(4):
         eng.step(arrivals)
-    arrivals.yes = 1
+    # Not for more of the running tenant's, nor for a less urgent request: the fair share
+    # would not admit those in a step of their own.
+    for pending in (Share("batch", priority=5), Share("chat", priority=9)):
+        arrivals.pending = [pending]
+        assert [o for o in eng.step(arrivals) if o.new_token_ids]
+    assert eng.scheduler.num_steps_given_up == 0
+    arrivals.pending = [Share("chat", priority=5)]
     assert [o for o in eng.step(arrivals) if o.new_token_ids] == []
-    assert arrivals.asked[-1] == (frozenset({"batch"}), 5)
-    eng.add_request("late", prompts(1, seed=3)[0], params, OFF, share=Share("chat"))
+    eng.add_request("late", prompts(1, seed=3)[0], params, OFF, share=Share("chat", priority=5))
+    arrivals.pending = []
     assert [o.request_id for o in eng.step(arrivals) if o.new_token_ids] == ["late"]
 
 
@@ -146,9 +150,10 @@ def test_a_step_with_a_prompt_in_it_is_given_up_whole(model: TransformerLM) -> N
         step()
     eng.add_request("newer", newer, params, OFF, share=Share("batch"))
     arrivals = Arrivals()
-    arrivals.yes = 1
+    arrivals.pending = [Share("chat")]
     assert step(arrivals) == [] and eng.scheduler.num_steps_given_up == 1
     eng.add_request("late", late, params, OFF, share=Share("chat"))
+    arrivals.pending = []
     assert step(arrivals) == ["late"]
     while eng.has_unfinished_requests():
         step(arrivals)
@@ -165,8 +170,9 @@ def test_the_shares_are_as_if_the_step_had_not_run(model: TransformerLM) -> None
         eng.step()
     before = dict(eng.scheduler.fair.vtime)
     arrivals = Arrivals()
-    arrivals.yes = 1
+    arrivals.pending = [Share("chat")]
     eng.step(arrivals)
+    assert eng.scheduler.num_steps_given_up == 1
     assert eng.scheduler.fair.vtime == pytest.approx(before)
 
 
@@ -182,23 +188,26 @@ def test_steps_that_cannot_be_given_up_are_not_asked(model: TransformerLM, why: 
         eng.add_request(f"b{i}", p, params, spec, share=Share("batch"))
     eng.step()
     arrivals = Arrivals()
-    arrivals.yes = 1000
+    arrivals.pending = [Share("chat")]
     for _ in range(3):
         assert [o for o in eng.step(arrivals) if o.new_token_ids]
-    assert arrivals.asked == [] and eng.scheduler.num_steps_given_up == 0
+    assert arrivals.asked == 0 and eng.scheduler.num_steps_given_up == 0
 
 
-def test_the_loop_asks_for_arrivals_of_idle_tenants_as_urgent_as_the_running(
+def test_the_loop_tells_a_step_the_shares_of_submissions_not_taken_in_yet(
     model: TransformerLM,
 ) -> None:
     loop = EngineLoop(engine(model))
     try:
-        assert not loop._arrived(frozenset({"batch"}), 5)
-        loop._arriving[1] = Share("batch")  # more of a tenant already running
-        assert not loop._arrived(frozenset({"batch"}), 5)
-        loop._arriving[2] = Share("chat", priority=9)  # less urgent than the running
-        assert not loop._arrived(frozenset({"batch"}), 5)
-        loop._arriving[3] = Share("chat", priority=5)
-        assert loop._arrived(frozenset({"batch"}), 5)
+        assert loop._arrived() == []
+        loop._arriving[1] = Share("batch")
+        loop._arriving[2] = Share("chat", priority=9)
+        assert loop._arrived() == [Share("batch"), Share("chat", priority=9)]
+        loop._arriving.clear()
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        outputs = loop.submit("r", prompts(1, seed=3)[0], params, OFF, share=Share("chat"))
+        next(outputs)  # taken in by the loop thread, which forgets its share then
+        assert loop._arrived() == []
+        list(outputs)
     finally:
         loop.close()

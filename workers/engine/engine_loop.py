@@ -255,14 +255,10 @@ class EngineLoop:
         self._inbox.put(item)
         self._wake.set()
 
-    def _arrived(self, busy: frozenset[str], urgent: int) -> bool:
-        """Asked by a step between layers (on the loop thread): whether a request has
-        come that the fair share admits in a step of its own, one of a tenant with nothing
-        running (`busy` have), as urgent as the most urgent running sequence."""
-        if not self._arriving:
-            return False
-        shares = list(self._arriving.values())  # other threads add to it meanwhile
-        return any(s.tenant not in busy and s.priority <= urgent for s in shares)
+    def _arrived(self) -> list[Share]:
+        """Asked by a step between layers (on the loop thread): the shares of the requests
+        submitted and not taken in yet (other threads add to them meanwhile)."""
+        return list(self._arriving.values())
 
     def close(self) -> None:
         self._stop.set()

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -131,9 +131,18 @@ class FairShare:
         (none where the last step was such a step, or where the share cap is off)."""
         if not running or not self.capped or self.arrival_step == self.step:
             return set()
-        busy = {s.share.tenant for s in running}
-        urgent = min(s.share.priority for s in running)
-        return {id(s) for s in waiting if s.share.tenant not in busy and s.share.priority <= urgent}
+        first = self.comes_first(running)
+        return {id(s) for s in waiting if first(s.share)}
+
+    @staticmethod
+    def comes_first(running: Iterable[Sequence]) -> Callable[[Share], bool]:
+        """Whether a request of a share, arriving beside `running` (not empty), has its prefill
+        in a step of its own: its tenant has nothing running, and it is as urgent as the most
+        urgent running sequence."""
+        shares = [s.share for s in running]
+        busy = {share.tenant for share in shares}
+        urgent = min(share.priority for share in shares)
+        return lambda share: share.tenant not in busy and share.priority <= urgent
 
     def arrivals_alone(self) -> None:
         """This step admits arrivals alone (`arrivals`): the next one may not."""

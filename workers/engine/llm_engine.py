@@ -51,7 +51,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import ScheduledSeq, Scheduler
 from workers.engine.sequence import SeqStatus, Sequence, SpecStats
 from workers.engine.speculator import Speculator
-from workers.engine.step_interrupt import ArrivalCheck, interrupt_for
+from workers.engine.step_interrupt import Arrivals, interrupt_for
 from workers.engine.structured import Grammars, StructuredOutput
 from workers.engine.tree_verification import settle
 from workers.engine.verification import (
@@ -268,9 +268,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def step(self, arrived: ArrivalCheck | None = None) -> list[RequestOutput]:
-        """One step; `arrived`: asked between layers whether to give the step up for a request
-        that has come (workers/engine/step_interrupt.py)."""
+    def step(self, arrived: Arrivals | None = None) -> list[RequestOutput]:
+        """One step; `arrived`: asked between layers for the requests that have come, for one
+        the step is given up for (workers/engine/step_interrupt.py)."""
         if self.config.async_scheduling and self.runner.feeds_tokens and self.ahead.step():
             return self.take_outputs()
         start_ns, start = time.time_ns(), time.perf_counter()

@@ -4,8 +4,9 @@ fair_share.py).
 A request of a tenant with nothing running may arrive just after a step of the other tenants'
 began; its prefill would wait for that step (32 rows on two CPU cores take 30-40 ms, more than
 the prefill itself). The engine loop (workers/engine/engine_loop.py) hears of a
-request before the engine does, and the step asks it after each layer of its forward whether
-one has come that the fair share would let in at once (`ArrivalCheck`). If so, the forward is
+request before the engine does: after each layer of its forward the step asks it for the
+requests that have come (`Arrivals`), and where the fair share lets one in at once
+(`FairShare.comes_first`, the rule its own arrival steps follow), the forward is
 given up (`ForwardInterrupted`), the arrival's prefill runs in a step of its own, and the
 others' decodes and prompt chunks run again after it.
 
@@ -25,16 +26,16 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from workers.engine.fair_share import Share
     from workers.engine.model_runner import ModelRunner
     from workers.engine.scheduler import Scheduler, SchedulerOutput
 
-# (the tenants with running sequences, the most urgent running priority) -> whether a request
-# has come that the fair share would admit in a step of its own.
-ArrivalCheck = Callable[[frozenset[str], int], bool]
+# The shares of the requests that have come and are not taken in yet.
+Arrivals = Callable[[], "Sequence[Share]"]
 
 
 def interrupt_for(
-    arrived: ArrivalCheck | None,
+    arrived: Arrivals | None,
     scheduler: Scheduler,
     runner: ModelRunner,
     batch: SchedulerOutput,
@@ -43,10 +44,7 @@ def interrupt_for(
     """The forward's `interrupt` for this step, or None where it may not be given up."""
     if arrived is None or not runner.interruptible or not scheduler.fair.capped:
         return None
-    if hidden_layers or not batch.seqs or not scheduler.running:
+    if hidden_layers or any(s.draft.token_ids or s.seq.draft.token_ids for s in batch.seqs):
         return None
-    if any(s.draft.token_ids or s.seq.draft.token_ids for s in batch.seqs):
-        return None
-    busy = frozenset(s.share.tenant for s in scheduler.running)
-    urgent = min(s.share.priority for s in scheduler.running)
-    return lambda: arrived(busy, urgent)
+    first = scheduler.fair.comes_first(scheduler.running)  # the step's sequences run
+    return lambda: any(first(share) for share in arrived())
