@@ -354,6 +354,23 @@ class NativeCpuAttention(SdpaAttention):
             )
         return out
 
+    def native_tables(
+        self,
+        plan: object,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The kernel's (block tables, query starts, query lengths, sequence lengths) for this
+        forward, settled now as its first layer would settle them; None where the plan's
+        sequences attend through SDPA (workers/model/native_layers.py, which runs a layer in
+        one call, asks before its first layer)."""
+        if not isinstance(plan, _NativePlan):
+            return None
+        if plan.native is None and plan.sdpa is None:
+            self._settle(plan, query, key_cache, value_cache)
+        return plan.native
+
     def _settle(
         self,
         plan: _NativePlan,

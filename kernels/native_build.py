@@ -124,6 +124,9 @@ def load_library() -> tuple[ctypes.CDLL | None, str | None]:
         silu = lib.outrider_silu_mul_bf16
         silu.restype = None
         silu.argtypes = [ptr, int_, int_, int_, ptr, int_]
+        layer = lib.outrider_decoder_layer
+        layer.restype = int_
+        layer.argtypes = [ptr] * 7
         return lib, None
     log.warning("native CPU kernels unavailable (%s); using torch's kernels", reason)
     return None, reason

@@ -129,6 +129,7 @@ def emulate_row_parallel(model: TransformerLM, world: int) -> None:
             f"(at most {MAX_EMULATED_WORLD})"
         )
     columns, units = row_parallel_inputs(model.config, world)
+    model.layers_changed()
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp

@@ -29,6 +29,7 @@ from kernels.norm import rms_norm
 from kernels.quant import QuantizedWeight, Weight, cat_rows, weight_nbytes
 from kernels.rotary import RotaryAngles, rope_cos_sin, rotate_and_store
 from workers.model.config import ModelConfig
+from workers.model.native_layers import NativeLayers
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +261,10 @@ class TransformerLM(nn.Module):
         # tensor_parallel.py). None: the whole model is here.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.packs = WeightPacks()  # the LM head's (the layers keep their own)
+        # The layers as one native call each takes them (workers/model/native_layers.py):
+        # made at the first forward, forgotten when the weights or their kernels change.
+        self._native_layers: NativeLayers | None = None
+        self._native_checked = False
         # Rotary tables stay fp32 whatever the model dtype (so not buffers: .to(dtype) would cast).
         self._cos, self._sin = rope_cos_sin(
             config.head_dim, config.max_context, config.rope_theta, scaling=config.rope_scaling
@@ -272,6 +277,15 @@ class TransformerLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
+
+    def layers_changed(self) -> None:
+        """Forget what was made of the layers' weights (their native form): to be called by
+        whatever replaces a layer's weights or changes how a layer computes."""
+        self._native_layers, self._native_checked = None, False
+
+    def _apply(self, fn: Callable[..., object], recurse: bool = True) -> TransformerLM:
+        self.layers_changed()  # `.to()` and the like move or cast the weights
+        return super()._apply(fn, recurse)
 
     def use_batch_invariant_kernels(self) -> None:
         """Project and attend through kernels whose every row is computed alike in any batch,
@@ -289,6 +303,7 @@ class TransformerLM(nn.Module):
         (`QuantizedWeight`) keep their blocks: their modules become `QuantizedLinear` or
         `QuantizedEmbedding`; a fused projection whose parts are not all quantized alike is
         dequantized."""
+        self.layers_changed()
         expected = _hf_names(self.config)
         if self.config.tie_word_embeddings:  # some tied checkpoints still store a copy
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
@@ -386,17 +401,34 @@ class TransformerLM(nn.Module):
         angles = self._angles(positions)
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
-        h, residual = self.embed_tokens(input_ids).to(self.dtype), None
-        for i, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, angles, kv_caches[i], meta, backend, plan, self.reduce)
+        h: torch.Tensor = self.embed_tokens(input_ids).to(self.dtype)
+
+        def after_layer(i: int, h: torch.Tensor, residual: torch.Tensor) -> None:
             if i in wanted:
                 hidden[i] = h + residual
             if interrupt is not None and interrupt():
                 raise ForwardInterrupted(f"interrupted after layer {i}")
+
+        residual: torch.Tensor | None = None
+        native = self._native() if self.reduce is None else None
+        done = native and native.run(h, angles, kv_caches, meta, backend, plan, after_layer)
+        if done:
+            h, residual = done
+        else:
+            for i, layer in enumerate(self.layers):
+                h, residual = layer(
+                    h, residual, angles, kv_caches[i], meta, backend, plan, self.reduce
+                )
+                after_layer(i, h, residual)
         h = self.norm.add_forward(h, residual)[0]
         rows = h.index_select(0, logits_indices)
         logits = self.packs.linear("lm_head", rows, self.lm_head_weight()).float()
         return ModelOutput(logits, hidden, h if return_final_hidden else None)
+
+    def _native(self) -> NativeLayers | None:
+        if not self._native_checked:
+            self._native_layers, self._native_checked = NativeLayers.of(self), True
+        return self._native_layers
 
     def _angles(self, positions: torch.Tensor) -> RotaryAngles:
         if self._cos.device != positions.device:
