@@ -7,9 +7,10 @@
 Every path gets the same greedy chat questions, `--max-tokens` tokens each with EOS ignored
 (equal work), `c` at once, each numbered anew (`FreshQuestions`: no path has seen the question
 before, as a user's next question is new; the chat template's start is shared, as it is in
-chat, and the numbers keep every prompt the same length), in each path's defaults (bf16 over
-the bundled GGUF's blocks; no speculation in one process; `make serve`'s flags with the Ray
-runtime, n-gram drafts):
+chat, and the numbers keep every prompt the same length; the servers of a round are asked the
+same questions, the in-process paths, which share an engine, their own), in each path's
+defaults (bf16 over the bundled GGUF's blocks; no speculation in one process; `make serve`'s
+flags with the Ray runtime, n-gram drafts):
 
 - **engine**: `LLMEngine.step` called in this process, nothing else running (`outrider
   generate`'s path), the outputs without their text;
@@ -61,9 +62,10 @@ PORTS = {SERVE: 8301, CLUSTER: 8302, PEER: 8303}
 
 
 class FreshQuestions:
-    """Chat questions no server or engine of the run has been sent: a prompt seen before would
-    time its prefix cache (a whole repeated prompt costs llama-server's slot one token) rather
-    than the prefill a user's new question costs."""
+    """Chat questions no path of the run has been sent: a prompt seen before would time its
+    prefix cache (a whole repeated prompt costs llama-server's slot one token) rather than the
+    prefill a user's new question costs. The in-process paths share one engine, so each is
+    asked its own; the servers of a round, each started anew, are asked the same ones."""
 
     def __init__(self) -> None:
         self._next = 1000  # four digits each: every prompt of a level has the same length
@@ -283,13 +285,16 @@ async def measure(args: argparse.Namespace) -> dict[tuple[str, int], Run]:
             await loop_run(loop, prompts_for(1), warm)
             keep(LOOP, level, await loop_run(loop, prompts_for(level), params))
             loop.close()
+        # Every server of the round is asked the same new questions (each its own process and
+        # caches): a drafting server's speed depends on the text it answers.
+        warm_up, asked = fresh(1), {level: fresh(level) for level in args.levels}
         for name, command in commands.items():
             server = Server(name, command, args.logs / f"{name.replace(' ', '')}.log")
             try:
                 await server.wait_up(timeout_s=300)
-                await http_run(server, fresh(1), 2)
+                await http_run(server, warm_up, 2)
                 for level in args.levels:
-                    keep(name, level, await http_run(server, fresh(level), args.max_tokens))
+                    keep(name, level, await http_run(server, asked[level], args.max_tokens))
             finally:
                 server.stop()
     return {key: median_run(runs) for key, runs in results.items()}
@@ -329,7 +334,7 @@ def render(args: argparse.Namespace, runs: dict[tuple[str, int], Run], paths: li
         f"Command: `{' '.join(['python -m tests.benchmarks.bench_served', *sys.argv[1:]])}`. "
         f"Machine: {machine_line()}, {os.cpu_count()} CPUs. "
         f"Greedy chat questions of {args.max_tokens} tokens with EOS ignored, `c` at once, "
-        "each numbered anew (no path was sent it before), "
+        "each numbered anew (no path was sent it before; every server of a round the same ones), "
         "each path's defaults (bf16 over the GGUF's blocks; no speculation in one process; "
         f"`make serve`'s flags with the Ray runtime: `{shlex.join(make_serve_flags())}`); "
         f"the median of {args.runs} "
