@@ -85,6 +85,7 @@ class _Forward(ctypes.Structure):  # od_forward
 
 
 def _projection(weight: object, bias: torch.Tensor | None) -> _Projection | None:
+    """`weight`'s blocks as the kernel reads them (pointers into tensors the weight holds)."""
     if type(weight) is not QuantizedWeight:
         return None
     args = weight.kernel_args()
@@ -102,11 +103,12 @@ def _projection(weight: object, bias: torch.Tensor | None) -> _Projection | None
 
 @dataclass(slots=True)
 class NativeLayers:
-    """Each layer's `od_layer`, and the tensors its pointers point into, kept alive with it."""
+    """Each layer's `od_layer`, and what its pointers point into, kept alive with it (a
+    weight replaced without `TransformerLM.layers_changed` is then read stale, never freed)."""
 
     layers: list[_Layer]
     addresses: list[int]
-    keep: list[torch.Tensor]
+    keep: list[object]
     qkv_out: int
     gate_up_out: int
     hidden: int
@@ -122,7 +124,7 @@ class NativeLayers:
         if model.dtype != torch.bfloat16 or model.reduce is not None or not native.available():
             return None
         layers: list[_Layer] = []
-        keep: list[torch.Tensor] = []
+        keep: list[object] = []
         for layer in model.layers:
             if type(layer) is not DecoderLayer:  # a subclass computes otherwise (EAGLE's)
                 return None
@@ -146,6 +148,8 @@ class NativeLayers:
             )
             if any(p is None for p in parts):
                 return None
+            keep += [attn.qkv_proj.weight, attn.o_proj.weight]
+            keep += [mlp.gate_up_proj.weight, mlp.down_proj.weight]
             layers.append(
                 _Layer(
                     *parts,
@@ -201,7 +205,12 @@ class NativeLayers:
             return None
         key0, value0 = kv_caches[0]
         qkv = torch.empty(rows, self.qkv_out, dtype=torch.bfloat16)
-        if native.rotary_kv_problem(qkv, angles.cos_table, key0, value0) is not None:
+        cos, sin = angles.cos_table, angles.sin_table
+        if (
+            native.rotary_kv_problem(qkv, cos, key0, value0) is not None
+            or sin.shape != cos.shape
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
             return None
         head_dim = key0.shape[3]
         query = qkv.view(rows, -1, head_dim)[:, : self.q_size // head_dim]
@@ -221,12 +230,12 @@ class NativeLayers:
             seq_lens.shape[0],
             tables.stride(0),
             key0.shape[1],
-            angles.cos_table.shape[0],
+            cos.shape[0],
             key0.shape[0] * key0.shape[1],
             positions.data_ptr(),
             slots.data_ptr(),
-            angles.cos_table.data_ptr(),
-            angles.sin_table.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
             tables.data_ptr(),
             starts.data_ptr(),
             lens.data_ptr(),
