@@ -117,11 +117,13 @@ class NativeLayers:
     @staticmethod
     def of(model: TransformerLM) -> NativeLayers | None:
         """The model's layers as decoder_layer.c takes them, or None where one does not fit
-        (float or unquantized projections, a tensor-parallel slice or its emulation, Qwen3's
-        head norms, batch-invariant kernels, a model not in bf16, no native kernels)."""
+        (float or unquantized projections, the row-parallel emulation, Qwen3's head norms,
+        batch-invariant kernels, a model not in bf16, no native kernels). A tensor-parallel
+        rank's model, whose `reduce` may be set after it is built, never asks
+        (`TransformerLM.forward`)."""
         from workers.model.transformer import DecoderLayer
 
-        if model.dtype != torch.bfloat16 or model.reduce is not None or not native.available():
+        if model.dtype != torch.bfloat16 or not native.available():
             return None
         layers: list[_Layer] = []
         keep: list[object] = []
