@@ -119,3 +119,21 @@ def test_layers_the_call_cannot_compute_stay_in_python(
     finally:
         emulate_row_parallel(bf16_blocks, 1)
     assert bf16_blocks._native() is not None
+
+
+@pytest.mark.parametrize("one_call", [True, False])
+def test_a_slot_outside_the_cache_is_refused_by_either_path(
+    bf16_blocks: TransformerLM,
+    one_call: bool,
+) -> None:
+    cache = PagedKVCache(bf16_blocks.config, 2, BLOCK, bf16_blocks.dtype, bf16_blocks.device)
+    runner = ModelRunner(bf16_blocks, cache)
+    bf16_blocks.layers_changed()
+    if not one_call:
+        _in_python(bf16_blocks)
+    try:
+        why = "a position or a slot" if one_call else "a slot is outside the KV cache"
+        with torch.inference_mode(), pytest.raises(IndexError, match=why):
+            runner.forward([SeqForward([1, 2, 3], 0, [5])])  # block 5 of a 2-block cache
+    finally:
+        bf16_blocks.layers_changed()
