@@ -13,8 +13,10 @@ one a request (tests/benchmarks/bench_output_channel.py measures both).
 The stream is a TCP connection of its own to the verifier (cluster/output_socket.py: a Ray
 streaming call cost about 1 ms of CPU a message), or a Ray streaming call where the client reaches
 Ray through Ray Client (a poll a message there) or cannot connect to the verifier's host.
-The client reads the stream on a thread of its own (`GroupOutputs`) and hands each output to its
-request's inbox (`Inbox`), waking each event loop that waits on some once a message. When the
+The client (`GroupOutputs`) opens the stream on a thread of its own and hands each output to its
+request's inbox (`Inbox`). A connection is read on the event loop its requests are read on, if
+it was given one (the router's: one wake-up a message); otherwise, and for a stream through Ray,
+that thread reads it and wakes each event loop that waits on some once a message. When the
 stream breaks (the verifier died or restarted), every request that was waiting on it fails with
 the error, and the group's next request opens a new stream; a verifier that stops answering
 (its host cut off: nothing is closed) breaks it too, after `silent_after_s` (the router's
@@ -189,10 +191,18 @@ class GroupOutputs:
     """The client's side: this process's stream from one verifier group, read on a thread of
     its own, and the inboxes of its requests there."""
 
-    def __init__(self, verifier: Any, name: str, silent_after_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        verifier: Any,
+        name: str,
+        silent_after_s: float = 5.0,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         """`silent_after_s`: a verifier with requests waiting that does not answer the
-        keep-alive within this is taken for gone."""
+        keep-alive within this is taken for gone. `loop`: the event loop its requests are read
+        on (the router's), which reads a connection's messages itself (no thread in between)."""
         self.client = client_id()
+        self._loop = loop
         self.verifier, self.name = verifier, name
         self.silent_after_s = silent_after_s
         self._inboxes: dict[str, Inbox] = {}
@@ -284,10 +294,9 @@ class GroupOutputs:
                 log.info("keep-alive to %s stopped: %s: %s", self.name, type(err).__name__, err)
                 return
 
-    def _opened(self) -> Iterator[Batch]:
-        """The stream's messages: over a connection of its own to the verifier
-        (cluster/output_socket.py), else (Ray Client; a verifier this host cannot connect to)
-        through Ray."""
+    def _opened(self) -> Iterator[Batch] | OutputConnection:
+        """The stream: a connection of its own to the verifier (cluster/output_socket.py), else
+        (Ray Client; a verifier this host cannot connect to) its messages through Ray."""
         import ray
 
         if self._polling:
@@ -318,7 +327,7 @@ class GroupOutputs:
             self._connection = connection
         if self._closed.is_set():  # closed while it opened: `close` may not have seen it
             connection.close()
-        return connection.batches()
+        return connection
 
     @staticmethod
     def _streamed(generator: Any) -> Iterator[Batch]:
@@ -342,8 +351,12 @@ class GroupOutputs:
     def _read(self) -> None:
         failure: BaseException
         try:
-            for batch in self._opened():
-                self._hand_out(batch)
+            stream = self._opened()
+            if isinstance(stream, OutputConnection):
+                stream.read(self._hand_out, self._loop)
+            else:
+                for batch in stream:
+                    self._hand_out(batch)
             failure = self._why_ended()
         except BaseException as exc:  # the verifier died, restarted or was shut down
             failure = exc
@@ -399,13 +412,23 @@ def ray_client_connected() -> bool:
 
 
 def _put_all(delivered: Sequence[tuple[Inbox, Item]]) -> None:
-    """Each item into its inbox, then one hand-off to each event loop with readers to wake."""
+    """Each item into its inbox, then one hand-off to each event loop with readers to wake (on
+    that loop's own thread, its readers are woken at once)."""
     woken: dict[asyncio.AbstractEventLoop, list[Inbox]] = {}
     for inbox, item in delivered:
         loop = inbox.put(item)
         if loop is not None:
             woken.setdefault(loop, []).append(inbox)
+    if not woken:
+        return
+    try:
+        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
     for loop, inboxes in woken.items():
+        if loop is running:
+            _wake_all(inboxes)
+            continue
         # A closed event loop raises: nobody reads there any more.
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(_wake_all, inboxes)

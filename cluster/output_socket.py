@@ -32,8 +32,9 @@ import pickle
 import secrets
 import socket
 import struct
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ SECRET_BYTES = 16
 _LENGTH = struct.Struct("!I")  # a message's length, before its bytes
 _ID_LENGTH = struct.Struct("!H")  # the client id's length, in the opening
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not opened by then is closed
+_RECV_BYTES = 1 << 16  # read at most this much a call
+_LOOP_CHECK_S = 1.0  # how often a thread whose connection a loop reads sees to that loop
 
 # An output server's address as Ray hands it to a client: host, port and the secret
 Address = tuple[str, int, bytes]
@@ -113,7 +116,8 @@ class OutputServer:
 
 
 class OutputConnection:
-    """The client's side: one connection to a verifier's output server, read on one thread."""
+    """The client's side: one connection to a verifier's output server, read on one thread, or
+    on an event loop (`read`) where the messages' readers wait."""
 
     def __init__(self, address: Address, client: str, timeout_s: float) -> None:
         host, port, secret = address
@@ -122,22 +126,118 @@ class OutputConnection:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         name = client.encode()
         self._sock.sendall(MAGIC + secret + _ID_LENGTH.pack(len(name)) + name)
-        self._file: BinaryIO = self._sock.makefile("rb")
+        self._frames = _Frames()
+        self._lock = threading.Lock()
+        self._on_loop: asyncio.AbstractEventLoop | None = None  # the loop reading it, if one
+        self._closing = False
 
     def batches(self) -> Iterator[Any]:
-        """Each message, until the verifier closes the connection (or `close`)."""
-        while True:
-            head = self._file.read(_LENGTH.size)
-            if len(head) < _LENGTH.size:
+        """Each message, read on this thread, until the verifier closes the connection (or
+        `close`)."""
+        while data := self._recv():
+            yield from self._frames.feed(data)
+
+    def read(self, hand_out: Callable[[Any], None], loop: asyncio.AbstractEventLoop | None) -> None:
+        """Hand each message to `hand_out` until the connection ends. With `loop`, the
+        connection is read on that event loop's thread, and `hand_out` is called there: a
+        message costs that loop one wake-up and no other thread's (a reading thread's wake-up
+        and its hand-off to the loop were most of a one-stream router's work). This thread waits
+        meanwhile; if the loop closes first, it reads the rest itself."""
+        if loop is None or not self._read_on(loop, hand_out):
+            for message in self.batches():
+                hand_out(message)
+
+    def _read_on(self, loop: asyncio.AbstractEventLoop, hand_out: Callable[[Any], None]) -> bool:
+        """`read` on `loop`: False when the loop closed before the connection ended (what it
+        had read is handed out; the rest is this thread's to read)."""
+        ended = threading.Event()
+        failure: list[BaseException] = []
+        fd = self._sock.fileno()
+
+        def readable() -> None:
+            try:
+                data = self._recv()
+            except (BlockingIOError, InterruptedError):  # nothing after all
                 return
-            (length,) = _LENGTH.unpack(head)
-            body = self._file.read(length)
-            if len(body) < length:
-                return
-            yield pickle.loads(body)
+            try:
+                for message in self._frames.feed(data):
+                    hand_out(message)
+            except BaseException as exc:  # raised in the waiting thread, as a reading thread's
+                failure.append(exc)
+                data = b""
+            if not data:
+                loop.remove_reader(fd)
+                ended.set()
+
+        def start() -> None:
+            try:
+                self._sock.setblocking(False)
+                loop.add_reader(fd, readable)
+            except (OSError, ValueError):  # closed meanwhile
+                ended.set()
+
+        with self._lock:
+            if self._closing:
+                return True
+            try:
+                loop.call_soon_threadsafe(start)
+            except RuntimeError:  # a closed loop
+                return False
+            self._on_loop = loop
+        try:
+            while not ended.wait(_LOOP_CHECK_S):
+                if loop.is_closed():  # its selector went with it: nothing watches the socket
+                    self._sock.setblocking(True)
+                    return False
+                if self._closing and not loop.is_running():  # nobody will see the end there
+                    return True
+        finally:
+            with self._lock:
+                self._on_loop = None
+                if self._closing:
+                    self._sock.close()
+        if failure:
+            raise failure[0]
+        return True
+
+    def _recv(self) -> bytes:
+        """What the socket has (b"": the connection ended)."""
+        try:
+            return self._sock.recv(_RECV_BYTES)
+        except (BlockingIOError, InterruptedError):  # a socket a loop reads: nothing yet
+            raise
+        except OSError:
+            return b""
 
     def close(self) -> None:
-        """End the connection; a thread reading it stops."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        """End the connection; its reader (a thread, or a loop) stops."""
+        with self._lock:
+            self._closing = True
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            # On a loop, the socket is closed once the loop has stopped watching it (a number
+            # closed under the loop's selector could come back as another socket's).
+            if self._on_loop is None:
+                self._sock.close()
+
+
+class _Frames:
+    """Messages out of a byte stream: each a length and a pickle."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        """The messages `data` completes."""
+        buffer = self._buffer
+        buffer += data
+        messages, start = [], 0
+        while len(buffer) - start >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(buffer, start)
+            end = start + _LENGTH.size + length
+            if len(buffer) < end:
+                break
+            messages.append(pickle.loads(buffer[start + _LENGTH.size : end]))
+            start = end
+        del buffer[:start]
+        return messages

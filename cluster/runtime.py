@@ -210,13 +210,19 @@ class Runtime:
 
     def _channel(self, group: int) -> GroupOutputs:
         """This process's output channel from verifier group `group`: a new one when there is
-        none yet or the last one broke (its verifier failed, and may be back)."""
+        none yet or the last one broke (its verifier failed, and may be back). Made on an event
+        loop (the router's), it is read there."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
         with self._lock:
             channel = self._channels.get(group)
             if channel is None or channel.broken:
                 verifier = self.pools.verifiers[group]
                 silent_after_s = self.config.router.deadlines.silent_after_s
-                channel = GroupOutputs(verifier, self.pools.verifier_names[group], silent_after_s)
+                name = self.pools.verifier_names[group]
+                channel = GroupOutputs(verifier, name, silent_after_s, loop)
                 self._channels[group] = channel
             return channel
 

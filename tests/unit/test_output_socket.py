@@ -130,3 +130,79 @@ def test_closing_a_connection_stops_the_thread_reading_it(verifier: Verifier) ->
     connection.close()
     reader.join(5)
     assert not reader.is_alive() and read == []
+
+
+class ClientLoop:
+    """A client's event loop on a thread of its own (the router's), and what was handed out on
+    it, with the thread each message was handed out on."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.got: list[tuple[Any, threading.Thread]] = []
+
+    def hand_out(self, batch: Any) -> None:
+        self.got.append((batch, threading.current_thread()))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+def _read_in_background(connection: OutputConnection, client: ClientLoop) -> threading.Thread:
+    reader = threading.Thread(
+        target=connection.read, args=(client.hand_out, client.loop), daemon=True
+    )
+    reader.start()
+    return reader
+
+
+def test_a_connection_read_on_an_event_loop_hands_out_there_in_order(verifier: Verifier) -> None:
+    client = ClientLoop()
+    connection = OutputConnection(verifier.address, "c1", timeout_s=5)
+    reader = _read_in_background(connection, client)
+    for token in range(20):
+        verifier.put("c1", "r0", _step("r0", token))
+    assert _eventually(lambda: sum(len(batch) for batch, _ in client.got) == 20)
+    tokens = [item.output.new_token_ids[0] for batch, _ in client.got for _, item in batch]
+    assert tokens == list(range(20))
+    assert {thread for _, thread in client.got} == {client.thread}  # the loop's, no other
+    connection.close()  # the loop stops watching it, and the waiting thread returns
+    reader.join(5)
+    assert not reader.is_alive()
+    assert _eventually(lambda: verifier.dropped == ["c1"])
+    client.close()
+
+
+def test_a_connection_whose_loop_closes_is_read_on_by_its_thread(verifier: Verifier) -> None:
+    client = ClientLoop()
+    connection = OutputConnection(verifier.address, "c1", timeout_s=5)
+    reader = _read_in_background(connection, client)
+    verifier.put("c1", "r0", _step("r0", 1))
+    assert _eventually(lambda: len(client.got) == 1)
+    client.close()
+    verifier.put("c1", "r0", _step("r0", 2))  # after the loop: the thread reads it
+    assert _eventually(lambda: len(client.got) == 2)
+    assert client.got[1][1] is reader
+
+    async def end() -> None:  # the verifier ends the channel: the thread's read returns
+        verifier.channels["c1"].close()
+
+    verifier.call(end())
+    reader.join(5)
+    assert not reader.is_alive()
+
+
+def test_a_hand_out_that_fails_ends_the_read_with_its_error(verifier: Verifier) -> None:
+    client = ClientLoop()
+    connection = OutputConnection(verifier.address, "c1", timeout_s=5)
+
+    def broken(batch: Any) -> None:
+        raise KeyError("a bug")
+
+    verifier.put("c1", "r0", _step("r0", 1))
+    with pytest.raises(KeyError, match="a bug"):
+        connection.read(broken, client.loop)
+    client.close()
