@@ -109,6 +109,8 @@ class RoundTracer:
 
     def __init__(self) -> None:
         self._parents: dict[str, context.Context] = {}
+        # Looked up once, not a round (a proxy until a provider is set, then the provider's)
+        self._tracer = tracer()
 
     def start(self, request_id: str, carrier: dict[str, str] | None) -> None:
         self._parents[request_id] = extract(carrier)
@@ -123,7 +125,7 @@ class RoundTracer:
             if parent is None:
                 continue
             name = "outrider.prefill" if r.prefill_tokens else "outrider.verify_round"
-            span = tracer().start_span(name, context=parent, start_time=report.start_ns)
+            span = self._tracer.start_span(name, context=parent, start_time=report.start_ns)
             span.set_attributes(
                 {
                     "outrider.request_id": r.request_id,

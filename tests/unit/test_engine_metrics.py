@@ -23,6 +23,7 @@ from tests.factories import tiny_model
 from workers.drafting.ngram import NgramConfig, NgramDrafter
 from workers.engine.config import EngineConfig, SpecConfig
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.outputs import RoundReport, StepReport
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -72,12 +73,15 @@ def recorded() -> tuple[Kept, LLMEngine]:
         ActorMetrics("verifier", "verifier-g0-r0", kept.recorder), engine, prefills=prefills
     )
     engine.step_listeners.append(metrics)
+    # Flushed after every step (the actor's thread does once a second): its gauges see every
+    # step's KV and queue.
+    engine.step_listeners.append(lambda report: metrics.flush())
     repeating = [5, 6, 7, 8, 9] * 6
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     engine.generate([repeating, [3, 4] * 10, list(range(10, 40)), [11, 12, 13] * 7], params)
     engine.generate([repeating], params)
     engine.generate([repeating], params)  # its prompt is in the prefix cache now
-    metrics.sample()
+    metrics.flush()
     return kept, engine
 
 
@@ -125,6 +129,30 @@ def test_steps_kv_queue_and_cache_counters(recorded: tuple[Kept, LLMEngine]) -> 
     assert not kept.total("outrider_remote_prefill_requests", outcome="remote")
     used = kept.values[("outrider_kv_cache_blocks_used", ())]
     assert max(used) == 12  # under pressure, every block was held at some step
+
+
+def test_steps_are_gathered_on_the_engine_thread_and_recorded_at_a_flush(
+    recorded: tuple[Kept, LLMEngine],
+) -> None:
+    """A step only gathers; a flush records each histogram value, each counter's growth once,
+    and the last k."""
+    _, engine = recorded
+    kept = Kept()
+    metrics = VerifierMetrics(ActorMetrics("verifier", "v", kept.recorder), engine)
+    for accepted in (2, 0):
+        drafted = RoundReport("a", "ngram", 0, 3, accepted, 0)
+        rounds = [drafted, RoundReport("b", "none", 0, 0, 0, 0)]
+        metrics(StepReport(0, 0.001, 0.004, rounds))
+    assert not kept.values
+    metrics.flush()
+    assert kept.count("outrider_engine_step_seconds") == 2
+    assert kept.values[("outrider_spec_decode_acceptance_length", (("method", "ngram"),))] == [3, 1]
+    grown = kept.values[("outrider_spec_decode_num_draft_tokens", (("method", "ngram"),))]
+    assert grown == [6]  # both steps' drafts, in one increment
+    assert kept.total("outrider_spec_decode_num_accepted_tokens_per_pos") == 2
+    assert kept.last("outrider_spec_decode_k") == 3
+    metrics.flush()  # nothing new: the histograms and counters stay as they were
+    assert kept.count("outrider_engine_step_seconds") == 2 and len(grown) == 1
 
 
 def test_a_metric_is_recorded_only_as_declared() -> None:
