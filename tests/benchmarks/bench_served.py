@@ -5,10 +5,10 @@
         [--cluster-args '--config pools.yaml'] [--peer llama-server] [--quick]
 
 Every path gets the same greedy chat questions, `--max-tokens` tokens each with EOS ignored
-(equal work), `c` at once, each numbered anew (`FreshQuestions`: no path has seen the question
-before, as a user's next question is new; the chat template's start is shared, as it is in
-chat, and the numbers keep every prompt the same length; the servers of a round are asked the
-same questions, the in-process paths, which share an engine, their own), in each path's
+(equal work), `c` at once, each new (`FreshQuestions`: no path has seen the question or its
+subject before, as a user's next question is new; the chat template's start is shared, as it
+is in chat; the servers of a round are asked the same questions, the in-process paths, which
+share an engine, their own), in each path's
 defaults (bf16 over the bundled GGUF's blocks; no speculation in one process; `make serve`'s
 flags with the Ray runtime, n-gram drafts):
 
@@ -52,7 +52,7 @@ from kernels.openmp import release_thread_pool
 from load_tests.clients import HttpClient, RequestRecord, Sampling, served_model
 from load_tests.workload import WorkItem
 from tests.benchmarks import llama_server
-from tests.benchmarks.bench_router import questions_for
+from tests.benchmarks.questions import distinct
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 
 ENGINE, LOOP, SERVE, CLUSTER, PEER = (
@@ -64,17 +64,18 @@ PORTS = {SERVE: 8301, CLUSTER: 8302, PEER: 8303}
 class FreshQuestions:
     """Chat questions no path of the run has been sent: a prompt seen before would time its
     prefix cache (a whole repeated prompt costs llama-server's slot one token) rather than the
-    prefill a user's new question costs. The in-process paths share one engine, so each is
-    asked its own; the servers of a round, each started anew, are asked the same ones."""
+    prefill a user's new question costs, and a subject asked before would be drafted from its
+    last answer by `make serve`'s shared n-gram pool (tests/benchmarks/questions.py: any 64 in
+    a row are on subjects of their own, more than a round asks a server). The in-process paths
+    share one engine, so each is asked its own; the servers of a round, each started anew, are
+    asked the same ones."""
 
     def __init__(self) -> None:
-        self._next = 1000  # four digits each: every prompt of a level has the same length
+        self._next = 1000  # numbered: no prompt is another's
 
     def __call__(self, level: int) -> list[str]:
         first, self._next = self._next, self._next + level
-        if self._next > 10_000:
-            raise ValueError("out of four-digit question numbers")
-        return [f"Question {first + i}: {q}" for i, q in enumerate(questions_for(level))]
+        return [f"Question {first + i}: {q}" for i, q in enumerate(distinct(level, first))]
 
 
 @dataclass(slots=True)
