@@ -25,7 +25,8 @@ flags with the Ray runtime, n-gram drafts):
 
 Each round runs the in-process paths, then each server alone (started, warmed up with one
 request, every level, stopped: as a user would run it, with no other server's processes on the
-cores); medians over rounds. Per level: tokens/s of all requests, each path against the engine
+cores); a level asks `c` questions at once, again until it has asked `MIN_REQUESTS`; medians
+over rounds. Per level: tokens/s of all requests, each path against the engine
 and against llama-server, time to first token, and a stream's time per token after its first.
 """
 
@@ -59,6 +60,9 @@ ENGINE, LOOP, SERVE, CLUSTER, PEER = (
     "engine", "engine loop", "serve", "serve --cluster", "llama-server",
 )  # fmt: skip
 PORTS = {SERVE: 8301, CLUSTER: 8302, PEER: 8303}
+# A level asks at least this many questions a round, `c` at a time (one stream: four in turn),
+# so that one answer's text (drafting speeds some up) does not make a round's figure
+MIN_REQUESTS = 4
 
 
 class FreshQuestions:
@@ -97,6 +101,16 @@ class Run:
     def per_token(self) -> float:
         """A stream's seconds per token after its first (median over the requests)."""
         return statistics.median((last - first) / max(1, n - 1) for first, last, n in self.requests)
+
+
+def batches(level: int) -> int:
+    """How many times a round asks `level` questions at once (MIN_REQUESTS in all at least)."""
+    return -(-MIN_REQUESTS // level)
+
+
+def in_turn(runs: Sequence[Run]) -> Run:
+    """Runs one after another as one: their walls added, their requests together."""
+    return Run(sum(r.wall for r in runs), [q for r in runs for q in r.requests])
 
 
 class Server:
@@ -278,24 +292,28 @@ async def measure(args: argparse.Namespace) -> dict[tuple[str, int], Run]:
             # Each thread that takes the model over starts its OpenMP workers with a short
             # request first.
             engine_run(engine, prompts_for(1), warm)
-            keep(ENGINE, level, engine_run(engine, prompts_for(level), params))
+            runs = [engine_run(engine, prompts_for(level), params) for _ in range(batches(level))]
+            keep(ENGINE, level, in_turn(runs))
             # The loop thread alone steps the model: this one hands its workers back, and the
             # loop's go when it ends (kernels/openmp.py).
             release_thread_pool()
             loop = EngineLoop(engine)
             await loop_run(loop, prompts_for(1), warm)
-            keep(LOOP, level, await loop_run(loop, prompts_for(level), params))
+            runs = [await loop_run(loop, prompts_for(level), params) for _ in range(batches(level))]
+            keep(LOOP, level, in_turn(runs))
             loop.close()
         # Every server of the round is asked the same new questions (each its own process and
         # caches): a drafting server's speed depends on the text it answers.
-        warm_up, asked = fresh(1), {level: fresh(level) for level in args.levels}
+        warm_up = fresh(1)
+        asked = {level: [fresh(level) for _ in range(batches(level))] for level in args.levels}
         for name, command in commands.items():
             server = Server(name, command, args.logs / f"{name.replace(' ', '')}.log")
             try:
                 await server.wait_up(timeout_s=300)
                 await http_run(server, warm_up, 2)
                 for level in args.levels:
-                    keep(name, level, await http_run(server, asked[level], args.max_tokens))
+                    runs = [await http_run(server, q, args.max_tokens) for q in asked[level]]
+                    keep(name, level, in_turn(runs))
             finally:
                 server.stop()
     return {key: median_run(runs) for key, runs in results.items()}
@@ -335,7 +353,8 @@ def render(args: argparse.Namespace, runs: dict[tuple[str, int], Run], paths: li
         f"Command: `{' '.join(['python -m tests.benchmarks.bench_served', *sys.argv[1:]])}`. "
         f"Machine: {machine_line()}, {os.cpu_count()} CPUs. "
         f"Greedy chat questions of {args.max_tokens} tokens with EOS ignored, `c` at once, "
-        "each numbered anew (no path was sent it before; every server of a round the same ones), "
+        f"again until a level has asked {MIN_REQUESTS}, each new (no path was sent it or, in a "
+        "round, its subject before; every server of a round the same ones), "
         "each path's defaults (bf16 over the GGUF's blocks; no speculation in one process; "
         f"`make serve`'s flags with the Ray runtime: `{shlex.join(make_serve_flags())}`); "
         f"the median of {args.runs} "

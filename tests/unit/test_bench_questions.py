@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
-from tests.benchmarks.bench_served import FreshQuestions
+from tests.benchmarks.bench_served import FreshQuestions, batches
 from tests.benchmarks.questions import SUBJECTS
 
 
 def test_a_round_of_a_server_never_asks_a_subject_twice() -> None:
     fresh = FreshQuestions()
-    warm_up, levels = fresh(1), [fresh(level) for level in (1, 4, 16, 32)]
-    asked = warm_up + [q for level in levels for q in level]
-    assert len(asked) == 54 < len(SUBJECTS)
+    asked = fresh(1)  # the warm-up
+    for level in (1, 4, 16, 32):
+        for _ in range(batches(level)):
+            asked += fresh(level)
+    assert len(asked) == 57 < len(SUBJECTS)
     subjects = [next(s for s in SUBJECTS if s in question) for question in asked]
     assert len(set(subjects)) == len(asked)
     later = fresh(300)  # many rounds on: still no prompt asked before
