@@ -137,3 +137,47 @@ def test_an_outputs_counts_are_those_of_its_step(model: TransformerLM) -> None:
     first = [out for _ in range(3) for out in eng.step()]
     eng.step()
     assert [out.spec.verify_steps for out in first] == [0, 1, 2]
+
+
+def test_outputs_handed_over_on_the_loop_thread_then_once_a_step(model: TransformerLM) -> None:
+    """`start(on_loop_thread=True)`: the consumer is called on the loop thread itself, with
+    every output in order, and `handed_over` after each step's, no event loop woken."""
+    import threading
+
+    eng = engine(model)
+    expected = eng.generate(prompts(3, seed=5), GREEDY)
+    got: dict[str, list[int]] = {f"t{i}": [] for i in range(3)}
+    threads: set[threading.Thread] = set()
+    events: list[str] = []
+    done = threading.Event()
+
+    def handed_over() -> None:
+        events.append("handed over")
+
+    loop = EngineLoop(eng, handed_over=handed_over)
+
+    def consumer(request_id: str) -> Any:
+        def consume(item: RequestOutput | Exception) -> None:
+            assert isinstance(item, RequestOutput)
+            threads.add(threading.current_thread())
+            got[request_id] += item.new_token_ids
+            events.append("output")
+            if all(len(t) == GREEDY.max_tokens for t in got.values()):
+                done.set()
+
+        return consume
+
+    async def run() -> None:
+        for i, p in enumerate(prompts(3, seed=5)):
+            loop.start(f"t{i}", p, GREEDY, None, None, None, consumer(f"t{i}"), on_loop_thread=True)
+
+    try:
+        asyncio.run(run())
+        assert done.wait(60)
+    finally:
+        loop.close()
+    assert list(got.values()) == [c.token_ids for c in expected]
+    assert threads == {loop._thread}
+    # Each step's outputs, then one hand-over: never two outputs of a step apart from it.
+    steps = "".join("o" if e == "output" else "|" for e in events).split("|")
+    assert max(len(s) for s in steps) <= 3 and sum(len(s) for s in steps) == 3 * GREEDY.max_tokens

@@ -12,7 +12,10 @@ A step's outputs go to each event loop in one hand-off (one wake-up of that loop
 one per request: at 256 requests that was over a millisecond of the loop thread's step).
 Their text is made there, by the caller, not by the loop thread (workers/engine/output_text.py:
 about a fifth of a decode step's host work); a stop string found there ends the caller's
-stream and aborts the request. A step asks the loop between layers whether a request has come
+stream and aborts the request. A caller for whom the hand-off costs more than the work it moves
+(a CPU verifier's output channels, where the loop thread's step is the whole host's) has its
+consumer called on the loop thread instead (`start(on_loop_thread=True)`), and `handed_over`
+once a step. A step asks the loop between layers whether a request has come
 that the fair share lets in at once, and is given up for it (workers/engine/step_interrupt.py).
 """
 
@@ -58,6 +61,23 @@ class _AsyncSink:
             self.loop.call_soon_threadsafe(self.consume, item)
         except RuntimeError as exc:  # the caller's event loop is closed
             raise ReaderGone(str(exc)) from exc
+
+
+class _ThreadSink:
+    """Hands a request's items to `consume` on the loop thread itself, as they come: for a
+    consumer that is cheaper there than a wake-up of another thread's event loop a step
+    (`start(on_loop_thread=True)`)."""
+
+    loop = None
+
+    def __init__(self, consume: Consume, request_id: str) -> None:
+        self.consume, self.request_id = consume, request_id
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        try:
+            self.consume(item)
+        except Exception:
+            log.exception("the consumer of request %s's outputs failed", self.request_id)
 
 
 _Delivery = tuple["_AsyncSink", RequestOutput | Exception, str]  # sink, item, request id
@@ -108,8 +128,16 @@ class EngineLoop:
     failed with it, and may end the process: a tensor-parallel verifier whose group broke has
     Ray restart it (cluster/verifier.py), so that its requests fail with the actor instead."""
 
-    def __init__(self, engine: LLMEngine, fatal: Callable[[Exception], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        fatal: Callable[[Exception], None] | None = None,
+        handed_over: Callable[[], None] | None = None,
+    ) -> None:
+        """`handed_over`, when given, is called on the loop thread each time it has handed
+        what it had over to the requests' consumers (a step's outputs; refusals)."""
         self.engine = engine
+        self._handed_over = handed_over
         engine.makes_text = False  # its callers make the text (`_text`), off the loop thread
         # From here the loop thread alone runs the model: the OpenMP workers the building
         # thread kept would make every parallel region of the loop's pay a wake-up
@@ -188,19 +216,22 @@ class EngineLoop:
         outputs: asyncio.Queue[RequestOutput | Exception] | Consume,
         *,
         share: Share = DEFAULT_SHARE,
+        on_loop_thread: bool = False,
     ) -> None:
         """`stream` without a generator, for a caller that gathers many requests' outputs (a
         verifier's channel to its router, cluster/output_channel.py): each output of the
         request, its text made, or the exception that refused or failed it, goes to `outputs`
-        (a queue, or a function) on the caller's event loop. A stop string found in the text
-        ends the request there and aborts it; `abort` stops it before."""
+        (a queue, or a function) on the caller's event loop, or with `on_loop_thread` (a
+        function that may be called from any thread) on the loop thread itself, text made
+        there too. A stop string found in the text ends the request there and aborts it;
+        `abort` stops it before."""
         consume = outputs.put_nowait if isinstance(outputs, asyncio.Queue) else outputs
         text = self._text(params, continuation)
 
         def deliver(item: RequestOutput | Exception) -> None:
             consume(self._with_text(request_id, text, item))
 
-        sink = _AsyncSink(deliver)
+        sink: _Sink = _ThreadSink(deliver, request_id) if on_loop_thread else _AsyncSink(deliver)
         self._enqueue(
             _Submit(
                 request_id, prompt_token_ids, params, spec, sink, prefilled, continuation, share
@@ -285,6 +316,7 @@ class EngineLoop:
             # First tokens sampled from a prefill worker's logits go out before the next forward.
             self._deliver(self.engine.take_outputs())
             if not (self.engine.has_unfinished_requests() or aborted):
+                self._hand_over()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -297,8 +329,17 @@ class EngineLoop:
                     "engine step failed; failing the %d running requests", len(self._streams)
                 )
                 self._fail_all(exc)
+                self._hand_over()
                 continue
             self._deliver(outputs)
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        if self._handed_over is not None:
+            try:
+                self._handed_over()
+            except Exception:
+                log.exception("handing the outputs over failed")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[_Delivery]] = {}
