@@ -11,13 +11,14 @@ one read and `pickle.loads` on the client's reading thread.
 The verifier listens on its node's address (`OutputServer`) and hands the address, with a
 secret of its own, to Ray callers only (`VerifierActor.outputs_address`): a connection that does
 not open with the secret is closed unread. A connection is one client's channel: the verifier
-writes each of the channel's messages as a length and a pickle, and when the connection closes
+writes each of the channel's messages as a length and a pickle (from its event loop, or, on a
+CPU verifier, from the engine's thread: `DirectSender`), and when the connection closes
 (the client closed it, or its process died) the channel ends and its requests are aborted, as
 when a Ray stream ends. When the verifier dies, the client's stream fails with the actor's error,
 as a Ray stream does: the client keeps a call in flight that the verifier answers only when the
 channel ends (`VerifierActor.until_closed`), and asks it why the connection ended. A verifier
 whose host is cut off closes nothing: the client's keep-alive finds it silent, as for a Ray
-stream (cluster/output_channel.py). Clients that reach Ray through
+stream (cluster/output_reader.py). Clients that reach Ray through
 Ray Client (a router pod of the chart) poll instead: the chart's network policy lets routers
 reach Ray pods on the client port alone.
 """
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import pickle
 import secrets
 import socket
@@ -55,12 +57,18 @@ class OutputServer:
 
     `opened(client)` is the client's channel (anything with `batches()`, an async iterator of
     messages, and `close()`), or None for a client whose channel has ended already;
-    `dropped(client, channel)` is called once its connection ends."""
+    `dropped(client, channel)` is called once its connection ends. With `direct`, a channel
+    (a `ClientChannel`) is given a `DirectSender` of its connection once what it had is sent,
+    to send from other threads than the loop's."""
 
     def __init__(
-        self, opened: Callable[[str], Any | None], dropped: Callable[[str, Any], None]
+        self,
+        opened: Callable[[str], Any | None],
+        dropped: Callable[[str, Any], None],
+        direct: bool = False,
     ) -> None:
         self.opened, self.dropped = opened, dropped
+        self.direct = direct
         self.secret = secrets.token_bytes(SECRET_BYTES)
         self._server: asyncio.Server | None = None
         self._host = ""
@@ -92,15 +100,22 @@ class OutputServer:
         # The client sends nothing after its opening: a read that ends is its connection's end.
         gone = asyncio.create_task(reader.read())
         gone.add_done_callback(lambda _: channel.close())
+        sender = DirectSender(writer) if self.direct else None
         try:
+            if sender is not None:
+                channel.go_direct(sender)  # unless something waits for the stream already
             async for batch in channel.batches():
-                body = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-                writer.write(_LENGTH.pack(len(body)) + body)
+                writer.write(frame(batch))
                 await writer.drain()
+                if sender is not None and writer.transport.get_write_buffer_size() == 0:
+                    channel.go_direct(sender)  # all sent: the next goes direct
         except (ConnectionError, OSError) as err:
             log.info("the output connection of client %s broke: %s", client, err)
         finally:
             gone.cancel()
+            if sender is not None:
+                channel.leave_direct()
+                sender.close()
             self.dropped(client, channel)
             writer.close()
 
@@ -113,6 +128,54 @@ class OutputServer:
             raise ValueError("a wrong secret")
         (length,) = _ID_LENGTH.unpack(head[-_ID_LENGTH.size :])
         return (await reader.readexactly(length)).decode()
+
+
+def frame(message: Any) -> bytes:
+    """A message as the connection carries it: its length, then its pickle."""
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(body)) + body
+
+
+class DirectSender:
+    """Sends a connection's messages from any thread (a CPU verifier's engine thread, once a
+    step), straight to its socket, instead of waking its event loop to write them: the wake-up
+    and the hand-off of the interpreter lock between the threads cost more than the write.
+    What the socket does not take at once (a client that reads slowly) goes to the loop's
+    writer, and the sender is `congested` from then on: its channel writes through the loop
+    again, in order after it."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._loop = asyncio.get_running_loop()
+        fd = writer.get_extra_info("socket").fileno()
+        self._sock = socket.socket(fileno=os.dup(fd))  # the same connection, a handle of its own
+        self._sock.setblocking(False)  # as the loop keeps it: a full socket never waits
+        self.congested = False
+
+    def send(self, message: Any) -> bool:
+        """Send `message` (its rest through the loop, where the socket is full); False once
+        congested (or the connection broke: its end closes the channel)."""
+        if self.congested:
+            raise RuntimeError("a congested sender sends nothing more")
+        data = memoryview(frame(message))
+        sent = 0
+        try:
+            while sent < len(data):
+                sent += self._sock.send(data[sent:])
+        except BlockingIOError:
+            pass
+        except OSError as err:
+            log.info("a direct send failed: %s", err)
+            self.congested = True
+            return False
+        if sent < len(data):
+            self.congested = True
+            with contextlib.suppress(RuntimeError):  # a closed loop: the connection is gone
+                self._loop.call_soon_threadsafe(self._writer.write, bytes(data[sent:]))
+        return not self.congested
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 class OutputConnection:

@@ -21,7 +21,8 @@ from typing import Any
 from cluster import telemetry
 from cluster.actors import start_tracing
 from cluster.config import DeploymentConfig, resolve_gpus
-from cluster.output_channel import GroupOutputs, Inbox, ServedBy, StreamedStep, answer_of
+from cluster.output_channel import ServedBy, StreamedStep
+from cluster.output_reader import GroupOutputs, Inbox, answer_of
 from cluster.pools import Pools, attach_pools, connect_ray, start_pools
 from workers.engine.config import RequestSpec
 from workers.engine.fair_share import DEFAULT_SHARE, Share

@@ -162,7 +162,13 @@ class VerifierActor:
         self.metrics.metrics.count_restart()
         loaded.engine.step_listeners.append(self.metrics)
         self.metrics.start_sampling()
-        self.loop = EngineLoop(loaded.engine, self._fatal)
+        # On the CPU the engine thread's step is the host's work: a step's outputs are made
+        # into text and sent to each client's connection there, once a step, for less than
+        # a wake-up of this actor's event loop and the interpreter lock's way to it and back
+        # cost (cluster/output_socket.py's DirectSender). A GPU's engine thread keeps to
+        # launching steps, and hands its outputs to the event loop.
+        self._outputs_on_engine_thread = self.device == "cpu"
+        self.loop = EngineLoop(loaded.engine, self._fatal, self._hand_over)
         self._prefilled_by: dict[str, str] = {}
         # Each client's output channel (cluster/output_channel.py), by its id; the requests
         # waiting for a remote prefill, and those of them aborted meanwhile
@@ -170,7 +176,9 @@ class VerifierActor:
         self._dropped: set[str] = set()  # clients whose channel ended (ids are not reused)
         self._closing: asyncio.Task[None] | None = None  # closes the silent ones
         # Channels read over a connection of their own (cluster/output_socket.py)
-        self.output_server = OutputServer(self._connected, self._drop)
+        self.output_server = OutputServer(
+            self._connected, self._drop, direct=self._outputs_on_engine_thread
+        )
         self._prefilling: set[str] = set()
         self._aborted: set[str] = set()
         freeze_startup_heap()
@@ -286,8 +294,16 @@ class VerifierActor:
                 self._ended(channel, request_id)
 
         self.loop.start(
-            request_id, prompt_ids, params, spec, prefilled, continuation, consume, share=share
-        )
+            request_id, prompt_ids, params, spec, prefilled, continuation, consume,
+            share=share, on_loop_thread=self._outputs_on_engine_thread,
+        )  # fmt: skip
+
+    def _hand_over(self) -> None:
+        """On the engine thread, once its outputs are handed over: each channel sends what
+        they put in it (one message a client a step)."""
+        if self._outputs_on_engine_thread:
+            for channel in list(self.channels.values()):
+                channel.hand_over()
 
     def _ended(self, channel: ClientChannel, request_id: str) -> None:
         channel.requests.discard(request_id)

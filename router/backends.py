@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
-from cluster.output_channel import answer_of
+from cluster.output_reader import answer_of
 from router import errors
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import EngineLoop, LoopLoad

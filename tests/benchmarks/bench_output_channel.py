@@ -27,7 +27,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from cluster.output_channel import Batch, ClientChannel, GroupOutputs, StreamedStep
+from cluster.output_channel import Batch, ClientChannel, StreamedStep
+from cluster.output_reader import GroupOutputs
 from cluster.output_socket import Address, OutputServer
 from tests.benchmarks.report import DEFAULT_REPORT, machine_line, table, write_section
 from workers.engine.outputs import RequestOutput

@@ -248,7 +248,8 @@ def test_a_client_whose_output_stream_ends_has_its_requests_aborted(  # type: ig
     aborts them all and frees their blocks, and other clients' requests go on."""
     import asyncio
 
-    from cluster.output_channel import GroupOutputs, StreamedStep
+    from cluster.output_channel import StreamedStep
+    from cluster.output_reader import GroupOutputs
 
     verifier = eagle_runtime.pools.verifiers[0]
     handle = verifier if transport == "connection" else _Unreachable(verifier)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cluster.output_channel import Inbox
+from cluster.output_reader import Inbox
 from cluster.runtime import RequestStream
 from router.backends import RuntimeBackend
 from router.routing import GroupChooser, RoutingPolicy

@@ -1,6 +1,7 @@
-"""Output channels' pieces without Ray (cluster/output_channel.py): a verifier's channel gathers
-a client's outputs into one message and ends when the client goes silent; a request's inbox
-hands its items to a thread or an event loop. The Ray path is in tests/cluster/test_runtime.py."""
+"""Output channels' pieces without Ray (cluster/output_channel.py and output_reader.py): a
+verifier's channel gathers a client's outputs into one message and ends when the client goes
+silent; a request's inbox hands its items to a thread or an event loop. The Ray path is in
+tests/cluster/test_runtime.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 import pytest
 
 from cluster import output_channel
-from cluster.output_channel import ClientChannel, Inbox, StreamedStep, close_silent
+from cluster.output_channel import ClientChannel, StreamedStep, close_silent
+from cluster.output_reader import Inbox
 from workers.engine.outputs import RequestOutput
 from workers.engine.sequence import SpecStats
 

@@ -26,13 +26,13 @@ class Verifier:
     """An output server on an event loop of its own thread, its clients' channels kept as a
     verifier keeps them."""
 
-    def __init__(self) -> None:
+    def __init__(self, direct: bool = False) -> None:
         self.channels: dict[str, ClientChannel] = {}
         self.dropped: list[str] = []
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.server = OutputServer(self._opened, self._dropped)
+        self.server = OutputServer(self._opened, self._dropped, direct)
         self.address: Address = self.call(self.server.address("127.0.0.1"))
 
     def call(self, coro: Any) -> Any:
@@ -206,3 +206,58 @@ def test_a_hand_out_that_fails_ends_the_read_with_its_error(verifier: Verifier) 
     with pytest.raises(KeyError, match="a bug"):
         connection.read(broken, client.loop)
     client.close()
+
+
+def _tokens(batches: Any) -> list[int]:
+    return [item.output.new_token_ids[0] for batch in batches for _, item in batch]
+
+
+@pytest.fixture
+def direct_verifier() -> Iterator[Verifier]:
+    v = Verifier(direct=True)
+    yield v
+    v.close()
+
+
+def test_a_direct_channel_is_sent_from_another_thread_in_order(direct_verifier: Verifier) -> None:
+    """What waited for the client goes first through the loop; then a step's outputs, put and
+    handed over on another thread (the engine's), go straight to the connection, one message a
+    hand-over."""
+    v = direct_verifier
+    v.put("c1", "r0", _step("r0", 0))  # before the client connects
+    connection = OutputConnection(v.address, "c1", timeout_s=5)
+    batches = connection.batches()
+    assert _tokens([next(batches)]) == [0]
+    assert _eventually(lambda: v.channels["c1"].direct)
+    channel = v.channels["c1"]
+    for step in range(1, 6):  # on this thread, as the engine's
+        channel.put("r0", _step("r0", 2 * step - 1))
+        channel.put("r1", _step("r1", 2 * step))
+        channel.hand_over()
+    got = [next(batches) for _ in range(5)]
+    assert [len(batch) for batch in got] == [2] * 5
+    assert _tokens(got) == list(range(1, 11))
+    connection.close()
+    assert _eventually(lambda: v.dropped == ["c1"])
+    assert not channel.direct
+
+
+def test_a_client_too_slow_for_direct_sends_gets_the_rest_through_the_loop(
+    direct_verifier: Verifier,
+) -> None:
+    v = direct_verifier
+    connection = OutputConnection(v.address, "c1", timeout_s=5)
+    assert _eventually(lambda: "c1" in v.channels and v.channels["c1"].direct)
+    channel = v.channels["c1"]
+    big = "x" * 200_000  # a message more than the socket buffers hold unread
+    for token in range(40):  # the client reads nothing meanwhile
+        output = RequestOutput("r0", [token], big, False, None, 3, 1, SpecStats())
+        channel.put("r0", StreamedStep(output))
+        channel.hand_over()
+    assert not channel.direct  # congested: the loop writes what is left, in order
+    tokens: list[int] = []
+    batches = connection.batches()
+    while len(tokens) < 40:  # the loop gathers what waited for it into fewer messages
+        tokens += _tokens([next(batches)])
+    assert tokens == list(range(40))
+    connection.close()
