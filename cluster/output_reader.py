@@ -188,8 +188,13 @@ class GroupOutputs:
                 )
                 return
             except Exception as err:  # unreachable (ActorUnavailableError), dead, or Ray stopping
-                if waiting:  # a ConnectionError: its requests move on (router/backends.py)
-                    self._fail(ConnectionError(f"{self.name} is unreachable: {err}"))
+                # Its requests move on (router/backends.py): the actor's own error, as the
+                # stream's end gives it (whichever of the two sees it first), else a
+                # ConnectionError.
+                if waiting:
+                    dead = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+                    unreachable = ConnectionError(f"{self.name} is unreachable: {err}")
+                    self._fail(err if isinstance(err, dead) else unreachable)
                 log.info("keep-alive to %s stopped: %s: %s", self.name, type(err).__name__, err)
                 return
 

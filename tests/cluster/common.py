@@ -18,6 +18,15 @@ TEXTS = [
 GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
+def stream_failures() -> tuple[type[BaseException], ...]:
+    """What a stream fails with when its verifier dies: the actor's error (the stream's end or
+    the channel's keep-alive sees it first), or a ConnectionError where the keep-alive found
+    the verifier silent first. The router answers all alike (router/backends.py)."""
+    import ray
+
+    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ConnectionError)
+
+
 def deployment(
     method: str, drafters: int, prefill: int = 0, tree_nodes: int = 0, **drafter: object
 ) -> DeploymentConfig:

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.actors import info_when_up
-from tests.cluster.common import GREEDY, deployment, run_all, wait_restarted
+from tests.cluster.common import GREEDY, deployment, run_all, stream_failures, wait_restarted
 from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
 
@@ -325,10 +325,7 @@ def test_a_verifier_that_dies_comes_back_to_its_pools(eagle_runtime, prompts, ex
     (verifier,) = eagle_runtime.pools.verifiers
     before = ray.get(verifier.info.remote())["pid"]
     ray.kill(verifier, no_restart=False)
-    # The stream fails with the actor's error, or with the channel keep-alive's ConnectionError
-    # when that call meets the restarting actor first; the router answers both alike.
-    failed = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ConnectionError)
-    with pytest.raises(failed):
+    with pytest.raises(stream_failures()):
         for _ in chunks:
             pass
     wait_restarted(verifier, before)
