@@ -307,6 +307,14 @@ def answer_of(ref: Any) -> asyncio.Future[Any]:
     return future
 
 
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on this thread, if one is."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 def ray_client_connected() -> bool:
     """Whether this process reaches Ray through Ray Client (`ray://`): a router pod of the
     chart does. Ray Client has no streaming calls, so its output channels poll."""
@@ -325,10 +333,7 @@ def _put_all(delivered: Sequence[tuple[Inbox, Item]]) -> None:
             woken.setdefault(loop, []).append(inbox)
     if not woken:
         return
-    try:
-        running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
+    running = running_loop()
     for loop, inboxes in woken.items():
         if loop is running:
             _wake_all(inboxes)

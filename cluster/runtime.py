@@ -22,7 +22,7 @@ from cluster import telemetry
 from cluster.actors import start_tracing
 from cluster.config import DeploymentConfig, resolve_gpus
 from cluster.output_channel import ServedBy, StreamedStep
-from cluster.output_reader import GroupOutputs, Inbox, answer_of
+from cluster.output_reader import GroupOutputs, Inbox, answer_of, running_loop
 from cluster.pools import Pools, attach_pools, connect_ray, start_pools
 from workers.engine.config import RequestSpec
 from workers.engine.fair_share import DEFAULT_SHARE, Share
@@ -213,10 +213,7 @@ class Runtime:
         """This process's output channel from verifier group `group`: a new one when there is
         none yet or the last one broke (its verifier failed, and may be back). Made on an event
         loop (the router's), it is read there."""
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
+        loop = running_loop()
         with self._lock:
             channel = self._channels.get(group)
             if channel is None or channel.broken:

@@ -168,7 +168,8 @@ class VerifierActor:
         # cost (cluster/output_socket.py's DirectSender). A GPU's engine thread keeps to
         # launching steps, and hands its outputs to the event loop.
         self._outputs_on_engine_thread = self.device == "cpu"
-        self.loop = EngineLoop(loaded.engine, self._fatal, self._hand_over)
+        handed_over = self._hand_over if self._outputs_on_engine_thread else None
+        self.loop = EngineLoop(loaded.engine, self._fatal, handed_over)
         self._prefilled_by: dict[str, str] = {}
         # Each client's output channel (cluster/output_channel.py), by its id; the requests
         # waiting for a remote prefill, and those of them aborted meanwhile
@@ -301,9 +302,8 @@ class VerifierActor:
     def _hand_over(self) -> None:
         """On the engine thread, once its outputs are handed over: each channel sends what
         they put in it (one message a client a step)."""
-        if self._outputs_on_engine_thread:
-            for channel in list(self.channels.values()):
-                channel.hand_over()
+        for channel in list(self.channels.values()):
+            channel.hand_over()
 
     def _ended(self, channel: ClientChannel, request_id: str) -> None:
         channel.requests.discard(request_id)
