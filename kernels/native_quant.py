@@ -2,7 +2,8 @@
 linear_quant.c), loaded with the others (kernels/native.py): each row is quantized to int8 per
 block of 32 and the dot products are exact integer ones (VNNI), so a step streams 4.5-8.5 bits
 a weight. kernels/quant.py holds the weights; this module checks them once (`QuantKernelArgs`)
-and calls the kernel, alone or fused with the RMSNorm or SwiGLU before it."""
+and calls the kernel, alone or fused with the RMSNorm or SwiGLU before it. `quant_rows` is the
+embedding lookup's kernel (kernels/csrc/quant_rows.c): the rows of such a weight dequantized."""
 
 from __future__ import annotations
 
@@ -164,6 +165,29 @@ def _linear_quant_after(
         *_weight_args(weight, bias, y),
     )
     _scratch_had(code)
+
+
+def quant_rows(
+    weight: QuantKernelArgs,
+    ids: torch.Tensor,  # int64 [n] on the CPU, each in 0..out_features - 1
+) -> torch.Tensor:  # fp32 [n, in_features]
+    """Rows `ids` of the weight dequantized (kernels/csrc/quant_rows.c): the bits
+    `QuantizedWeight.rows` computes in torch, in one call. The caller checks the ids."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), weight.in_features)
+    if ids.numel():
+        library().outrider_quant_rows(
+            weight.codes,
+            weight.scales,
+            weight.mins,
+            weight.min_per_scale,
+            weight.bits,
+            weight.in_features,
+            ids.data_ptr(),
+            ids.numel(),
+            out.data_ptr(),
+        )
+    return out
 
 
 def _weight_args(

@@ -15,7 +15,9 @@ kernels, `linear_quant` (kernels/native_quant.py, kernels/csrc/linear_quant.c) q
 block of 32 values of a row to int8 with its own scale, as llama.cpp does, and takes exact
 integer dot products; elsewhere `reference_linear` does the same arithmetic in torch (same
 answer up to the order of fp32 sums, and slower). `dequantize` gives the weight back as
-floats: the plain reference the tests hold both against, and what an embedding lookup reads.
+floats: the plain reference the tests hold both against. `rows` is an embedding lookup: the
+rows it reads dequantized, by one call of kernels/csrc/quant_rows.c where our kernels run,
+else in torch, the same bits.
 
 Layout (linear_quant.c has the why): outputs go sixteen to a panel, and a panel's block of 32
 input features is eight vectors of 64 bytes, vector v holding features 4v..4v+3 of the sixteen
@@ -30,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -42,8 +43,7 @@ BLOCK = 32  # weights per block
 PANEL = 16  # outputs laid side by side
 _UNPACK_ROWS = 4096  # rows per chunk when codes are unpacked (bits widen to bytes on the way)
 KINDS = {"q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "q8_0": 8}  # kind -> bits of a code
-_WITH_MINS = ("q4_1", "q5_1")
-_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q8_0": 34}  # scales included
+WITH_MINS = ("q4_1", "q5_1")  # the kinds with a minimum per block
 _MIN_PER_SCALE = {"q4_0": -8, "q5_0": -16, "q8_0": -128}  # m = this * d, where no minimums
 _REFERENCE_ROWS = 8  # rows per chunk of reference_linear (its products are [rows, out, blocks])
 
@@ -71,7 +71,7 @@ class QuantizedWeight:
             raise ValueError(f"codes of shape {tuple(self.codes.shape)} do not fit {self.shape}")
         if self.scales.shape != (panels, blocks * PANEL):
             raise ValueError(f"scales of shape {tuple(self.scales.shape)} do not fit {self.shape}")
-        if (self.mins is not None) != (self.kind in _WITH_MINS):
+        if (self.mins is not None) != (self.kind in WITH_MINS):
             raise ValueError("Q4_1 and Q5_1 weights, and they alone, carry a minimum per block")
         tensors = [self.codes, self.scales] + ([] if self.mins is None else [self.mins])
         if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
@@ -142,11 +142,16 @@ class QuantizedWeight:
         codes, scales = self.unsigned_codes(), self.block_scales()
         return self._dequantize_rows(codes, scales, self.block_mins(), dtype)
 
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [len(ids), in]
-        """Rows `ids` dequantized (an embedding lookup), without widening the rest."""
+    def rows(
+        self, ids: torch.Tensor, dtype: torch.dtype, use_native: bool = True
+    ) -> torch.Tensor:  # [len(ids), in]
+        """Rows `ids` dequantized (an embedding lookup), without widening the rest: in one call
+        of our kernel where it runs, else in torch (the same bits)."""
         ids = ids.to(device="cpu", dtype=torch.int64)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
             raise IndexError(f"row ids outside 0..{self.shape[0] - 1}")
+        if use_native and native.available():
+            return native_quant.quant_rows(self.kernel_args(), ids).to(dtype)
         codes, scales = self.unsigned_codes(ids), self.block_scales(ids)
         return self._dequantize_rows(codes, scales, self.block_mins(ids), dtype)
 
@@ -209,99 +214,6 @@ def from_codes(
     panel_mins = None if mins is None else _panel_scales(mins)
     stored = _pack(codes, KINDS[kind])
     return QuantizedWeight(kind, stored, _panel_scales(scales), panel_mins, in_features, out)
-
-
-def from_gguf_blocks(kind: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:
-    """A weight from a GGUF tensor's bytes (`[out, blocks * block bytes]` uint8)."""
-    if kind not in KINDS:
-        raise ValueError(f"no quantized weights of kind {kind}")
-    out = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(out, in_features // BLOCK, _BLOCK_BYTES[kind])
-    scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
-    mins = None
-    if kind in _WITH_MINS:
-        mins = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
-    if kind == "q8_0":
-        codes = torch.from_numpy(blocks[..., 2:].copy()) ^ 0x80  # signed q -> q + 128
-        return from_codes(kind, codes.reshape(out, in_features), scales, mins)
-    if KINDS[kind] == 5:  # [d, (m), fifth bits (32, little-endian), 16 bytes of pairs]
-        at = 4 if kind == "q5_1" else 2
-        fifth = torch.from_numpy(blocks[..., at : at + 4].copy()).to(torch.int64)
-        bits = (fifth[..., :, None] >> torch.arange(8)) & 1  # [out, blocks, 4 bytes, 8]
-        pairs = torch.from_numpy(blocks[..., at + 4 :].copy()).to(torch.int64)
-        low = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # elements 0-15, then 16-31
-        codes = low | (bits.reshape(out, -1, 32) << 4)
-        return from_codes(kind, codes.to(torch.uint8).reshape(out, in_features), scales, mins)
-    pairs = torch.from_numpy(blocks[..., blocks.shape[-1] - 16 :].copy())  # [out, blocks, 16]
-    codes = torch.cat([pairs & 0x0F, pairs >> 4], dim=-1)  # elements 0-15, then 16-31
-    return from_codes(kind, codes.reshape(out, in_features), scales, mins)
-
-
-# GGUF block types held in the kernel's kinds: type -> kind. Q4_K and Q5_K keep their codes with
-# each sub-block of 32's scale d sc and minimum dmin m rounded to fp16 (within 2^-11 of
-# llama.cpp's fp32 products); Q6_K (sub-blocks of 16 with their own scales) is requantized to
-# 8-bit blocks of 32 from its values. Other types (Q2_K, Q3_K, IQ*) are dequantized to floats by
-# the loader.
-CONVERTED = {"q4_k": "q4_1", "q5_k": "q5_1", "q6_k": "q8_0"}
-
-
-def from_gguf_tensor(kind: str, raw: np.ndarray, in_features: int) -> QuantizedWeight:
-    """A GGUF tensor's bytes (`[out, row bytes]` uint8) of block type `kind` (lower case: a
-    kernel kind or one of CONVERTED) as a weight in the kernel's kinds."""
-    if kind in KINDS:
-        return from_gguf_blocks(kind, raw, in_features)
-    out = raw.shape[0]
-    if kind == "q4_k":
-        return _from_k_quant(np.ascontiguousarray(raw).reshape(-1, 144), out, in_features)
-    if kind == "q5_k":
-        return _from_k_quant(np.ascontiguousarray(raw).reshape(-1, 176), out, in_features)
-    if kind == "q6_k":
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize as gguf_dequantize
-
-        values = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(out, in_features)
-        return quantize(torch.from_numpy(np.array(values, dtype=np.float32)), "q8_0")
-    raise ValueError(f"GGUF type {kind} is not held in quantized blocks here")
-
-
-def _from_k_quant(blocks: np.ndarray, out: int, in_features: int) -> QuantizedWeight:
-    """Q4_K (144 bytes a super-block) or Q5_K (176: the fifth bits before the pairs) in the
-    Q4_1 or Q5_1 kind: sub-blocks of 32 with their own scale and minimum."""
-    from gguf.quants import Q4_K
-
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [super-blocks, 1]
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [super-blocks, 8] each
-    scales = torch.from_numpy((d * sc.astype(np.float32)).astype(np.float16))
-    mins = torch.from_numpy((-dmin * m.astype(np.float32)).astype(np.float16))
-    five = blocks.shape[1] == 176
-    qs = torch.from_numpy(blocks[:, 48 if five else 16 :].copy()).view(-1, 4, 1, 32)
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=2)  # [super-blocks, 4, 2, 32]: sub-block order
-    if five:  # bit 2c (2c + 1) of byte j: the fifth bit of element j of sub-block 2c (2c + 1)
-        high = torch.from_numpy(blocks[:, 16:48].copy())  # [super-blocks, 32]
-        shifts = torch.arange(8).view(1, 4, 2, 1)
-        codes = codes | (((high.view(-1, 1, 1, 32) >> shifts) & 1) << 4)
-    blocks_per_row = in_features // BLOCK
-    return from_codes(
-        "q5_1" if five else "q4_1",
-        codes.to(torch.uint8).reshape(out, in_features),
-        scales.reshape(out, blocks_per_row),
-        mins.reshape(out, blocks_per_row),
-    )
-
-
-def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
-    """A float `[out, in]` weight quantized as llama.cpp quantizes it (gguf's own quantizer)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize as gguf_quantize
-
-    if kind not in KINDS:
-        raise ValueError(f"quantized kind must be one of {', '.join(KINDS)}, not {kind}")
-    if weight.dim() != 2 or weight.shape[1] % BLOCK:
-        raise ValueError(f"a weight's {tuple(weight.shape)} in features are not blocks of {BLOCK}")
-    qtype = GGMLQuantizationType[kind.upper()]
-    raw = gguf_quantize(weight.detach().float().cpu().numpy(), qtype)
-    return from_gguf_blocks(kind, raw, weight.shape[1])
 
 
 def cat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import quant
+from kernels import quant, quant_gguf
 from kernels.quant import QuantizedWeight
 from kernels.rotary import rope_cos_sin
 from tests.arm64.cross import Buffer, Script
@@ -126,7 +126,7 @@ def quant_args(script: Script, weight: QuantizedWeight) -> tuple[object, ...]:
 def _quantized(script: Script, cases: list[Case], gen: torch.Generator) -> None:
     for kind in QUANT_KINDS:
         for rows, inn, out in ((1, 576, 37), (9, 96, 20)):
-            weight = quant.quantize(
+            weight = quant_gguf.quantize(
                 randn(gen, out, inn, scale=inn**-0.5, dtype=torch.float32), kind
             )
             for dtype in (torch.bfloat16, torch.float32):
@@ -157,7 +157,8 @@ def _quantized(script: Script, cases: list[Case], gen: torch.Generator) -> None:
                 )
         # Fused after the RMSNorm (with a residual) and after SwiGLU.
         rows, inn, out = 3, 96, 20
-        weight = quant.quantize(randn(gen, out, inn, scale=inn**-0.5, dtype=torch.float32), kind)
+        values = randn(gen, out, inn, scale=inn**-0.5, dtype=torch.float32)
+        weight = quant_gguf.quantize(values, kind)
         a, residual, norm_weight = randn(gen, rows, inn), randn(gen, rows, inn), randn(gen, inn)
         total, y = (
             script.zeros(rows, inn, dtype=torch.bfloat16),

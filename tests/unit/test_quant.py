@@ -16,7 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from kernels import linear as linear_module
-from kernels import native, native_quant, quant
+from kernels import native, native_quant, quant, quant_gguf
 from kernels.quant import QuantizedWeight
 from workers.model.gguf_loader import unpermute_qk
 
@@ -48,7 +48,7 @@ def _gguf_reference(weight: torch.Tensor, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize(("out", "inn"), SHAPES)
 def test_blocks_decode_as_gguf_decodes_them(kind: str, out: int, inn: int) -> None:
     weight = _weight(out, inn, seed=out + inn)
-    q = quant.quantize(weight, kind)
+    q = quant_gguf.quantize(weight, kind)
     expected = _gguf_reference(weight, kind)
     assert torch.equal(q.dequantize(), expected)
     rows = torch.tensor([out - 1, 0])
@@ -84,7 +84,7 @@ def test_the_bundled_models_blocks_are_kept_as_the_file_holds_them(checkpoint) -
 
 def test_unpermuting_rows_commutes_with_dequantizing() -> None:
     weight = _weight(96, 64, seed=1)
-    q = quant.quantize(weight, "q4_1")
+    q = quant_gguf.quantize(weight, "q4_1")
     unpermuted = unpermute_qk(q, num_heads=3)
     assert isinstance(unpermuted, QuantizedWeight)
     assert torch.equal(unpermuted.dequantize(), unpermute_qk(q.dequantize(), num_heads=3))
@@ -100,7 +100,7 @@ def test_kernel_matches_its_torch_reference(
     """The kernel and `reference_linear` (the path without our kernels) do the same arithmetic,
     up to the order of fp32 sums; both are close to the weight dequantized and the rows as they
     are (they differ from it by the rows' int8 rounding)."""
-    q = quant.quantize(_weight(out, inn, seed=7), kind)
+    q = quant_gguf.quantize(_weight(out, inn, seed=7), kind)
     gen = torch.Generator().manual_seed(out)
     x = torch.randn(max(ROWS), inn, generator=gen).to(dtype)
     bias = torch.randn(out, generator=gen).to(dtype)
@@ -115,6 +115,23 @@ def test_kernel_matches_its_torch_reference(
             torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
         error = (got.float() - plain[:rows]).norm() / plain[:rows].norm()
         assert error < 0.02
+
+
+@needs_native
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("magnitude", [1.0, 1e-3])  # 1e-3: subnormal fp16 scales
+def test_a_lookup_in_one_call_gives_the_torch_lookups_bits(kind: str, magnitude: float) -> None:
+    """The embedding lookup's kernel (kernels/csrc/quant_rows.c) against `rows` in torch: every
+    panel position, a partial last panel, repeats, and a cast to bf16 after."""
+    out, inn = 37, 576
+    q = quant_gguf.quantize(_weight(out, inn, seed=11) * magnitude, kind)
+    if magnitude < 1:
+        assert (q.scales.abs() < 2**-14).any() and (q.scales != 0).any()
+    ids = torch.tensor([*range(out), out - 1, 0, 17, 17])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = q.rows(ids, dtype)
+        assert torch.equal(got, q.rows(ids, dtype, use_native=False))
+    assert q.rows(torch.tensor([], dtype=torch.int64), torch.float32).shape == (0, inn)
 
 
 @needs_native
@@ -133,7 +150,7 @@ def test_the_rows_are_quantized_as_the_reference_quantizes_them() -> None:
 def test_a_rows_result_does_not_depend_on_the_batch_nor_the_threads(kind: str) -> None:
     """What speculative decoding's exactness rests on: a row verified beside others, or beside
     k drafts, gets the bits it gets alone."""
-    q = quant.quantize(_weight(70, 576, seed=3), kind)
+    q = quant_gguf.quantize(_weight(70, 576, seed=3), kind)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(19, 576, generator=gen).bfloat16()
     bias = torch.randn(70, generator=gen).bfloat16()
@@ -151,7 +168,7 @@ def test_a_rows_result_does_not_depend_on_the_batch_nor_the_threads(kind: str) -
 @needs_native
 def test_without_our_kernels_the_torch_path_gives_the_same_answer() -> None:
     """A CPU without AVX512 (here: the kernels switched off) runs `reference_linear`."""
-    q = quant.quantize(_weight(40, 192, seed=9), "q4_1")
+    q = quant_gguf.quantize(_weight(40, 192, seed=9), "q4_1")
     x = torch.randn(5, 192, generator=torch.Generator().manual_seed(9))
     fast = quant.linear(x, q)
     with native.disabled():
@@ -161,11 +178,11 @@ def test_without_our_kernels_the_torch_path_gives_the_same_answer() -> None:
 
 AVX512F_SCRIPT = """
 import json, sys, torch
-from kernels import native, native_quant, quant
+from kernels import native, native_quant, quant, quant_gguf
 out = {}
 for kind in ("q4_1", "q8_0"):
     torch.manual_seed(0)
-    q = quant.quantize(torch.randn(21, 160) * 0.1, kind)
+    q = quant_gguf.quantize(torch.randn(21, 160) * 0.1, kind)
     x = torch.randn(3, 160).bfloat16()
     out[kind] = quant.linear(x, q).view(torch.int16).tolist()
 print(json.dumps({"variant": native.variant(), "out": out}))
@@ -185,7 +202,7 @@ def test_the_avx512f_build_computes_the_same_bits() -> None:
     here: dict[str, list[list[int]]] = {}
     for kind in ("q4_1", "q8_0"):
         torch.manual_seed(0)
-        q = quant.quantize(torch.randn(21, 160) * 0.1, kind)
+        q = quant_gguf.quantize(torch.randn(21, 160) * 0.1, kind)
         x = torch.randn(3, 160).bfloat16()
         here[kind] = quant.linear(x, q).view(torch.int16).tolist()
     assert there["variant"] == "avx512f"
@@ -194,7 +211,7 @@ def test_the_avx512f_build_computes_the_same_bits() -> None:
 
 @needs_native
 def test_bad_inputs_are_refused() -> None:
-    q = quant.quantize(_weight(8, 64, seed=2), "q8_0")
+    q = quant_gguf.quantize(_weight(8, 64, seed=2), "q8_0")
     with pytest.raises(ValueError, match="does not fit"):
         quant.linear(torch.randn(2, 32), q)
     with pytest.raises(ValueError, match="does not fit"):
@@ -206,15 +223,15 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="not a quantized weight"):
         native_quant.quant_kernel_args(q.codes, q.scales[:, :16], None, -128, 8, 64, 8)
     with pytest.raises(ValueError, match="not blocks of 32"):
-        quant.quantize(torch.randn(4, 40), "q4_0")
+        quant_gguf.quantize(torch.randn(4, 40), "q4_0")
     with pytest.raises(ValueError, match="kind"):
-        quant.quantize(torch.randn(4, 64), "q3_k")
+        quant_gguf.quantize(torch.randn(4, 64), "q3_k")
     with pytest.raises(IndexError):
         q.rows(torch.tensor([8]), torch.float32)
     with pytest.raises(ValueError, match="blocks of 32"):
         q.index_select(1, torch.arange(16))
     with pytest.raises(ValueError, match="one kind"):
-        quant.cat_rows([q, quant.quantize(_weight(8, 64, seed=2), "q4_0")])
+        quant.cat_rows([q, quant_gguf.quantize(_weight(8, 64, seed=2), "q4_0")])
 
 
 def _random_blocks(
@@ -245,7 +262,7 @@ def test_gguf_types_are_held_in_the_kernels_kinds(
     raw = _random_blocks(np.random.default_rng(0), out, inn // block_size, size, scales_at)
     qtype = GGMLQuantizationType[kind.upper()]
     expected = torch.from_numpy(np.array(gguf_dequantize(raw, qtype), dtype=np.float32))
-    held = quant.from_gguf_tensor(kind, raw, inn)
+    held = quant_gguf.from_gguf_tensor(kind, raw, inn)
     assert held.kind == held_as
     got = held.dequantize()
     assert got.shape == expected.shape == (out, inn)
@@ -266,7 +283,7 @@ def test_a_norm_or_swiglu_before_the_projection_gives_the_same_bits_in_one_call(
     from kernels.norm import rms_norm
 
     gen = torch.Generator().manual_seed(11)
-    q = quant.quantize(_weight(40, 96, seed=11), "q4_1")
+    q = quant_gguf.quantize(_weight(40, 96, seed=11), "q4_1")
     x = torch.randn(5, 96, generator=gen).bfloat16()
     residual = torch.randn(5, 96, generator=gen).bfloat16() if with_residual else None
     norm_weight = (1 + 0.1 * torch.randn(96, generator=gen)).bfloat16()

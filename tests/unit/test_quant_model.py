@@ -93,14 +93,14 @@ def test_int8_at_load_keeps_the_model_close_and_its_biases(tmp_path: Path, check
 
 
 def test_tensor_parallel_slices_of_quantized_weights_add_up() -> None:
-    from kernels import quant
+    from kernels import quant_gguf
 
     gen = torch.Generator().manual_seed(1)
     o_proj = torch.randn(CONFIG.hidden_size, CONFIG.q_size, generator=gen)
     down = torch.randn(CONFIG.hidden_size, CONFIG.intermediate_size, generator=gen)
     weights = {
-        "model.layers.0.self_attn.o_proj.weight": quant.quantize(o_proj, "q4_1"),
-        "model.layers.0.mlp.down_proj.weight": quant.quantize(down, "q8_0"),
+        "model.layers.0.self_attn.o_proj.weight": quant_gguf.quantize(o_proj, "q4_1"),
+        "model.layers.0.mlp.down_proj.weight": quant_gguf.quantize(down, "q8_0"),
     }
     full = {name: w.dequantize() for name, w in weights.items()}
     parts = [shard_weights(weights, CONFIG, rank, 2) for rank in range(2)]
@@ -123,9 +123,9 @@ def test_where_quantized_weights_may_run(tmp_path: Path) -> None:
         resolve_quantization("int8", folder, "cuda")
     with pytest.raises(ValueError, match="must be one of"):
         resolve_quantization("q4", gguf, "cpu")
-    from kernels import quant
+    from kernels import quant_gguf
 
-    held = Checkpoint(CONFIG, {"w": quant.quantize(torch.randn(4, 64), "q8_0")}, None)  # type: ignore[arg-type]
+    held = Checkpoint(CONFIG, {"w": quant_gguf.quantize(torch.randn(4, 64), "q8_0")}, None)  # type: ignore[arg-type]
     check_device(held, "cpu")
     with pytest.raises(ValueError, match="run on CPUs"):
         check_device(held, "cuda")

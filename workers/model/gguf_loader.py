@@ -3,7 +3,7 @@
 Weights are dequantized to floats, or, with `keep_quantized`, the 2-D weights (projections, and
 the token embedding a tied LM head projects with) stored in a block type our kernels read
 (kernels/quant.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are kept in their blocks, and those of Q4_K,
-Q5_K and Q6_K held in those kinds (`quant.CONVERTED`); other types are dequantized.
+Q5_K and Q6_K held in those kinds (`quant_gguf.CONVERTED`); other types are dequantized.
 
 llama.cpp's converter permutes the rows of llama Q and K weights so its interleaved rotary
 variant can run on them; we undo that so every model uses the rotate-half layout of
@@ -29,7 +29,8 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm import tqdm
 
-from kernels.quant import CONVERTED, KINDS, QuantizedWeight, Weight, from_gguf_tensor
+from kernels.quant import KINDS, QuantizedWeight, Weight
+from kernels.quant_gguf import CONVERTED, from_gguf_tensor
 from kernels.rotary import RopeScaling
 from workers.model.config import ModelConfig
 from workers.model.tokenizer import GGUFTokenizerSpec, Tokenizer

@@ -18,7 +18,8 @@ from tqdm import tqdm
 from kernels import native
 from kernels.attention import AttentionBackend
 from kernels.attention_flash import select_attention_backend
-from kernels.quant import QuantizedWeight, Weight, quantize
+from kernels.quant import QuantizedWeight, Weight
+from kernels.quant_gguf import quantize
 from workers.model.config import QUANTIZATIONS, ModelConfig
 from workers.model.gguf_loader import (
     cache_root,
