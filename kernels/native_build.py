@@ -120,10 +120,10 @@ def load_library() -> tuple[ctypes.CDLL | None, str | None]:
         after.argtypes = [int_, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, int_, int_, ptr, ptr]
         after.argtypes += [int_, int_, int_, int_]
         lib.outrider_quantize_rows.restype = None
+        lib.outrider_quantize_rows.argtypes = [ptr, int_, int_, int_, ptr, ptr, ptr]
         lookup = lib.outrider_quant_rows
         lookup.restype = None
         lookup.argtypes = [ptr, ptr, ptr, int_, int_, int_, ptr, int_, ptr]
-        lib.outrider_quantize_rows.argtypes = [ptr, int_, int_, int_, ptr, ptr, ptr]
         silu = lib.outrider_silu_mul_bf16
         silu.restype = None
         silu.argtypes = [ptr, int_, int_, int_, ptr, int_]
