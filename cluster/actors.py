@@ -20,6 +20,7 @@ from cluster.config import DeploymentConfig, from_dict
 from cluster.drafter_worker import DrafterWorker, DraftReply, DraftStep, Handshake
 from cluster.engine_metrics import ActorMetrics
 from cluster.links import LinkAddress, LinkError, TensorLink
+from cluster.output_reader import actor_gone
 from cluster.prefill import PrefillWorker
 from cluster.step_channel import (
     ChannelAddress,
@@ -83,7 +84,7 @@ def info_when_up(
             info: dict[str, Any] = ray.get(actor.info.remote(), timeout=timeout_s)
             if changed(info):
                 return info
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+        except actor_gone():
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"an actor did not answer as asked within {timeout_s:.0f} s")

@@ -192,9 +192,8 @@ class GroupOutputs:
                 # stream's end gives it (whichever of the two sees it first), else a
                 # ConnectionError.
                 if waiting:
-                    dead = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
                     unreachable = ConnectionError(f"{self.name} is unreachable: {err}")
-                    self._fail(err if isinstance(err, dead) else unreachable)
+                    self._fail(err if isinstance(err, actor_gone()) else unreachable)
                 log.info("keep-alive to %s stopped: %s: %s", self.name, type(err).__name__, err)
                 return
 
@@ -305,6 +304,13 @@ def answer_of(ref: Any) -> asyncio.Future[Any]:
     future = asyncio.wrap_future(ref.future())
     future.add_done_callback(lambda done: done.cancelled() or done.exception())
     return future
+
+
+def actor_gone() -> tuple[type[Exception], ...]:
+    """What Ray raises at a call to an actor that died or is restarting."""
+    import ray
+
+    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:

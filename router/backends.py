@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
-from cluster.output_reader import answer_of
+from cluster.output_reader import actor_gone, answer_of
 from router import errors
 from workers.engine.config import RequestSpec
 from workers.engine.engine_loop import EngineLoop, LoopLoad
@@ -136,7 +136,7 @@ class RuntimeBackend:
                 yield message.output
         except ValueError as exc:  # RayTaskError subclasses the actor's own exception type
             raise errors.bad_request(_cause(exc)) from exc
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+        except actor_gone() as exc:
             raise errors.GroupFailed(f"verifier {self.groups[group]} is unavailable") from exc
         except ray.exceptions.RayError as exc:
             raise errors.server_error(_cause(exc)) from exc

@@ -6,6 +6,7 @@ from typing import Any
 
 from cluster.actors import info_when_up
 from cluster.config import DeploymentConfig, from_dict
+from cluster.output_reader import actor_gone
 from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
 
@@ -22,9 +23,7 @@ def stream_failures() -> tuple[type[BaseException], ...]:
     """What a stream fails with when its verifier dies: the actor's error (the stream's end or
     the channel's keep-alive sees it first), or a ConnectionError where the keep-alive found
     the verifier silent first. The router answers all alike (router/backends.py)."""
-    import ray
-
-    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ConnectionError)
+    return (*actor_gone(), ConnectionError)
 
 
 def deployment(
