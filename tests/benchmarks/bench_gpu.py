@@ -251,8 +251,8 @@ def single_stream(
     engine.step_listeners.remove(reports.append)
     return {
         # What a drafting sequence added to a step beyond its priced forwards, as measured
-        # (one-token forwards; Speculator.observe_step), at the end of the runs.
-        "spec_overhead": engine.speculator.overhead,
+        # (one-token forwards; StepCosts.observe), at the end of the runs.
+        "spec_overhead": engine.speculator.costs.overhead,
         "steps": steps,
         "tokens_per_s": {
             k: {m: statistics.median(v) for m, v in d.items()} for k, d in per.items()
@@ -377,10 +377,10 @@ def measure(args: argparse.Namespace) -> None:
             "graphs": graphs,
             "draft_graphs": sum(loop.num_graphs for loop in loops if loop is not None),
             "tree_costs": engine.speculator.trees.tree_costs,
-            "verify_costs": engine.speculator.verify_costs[:8],
+            "verify_costs": engine.speculator.costs.verify_costs[:8],
             # A draft token for one sequence, and each further sequence's share at a depth,
             # in one-token target forwards: what adaptive k prices EAGLE at.
-            "draft_costs": engine.speculator.draft_costs,
+            "draft_costs": engine.speculator.costs.draft_costs,
             "draft_row_costs": engine.speculator.draft_row_costs,
             "draft_launch_costs": engine.speculator.draft_launch_costs,
         }

@@ -39,7 +39,7 @@ def qwen_pair(args: argparse.Namespace, params: SamplingParams) -> None:
         EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, spec=spec),
         progress=False,
     )
-    draft_cost = local.engine.speculator.draft_costs["draft_model"]
+    draft_cost = local.engine.speculator.costs.draft_costs["draft_model"]
     count = 1 if args.quick else 2
     prompts = {
         kind: encode_chats(local.tokenizer, held_out_prompts()[kind][:count])

@@ -60,7 +60,7 @@ def qwen_pair_section(runs: int, max_tokens: int) -> str:
                     f"{alpha:.2f}",
                 ]
             )
-    cost = engine.speculator.draft_costs["draft_model"]
+    cost = engine.speculator.costs.draft_costs["draft_model"]
     return (
         "Qwen2.5-Coder-1.5B-Instruct (target) with Qwen2.5-Coder-0.5B-Instruct drafting, both bf16 "
         f"from their GGUFs; a draft token costs {cost:.2f} target forwards here. Adaptive k weighs "

@@ -17,7 +17,8 @@ from workers.drafting.ngram import (
 from workers.engine.config import SpecConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence, SpecStats, acceptance_curve
-from workers.engine.speculator import SPEC_STEP_OVERHEAD, Speculator
+from workers.engine.speculator import Speculator
+from workers.engine.step_costs import SPEC_STEP_OVERHEAD
 from workers.kv_cache import BlockAllocator, BlockTable
 
 
@@ -231,22 +232,23 @@ def test_an_untried_method_is_measured_once_then_its_record_is_the_prior() -> No
 
 
 def test_step_costs_charge_the_forward_drafting_and_overhead() -> None:
-    spec = chooser([1.0, 1.2, 1.3], draft_cost=0.4)
-    assert spec.forward_cost(1) == 1.0 and spec.forward_cost(3) == 1.3
-    assert spec.forward_cost(6) == pytest.approx(2.6)  # beyond the table: in proportion
-    assert spec.step_cost(["ngram"], [0]) == 1.0
-    assert spec.step_cost(["ngram", "ngram"], [1, 0]) == pytest.approx(1.3 + SPEC_STEP_OVERHEAD)
-    both = spec.step_cost(["draft_model", "ngram"], [2, 0])
-    assert both == pytest.approx(spec.forward_cost(4) + 2 * 0.4 + SPEC_STEP_OVERHEAD)
+    costs = chooser([1.0, 1.2, 1.3], draft_cost=0.4).costs
+    assert costs.forward_cost(1) == 1.0 and costs.forward_cost(3) == 1.3
+    assert costs.forward_cost(6) == pytest.approx(2.6)  # beyond the table: in proportion
+    assert costs.step_cost(["ngram"], [0]) == 1.0
+    assert costs.step_cost(["ngram", "ngram"], [1, 0]) == pytest.approx(1.3 + SPEC_STEP_OVERHEAD)
+    both = costs.step_cost(["draft_model", "ngram"], [2, 0])
+    assert both == pytest.approx(costs.forward_cost(4) + 2 * 0.4 + SPEC_STEP_OVERHEAD)
     # Without a measured share of a further sequence, every draft token is priced alike.
-    batch = spec.step_cost(["draft_model", "draft_model", "ngram"], [2, 3, 1])
-    assert batch == pytest.approx(spec.forward_cost(9) + 5 * 0.4 + 3 * SPEC_STEP_OVERHEAD)
+    batch = costs.step_cost(["draft_model", "draft_model", "ngram"], [2, 3, 1])
+    assert batch == pytest.approx(costs.forward_cost(9) + 5 * 0.4 + 3 * SPEC_STEP_OVERHEAD)
     # A model drafter drafts each depth for every sequence in one forward: with its measured
     # share of a further sequence (0.1), the batch pays its longest draft's depths in full and
     # the other draft tokens' shares.
-    spec.draft_row_costs["draft_model"] = 0.1
-    batch = spec.step_cost(["draft_model", "draft_model", "ngram"], [2, 3, 1])
-    assert batch == pytest.approx(spec.forward_cost(9) + 3 * 0.4 + 2 * 0.1 + 3 * SPEC_STEP_OVERHEAD)
+    costs.draft_row_costs["draft_model"] = 0.1
+    batch = costs.step_cost(["draft_model", "draft_model", "ngram"], [2, 3, 1])
+    shares = 3 * 0.4 + 2 * 0.1
+    assert batch == pytest.approx(costs.forward_cost(9) + shares + 3 * SPEC_STEP_OVERHEAD)
 
 
 def test_a_draft_made_without_a_forward_is_priced_at_nothing() -> None:
@@ -279,12 +281,12 @@ def test_a_batch_drafts_as_far_as_one_sequence_where_the_forward_is_flat() -> No
     that accept alike draft as far as one of them alone; priced per token per sequence, as
     before such a measure, they do not draft at all."""
     gpu = chooser([1.0] * 16, draft_cost=0.15)
-    gpu.draft_row_costs["draft_model"] = 0.0  # measured: a row more costs the forward nothing
+    gpu.costs.draft_row_costs["draft_model"] = 0.0  # measured: a row more costs the forward nothing
     alone = gpu.num_draft_tokens([decoding(0.7, "draft_model", k_max=4)], 1)
     assert alone[0] >= 2
     batch = [decoding(0.7, "draft_model", k_max=4) for _ in range(4)]
     assert gpu.num_draft_tokens(batch, 4) == alone * 4
-    del gpu.draft_row_costs["draft_model"]
+    del gpu.costs.draft_row_costs["draft_model"]
     assert gpu.num_draft_tokens(batch, 4) == [0] * 4
 
 
@@ -292,10 +294,10 @@ def test_a_drafters_launch_is_paid_once_a_step() -> None:
     """A draft loop costs a launch (staging, replay, read-back) and then little a depth: priced
     so, one sequence drafts its whole k; priced as if every depth paid the launch, less."""
     loop = chooser([1.0] * 16, draft_cost=0.05)
-    loop.draft_launch_costs["draft_model"] = 0.3
-    both = loop.step_cost(["draft_model", "draft_model"], [2, 3])
+    loop.costs.draft_launch_costs["draft_model"] = 0.3
+    both = loop.costs.step_cost(["draft_model", "draft_model"], [2, 3])
     assert both == pytest.approx(1.0 + 0.3 + 5 * 0.05 + 2 * SPEC_STEP_OVERHEAD)
-    assert loop.step_cost(["draft_model"], [0]) == 1.0  # no draft, no launch
+    assert loop.costs.step_cost(["draft_model"], [0]) == 1.0  # no draft, no launch
     seq = [decoding(0.7, "draft_model", k_max=4)]
     per_depth = chooser([1.0] * 16, draft_cost=0.35)
     assert loop.num_draft_tokens(seq, 1) == [4]
@@ -318,13 +320,13 @@ def test_the_overhead_of_drafting_is_timed_as_served() -> None:
     assert spec.num_draft_tokens([seq], 1) == [4]
     for _ in range(60):
         ks = spec.num_draft_tokens([seq], 1)
-        priced = spec.step_cost(["ngram"], ks) - (spec.overhead if ks[0] else 0.0)
+        priced = spec.costs.step_cost(["ngram"], ks) - (spec.costs.overhead if ks[0] else 0.0)
         spec.observe_step(1, unit * (priced + (1.0 if ks[0] else 0.0)))
-    assert spec.overhead == pytest.approx(1.0, abs=0.15)
+    assert spec.costs.overhead == pytest.approx(1.0, abs=0.15)
     assert spec.num_draft_tokens([seq], 1) == [0]
-    assert spec.unit_seconds == pytest.approx(unit)
+    assert spec.costs.unit_seconds == pytest.approx(unit)
     spec.observe_step(2, 1.0)  # not the sequences this step's lengths were chosen for
-    assert spec.unit_seconds == pytest.approx(unit)
+    assert spec.costs.unit_seconds == pytest.approx(unit)
 
 
 def test_a_prediction_is_drafted_from_its_start_and_followed_through_edits() -> None:

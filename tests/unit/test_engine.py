@@ -346,12 +346,12 @@ def test_calibrated_verify_costs_have_the_right_shape(model: TransformerLM) -> N
         model, EngineConfig(max_model_len=512, spec=spec), drafters={"ngram": NgramDrafter()}
     )
     # Measured at start-up, up to the largest speculating batch: 7 sequences of 1 + 6 tokens.
-    assert len(eng.speculator.verify_costs) == 7 * 7
+    assert len(eng.speculator.costs.verify_costs) == 7 * 7
     fixed = SpecConfig(method="ngram", verify_costs=(1.0, 1.1))
     eng = LLMEngine(
         model, EngineConfig(max_model_len=512, spec=fixed), drafters={"ngram": NgramDrafter()}
     )
-    assert eng.speculator.verify_costs == (1.0, 1.1)
+    assert eng.speculator.costs.verify_costs == (1.0, 1.1)
 
 
 def test_waiting_requests_count_toward_the_speculation_cutoff(model: TransformerLM) -> None:

@@ -11,17 +11,8 @@ a quote), often wrong at its first token but then right for long, which one rate
 short (workers/engine/sequence.py `acceptance_curve`). Where the server allows draft trees,
 workers/engine/tree_pricing.py decides whose draft is a tree instead, and how large.
 
-A step is one forward over every decoding sequence's last token and drafts, so its cost depends
-on the batch's total: a forward over n new tokens costs verify(n) one-token forwards (measured at
-start-up: workers/engine/calibration.py), plus its drafters' work and a fixed host overhead per
-speculating sequence. A model drafter (a draft model, an EAGLE head) drafts the i-th token of
-every sequence it serves in one batched forward, so a step pays for its method's longest draft,
-a depth at the measured cost of drafting one token for one sequence (zero for n-gram drafters),
-plus each further sequence's share of the depths it drafts at, where the drafter measured it
-(`Drafter.row_seconds`: EAGLE's; on a GPU whose forwards are flat in rows it is small, on a CPU
-or with per-row host work it is not). A drafter that measured no share is priced per token per
-sequence. A draft its drafter makes without a forward (EAGLE's prompt lookup where the text
-repeats) costs nothing but the overhead.
+A step's cost, in one-token target forwards (its forward over every token and draft, its
+drafters' work, the host overhead of each drafting sequence), is workers/engine/step_costs.py's.
 The engine picks the k of every sequence (each in 0..its k_max) that maximizes the batch's
 committed tokens per unit of cost, each sequence judged by its own c_i. For one sequence that is
 the k maximizing E(k) / cost(k); in a batch, one sequence's drafts also make everyone's forward
@@ -45,26 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
 from workers.drafting.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest
 from workers.engine.config import RequestSpec, SpecConfig
 from workers.engine.sequence import Sequence, acceptance_curve
+from workers.engine.step_costs import StepCosts
 from workers.engine.tree_pricing import TreePricing
 
-# Drafting, rejection sampling and rollback are host work that a verify step does on top of its
-# forward: a few percent of a one-token forward for the bundled model on a CPU. Charged to every
-# step with k >= 1, it keeps marginal speculation (a gain of a few percent on paper) off.
-SPEC_STEP_OVERHEAD = 0.05
-# That overhead as served: drafting steps are timed against plain ones (`observe_step`) and the
-# overhead a drafting sequence adds is followed by a running mean that weighs the newest step so
-# (about the last 10 steps), between SPEC_STEP_OVERHEAD and MAX_SPEC_STEP_OVERHEAD. On a GPU,
-# where a forward of a small model costs about what the host's drafting and verifying do, it is
-# several times the CPU's share.
-OVERHEAD_RATE = 0.1
-MAX_SPEC_STEP_OVERHEAD = 2.0
 # A request whose acceptance argues for k = 0 still drafts one token every this many steps, so a
 # text that becomes predictable later (a quoted passage, say) is noticed.
 EXPLORE_EVERY_STEPS = {"draft_model": 64}
@@ -93,29 +74,17 @@ class Speculator:
         self.drafters = drafters
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size  # drafted ids must lie below it (None: not checked)
-        self.verify_costs = verify_costs
-        # A drafted token's cost in one-token target forwards, per method (0 when not listed):
-        # one forward of its drafter for one sequence; and what each further sequence drafting
-        # at that depth adds (not listed: as much again, a cost per token per sequence); and
-        # what a step in which the method drafts pays once, whatever the depth (not listed: 0).
-        self.draft_costs = dict(draft_costs or {})
-        self.draft_row_costs = dict(draft_row_costs or {})
-        self.draft_launch_costs = dict(draft_launch_costs or {})
-        if any(self.draft_costs.values()):
-            costs = ", ".join(
-                f"{m} {c:.3f} (+{self.row_cost(m):.3f} a further sequence, "
-                f"+{self.draft_launch_costs.get(m, 0.0):.3f} a step)"
-                for m, c in sorted(self.draft_costs.items())
+        # What a step costs, and the draft lengths that pay most for it (adaptive k).
+        self.costs = StepCosts(
+            verify_costs, draft_costs, draft_row_costs, draft_launch_costs, unit_seconds
+        )
+        if any(self.costs.draft_costs.values()):
+            log.info(
+                "a draft token costs (in one-token target forwards): %s", self.costs.describe()
             )
-            log.info("a draft token costs (in one-token target forwards): %s", costs)
-        # What drafting and verifying add to a step for each drafting sequence, in one-token
-        # forwards, as measured (`observe_step`); and the seconds a one-token forward's worth
-        # of a plain step takes as served (the forward's own time until a plain step is timed).
-        self.overhead = SPEC_STEP_OVERHEAD
-        self.unit_seconds = unit_seconds
         self._planned: tuple[list[str], list[int]] | None = None  # this step's priced choice
         # Draft trees: when they pay and how large (workers/engine/tree_pricing.py).
-        self.trees = TreePricing(self.forward_cost, config.tree_nodes, dict(tree_costs or {}))
+        self.trees = TreePricing(self.costs.forward_cost, config.tree_nodes, dict(tree_costs or {}))
         self._curves: list[list[float]] = []  # this step's acceptance curves (adaptive k)
         # Per method, over finished requests that drafted: (accepted, rejected) drafts.
         self.pooled: dict[str, tuple[int, int]] = {}
@@ -136,38 +105,6 @@ class Speculator:
         if method not in self.drafters:
             raise ValueError(f"speculative method {method!r} is not available on this server")
         return method, k
-
-    def forward_cost(self, num_tokens: int) -> float:
-        """A forward over `num_tokens` new tokens, in one-token forwards (beyond the measured
-        range, in proportion to the longest measured forward)."""
-        costs = self.verify_costs
-        if num_tokens <= len(costs):
-            return costs[max(num_tokens, 1) - 1]
-        return costs[-1] * num_tokens / len(costs)
-
-    def row_cost(self, method: str) -> float:
-        """What one more sequence drafting at a depth adds to `method`'s forward there."""
-        return self.draft_row_costs.get(method, self.draft_costs.get(method, 0.0))
-
-    def step_cost(self, methods: list[str], ks: list[int]) -> float:
-        """One step of a batch whose sequence i drafts ks[i] tokens with methods[i]: the forward
-        over every sequence's token and drafts, each drafter's forwards (as many as its
-        longest draft has tokens, each over every sequence still drafting, plus its launch),
-        and the host overhead."""
-        cost = self.forward_cost(len(ks) + sum(ks))
-        depths: dict[str, int] = {}
-        drafted: dict[str, int] = {}
-        for method, k in zip(methods, ks, strict=True):
-            if k:
-                cost += self.overhead
-                depths[method] = max(depths.get(method, 0), k)
-                drafted[method] = drafted.get(method, 0) + k
-        for method, depth in depths.items():
-            # Each depth's forward for its first sequence, and every other draft token's share.
-            cost += self.draft_launch_costs.get(method, 0.0)
-            cost += depth * self.draft_costs.get(method, 0.0)
-            cost += (drafted[method] - depth) * self.row_cost(method)
-        return cost
 
     def max_draft_tokens(self, seq: Sequence, load: int) -> int:
         """The most tokens `seq` may draft this step (0: it does not speculate)."""
@@ -200,9 +137,9 @@ class Speculator:
             if seeded[i] and rooms[i]:
                 # A seeded sampled request drafts as if it were alone, so that what it draws
                 # does not depend on what else is in the batch.
-                solo = self._allocate([acceptance[i]], [methods[i]], [rooms[i]], [0])
+                solo = self.costs.allocate([acceptance[i]], [methods[i]], [rooms[i]], [0])
                 ks[i] = limits[i] = solo[0]
-        ks = self._allocate(acceptance, methods, limits, ks)
+        ks = self.costs.allocate(acceptance, methods, limits, ks)
         self._curves = acceptance
         for i, seq in enumerate(seqs):
             if not rooms[i] or ks[i]:
@@ -223,28 +160,11 @@ class Speculator:
         return self._planned is not None
 
     def observe_step(self, num_seqs: int, seconds: float) -> None:
-        """A decode step of `num_seqs` sequences took `seconds`, drafting, forward, verifying
-        and committing. Where the sequences are those this step's draft lengths were chosen
-        for: a plain step times a one-token forward's worth of a step (`unit_seconds`), a
-        drafting step what each drafting sequence added beyond the priced forwards
-        (`overhead`)."""
+        """A decode step of `num_seqs` sequences took `seconds`; where they are those this
+        step's draft lengths were chosen for, it prices what drafting adds (`StepCosts.observe`)."""
         planned, self._planned = self._planned, None
-        if planned is None or len(planned[1]) != num_seqs or seconds <= 0:
-            return
-        methods, ks = planned
-        cost = self.step_cost(methods, ks)
-        drafting = sum(1 for k in ks if k)
-        if not drafting:
-            unit = seconds / cost
-            old = self.unit_seconds
-            self.unit_seconds = unit if old is None else old + OVERHEAD_RATE * (unit - old)
-            return
-        if self.unit_seconds is None:
-            return
-        priced = cost - drafting * self.overhead  # the forwards alone
-        sample = (seconds / self.unit_seconds - priced) / drafting
-        overhead = self.overhead + OVERHEAD_RATE * (sample - self.overhead)
-        self.overhead = min(max(overhead, SPEC_STEP_OVERHEAD), MAX_SPEC_STEP_OVERHEAD)
+        if planned is not None and len(planned[1]) == num_seqs:
+            self.costs.observe(*planned, seconds)
 
     def _priced_as(self, seq: Sequence) -> str:
         """The method whose cost `seq`'s draft is charged at: its own, or none (a draft its
@@ -259,60 +179,6 @@ class Speculator:
         """The acceptance rate `method` had over finished requests' drafts (1/2 before any)."""
         accepted, rejected = self.pooled.get(method, (0, 0))
         return (accepted + 1) / (accepted + rejected + 2)
-
-    def _allocate(
-        self, reach: list[list[float]], methods: list[str], rooms: list[int], start: list[int]
-    ) -> list[int]:
-        """Draft lengths from `start` up to `rooms` with the most committed tokens per cost.
-        `reach[s][i]`: the probability that sequence s's draft token i + 1 is accepted (with
-        every one before it), for i < rooms[s].
-
-        Draft tokens go one at a time to the sequence whose next draft adds the most: along one
-        path the most expected tokens (reach[s][k], falling with k), along another the most for
-        what it adds to the step's cost (nothing for a token a drafter's forward at that depth
-        makes anyway, or one that costs no forward, as a looked-up draft). The best allocation
-        met on either path is the answer: the first is right where every draft token costs
-        alike, the second where some cost nothing."""
-
-        def by_reach(ks: list[int]) -> Callable[[int], float]:
-            return lambda i: reach[i][ks[i]]
-
-        def by_worth(ks: list[int]) -> Callable[[int], float]:
-            # What one more draft token of sequence i adds to `step_cost`: the forward's next
-            # token, the overhead of a first draft, a drafter forward past its deepest draft.
-            total = len(ks) + sum(ks)
-            forward = self.forward_cost(total + 1) - self.forward_cost(total)
-            depths: dict[str, int] = {}
-            for method, k in zip(methods, ks, strict=True):
-                depths[method] = max(depths.get(method, 0), k)
-
-            def worth(i: int) -> float:
-                extra = forward + (self.overhead if ks[i] == 0 else 0.0)
-                method = methods[i]
-                if ks[i] >= depths[method]:  # a depth its drafter had not reached
-                    extra += self.draft_costs.get(method, 0.0)
-                    if depths[method] == 0:  # and its first: the drafter's launch too
-                        extra += self.draft_launch_costs.get(method, 0.0)
-                else:  # a further sequence at a depth already drafted
-                    extra += self.row_cost(method)
-                return reach[i][ks[i]] / max(extra, 1e-9)
-
-            return worth
-
-        first = sum(1 + sum(r[:k]) for r, k in zip(reach, start, strict=True))
-        best, best_rate = list(start), first / self.step_cost(methods, start)
-        # One sequence that may draft has one path.
-        growable = sum(room > k for room, k in zip(rooms, start, strict=True))
-        for order in (by_reach, by_worth) if growable > 1 else (by_reach,):
-            ks, committed = list(start), first
-            while growing := [i for i, room in enumerate(rooms) if ks[i] < room]:
-                i = max(growing, key=order(ks))
-                committed += reach[i][ks[i]]
-                ks[i] += 1
-                rate = committed / self.step_cost(methods, ks)
-                if rate > best_rate * (1 + 1e-9):
-                    best, best_rate = list(ks), rate
-        return best
 
     def add(self, seq: Sequence) -> None:
         if seq.spec_method != "none":
@@ -443,8 +309,8 @@ class Speculator:
             alone = seq.params.seed is not None and not seq.params.greedy
             value = 1 + sum(self._curves[index][:k])
             others = 0 if alone else others
-            drafting = k * self.draft_costs.get(method, 0.0)
-            cost = self.forward_cost(others + 1 + k) + drafting
+            drafting = k * self.costs.draft_costs.get(method, 0.0)
+            cost = self.costs.forward_cost(others + 1 + k) + drafting
             if not self.trees.pays(method, value, cost, others, alone):
                 return 0
             self.trees.expect(seq.request_id, value)
