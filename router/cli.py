@@ -237,7 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
     from router.keys import KeyLimits, read_keys_file
     from router.protocol import RequestBuilder
     from router.redis_server import EmbeddedRedis
-    from router.server import Router, RouterOptions
+    from router.server import Router, RouterOptions, run_router
     from workers.engine.engine_loop import EngineLoop
 
     config = deployment_of(args)
@@ -326,7 +326,7 @@ def _serve(args: argparse.Namespace) -> int:
     # rather than end the process.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        asyncio.run(server.serve())
+        run_router(server.serve())
     except KeyboardInterrupt:
         pass
     finally:
