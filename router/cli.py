@@ -99,11 +99,18 @@ def deployment_of(args: argparse.Namespace) -> DeploymentConfig:
         "ray.address": args.address,
         "router.log_format": getattr(args, "log_format", None),  # `serve`'s flag
     }
+    threads = getattr(args, "threads", None)
     if _uses_cluster(args) and args.config is None and args.address is None and not args.tp:
         # A cluster of this host alone (what `make serve` starts): the verifier's torch threads
-        # are the host's cores, as an in-process engine's are; the drafter and prefill workers
-        # share them (one CPU each).
-        overrides["pools.verifier.resources.cpus"] = os.cpu_count() or 1
+        # are --threads, or the host's cores, as an in-process engine's are; the drafter and
+        # prefill workers share them (one CPU each).
+        overrides["pools.verifier.resources.cpus"] = threads or os.cpu_count() or 1
+    elif _uses_cluster(args) and threads:
+        raise ValueError(
+            "--threads is for an engine on this host (in-process, or a cluster of this host "
+            "alone); a deployment's verifiers take the CPUs their pool asks for "
+            "(pools.verifier.resources.cpus)"
+        )
     if args.prefill == "remote":
         overrides["pools.prefill.replicas"] = max(1, config.pools.prefill.replicas)
         overrides["pools.prefill.min_remote_prompt_tokens"] = 1

@@ -71,7 +71,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens a step may bring: prefill chunks, decode and draft tokens (default 512)",
     )
-    model.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    model.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads of the engine (in-process, or the verifier's in a cluster of this "
+        "host alone; default: the host's cores)",
+    )
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--spec-method", default=None, type=_method, help=METHODS_HELP)
     spec.add_argument(

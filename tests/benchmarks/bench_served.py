@@ -244,9 +244,13 @@ def server_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     outrider = [sys.executable, "-m", "router.cli", "serve", "--no-grpc"]
     commands = {SERVE: [*outrider, "--port", str(PORTS[SERVE]), "--threads", str(args.threads)]}
     if not args.no_cluster:
+        more = shlex.split(args.cluster_args)
+        # The verifier's threads as the others' where this host is the whole cluster (a config
+        # file's pools ask for their own CPUs).
+        own = {"--config", "--address"} & set(more)
+        threads = [] if own else ["--threads", str(args.threads)]
         commands[CLUSTER] = [
-            *outrider, "--port", str(PORTS[CLUSTER]), *make_serve_flags(),
-            *shlex.split(args.cluster_args),
+            *outrider, "--port", str(PORTS[CLUSTER]), *make_serve_flags(), *threads, *more,
         ]  # fmt: skip
     binary = llama_server.find(build=args.peer is not None)
     if binary is not None:

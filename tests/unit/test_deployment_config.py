@@ -224,8 +224,8 @@ def test_flags_become_engine_settings_in_one_place() -> None:
 
 def test_a_one_host_cluster_gives_its_verifier_the_hosts_cores() -> None:
     """`--cluster` alone (what `make serve` runs): the verifier's torch threads are the host's
-    cores, as an in-process engine's are; a config file, a cluster to join or a tensor-parallel
-    group keeps the pools' own CPUs."""
+    cores, as an in-process engine's are, or `--threads`; a config file, a cluster to join or a
+    tensor-parallel group keeps the pools' own CPUs, and refuses `--threads`."""
     import os
 
     from router.cli import deployment_of
@@ -239,3 +239,6 @@ def test_a_one_host_cluster_gives_its_verifier_the_hosts_cores() -> None:
     default = from_dict({}).pools.verifier.resources.cpus
     assert verifier_cpus("--address", "10.0.0.1:6379") == default
     assert verifier_cpus("--tp", "2") == default
+    assert verifier_cpus("--threads", "1") == 1
+    with pytest.raises(ValueError, match=r"pools\.verifier\.resources\.cpus"):
+        verifier_cpus("--address", "10.0.0.1:6379", "--threads", "1")
