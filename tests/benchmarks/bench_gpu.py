@@ -381,8 +381,8 @@ def measure(args: argparse.Namespace) -> None:
             # A draft token for one sequence, and each further sequence's share at a depth,
             # in one-token target forwards: what adaptive k prices EAGLE at.
             "draft_costs": engine.speculator.costs.draft_costs,
-            "draft_row_costs": engine.speculator.draft_row_costs,
-            "draft_launch_costs": engine.speculator.draft_launch_costs,
+            "draft_row_costs": engine.speculator.costs.draft_row_costs,
+            "draft_launch_costs": engine.speculator.costs.draft_launch_costs,
         }
 
     run_part(results, "engine", out, start_engine)
