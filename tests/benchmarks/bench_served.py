@@ -246,8 +246,9 @@ def server_commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if not args.no_cluster:
         more = shlex.split(args.cluster_args)
         # The verifier's threads as the others' where this host is the whole cluster (a config
-        # file's pools ask for their own CPUs).
-        own = {"--config", "--address"} & set(more)
+        # file's pools, a cluster to join or a tensor-parallel group ask for their own CPUs, and
+        # `outrider serve` refuses --threads with them).
+        own = {"--config", "--address", "--tp"} & set(more)
         threads = [] if own else ["--threads", str(args.threads)]
         commands[CLUSTER] = [
             *outrider, "--port", str(PORTS[CLUSTER]), *make_serve_flags(), *threads, *more,

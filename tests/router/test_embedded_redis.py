@@ -56,11 +56,13 @@ def test_the_embedded_redis_goes_with_a_process_killed_outright() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True
     )
-    assert proc.stdout is not None
-    port = int(proc.stdout.readline())
-    assert answers(port)
-    proc.kill()
-    proc.wait()
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        assert answers(port)
+    finally:  # killed outright, as the test means, and never left running on a failure
+        proc.kill()
+        proc.wait()
     deadline = time.monotonic() + 10
     while answers(port) and time.monotonic() < deadline:
         time.sleep(0.1)
