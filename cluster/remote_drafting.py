@@ -23,6 +23,12 @@ a partition costs the verifier's streams about that long once, not a deadline ev
 connection is rebuilt on a thread of its own (`RECONNECT_EVERY_S` apart): building it waits on
 Ray and on the link's timeout, which the engine's thread must never do. Until it is back the
 engine verifies without drafts.
+
+A proxy made with `connect=False` opens its connection when its first sequence arrives, on that
+same thread, and keeps what the engine tells it meanwhile (at most `LOST_AFTER_S`), so the
+first request loses no features. A verifier does that for a pool its default method does not
+use (`make serve`'s: n-gram drafts in the verifier, the EAGLE pool for requests that ask): an
+open link's two gloo threads each wake ten times a second, on cores the engine shares.
 """
 
 from __future__ import annotations
@@ -154,6 +160,7 @@ class RemoteDrafter(Drafter):
         deadline_s: float = 1.0,
         name: str = "drafter",
         backend: str = "gloo",  # the link's: NCCL where both ends are on GPUs (link_backend)
+        connect: bool = True,  # now; else when the first sequence arrives
     ) -> None:
         self.actor = actor
         self.name = name
@@ -172,13 +179,18 @@ class RemoteDrafter(Drafter):
         self._reconnecting: threading.Thread | None = None
         self._made: _Connection | None = None  # a reconnection's, until the engine takes it
         self._next_attempt = 0.0
-        self._install(self._open())
+        self._first: float | None = None  # the first connection's buffering ends by then
+        if connect:
+            self._install(self._open())
 
     # -- the Drafter boundary, buffered --------------------------------------------------------
 
     def add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self._seqs[request_id] = _Tracked(list(prompt_token_ids), params)
         self._events.append(("add", request_id, list(prompt_token_ids), params))
+        if self._channel is None and self._reconnecting is None:  # the first sequence
+            self._first = time.monotonic() + LOST_AFTER_S
+            self._start_attempt()
 
     def observe_hidden(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
         self._events.append(("features", request_id, first_position, hidden.shape[0]))
@@ -203,7 +215,8 @@ class RemoteDrafter(Drafter):
         """Send this step's events and requests; returns the message's sequence number for
         `collect` (None when the drafter is down)."""
         if self._incarnation is None and not self._reconnected():
-            self._drop_buffer()  # the drafter is down; its state is rebuilt when it is back
+            if self._first is None:  # down: its state is rebuilt when it is back
+                self._drop_buffer()
             return None
         message = DraftStep(self._incarnation or 0, self._events, list(requests))
         features = torch.cat(self._features) if self._features else None
@@ -290,25 +303,33 @@ class RemoteDrafter(Drafter):
         made, self._made = self._made, None
         if made is None:
             running = self._reconnecting is not None and self._reconnecting.is_alive()
+            if self._first is not None and (not running or time.monotonic() > self._first):
+                self._first = None  # the first connection failed or is slow: drop what waits
             if not running and time.monotonic() >= self._next_attempt:
-                self._next_attempt = time.monotonic() + RECONNECT_EVERY_S
-                self._reconnecting = threading.Thread(
-                    target=self._attempt, name=f"reconnect-{self.name}", daemon=True
-                )
-                self._reconnecting.start()
+                self._start_attempt()
             return False
         self._install(made)
+        if self._first is not None:  # the first connection: what the buffer holds is all
+            self._first = None
+            return True
         self.stats.reconnects += 1
         self._drop_buffer()
         for rid, seq in self._seqs.items():
             self._events.append(("add", rid, seq.prompt + seq.tokens, seq.params))
         return True
 
+    def _start_attempt(self) -> None:
+        self._next_attempt = time.monotonic() + RECONNECT_EVERY_S
+        self._reconnecting = threading.Thread(
+            target=self._attempt, name=f"connect-{self.name}", daemon=True
+        )
+        self._reconnecting.start()
+
     def _attempt(self) -> None:
         try:
             self._made = self._open()
         except Exception as err:  # still down: the next step starts another attempt
-            log.info("%s: reconnecting failed: %s: %s", self.name, type(err).__name__, err)
+            log.info("%s: connecting failed: %s: %s", self.name, type(err).__name__, err)
 
     def _drop_buffer(self) -> None:
         self._events, self._features = [], []

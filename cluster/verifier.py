@@ -105,6 +105,8 @@ class VerifierActor:
         if drafter_names:
             actors = [ray.get_actor(n, namespace=RAY_NAMESPACE) for n in drafter_names]
             infos = [info_when_up(a, RESTART_TIMEOUT_S) for a in actors]
+            # A pool the default method does not use is linked to when a request asks for it.
+            by_default = infos[0]["method"] == deployment.speculative.method
             shards = [
                 RemoteDrafter(
                     a,
@@ -113,6 +115,7 @@ class VerifierActor:
                     DRAFT_DEADLINE_S,
                     n,
                     link_backend(self.device, i["device"]),
+                    connect=by_default,
                 )
                 for a, i, n in zip(actors, infos, drafter_names, strict=True)
             ]

@@ -23,7 +23,8 @@ def test_draft_model_pool_is_exact_and_drafts_ahead(  # type: ignore[no-untyped-
     served from drafting ahead: most of them while it goes on (the default), or, with
     `keep_drafting_ahead: false`, by stopping it at each step and answering from the prepared
     draft. A draft model from its own file is all the drafter actor loads (the target's config
-    aside)."""
+    aside). Without `keep_drafting_ahead` the server's default is n-gram, so the verifier links
+    to the pool when the first request asks for it (`make serve`'s case)."""
     from cluster.runtime import Runtime
     from workers.model.loader import save_safetensors_dir
 
@@ -34,6 +35,8 @@ def test_draft_model_pool_is_exact_and_drafts_ahead(  # type: ignore[no-untyped-
         draft_model=str(tmp_path / "draft"),
         keep_drafting_ahead=keep_going,
     )
+    if not keep_going:
+        config = config.with_overrides({"speculative.method": "ngram"})
     runtime = Runtime.start(config, num_cpus=2)
     try:
         assert run_all(runtime, prompts, "draft_model") == expected

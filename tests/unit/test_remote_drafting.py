@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from cluster import remote_drafting
 from cluster.remote_drafting import RemoteDrafter, _Connection
@@ -81,3 +82,73 @@ def test_a_silent_drafter_is_lost_and_reconnected_off_the_engines_thread(
     assert proxy._incarnation == 2 and proxy.stats.reconnects == 1
     channel = proxy._channel
     assert isinstance(channel, _SilentChannel) and channel.sent == 1
+
+
+class _Recorder:
+    """A channel and link that keep what is sent (no reply is asked for here)."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.features: list[torch.Tensor] = []
+
+    def request(self, payload: Any) -> int:
+        self.messages.append(payload)
+        return len(self.messages)
+
+    def send(self, tensor: torch.Tensor, wait: bool = True) -> None:
+        self.features.append(tensor)
+
+    def close(self) -> None:
+        pass
+
+
+class _LazyProxy(RemoteDrafter):
+    """A proxy that connects when its first sequence arrives; each connection waits until let
+    through."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.let_through = threading.Event()
+        self.wire = _Recorder()
+        super().__init__(actor=None, method="eagle", name="drafter-test", connect=False)
+
+    def _open(self) -> _Connection:
+        self.opened += 1
+        assert self.let_through.wait(10)
+        return _Connection(link=self.wire, channel=self.wire, incarnation=self.opened)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("in_time", [True, False])
+def test_a_lazy_proxy_connects_on_its_first_sequence_and_keeps_what_came_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, in_time: bool
+) -> None:
+    """Built with `connect=False`, nothing is opened until a sequence arrives; then the
+    connection is made off the engine's thread, and the steps meanwhile neither wait nor lose
+    the sequence's events and features: they go with the first message. A first connection
+    slower than `LOST_AFTER_S` is a reconnection: the buffer goes, and every live sequence is
+    re-added with its whole history."""
+    monkeypatch.setattr(remote_drafting, "LOST_AFTER_S", 10.0 if in_time else 0.0)
+    monkeypatch.setattr(remote_drafting, "RECONNECT_EVERY_S", 0.0)
+    proxy = _LazyProxy()
+    assert proxy.opened == 0 and proxy._reconnecting is None
+    proxy.add("r1", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+    proxy.observe_hidden("r1", 0, torch.ones(3, 4))
+    proxy.commit("r1", [7])
+    asks = [DraftRequest("r1", 4, 4)]
+    started = time.monotonic()
+    assert proxy.propose(asks) == {}  # still connecting: no drafts, no wait
+    assert time.monotonic() - started < 0.05 and proxy.opened == 1
+    proxy.let_through.set()
+    assert proxy._reconnecting is not None
+    proxy._reconnecting.join(5)
+    assert proxy.submit(asks) is not None
+    (message,) = proxy.wire.messages
+    assert message.incarnation == 1 and message.requests == asks
+    if in_time:
+        assert [e[0] for e in message.events] == ["add", "features", "commit"]
+        assert message.feature_rows == 3 and len(proxy.wire.features) == 1
+        assert proxy.stats.reconnects == 0
+    else:
+        assert message.events == [("add", "r1", [1, 2, 3, 7], message.events[0][3])]
+        assert message.feature_rows == 0 and proxy.wire.features == []
+        assert proxy.stats.reconnects == 1
