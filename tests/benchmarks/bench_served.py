@@ -60,16 +60,17 @@ ENGINE, LOOP, SERVE, CLUSTER, PEER = (
     "engine", "engine loop", "serve", "serve --cluster", "llama-server",
 )  # fmt: skip
 PORTS = {SERVE: 8301, CLUSTER: 8302, PEER: 8303}
-# A level asks at least this many questions a round, `c` at a time (one stream: four in turn),
-# so that one answer's text (drafting speeds some up) does not make a round's figure
-MIN_REQUESTS = 4
+# A level asks at least this many questions a round, `c` at a time (one stream: eight in turn),
+# so that one answer's text (drafting speeds some up, by a fifth either way at one stream) does
+# not make a round's figure
+MIN_REQUESTS = 8
 
 
 class FreshQuestions:
     """Chat questions no path of the run has been sent: a prompt seen before would time its
     prefix cache (a whole repeated prompt costs llama-server's slot one token) rather than the
     prefill a user's new question costs, and a subject asked before would be drafted from its
-    last answer by `make serve`'s shared n-gram pool (tests/benchmarks/questions.py: any 64 in
+    last answer by `make serve`'s shared n-gram pool (tests/benchmarks/questions.py: any 72 in
     a row are on subjects of their own, more than a round asks a server). The in-process paths
     share one engine, so each is asked its own; the servers of a round, each started anew, are
     asked the same ones."""

@@ -29,7 +29,9 @@ SUBJECTS = (
     "how a submarine dives", "why the Great Wall was built", "how yoghurt is made",
     "what a firewall blocks", "how lightning forms", "why dogs wag their tails",
     "how a battery stores energy", "what a haiku is", "how coral reefs grow",
-    "why we yawn",
+    "why we yawn", "how a bridge carries its load", "what a comet is made of",
+    "how a sewing machine stitches", "why rivers bend", "how noise-cancelling headphones work",
+    "what a sourdough starter is", "how a lighthouse warns ships", "why bananas turn brown",
 )  # fmt: skip
 ASKS = ("Explain {} in a few sentences.", "Tell me {}, simply.", "Describe {} for a child.")
 
