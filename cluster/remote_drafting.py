@@ -297,12 +297,14 @@ class RemoteDrafter(Drafter):
         self._link, self._channel, self._incarnation = made.link, made.channel, made.incarnation
 
     def _reconnected(self) -> bool:
-        """Whether a connection rebuilt on the reconnecting thread is now in place (then every
-        live sequence is re-added); else an attempt is started when none runs and the last
-        was `RECONNECT_EVERY_S` ago. Never waits."""
+        """Whether a connection made on the connecting thread is now in place (then every live
+        sequence is re-added, but for a first connection in time, which the buffer holds it
+        all for); else an attempt is started when none runs and the last was
+        `RECONNECT_EVERY_S` ago. Never waits."""
+        # Whether an attempt runs is read first: one that ends meanwhile has set `_made` by then.
+        running = self._reconnecting is not None and self._reconnecting.is_alive()
         made, self._made = self._made, None
         if made is None:
-            running = self._reconnecting is not None and self._reconnecting.is_alive()
             if self._first is not None and (not running or time.monotonic() > self._first):
                 self._first = None  # the first connection failed or is slow: drop what waits
             if not running and time.monotonic() >= self._next_attempt:
