@@ -171,12 +171,13 @@ class VerifierActor:
         # cost (cluster/output_socket.py's DirectSender). A GPU's engine thread keeps to
         # launching steps, and hands its outputs to the event loop.
         self._outputs_on_engine_thread = self.device == "cpu"
+        # Each client's output channel (cluster/output_channel.py), by its id (there before
+        # the engine loop's thread, which hands its outputs over to them from its first turn);
+        # the requests waiting for a remote prefill, and those of them aborted meanwhile
+        self.channels: dict[str, ClientChannel] = {}
         handed_over = self._hand_over if self._outputs_on_engine_thread else None
         self.loop = EngineLoop(loaded.engine, self._fatal, handed_over)
         self._prefilled_by: dict[str, str] = {}
-        # Each client's output channel (cluster/output_channel.py), by its id; the requests
-        # waiting for a remote prefill, and those of them aborted meanwhile
-        self.channels: dict[str, ClientChannel] = {}
         self._dropped: set[str] = set()  # clients whose channel ended (ids are not reused)
         self._closing: asyncio.Task[None] | None = None  # closes the silent ones
         # Channels read over a connection of their own (cluster/output_socket.py)
