@@ -133,6 +133,9 @@ def start_pools(
     placer = _Placer("detached" if detached else None, placement_timeout_s, config.to_dict())
     pools = config.pools
     try:
+        # Every pool's actors are created at once, so that their processes start (imports, the
+        # model's load) side by side. A verifier waits in its own start for its drafters to be
+        # up (it asks them what they draft, and how fast) before it builds its engine.
         # Drafters and prefill workers: one actor per bundle, spread over nodes.
         for pool, body, actors, names, settings in (
             ("drafter", DrafterActor, started.drafters, started.drafter_names, pools.drafter),
@@ -143,7 +146,6 @@ def start_pools(
                 pg = placer.group(pool, len(names), settings.resources, "SPREAD")
                 started.placement_groups.append(pg)
                 actors += placer.actors(pg, body, names, settings.resources, max_restarts=-1)
-                ray.get([a.info.remote() for a in actors], timeout=300)
         tp = pools.verifier.tensor_parallel_size
         for g in range(pools.verifier.groups):
             # One bundle per rank, packed: a group's ranks share a node where they fit.
@@ -172,6 +174,9 @@ def start_pools(
                 max_restarts=-1,  # a group recovers as a whole (cluster/verifier.py)
             )
             started.verifier_names.append(name)
+        # A drafter or prefill worker that cannot start fails the start-up here, at once (its
+        # verifier would wait for it).
+        ray.get([a.info.remote() for a in [*started.drafters, *started.prefills]], timeout=300)
         ray.get([v.info.remote() for v in started.verifiers], timeout=300)
     except BaseException:
         started.stop()
