@@ -171,9 +171,8 @@ class VerifierActor:
         # cost (cluster/output_socket.py's DirectSender). A GPU's engine thread keeps to
         # launching steps, and hands its outputs to the event loop.
         self._outputs_on_engine_thread = self.device == "cpu"
-        # Each client's output channel (cluster/output_channel.py), by its id (there before
-        # the engine loop's thread, which hands its outputs over to them from its first turn);
-        # the requests waiting for a remote prefill, and those of them aborted meanwhile
+        # Each client's output channel (cluster/output_channel.py), by its id: there before
+        # the engine loop's thread, which hands its outputs over to them from its first turn
         self.channels: dict[str, ClientChannel] = {}
         handed_over = self._hand_over if self._outputs_on_engine_thread else None
         self.loop = EngineLoop(loaded.engine, self._fatal, handed_over)
@@ -184,6 +183,7 @@ class VerifierActor:
         self.output_server = OutputServer(
             self._connected, self._drop, direct=self._outputs_on_engine_thread
         )
+        # The requests waiting for a remote prefill, and those of them aborted meanwhile
         self._prefilling: set[str] = set()
         self._aborted: set[str] = set()
         freeze_startup_heap()
