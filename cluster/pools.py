@@ -77,7 +77,7 @@ def connect_ray(config: DeploymentConfig, address: str | None, num_cpus: int | N
     if ray.is_initialized():
         return False
     if address is None and num_cpus is None:
-        num_cpus = max(os.cpu_count() or 1, math.ceil(_cpus_needed(config)))
+        num_cpus = max(os.cpu_count() or 1, math.ceil(resources_needed(config)["CPU"]))
     if address is None:
         quiet_log_monitor()
     for attempt in range(3):
@@ -290,15 +290,37 @@ def _wait_placed(pg: Any, pool: str, bundles: list[dict[str, float]], timeout_s:
         ) from None
 
 
-def _cpus_needed(config: DeploymentConfig) -> float:
+def resources_needed(config: DeploymentConfig) -> dict[str, float]:
+    """What every pool's bundles ask for together, by Ray resource name."""
     pools = config.pools
-    return (
-        pools.prefill.replicas * pools.prefill.resources.cpus
-        + pools.verifier.groups
-        * pools.verifier.tensor_parallel_size
-        * pools.verifier.resources.cpus
-        + pools.drafter.replicas * pools.drafter.resources.cpus
-    )
+    verifier_ranks = pools.verifier.groups * pools.verifier.tensor_parallel_size
+    needed: dict[str, float] = {"CPU": 0.0}
+    for count, resources in (
+        (pools.prefill.replicas, pools.prefill.resources),
+        (verifier_ranks, pools.verifier.resources),
+        (pools.drafter.replicas, pools.drafter.resources),
+    ):
+        for name, amount in _bundle(resources).items():
+            needed[name] = needed.get(name, 0.0) + count * amount
+    return needed
+
+
+def check_fits(config: DeploymentConfig, cluster: dict[str, float]) -> None:
+    """Fail at once where the pools ask for more than a cluster that cannot grow has (one
+    this process started: no autoscaler adds a node to it), rather than after the placement
+    timeout."""
+    short = {
+        name: (amount, cluster.get(name, 0.0))
+        for name, amount in resources_needed(config).items()
+        if amount > cluster.get(name, 0.0) + 1e-9
+    }
+    if short:
+        raise PlacementError(
+            "the pools ask for more than this local Ray cluster has: "
+            + ", ".join(f"{n} {need:g} (it has {have:g})" for n, (need, have) in short.items())
+            + "; start it with more CPUs (Runtime.start's num_cpus) or ask for fewer replicas "
+            "or smaller resources"
+        )
 
 
 def _bundle(resources: Resources) -> dict[str, float]:

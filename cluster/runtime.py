@@ -23,7 +23,7 @@ from cluster.actors import start_tracing
 from cluster.config import DeploymentConfig, resolve_gpus
 from cluster.output_channel import ServedBy, StreamedStep
 from cluster.output_reader import GroupOutputs, Inbox, answer_of, running_loop
-from cluster.pools import Pools, attach_pools, connect_ray, start_pools
+from cluster.pools import Pools, attach_pools, check_fits, connect_ray, start_pools
 from workers.engine.config import RequestSpec
 from workers.engine.fair_share import DEFAULT_SHARE, Share
 from workers.engine.outputs import Continuation, RequestOutput
@@ -154,6 +154,8 @@ class Runtime:
             # Pools that leave `gpus` null get a GPU per actor where the cluster has enough.
             config = resolve_gpus(config, ray.cluster_resources().get("GPU", 0.0))
             try:
+                if owns and address is None:  # a local cluster started here: it cannot grow
+                    check_fits(config, ray.cluster_resources())
                 pools = start_pools(config, address is not None, placement_timeout_s)
             except BaseException:
                 if owns:

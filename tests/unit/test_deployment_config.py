@@ -242,3 +242,32 @@ def test_a_one_host_cluster_gives_its_verifier_the_hosts_cores() -> None:
     assert verifier_cpus("--threads", "1") == 1
     with pytest.raises(ValueError, match=r"pools\.verifier\.resources\.cpus"):
         verifier_cpus("--address", "10.0.0.1:6379", "--threads", "1")
+
+
+def test_a_local_cluster_too_small_for_the_pools_fails_before_placement() -> None:
+    """The bundles of every pool add up; a cluster short of any resource is refused at once,
+    naming what it lacks, where waiting for placement could only time out."""
+    from cluster.pools import PlacementError, check_fits, resources_needed
+
+    config = from_dict(
+        {
+            "pools": {
+                "verifier": {"groups": 2, "tensor_parallel_size": 2, "resources": {"cpus": 2}},
+                "prefill": {"replicas": 1, "resources": {"gpus": 1}},
+                "drafter": {"replicas": 2, "resources": {"custom": {"grace_cpu": 1}}},
+            }
+        }
+    )
+    needed = resources_needed(config)
+    drafter_cpus = config.pools.drafter.resources.cpus
+    prefill_cpus = config.pools.prefill.resources.cpus
+    assert needed == {
+        "CPU": 8 + prefill_cpus + 2 * drafter_cpus,
+        "GPU": 1.0,
+        "grace_cpu": 2.0,
+    }
+    check_fits(config, dict(needed))  # exactly enough
+    with pytest.raises(PlacementError, match=r"grace_cpu 2 \(it has 1\)"):
+        check_fits(config, {**needed, "grace_cpu": 1.0})
+    with pytest.raises(PlacementError, match=r"GPU 1 \(it has 0\)"):
+        check_fits(config, {"CPU": 64.0, "grace_cpu": 2.0})
