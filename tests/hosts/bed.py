@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,19 +202,27 @@ class Bed:
         nodes.append(("cpu", {"draft_host": groups + (not self.prefill_host)}))
         if self.prefill_host:
             nodes.append(("prefill", {"prefill_host": groups}))
-        for host, resources in nodes:
-            net[host].run(
-                [
-                    str(BIN / "ray"),
-                    "start",
-                    f"--address={head}:{RAY_PORT}",
-                    f"--node-ip-address={self.address(host)}",
-                    "--num-cpus=2",
-                    f"--resources={json.dumps(resources)}",
-                ],
-                self.env,
-                timeout_s=120,
-            )
+        # The worker nodes join side by side (each `ray start` is seconds of imports).
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            joins = [
+                pool.submit(
+                    net[host].run,
+                    [
+                        str(BIN / "ray"),
+                        "start",
+                        f"--address={head}:{RAY_PORT}",
+                        f"--node-ip-address={self.address(host)}",
+                        "--num-cpus=2",
+                        f"--resources={json.dumps(resources)}",
+                        f"--temp-dir={self.workdir / f'ray-{host}'}",
+                    ],
+                    self.env,
+                    timeout_s=120,
+                )
+                for host, resources in nodes
+            ]
+            for join in joins:
+                join.result()
         config = self.workdir / "deployment.yaml"
         config.write_text(yaml.safe_dump(deployment_config(groups, self.prefill_host)))
         self.router = net["router"].spawn(
