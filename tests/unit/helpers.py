@@ -47,9 +47,27 @@ def draft_ends_where_its_probability_falls_below_the_bar(
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_interpreted(code: str) -> None:
+# The interpreter's `tl.dot` with each row of the tile computed alone. The interpreter calls
+# numpy's matmul, whose BLAS may round a row differently by where it sits in the tile: on a Zen 5
+# VM OpenBLAS's default kernels do (as its Haswell and Zen ones do; its SkylakeX and Cooperlake
+# ones do not); a GPU's MMA instructions do not. Checks of a row's bits across batches need it.
+ROW_WISE_DOT = """
+import numpy as np
+from triton.runtime import interpreter
+
+def _row_wise_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    rows = [np.matmul(row[None], b.data, dtype=d.data.dtype)[0] for row in a.data]
+    return interpreter.TensorHandle(np.stack(rows) + d.data, d.dtype.scalar)
+
+interpreter.InterpreterBuilder.create_dot = _row_wise_dot
+"""
+
+
+def run_interpreted(code: str, row_wise_dot: bool = False) -> None:
     """Run `code` (which prints "ok" when its checks pass) in a subprocess under Triton's
-    interpreter: on the CPU, and never cached in a process that has a GPU."""
+    interpreter: on the CPU, and never cached in a process that has a GPU. `row_wise_dot`:
+    with `ROW_WISE_DOT`, for checks of bits across batches."""
+    code = ROW_WISE_DOT + code if row_wise_dot else code
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300

@@ -2,8 +2,7 @@
 model and engine that take them.
 
 On the CPU the kernels run under Triton's interpreter, in a subprocess, with its `tl.dot`
-computing each row alone (numpy's matmul, which the interpreter calls, sums a row in another
-order depending on where it sits in the tile; a GPU's MMA instructions do not). There the
+computing each row alone (tests/unit/helpers.py `ROW_WISE_DOT`). There the
 tests check what the kernels' code decides: the tiles, the order of each sum, which key tiles a
 query walks. `pytest -m cuda` checks them compiled, where the hardware's arithmetic counts, and
 an engine's greedy text alone, in a batch, after a prefix-cache hit and with speculation."""
@@ -12,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import textwrap
 
 import pytest
 import torch
@@ -33,20 +31,6 @@ needs_cuda = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-
-# The interpreter's dot, each row computed alone (see the module docstring).
-ROW_WISE_DOT = textwrap.dedent(
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    def _row_wise_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        rows = [np.matmul(row[None], b.data, dtype=d.data.dtype)[0] for row in a.data]
-        return interpreter.TensorHandle(np.stack(rows) + d.data, d.dtype.scalar)
-
-    interpreter.InterpreterBuilder.create_dot = _row_wise_dot
-    """
-)
 
 
 def check_projections(device: str, dtype: torch.dtype, tolerance: float) -> None:
@@ -134,7 +118,7 @@ INTERPRETED = {
 @pytest.mark.parametrize("part", list(INTERPRETED))
 def test_the_kernels_interpreted(part: str) -> None:
     imports = "import torch\nfrom tests.unit.test_batch_invariant import *\n"
-    run_interpreted(ROW_WISE_DOT + imports + INTERPRETED[part] + "\nprint('ok')\n")
+    run_interpreted(imports + INTERPRETED[part] + "\nprint('ok')\n", row_wise_dot=True)
 
 
 @pytest.mark.parametrize(

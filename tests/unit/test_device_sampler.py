@@ -199,7 +199,8 @@ def test_row_sums_are_the_same_bits_in_any_batch_interpreted() -> None:
         "from kernels import batch_invariant\n"
         "from tests.unit.test_device_sampler import check_row_sums\n"
         "check_row_sums(lambda p: batch_invariant.linear(p, torch.ones(1, p.shape[1])), 'cpu')\n"
-        "print('ok')\n"
+        "print('ok')\n",
+        row_wise_dot=True,
     )
 
 
