@@ -151,11 +151,12 @@ class Runtime:
         owns = connect_ray(config, address, num_cpus)
         pools = attach_pools(config) if address is not None else None
         if pools is None:
+            resources = ray.cluster_resources()
             # Pools that leave `gpus` null get a GPU per actor where the cluster has enough.
-            config = resolve_gpus(config, ray.cluster_resources().get("GPU", 0.0))
+            config = resolve_gpus(config, resources.get("GPU", 0.0))
             try:
                 if owns and address is None:  # a local cluster started here: it cannot grow
-                    check_fits(config, ray.cluster_resources())
+                    check_fits(config, resources)
                 pools = start_pools(config, address is not None, placement_timeout_s)
             except BaseException:
                 if owns:
