@@ -207,9 +207,9 @@ def _check_decoded(request: Any) -> None:
 
 async def start_grpc(
     service: RouterService, host: str, port: int, credentials: Any = None
-) -> tuple[Any, Any]:
-    """A started grpc.aio server with the Generation and Health services; over TLS only when
-    given server `credentials`."""
+) -> tuple[Any, int]:
+    """A started grpc.aio server with the Generation and Health services, and the port it
+    listens on (port 0: the one the OS chose); over TLS only when given server `credentials`."""
     server = grpc.aio.server()
     servicer = GenerationServicer(service)
     handlers = {
@@ -237,4 +237,4 @@ async def start_grpc(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, health
+    return server, bound

@@ -105,6 +105,10 @@ class Router:
     def __init__(self, backend: Backend, builder: RequestBuilder, options: RouterOptions) -> None:
         self.backend, self.builder, self.options = backend, builder, options
         self.service: RouterService | None = None
+        # The ports it listens on once started: the options', or with port 0 there the one the
+        # OS chose (a caller that picked a free port first could lose it before the bind).
+        self.port: int | None = None
+        self.grpc_port: int | None = None
         self.started = threading.Event()
         self._http: uvicorn.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -163,11 +167,14 @@ class Router:
         try:
             if opts.grpc_port is not None:
                 credentials = None if tls is None else tls.grpc_credentials()
-                grpc_server, _ = await start_grpc(service, opts.host, opts.grpc_port, credentials)
+                grpc_server, self.grpc_port = await start_grpc(
+                    service, opts.host, opts.grpc_port, credentials
+                )
             http = asyncio.create_task(self._http.serve())
             while not self._http.started and not http.done():
                 await asyncio.sleep(0.02)
             if not http.done():
+                self.port = self._http.servers[0].sockets[0].getsockname()[1]
                 self.started.set()
             await http
         finally:

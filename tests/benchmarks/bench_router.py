@@ -196,7 +196,7 @@ def main() -> None:
     from router.backends import LocalBackend
     from router.keys import KeyLine
     from router.protocol import RequestBuilder
-    from router.redis_server import EmbeddedRedis, free_port
+    from router.redis_server import EmbeddedRedis
     from router.server import Router, RouterOptions, RouterThread
     from workers.engine.config import EngineConfig, SpecConfig
     from workers.engine.engine_loop import EngineLoop
@@ -214,15 +214,16 @@ def main() -> None:
     )
     loop = EngineLoop(loaded.engine)
     redis = EmbeddedRedis().start()
-    port, grpc_port = free_port(), free_port()
     options = RouterOptions(
-        port=port,
-        grpc_port=grpc_port,
+        port=0,  # the ports the OS chooses as the router binds them
+        grpc_port=0,
         redis_url=redis.url,
         api_keys=[KeyLine(KEY, "bench", 0.0, 0)],
     )
     builder = RequestBuilder(loaded.tokenizer, "bench", 1024)
-    thread = RouterThread(Router(LocalBackend(loop), builder, options)).start()
+    router = Router(LocalBackend(loop), builder, options)
+    thread = RouterThread(router).start()
+    port, grpc_port = router.port, router.grpc_port
     ctx: dict[str, Any] = {
         "loop": loop,
         "tokenizer": loaded.tokenizer,

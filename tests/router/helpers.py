@@ -58,14 +58,15 @@ def start_router(
     docs: bool = True,
     lease_s: float = 15.0,
 ) -> RunningRouter:
-    """A router on free ports; `tls`: (certificate file, key file)."""
+    """A router on ports the OS chose as it bound them (a port found free beforehand can be
+    taken by another process's connection before the bind); `tls`: (certificate file, key
+    file)."""
     from router.protocol import RequestBuilder
 
-    port, grpc_port = free_port(), free_port()
     url = f"redis://127.0.0.1:{redis.port}/{db}"
     options = RouterOptions(
-        port=port,
-        grpc_port=grpc_port,
+        port=0,
+        grpc_port=0,
         redis_url=url,
         max_queue=max_queue,
         block_size=block_size,
@@ -78,7 +79,9 @@ def start_router(
         lease_s=lease_s,
     )
     router = Router(backend, RequestBuilder(tokenizer, MODEL, max_model_len), options)
-    return RunningRouter(RouterThread(router).start(), port, grpc_port, url)
+    thread = RouterThread(router).start()
+    assert router.port is not None and router.grpc_port is not None
+    return RunningRouter(thread, router.port, router.grpc_port, url)
 
 
 def post(
