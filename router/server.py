@@ -102,8 +102,18 @@ class _DrainingServer(uvicorn.Server):
 
 
 class Router:
-    def __init__(self, backend: Backend, builder: RequestBuilder, options: RouterOptions) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        builder: RequestBuilder,
+        options: RouterOptions,
+        announce: Callable[[Router], None] | None = None,
+    ) -> None:
+        """`announce`, when given, is called on the event loop once both servers listen (its
+        router's `port` and `grpc_port` then say where): where to send requests is printed
+        only once they are there."""
         self.backend, self.builder, self.options = backend, builder, options
+        self._announce = announce
         self.service: RouterService | None = None
         # The ports it listens on once started: the options', or with port 0 there the one the
         # OS chose (a caller that picked a free port first could lose it before the bind).
@@ -176,6 +186,8 @@ class Router:
             if not http.done():
                 self.port = self._http.servers[0].sockets[0].getsockname()[1]
                 self.started.set()
+                if self._announce is not None:
+                    self._announce(self)
             await http
         finally:
             watch.cancel()

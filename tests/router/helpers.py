@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.keys import KeyLine
-from router.redis_server import EmbeddedRedis, free_port
+from router.redis_server import EmbeddedRedis
 from router.server import Router, RouterOptions, RouterThread
 
 MODEL = "smol"
@@ -242,24 +242,30 @@ def migration_count(router: RunningRouter) -> float:
 
 
 class Served:
-    """`outrider serve` in a subprocess, serving (its output read up to the banner)."""
+    """`outrider serve` in a subprocess, serving (its output read up to the banner), on a port
+    the OS chose as it bound (`--port 0`; the banner says which)."""
 
     def __init__(self, *flags: str) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "router.cli", "serve", "--port", "0"]
         cmd += ["--no-grpc", "--max-model-len", "256", "--max-num-seqs", "2", *flags]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy()
         )
         assert self.proc.stdout is not None
         self.redis_port = None
+        self.port = 0
+        output = []
         for line in self.proc.stdout:  # until it serves
+            output.append(line)
             found = re.search(r"embedded redis-server on redis://127\.0\.0\.1:(\d+)/", line)
             self.redis_port = int(found.group(1)) if found else self.redis_port
-            if line.startswith("Outrider is serving"):
+            serving = re.match(r"Outrider is serving .* on http://127\.0\.0\.1:(\d+) ", line)
+            if serving:
+                self.port = int(serving.group(1))
                 break
+        assert self.port, f"it never served: {''.join(output[-20:])}"
         deadline = time.monotonic() + 60
-        while get_status(f"{self.url}/ready") != 200:  # it prints, then listens
+        while get_status(f"{self.url}/ready") != 200:
             assert time.monotonic() < deadline and self.proc.poll() is None, "it never got ready"
             time.sleep(0.2)
 

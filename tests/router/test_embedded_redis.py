@@ -1,5 +1,6 @@
-"""The embedded redis-server (router/redis_server.py): it comes back when it dies, and it goes
-when the process that started it is killed outright."""
+"""The embedded redis-server (router/redis_server.py): it comes back when it dies, it goes
+when the process that started it is killed outright, and a port it chose that another process
+took first is not its end."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis as redis_sync
 
-from router.redis_server import EmbeddedRedis
+from router import redis_server
+from router.redis_server import EmbeddedRedis, PortTaken
 
 REPO = Path(__file__).parents[2]
 
@@ -67,3 +70,22 @@ def test_the_embedded_redis_goes_with_a_process_killed_outright() -> None:
     while answers(port) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not answers(port)
+
+
+def test_a_port_taken_before_redis_binds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port it chose as free, bound by another process before redis-server binds it: it
+    starts on another. A port it was given that is taken: it says so."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortTaken, match="redis-server exited at start"):
+            EmbeddedRedis(port=port, restart=False).start()
+        ports = iter([port])
+        free = redis_server.free_port
+        monkeypatch.setattr(redis_server, "free_port", lambda: next(ports, None) or free())
+        with EmbeddedRedis(restart=False) as server:
+            assert server.port != port
+            client = redis_sync.Redis.from_url(server.url)
+            assert client.ping()
+            client.close()
