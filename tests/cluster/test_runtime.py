@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.actors import info_when_up
+from router.redis_server import free_port
 from tests.cluster.common import GREEDY, deployment, run_all, stream_failures, wait_restarted
 from workers.engine.config import RequestSpec
 from workers.engine.sampling_params import SamplingParams
@@ -225,17 +226,9 @@ class _Unreachable:
 
     def __getattr__(self, name: str) -> object:
         if name == "outputs_address":
-            port = _closed_port()
+            port = free_port()  # nobody listens there: a connection is refused
             return type("Method", (), {"remote": lambda _: ray.put(("127.0.0.1", port, b""))})()
         return getattr(self._verifier, name)
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:  # bound, never listening: a connection is refused
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("transport", ["connection", "ray stream"])
