@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -38,6 +38,8 @@ from workers.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from router.server import Router
+
+T = TypeVar("T")
 
 
 def load(
@@ -315,9 +317,7 @@ def _serve(args: argparse.Namespace) -> int:
         docs=router.docs,
         migration=router.migration,
         policy=RoutingPolicy(hints_within_s=router.deadlines.hints_within_s),
-        shutdown_grace_s=(
-            router.shutdown_grace_s if args.shutdown_grace_s is None else args.shutdown_grace_s
-        ),
+        shutdown_grace_s=_given(args.shutdown_grace_s, router.shutdown_grace_s),
     )
     announce = partial(_banner, name, bool(args.api_keys_file))
     server = Router(backend, RequestBuilder(tokenizer, name, max_model_len), options, announce)
@@ -338,8 +338,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _given(value: int | None, default: int) -> int:
-    """A port flag's value (0 among them: one the OS chooses), else the configuration's."""
+def _given(value: T | None, default: T) -> T:
+    """A flag's value when given, 0 among them (a port 0: one the OS chooses; no grace), else
+    the configuration's."""
     return default if value is None else value
 
 

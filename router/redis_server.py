@@ -107,19 +107,18 @@ class EmbeddedRedis:
         return None if self._proc is None else self._proc.pid
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        for tries_left in reversed(range(PORT_TRIES if self._chosen else 1)):
+        tries = PORT_TRIES if self._chosen else 1
+        while True:
             try:
                 self._launch(timeout_s)
                 break
-            except PortTaken:
-                if not tries_left:
+            except RuntimeError as exc:
+                tries -= 1
+                if not (isinstance(exc, PortTaken) and tries):
                     self.stop()
                     raise
                 log.info("port %d was taken before redis-server bound it", self.port)
                 self.port = free_port()
-            except RuntimeError:
-                self.stop()
-                raise
         if self.restart and self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="redis-watch", daemon=True)
             self._watcher.start()
